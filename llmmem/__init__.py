@@ -1,0 +1,45 @@
+"""llmmem: train large language models in less accelerator memory.
+
+``import llmmem`` is cheap and never fails: torch and the C core are loaded when a feature that
+needs them is first used. ``python -m llmmem info`` says what this installation can do.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it. Resolved lazily (PEP 562) so that importing llmmem does
+# not import torch; `python -m llmmem estimate llama-7b` needs neither torch nor a GPU.
+_LAZY = {
+    "estimate": "llmmem.estimate",
+    "Estimate": "llmmem.estimate",
+    "parse_bytes": "llmmem.units",
+    "format_bytes": "llmmem.units",
+    "LlmmemError": "llmmem.errors",
+    "InvalidArgumentError": "llmmem.errors",
+    "OutOfMemoryError": "llmmem.errors",
+    "CudaError": "llmmem.errors",
+    "NoDeviceError": "llmmem.errors",
+    "NotBuiltError": "llmmem.errors",
+    "InfeasibleError": "llmmem.errors",
+    "StateError": "llmmem.errors",
+    "InternalError": "llmmem.errors",
+    "info": "llmmem.diagnostics",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llmmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,63 @@
+"""Byte quantities as users write them: ``"4GB"``, ``"512MiB"``, ``"1.5 TB"``, ``8 * 2**30``.
+
+Decimal units (kB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, GiB, TiB) powers of
+1024, as in the SI/IEC standards; nvidia-smi and PyTorch print binary units, so
+:func:`format_bytes` does too.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value, name: str = "size") -> int:
+    """Return ``value`` as a whole number of bytes.
+
+    Accepts a non-negative integer, a float with an integral value, or a string such as
+    ``"4GB"``, ``"512MiB"``, ``"1.5 TiB"``, ``"1000000"``. Raises :class:`ValueError` naming
+    ``name`` otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected a byte count or a string like '4GB', got {value!r}")
+    if isinstance(value, numbers.Integral):
+        n = int(value)
+    elif isinstance(value, numbers.Real):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{name}: a byte count must be a whole number, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _PATTERN.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name}: cannot parse {value!r} as a size; use an integer number of bytes or a number "
+                "with a unit: B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+            )
+        n = int(round(float(m.group(1)) * _UNITS[unit]))
+    else:
+        raise ValueError(f"{name}: expected a byte count or a string like '4GB', got {type(value).__name__}")
+    if n < 0:
+        raise ValueError(f"{name}: must be >= 0 bytes, got {value!r}")
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``; binary units, three significant figures."""
+    if n < 0:
+        return "-" + format_bytes(-n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
