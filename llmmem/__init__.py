@@ -27,6 +27,23 @@ _LAZY = {
     "StateError": "llmmem.errors",
     "InternalError": "llmmem.errors",
     "info": "llmmem.diagnostics",
+    # activation checkpointing and the recompute planner (issue 4)
+    "checkpoint": "llmmem.checkpoint",
+    "checkpoint_sequential": "llmmem.checkpoint",
+    "CheckpointError": "llmmem.checkpoint",
+    "profile_blocks": "llmmem.planner",
+    "plan_checkpoints": "llmmem.planner",
+    "auto_checkpoint": "llmmem.planner",
+    # dynamic loss scaling (issue 3)
+    "GradScaler": "llmmem.amp",
+    # caching memory pool (issue 5)
+    "MemoryPool": "llmmem.pool",
+    "use_pool": "llmmem.pool",
+    "install_allocator": "llmmem.pool",
+    # tensor parallelism (issue 6)
+    "ColumnParallelLinear": "llmmem.parallel",
+    "RowParallelLinear": "llmmem.parallel",
+    "VocabParallelEmbedding": "llmmem.parallel",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

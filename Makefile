@@ -1,0 +1,51 @@
+# Convenience targets. The package itself is built by setup.py (`pip install .`); this file drives
+# the README commands, the sanitized C unit tests and the benchmarks.
+#
+#   make demo        the main job (see README), setting up the environment first
+#   make test        the whole test suite (C tests under ASan+UBSan, then pytest), set-up included
+#   make test-c      only the C unit tests, built with the system compiler, no Python involved
+#   make bench       the CPU benchmarks (JSON under benchmarks/results/)
+#   make clean
+
+SHELL := /bin/bash
+LLMMEM_VENV ?= $(HOME)/.cache/llmmem-venv
+PY := $(LLMMEM_VENV)/bin/python
+CC ?= cc
+
+# The C tests link the C core built from source with the CPU stand-ins for the CUDA part.
+CORE_SRC := $(filter-out csrc/python/%,$(wildcard csrc/*/*.c))
+CORE_HDR := $(wildcard csrc/include/llmmem/*.h csrc/*/*.h tests/c/*.h)
+CTEST_SRC := $(wildcard tests/c/test_*.c)
+CTEST_BIN := $(patsubst tests/c/%.c,build/ctests/%,$(CTEST_SRC))
+CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initializers -pthread \
+  -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
+  -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -Itests/c
+# lsan is not usable under some sandboxes' ptrace rules; leaks are still checked where it works.
+export ASAN_OPTIONS ?= detect_leaks=1:abort_on_error=0
+export UBSAN_OPTIONS ?= print_stacktrace=1
+
+.PHONY: demo test test-c c-tests env bench clean
+
+env:
+	@bash scripts/setup_env.sh
+
+demo: env
+	$(PY) -m llmmem estimate llama-7b --batch 1 --seq 2048 --device-memory 80GB
+
+test: env test-c
+	cd tests && $(LLMMEM_VENV)/bin/pytest -c ../pyproject.toml --rootdir .. ..
+
+c-tests: $(CTEST_BIN)
+
+build/ctests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(dir $@)
+	$(CC) $(CTEST_CFLAGS) -o $@ $< $(CORE_SRC) -lm
+
+test-c: c-tests
+	@set -e; for t in $(CTEST_BIN); do echo "== $$t"; $$t; done
+
+bench: env
+	$(PY) benchmarks/run.py --device cpu
+
+clean:
+	rm -rf build dist *.egg-info llmmem/_C*.so benchmarks/results

@@ -1,0 +1,44 @@
+"""Shared pytest set-up: seeded tests, and CUDA tests that skip cleanly without a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+
+def _cuda_usable() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_usable():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is usable here")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    """Every test starts from the same seeds, so a failure reproduces."""
+    random.seed(0)
+    try:
+        import numpy as np
+
+        np.random.seed(0)
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        torch.manual_seed(0)
+    except ImportError:
+        pass
+    yield
