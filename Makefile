@@ -32,8 +32,10 @@ env:
 demo: env
 	$(PY) -m llmmem estimate llama-7b --batch 1 --seq 2048 --device-memory 80GB
 
-test: env test-c
-	cd tests && $(LLMMEM_VENV)/bin/pytest -c ../pyproject.toml --rootdir .. ..
+# pytest builds and runs the C tests too (tests/test_c_core.py), so this is the one test command.
+# The pytest script (not `python -m pytest`) keeps the checkout off sys.path: the installed llmmem is tested.
+test: env
+	$(LLMMEM_VENV)/bin/pytest
 
 c-tests: $(CTEST_BIN)
 

@@ -1,0 +1,39 @@
+"""Builds the C unit tests (tests/c/test_*.c) under AddressSanitizer + UBSan and runs each one.
+
+Each C test program ends with the line "N passed, N failed"; a program passes when it exits 0,
+reports no failure, and its sanitizers stay silent.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+C_TESTS = sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.c"))
+
+
+@pytest.fixture(scope="module")
+def built():
+    if shutil.which("make") is None or shutil.which("cc") is None:
+        pytest.fail("building the C tests needs `make` and a C compiler (cc)")
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "c-tests"], capture_output=True, text=True)
+    assert proc.returncode == 0, f"building the C tests failed:\n{proc.stdout}\n{proc.stderr}"
+    return ROOT / "build" / "ctests"
+
+
+@pytest.mark.parametrize("name", C_TESTS)
+def test_c_program(built, name):
+    proc = subprocess.run([str(built / name)], capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    print(out)
+    closing = re.findall(r"^(\d+) passed, (\d+) failed$", proc.stdout, re.MULTILINE)
+    assert closing, f"{name} printed no closing 'N passed, N failed' line:\n{out}"
+    passed, failed = map(int, closing[-1])
+    assert proc.returncode == 0 and failed == 0, f"{name}: exit {proc.returncode}, {failed} failed:\n{out}"
+    assert passed > 0
+    assert "runtime error" not in out and "AddressSanitizer" not in out, out

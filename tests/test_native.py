@@ -1,0 +1,110 @@
+"""The C core as Python sees it: loading, build info, status -> exception mapping, import safety."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import llmmem
+from llmmem import _native, errors
+
+
+def test_the_installed_core_is_loaded():
+    # If this fails the tests are running against a source tree without a built _C.
+    assert _native.available(), _native.load_error
+    assert _native.native.version() == llmmem.__version__
+
+
+def test_build_info_is_consistent():
+    info = _native.native.build_info()
+    assert set(info) >= {"cuda_built", "cuda_runtime_version", "cuda_archs", "c_compiler", "cuda_compiler"}
+    assert info["cuda_built"] == (info["cuda_runtime_version"] > 0)
+    if info["cuda_built"]:
+        assert "sm_80" in info["cuda_archs"] and "sm_90" in info["cuda_archs"]
+        assert info["cuda_compiler"]
+    else:
+        assert info["cuda_archs"] == ""
+
+
+def test_cuda_probes_never_crash():
+    nat = _native.native
+    try:
+        n = nat.cuda_device_count()
+        assert n >= 0
+    except (errors.NotBuiltError, errors.NoDeviceError) as exc:
+        assert "llmmem:" in str(exc)
+        assert exc.status in (4, 5)
+
+
+@pytest.mark.parametrize(
+    "status, cls, builtin",
+    [
+        (1, errors.InvalidArgumentError, ValueError),
+        (2, errors.OutOfMemoryError, MemoryError),
+        (3, errors.CudaError, RuntimeError),
+        (4, errors.NoDeviceError, RuntimeError),
+        (5, errors.NotBuiltError, NotImplementedError),
+        (6, errors.InfeasibleError, ValueError),
+        (7, errors.StateError, RuntimeError),
+        (8, errors.InternalError, RuntimeError),
+    ],
+)
+def test_status_maps_to_exception_with_detail(status, cls, builtin):
+    with pytest.raises(cls) as info:
+        _native.native._raise_status(status, "the detail the C core recorded")
+    exc = info.value
+    assert isinstance(exc, builtin) and isinstance(exc, llmmem.LlmmemError)
+    assert exc.status == status
+    assert "the detail the C core recorded" in str(exc)
+    assert _native.native.strerror(status) in str(exc)
+
+
+def test_raise_status_rejects_success_and_unknown():
+    for bad in (0, 99, -1):
+        with pytest.raises(ValueError, match="status must be"):
+            _native.native._raise_status(bad, "x")
+    assert _native.native.strerror(99) == "unknown status"
+
+
+def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_import_is_lazy_and_does_not_import_torch():
+    proc = _run("import sys, llmmem; llmmem.LlmmemError; print('torch' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_import_never_fails_without_the_core():
+    # Simulate a broken build: make `llmmem._C` unimportable, then use the package.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'llmmem._C': raise ImportError('simulated broken build')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import llmmem\n"
+        "from llmmem import _native, errors\n"
+        "assert not _native.available()\n"
+        "assert issubclass(errors.InvalidArgumentError, ValueError)\n"
+        "try:\n"
+        "    _native.native.version()\n"
+        "except ImportError as e:\n"
+        "    print('deferred:', 'simulated broken build' in str(e), 'pip install' in str(e))\n"
+        "from llmmem.diagnostics import info\n"
+        "print('NOT LOADED' in info())\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["deferred:", "True", "True", "True"]
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        llmmem.nonexistent  # noqa: B018
+    assert "GradScaler" in dir(llmmem)

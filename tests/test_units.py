@@ -1,0 +1,32 @@
+"""Byte quantities as users write them."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmmem.units import format_bytes, parse_bytes
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4GB", 4 * 10**9), ("4 GB", 4 * 10**9), ("4gb", 4 * 10**9), ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29), ("80GB", 80 * 10**9), ("1000000", 10**6), ("0", 0), ("2TiB", 2 * 2**40),
+        ("10kB", 10_000), ("3KiB", 3072), ("7B", 7), (12345, 12345), (2.0**30, 2**30),
+    ],
+)
+def test_parse_bytes_accepts(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "GB", "4 XB", "four GB", "-1GB", -5, 1.5, float("nan"), None, True, [4]])
+def test_parse_bytes_rejects_with_the_argument_name(bad):
+    with pytest.raises(ValueError, match="device_memory"):
+        parse_bytes(bad, "device_memory")
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(80 * 2**30) == "80.00 GiB"
+    assert format_bytes(-2048) == "-2.00 KiB"
