@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent GPU machine (torch, nvcc and pytest already there; nothing installed).
+# Builds llmmem in place, runs the CUDA-marked tests, then the GPU benchmarks, and prints a short
+# table. Meant to finish well under 8 minutes; every step has its own time limit so one hang cannot
+# eat the machine. Results (JSON) land in ${OUT:-benchmarks/results}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+status=0
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "== $name"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log" | tail -n 40
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s"
+  [ "$rc" -eq 0 ] || status=1
+  printf '%-14s exit %-3s %4s s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT_DIR/summary.txt"
+}
+
+: > "$OUT_DIR/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT_DIR/gpu.txt"
+step build 240 env MAX_JOBS=16 "$PY" setup.py -q build_ext --inplace -j 16
+step info 60 env PYTHONPATH="$PWD" "$PY" -m llmmem info
+step tests 240 env PYTHONPATH="$PWD" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
+step bench 240 env PYTHONPATH="$PWD" "$PY" benchmarks/run.py --device cuda --quick
+cp benchmarks/results/*.json "$OUT_DIR"/ 2>/dev/null || true
+
+echo
+echo "summary"
+cat "$OUT_DIR/summary.txt"
+exit $status
