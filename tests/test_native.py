@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -70,8 +71,9 @@ def test_raise_status_rejects_success_and_unknown():
 
 
 def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # Outside the checkout, so `-c` (which puts the working directory on sys.path) finds the install.
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
 
 
 def test_import_is_lazy_and_does_not_import_torch():
