@@ -9,10 +9,10 @@
 #define NOT_BUILT_MSG "llmmem was built without CUDA (LLMMEM_CUDA=0 or no nvcc found); use a CPU GradScaler"
 
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llmmem_scaler_tensor_t *tensors, size_t count,
-                                                            const float *scale, float *found_inf,
+                                                            const float *scale, int scale_is_inverse, float *found_inf,
                                                             uint8_t *tensor_flags, size_t n_flags, int device,
                                                             void *stream) {
-  (void)tensors, (void)count, (void)scale, (void)found_inf, (void)tensor_flags, (void)n_flags, (void)device,
+  (void)tensors, (void)count, (void)scale, (void)scale_is_inverse, (void)found_inf, (void)tensor_flags, (void)n_flags, (void)device,
       (void)stream;
   return LLMMEM_FAIL(LLMMEM_ERR_NOT_BUILT, "llmmem_scaler_unscale_check_cuda: " NOT_BUILT_MSG);
 }

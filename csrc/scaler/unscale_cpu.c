@@ -85,6 +85,17 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
   return LLMMEM_OK;
 }
 
+/* The multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or the given inverse. */
+static llmmem_status_t resolve_inv(const float *scale, int scale_is_inverse, float *inv) {
+  *inv = 1.0f;
+  if (!scale) return LLMMEM_OK;
+  if (scale_is_inverse) {
+    *inv = *scale;
+    return LLMMEM_OK;
+  }
+  return llmmem_scaler_inv_scale(*scale, inv);
+}
+
 /* Checks the tensor list; on success *total_bytes is the bytes of all tensors together. */
 llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler_tensor_t *tensors, size_t count,
                                              const float *found_inf, const uint8_t *tensor_flags, size_t n_flags,
@@ -116,13 +127,13 @@ llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler
 /* ---------------------------------------------------------------- reference */
 
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_tensor_t *tensors, size_t count,
-                                                           const float *scale, float *found_inf,
+                                                           const float *scale, int scale_is_inverse, float *found_inf,
                                                            uint8_t *tensor_flags, size_t n_flags) {
   size_t total;
   LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check_ref", tensors, count, found_inf, tensor_flags,
                                           n_flags, &total));
   float inv = 1.0f;
-  if (scale) LLMMEM_TRY(llmmem_scaler_inv_scale(*scale, &inv));
+  LLMMEM_TRY(resolve_inv(scale, scale_is_inverse, &inv));
   const int write = inv != 1.0f; /* torch leaves values untouched when inv_scale == 1 */
   for (size_t i = 0; i < count; i++) {
     const llmmem_scaler_tensor_t *t = &tensors[i];
@@ -226,7 +237,7 @@ static cut_t find_cut(const llmmem_scaler_tensor_t *tensors, size_t count, size_
 }
 
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
-                                                       const float *scale, float *found_inf,
+                                                       const float *scale, int scale_is_inverse, float *found_inf,
                                                        uint8_t *tensor_flags, size_t n_flags, int num_threads) {
   size_t total;
   LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check", tensors, count, found_inf, tensor_flags,
@@ -234,7 +245,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   LLMMEM_CHECK_ARG(num_threads >= 0, "llmmem_scaler_unscale_check: num_threads must be >= 0, got %d", num_threads);
   if (count == 0 || total == 0) return LLMMEM_OK;
   float inv = 1.0f;
-  if (scale) LLMMEM_TRY(llmmem_scaler_inv_scale(*scale, &inv));
+  LLMMEM_TRY(resolve_inv(scale, scale_is_inverse, &inv));
 
   size_t nt = (size_t)(num_threads > 0 ? num_threads : online_cpus());
   size_t by_size = total / MIN_BYTES_PER_THREAD;

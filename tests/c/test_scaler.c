@@ -85,8 +85,8 @@ static int fast_matches_ref(list_t *l, const float *scale, int threads) {
   }
   uint8_t *f1 = calloc(l->n + 1, 1), *f2 = calloc(l->n + 1, 1);
   float fi1 = 0.0f, fi2 = 0.0f;
-  int ok = llmmem_scaler_unscale_check(l->t, l->n, scale, &fi1, f1, l->n + 1, threads) == LLMMEM_OK &&
-           llmmem_scaler_unscale_check_ref(ref, l->n, scale, &fi2, f2, l->n + 1) == LLMMEM_OK;
+  int ok = llmmem_scaler_unscale_check(l->t, l->n, scale, 0, &fi1, f1, l->n + 1, threads) == LLMMEM_OK &&
+           llmmem_scaler_unscale_check_ref(ref, l->n, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
   ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0;
   for (size_t i = 0; ok && i < l->n; i++) {
     size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
@@ -208,7 +208,7 @@ int main(void) {
     float before = ((float *)l.t[0].data)[2];
     uint8_t flags[3] = {0, 0, 0};
     float found = 0.0f, scale = 4.0f;
-    CHECK_OK(llmmem_scaler_unscale_check_ref(l.t, 3, &scale, &found, flags, 3));
+    CHECK_OK(llmmem_scaler_unscale_check_ref(l.t, 3, &scale, 0, &found, flags, 3));
     CHECK(found == 1.0f);
     CHECK(flags[0] == 0 && flags[1] == 1 && flags[2] == 0);
     CHECK(((float *)l.t[0].data)[2] == before * 0.25f);
@@ -260,12 +260,22 @@ int main(void) {
     memcpy(l.copy[0], l.t[0].data, (size_t)n * 2);
     float found = 0.0f, one = 1.0f;
     uint8_t flag = 0;
-    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, NULL, &found, &flag, 1, 2));
+    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, NULL, 0, &found, &flag, 1, 2));
     CHECK(found == 1.0f && flag == 1);
     found = 0.0f;
-    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &one, &found, NULL, 0, 2));
+    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &one, 0, &found, NULL, 0, 2));
     CHECK(found == 1.0f);
     CHECK(memcmp(l.t[0].data, l.copy[0], (size_t)n * 2) == 0);
+    free_list(&l);
+  }
+
+  TEST("scale_is_inverse multiplies by the given value itself") {
+    int64_t n = 9;
+    int32_t dt = LLMMEM_SCALER_F32;
+    list_t l = make_list(1, &n, &dt, &rng);
+    float inv = 0.125f, found = 0.0f, x = ((float *)l.t[0].data)[8];
+    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &inv, 1, &found, NULL, 0, 1));
+    CHECK(((float *)l.t[0].data)[8] == x * 0.125f && found == 0.0f);
     free_list(&l);
   }
 
@@ -274,10 +284,10 @@ int main(void) {
     int32_t dt = 0;
     list_t l = make_list(1, &n, &dt, &rng);
     float found = 1.0f, scale = 2.0f;
-    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &scale, &found, NULL, 0, 1));
+    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &scale, 0, &found, NULL, 0, 1));
     CHECK(found == 1.0f);
     found = 0.0f;
-    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &scale, &found, NULL, 0, 1));
+    CHECK_OK(llmmem_scaler_unscale_check(l.t, 1, &scale, 0, &found, NULL, 0, 1));
     CHECK(found == 0.0f);
     free_list(&l);
   }
@@ -287,26 +297,26 @@ int main(void) {
     uint8_t flags[1] = {0};
     llmmem_scaler_tensor_t good = {buf, 4, LLMMEM_SCALER_F32, 0};
     llmmem_scaler_tensor_t two[2] = {good, {buf, 4, 7, 0}};
-    CHECK_STATUS(llmmem_scaler_unscale_check(two, 2, &scale, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(two, 2, &scale, 0, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
     CHECK(strstr(llmmem_last_error(), "tensors[1].dtype") != NULL);
     CHECK(buf[0] == 1.0f); /* the first, valid tensor was not unscaled either */
-    CHECK_STATUS(llmmem_scaler_unscale_check(&good, 1, &scale, NULL, NULL, 0, 1), LLMMEM_ERR_INVALID);
-    CHECK_STATUS(llmmem_scaler_unscale_check(NULL, 3, &scale, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&good, 1, &scale, 0, NULL, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(NULL, 3, &scale, 0, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
     llmmem_scaler_tensor_t neg = {buf, -1, LLMMEM_SCALER_F32, 0};
-    CHECK_STATUS(llmmem_scaler_unscale_check(&neg, 1, &scale, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&neg, 1, &scale, 0, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
     llmmem_scaler_tensor_t null_data = {NULL, 4, LLMMEM_SCALER_F32, 0};
-    CHECK_STATUS(llmmem_scaler_unscale_check(&null_data, 1, &scale, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&null_data, 1, &scale, 0, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
     llmmem_scaler_tensor_t bad_flag = {buf, 4, LLMMEM_SCALER_F32, 1};
-    CHECK_STATUS(llmmem_scaler_unscale_check(&bad_flag, 1, &scale, &found, flags, 1, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&bad_flag, 1, &scale, 0, &found, flags, 1, 1), LLMMEM_ERR_INVALID);
     CHECK(strstr(llmmem_last_error(), "flag") != NULL);
     llmmem_scaler_tensor_t misaligned = {(char *)buf + 1, 2, LLMMEM_SCALER_F32, 0};
-    CHECK_STATUS(llmmem_scaler_unscale_check(&misaligned, 1, &scale, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&misaligned, 1, &scale, 0, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
     llmmem_scaler_tensor_t huge = {buf, INT64_MAX, LLMMEM_SCALER_F64, 0};
-    CHECK_STATUS(llmmem_scaler_unscale_check(&huge, 1, &scale, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
-    CHECK_STATUS(llmmem_scaler_unscale_check(&good, 1, &scale, &found, NULL, 0, -1), LLMMEM_ERR_INVALID);
-    CHECK_STATUS(llmmem_scaler_unscale_check_ref(two, 2, &scale, &found, NULL, 0), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&huge, 1, &scale, 0, &found, NULL, 0, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check(&good, 1, &scale, 0, &found, NULL, 0, -1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_unscale_check_ref(two, 2, &scale, 0, &found, NULL, 0), LLMMEM_ERR_INVALID);
     CHECK(buf[0] == 1.0f && found == 0.0f);
-    CHECK_OK(llmmem_scaler_unscale_check(NULL, 0, &scale, &found, NULL, 0, 0)); /* an empty list is fine */
+    CHECK_OK(llmmem_scaler_unscale_check(NULL, 0, &scale, 0, &found, NULL, 0, 0)); /* an empty list is fine */
   }
 
   TEST("concurrent callers on separate lists get the reference result") {
@@ -433,7 +443,7 @@ int main(void) {
 
   TEST("a CPU-only build's CUDA entry points say so") {
     float found = 0.0f;
-    llmmem_status_t st = llmmem_scaler_unscale_check_cuda(NULL, 0, NULL, &found, NULL, 0, 0, NULL);
+    llmmem_status_t st = llmmem_scaler_unscale_check_cuda(NULL, 0, NULL, 0, &found, NULL, 0, 0, NULL);
     CHECK(st == LLMMEM_ERR_NOT_BUILT || st == LLMMEM_OK);
     CHECK(strstr(llmmem_last_error(), "without CUDA") != NULL || st == LLMMEM_OK);
   }

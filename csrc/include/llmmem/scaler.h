@@ -49,6 +49,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
  * CPU multi-tensor unscale + non-finite check, one pass per gradient, spread over threads.
  *
  *   scale         pointer to the current scale, or NULL for a check only (inv_scale = 1, no writes)
+ *   scale_is_inverse  0: *scale is the scale and inv_scale = (float)(1.0 / (double)*scale);
+ *                 1: *scale already is the inverse (torch's _unscale_grads_ contract, used by subclasses)
  *   found_inf     set to 1.0f when any element of any tensor is inf or NaN; never cleared (the
  *                 caller zeroes it, as with torch)
  *   tensor_flags  NULL, or an array of n_flags bytes: flags[t.flag] is set to 1 when tensor t has a
@@ -58,12 +60,12 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
  * The call blocks until done; it allocates only thread stacks. Tensors must not overlap.
  */
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
-                                                       const float *scale, float *found_inf,
+                                                       const float *scale, int scale_is_inverse, float *found_inf,
                                                        uint8_t *tensor_flags, size_t n_flags, int num_threads);
 
 /* The plain scalar reference of the above (one thread, no vector code): the oracle of the tests. */
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_tensor_t *tensors, size_t count,
-                                                           const float *scale, float *found_inf,
+                                                           const float *scale, int scale_is_inverse, float *found_inf,
                                                            uint8_t *tensor_flags, size_t n_flags);
 
 /* Scale-update rule. With hysteresis == 1 and min_scale == 0 it is torch's _amp_update_scale_. */
@@ -114,7 +116,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_config_check(const llmmem_scaler_config
 #define LLMMEM_SCALER_CUDA_MAX_FOUND 16
 
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llmmem_scaler_tensor_t *tensors, size_t count,
-                                                            const float *scale, float *found_inf,
+                                                            const float *scale, int scale_is_inverse, float *found_inf,
                                                             uint8_t *tensor_flags, size_t n_flags, int device,
                                                             void *stream);
 
