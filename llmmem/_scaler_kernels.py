@@ -64,29 +64,34 @@ def _warn_fallback(device: torch.device, why: str) -> None:
 
 
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
-                   scale: Optional[torch.Tensor], scale_is_inverse: bool = False) -> None:
+                   scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
+                   codes: Optional[Sequence[int]] = None) -> None:
     """In place on ``grads`` (all on one device): multiply by the inverse scale and set
     ``found_inf`` (a 0-dim float32 tensor on that device) to 1 if any element is inf/NaN.
 
     ``scale`` None means check only. ``flags`` (uint8, one per grad, same device) gets a 1 for
     each grad holding a non-finite value. Gradients must be strided tensors of a supported dtype;
-    strided views that are not dense are copied, processed and copied back.
+    strided views that are not dense are copied, processed and copied back. ``codes``: the
+    dtype codes of ``grads`` when the caller already has them.
     """
     if not grads:
         return
     device = grads[0].device
-    work, copies = [], []
-    for g in grads:
-        if _dense_span(g):
-            work.append(g)
-        else:
-            tmp = g.contiguous()
-            work.append(tmp)
-            copies.append((g, tmp))
+    work, copies = grads, []
+    if not all([g.is_contiguous() for g in grads]):
+        work = []
+        for g in grads:
+            if _dense_span(g):
+                work.append(g)
+            else:
+                tmp = g.contiguous()
+                work.append(tmp)
+                copies.append((g, tmp))
     if uses_llmmem_kernels(device):
         ptrs = [t.data_ptr() for t in work]
         numels = [t.numel() for t in work]
-        codes = [DTYPE_CODES[t.dtype] for t in work]
+        if codes is None:
+            codes = [DTYPE_CODES[t.dtype] for t in work]
         flags_ptr = flags.data_ptr() if flags is not None else 0
         n_flags = flags.numel() if flags is not None else 0
         scale_ptr = scale.data_ptr() if scale is not None else 0

@@ -98,6 +98,15 @@ def _check_growth_interval(value: Any) -> None:
         raise ScalerArgumentError(f"llmmem.GradScaler: growth_interval must be >= 1, got {value}")
 
 
+def _where(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> str:
+    """Names a parameter by its place in the optimizer, for error messages."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if p is param:
+                return f"param_groups[{gi}]['params'][{pi}]"
+    return "a parameter"
+
+
 class GradScaler:
     """Scales the loss, unscales and checks gradients, skips steps with inf/NaN gradients and
     adapts the scale: :class:`torch.amp.GradScaler`'s behaviour on llmmem's kernels.
@@ -185,7 +194,7 @@ class GradScaler:
             self._stats: Optional[torch.Tensor] = None  # int64 [updates, skipped, last_skipped, min_scale_hits]
             self._init_stats = [0, 0, 0, 0]
             self._min_scale_warned = False
-            # id(optimizer) -> (labels of the checked grads, {device: (flags uint8 tensor, positions)})
+            # id(optimizer) -> (its param_groups, params whose grads were checked, {device: (flags, positions)})
             self._overflow: dict[int, tuple[list, dict]] = {}
             self._overflow_stale = False
 
@@ -211,7 +220,10 @@ class GradScaler:
         if self._hysteresis_tracker is None or self._hysteresis_tracker.device != dev:
             self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
         if self._stats is None or self._stats.device != dev:
-            self._stats = torch.tensor(self._init_stats, dtype=torch.int64, device=dev)
+            # zeros() is a device fill; torch.tensor(list, device="cuda") would be a synchronising copy
+            self._stats = torch.zeros(4, dtype=torch.int64, device=dev)
+            if any(self._init_stats):  # counters carried over by pickling
+                self._stats.copy_(torch.tensor(self._init_stats, dtype=torch.int64), non_blocking=True)
 
     # ------------------------------------------------------------------ torch's API
 
@@ -263,49 +275,65 @@ class GradScaler:
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        per_device: dict[torch.device, tuple[list, list]] = defaultdict(lambda: ([], []))
-        labels = []
+        # The walk over parameters is the per-tensor cost that dominates lists of many small
+        # gradients, so it reads one attribute per parameter and allocates no object per parameter
+        # (thousands of small tuples per step would also wake the garbage collector); the checks
+        # then run over whole lists.
+        owners, grads = [], []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, torch.Tensor):
+                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                grad = param.grad
+                if grad is not None:
+                    grads.append(grad)
+                    owners.append(param)
+        flags_per_device = {}
         with torch.no_grad():
-            for gi, group in enumerate(optimizer.param_groups):
-                for pi, param in enumerate(group["params"]):
-                    if not isinstance(param, torch.Tensor):
-                        raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if (not allow_fp16) and grad.dtype == torch.float16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
-                    if grad.is_sparse:
-                        # Duplicate indices of an uncoalesced fp16 grad could overflow when summed, so
-                        # check the coalesced values (what torch does).
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        to_unscale = grad._values()
-                    else:
-                        if grad.layout != torch.strided:
-                            raise TypeError(f"llmmem.GradScaler: the gradient of param_groups[{gi}]['params'][{pi}] "
-                                            f"has layout {grad.layout}; only strided and sparse COO gradients "
-                                            "are supported")
-                        to_unscale = grad
-                    if to_unscale.dtype not in _k.DTYPE_CODES:
-                        raise TypeError(f"llmmem.GradScaler: the gradient of param_groups[{gi}]['params'][{pi}] "
-                                        f"has dtype {to_unscale.dtype}; supported: float32, float16, bfloat16, "
-                                        "float64")
-                    grads, pos = per_device[to_unscale.device]
-                    pos.append(len(labels))
-                    grads.append(to_unscale)
-                    labels.append((gi, pi, param))
-            flags_per_device = {}
-            for device, (grads, pos) in per_device.items():
-                flags = torch.zeros(len(grads), dtype=torch.uint8, device=device)
-                _k.unscale_check_(grads, per_device_found_inf.get(device), flags, per_device_scale.get(device),
-                                  scale_is_inverse=is_inverse)
+            dtypes = [g.dtype for g in grads]
+            if not allow_fp16 and torch.float16 in dtypes:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            for k, g in enumerate(grads):
+                if g.layout is torch.strided:
+                    continue
+                param = owners[k]
+                if not g.is_sparse:
+                    raise TypeError(f"llmmem.GradScaler: the gradient of {_where(optimizer, param)} has "
+                                    f"layout {g.layout}; only strided and sparse COO gradients are supported")
+                # Duplicate indices of an uncoalesced fp16 grad could overflow when summed, so check
+                # the coalesced values (what torch does).
+                if g.dtype is torch.float16:
+                    param.grad = g = g.coalesce()
+                grads[k] = g._values()
+            codes_of = _k.DTYPE_CODES
+            codes = [codes_of.get(dt, -1) for dt in dtypes]
+            if -1 in codes:
+                k = codes.index(-1)
+                raise TypeError(f"llmmem.GradScaler: the gradient of {_where(optimizer, owners[k])} has dtype "
+                                f"{dtypes[k]}; supported: float32, float16, bfloat16, float64")
+            dev_ids = [g.get_device() for g in grads]  # an int (-1 = CPU): cheaper than building devices
+            groups = {dev_ids[0]: list(range(len(grads)))} if grads and dev_ids.count(dev_ids[0]) == len(grads) \
+                else self._group_positions(dev_ids)
+            for pos in groups.values():
+                device = grads[pos[0]].device
+                sub = grads if len(pos) == len(grads) else [grads[k] for k in pos]
+                sub_codes = codes if len(pos) == len(grads) else [codes[k] for k in pos]
+                flags = torch.zeros(len(sub), dtype=torch.uint8, device=device)
+                _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
+                                  scale_is_inverse=is_inverse, codes=sub_codes)
                 flags_per_device[device] = (flags, pos)
         if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
             self._overflow.clear()
             self._overflow_stale = False
-        self._overflow[id(optimizer)] = (labels, flags_per_device)
+        self._overflow[id(optimizer)] = (optimizer.param_groups, owners, flags_per_device)
         return per_device_found_inf._per_device_tensors
+
+    @staticmethod
+    def _group_positions(dev_ids: list) -> dict:
+        groups: dict = {}
+        for k, d in enumerate(dev_ids):
+            groups.setdefault(d, []).append(k)
+        return groups
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides ("unscales") the optimizer's gradients by the scale, checking them for inf/NaN
@@ -636,15 +664,16 @@ class GradScaler:
         for _, info in items:
             if info is None:
                 continue
-            labels, per_device = info
+            param_groups, owners, per_device = info
             hit = set()
             for flags, pos in per_device.values():
                 for j, f in enumerate(flags.tolist()):
                     if f:
                         hit.add(pos[j])
+            index = {id(p): (gi, pi) for gi, g in enumerate(param_groups) for pi, p in enumerate(g["params"])}
             for k in sorted(hit):
-                gi, pi, param = labels[k]
-                out.append(names.get(id(param), (gi, pi)))
+                param = owners[k]
+                out.append(names.get(id(param), index.get(id(param))))
         return out
 
 
