@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -108,26 +109,35 @@ def op_fns(grads, device):
     return torch_op, ours_op
 
 
+def interleaved(fns: dict, repeats: int, device: str) -> dict:
+    """Median seconds per call of each fn, timed in alternating rounds (A, B, C, A, B, C, ...) so
+    that load from other jobs on a shared machine falls on all candidates alike."""
+    samples = {k: [] for k in fns}
+    for k, fn in fns.items():  # warm-up: page faults, lazy initialisation
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(_harness.time_fn(fn, repeats=1, warmup=0, device=device)["median_s"])
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def bench_list(name, shapes, device, dtype, repeats, torch_dtype_for_op=None):
     params = make_params(shapes, device, dtype)
     grads = [p.grad for p in params]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    times = {"copy": _harness.time_fn(lambda: dst.copy_(src), repeats=repeats, device=device)["median_s"]}
-    del src, dst
-    ours_fn = scaler_fn(llmmem.GradScaler, device, params)
+    fns = {"copy": lambda: dst.copy_(src)}
     if torch_dtype_for_op is None:
-        times["torch"] = _harness.time_fn(scaler_fn(torch.amp.GradScaler, device, params), repeats=repeats,
-                                          device=device)["median_s"]
-    times["llmmem"] = _harness.time_fn(ours_fn, repeats=repeats, device=device)["median_s"]
+        fns["torch"] = scaler_fn(torch.amp.GradScaler, device, params)
+    fns["llmmem"] = scaler_fn(llmmem.GradScaler, device, params)
     torch_op, ours_op = op_fns(grads, device)
     if torch_dtype_for_op is not None:  # torch's CUDA op rejects bf16: time it on fp16 lists of the same bytes
-        del params, grads
         proxy = [torch.randn(s, device=device, dtype=torch_dtype_for_op) for s in shapes]
         torch_op, _ = op_fns(proxy, device)
-    times["torch-op"] = _harness.time_fn(torch_op, repeats=repeats, device=device)["median_s"]
-    times["llmmem-op"] = _harness.time_fn(ours_op, repeats=repeats, device=device)["median_s"]
+    fns["torch-op"] = torch_op
+    fns["llmmem-op"] = ours_op
+    times = interleaved(fns, repeats, device)
     gbs = {k: 2 * nbytes / v / 1e9 for k, v in times.items()}
     row = {"list": name, "dtype": str(dtype).replace("torch.", ""), "tensors": len(shapes),
            "params_M": sum(torch.Size(s).numel() for s in shapes) / 1e6, "bytes": nbytes,

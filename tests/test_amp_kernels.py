@@ -20,6 +20,16 @@ SIZES = [0, 1, 7, 4097, 10**6 + 3]
 SPECIALS = [float("inf"), float("-inf"), float("nan")]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """torch's own ops here are tiny; its intra-op threads only spin against other jobs on shared
+    cores. llmmem's threading is exercised explicitly in test_thread_counts_match_the_scalar_reference."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def rand_grad(n, dtype, gen):
     # magnitudes spread over many binades, as scaled gradients are
     x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp2(torch.randint(-12, 12, (n,), generator=gen))
