@@ -101,12 +101,15 @@ __global__ void __launch_bounds__(kBlock)
     if ((reinterpret_cast<uintptr_t>(base) & 15) == 0) {
       const int64_t nvec = len / kVec;
       for (int64_t i = threadIdx.x; i < nvec; i += kBlock) {
-        // one 16-byte load and store per step; the compiler keeps `tmp` in registers
-        uint4 raw = reinterpret_cast<const uint4 *>(base)[i];
-        T *tmp = reinterpret_cast<T *>(&raw);
+        // one 16-byte load and store per step; the union keeps the elements in registers
+        union {
+          uint4 raw;
+          T e[kVec];
+        } pack;
+        pack.raw = reinterpret_cast<const uint4 *>(base)[i];
 #pragma unroll
-        for (int k = 0; k < kVec; k++) bad |= process(&tmp[k], inv, write);
-        if (write) reinterpret_cast<uint4 *>(base)[i] = raw;
+        for (int k = 0; k < kVec; k++) bad |= process(&pack.e[k], inv, write);
+        if (write) reinterpret_cast<uint4 *>(base)[i] = pack.raw;
       }
       for (int64_t i = nvec * kVec + threadIdx.x; i < len; i += kBlock) bad |= process(&base[i], inv, write);
     } else {
