@@ -138,7 +138,9 @@ class GradScaler:
         hysteresis (int): back off only after this many consecutive overflowing steps (any clean
             step refills the budget, as apex and DeepSpeed's ``consecutive_hysteresis``). Default 1: torch's rule.
         min_scale (float or None): never back off below this scale (a warning is issued, once, the
-            first time it is hit). Default ``None``: no floor, as torch.
+            first time it is hit: right away on the CPU; on GPUs at the next call that synchronises
+            anyway, e.g. :meth:`get_scale` or :meth:`stats`, as checking earlier would cost a sync).
+            Default ``None``: no floor, as torch.
 
     With the defaults the scale trajectory, growth tracker, skipped steps and ``state_dict`` are
     those of ``torch.amp.GradScaler``.

@@ -54,15 +54,52 @@
 #undef LOOP_SUFFIX
 #undef LOOP_TARGET
 #undef LOOP_F16C
+
+/* 64-byte vectors: worth it where the core can keep two 512-bit loads in flight per cycle. */
+#define LOOP_SUFFIX _avx512
+#define LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c,prefer-vector-width=512")))
+#define LOOP_F16C 1
+#include "unscale_loops.h"
+#undef LOOP_SUFFIX
+#undef LOOP_TARGET
+#undef LOOP_F16C
 #endif
 
 typedef int (*run_range_fn)(const llmmem_scaler_tensor_t *, int64_t, int64_t, float, int);
 
-static run_range_fn pick_run_range(void) {
+/* -1: pick by CPU; else the ISA level the tests force (see _llmmem_scaler_force_isa). */
+static int forced_isa = -1;
+
+/* Test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic. Levels the
+ * CPU lacks fall back to the best it has. Returns the level that will run. */
+int _llmmem_scaler_force_isa(int isa);
+
+static int best_isa(void) {
 #if LLMMEM_HAVE_X86_DISPATCH
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return run_range_avx2;
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+  return avx512 ? 2 : avx2 ? 1 : 0;
+#else
+  return 0;
 #endif
+}
+
+int _llmmem_scaler_force_isa(int isa) {
+  forced_isa = isa;
+  int best = best_isa();
+  return isa < 0 || isa > best ? best : isa;
+}
+
+static run_range_fn pick_run_range(void) {
+  int best = best_isa();
+  int isa = forced_isa < 0 || forced_isa > best ? best : forced_isa;
+#if LLMMEM_HAVE_X86_DISPATCH
+  if (isa == 2) return run_range_avx512;
+  if (isa == 1) return run_range_avx2;
+#endif
+  (void)isa;
   return run_range_generic;
 }
 

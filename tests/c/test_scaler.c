@@ -15,6 +15,8 @@
 #include "internal.h"
 #include "testhelper.h"
 
+int _llmmem_scaler_force_isa(int isa); /* unscale_cpu.c test hook */
+
 static const int64_t SIZES[] = {0, 1, 7, 64, 65, 4097, 100003};
 #define N_SIZES (sizeof SIZES / sizeof SIZES[0])
 
@@ -177,69 +179,76 @@ int main(void) {
     CHECK_STATUS(llmmem_scaler_inv_scale(3.0f, NULL), LLMMEM_ERR_INVALID);
   }
 
-  TEST("single tensors: every dtype and size, inf/NaN first/middle/last, fast == reference bitwise") {
-    const double specials[3] = {INFINITY, -INFINITY, NAN};
-    for (int32_t dt = 0; dt < LLMMEM_SCALER_DTYPE_COUNT_; dt++) {
-      for (size_t s = 0; s < N_SIZES; s++) {
-        int64_t n = SIZES[s];
-        for (int where = -1; where < 3; where++) { /* -1: all finite; 0 first, 1 middle, 2 last */
-          if (where >= 0 && n == 0) continue;
-          list_t l = make_list(1, &n, &dt, &rng);
-          int64_t at = where == 0 ? 0 : where == 1 ? n / 2 : n - 1;
-          if (where >= 0) {
-            put(l.t[0].data, dt, at, specials[(where + s) % 3]);
-            put(l.copy[0], dt, at, specials[(where + s) % 3]);
+  /* Every instruction-set variant of the loops against the reference (levels the CPU lacks run
+   * the best one it has). */
+  for (int isa = 0; isa <= 2; isa++) {
+    int level = _llmmem_scaler_force_isa(isa);
+    printf("  loops at ISA level %d (asked %d)\n", level, isa);
+    TEST("single tensors: every dtype and size, inf/NaN first/middle/last, fast == reference bitwise") {
+      const double specials[3] = {INFINITY, -INFINITY, NAN};
+      for (int32_t dt = 0; dt < LLMMEM_SCALER_DTYPE_COUNT_; dt++) {
+        for (size_t s = 0; s < N_SIZES; s++) {
+          int64_t n = SIZES[s];
+          for (int where = -1; where < 3; where++) { /* -1: all finite; 0 first, 1 middle, 2 last */
+            if (where >= 0 && n == 0) continue;
+            list_t l = make_list(1, &n, &dt, &rng);
+            int64_t at = where == 0 ? 0 : where == 1 ? n / 2 : n - 1;
+            if (where >= 0) {
+              put(l.t[0].data, dt, at, specials[(where + s) % 3]);
+              put(l.copy[0], dt, at, specials[(where + s) % 3]);
+            }
+            float scale = 32768.0f;
+            int ok = fast_matches_ref(&l, &scale, 3);
+            if (!ok) printf("  dtype %d numel %lld where %d\n", (int)dt, (long long)n, where);
+            CHECK(ok);
+            free_list(&l);
           }
-          float scale = 32768.0f;
-          int ok = fast_matches_ref(&l, &scale, 3);
-          if (!ok) printf("  dtype %d numel %lld where %d\n", (int)dt, (long long)n, where);
-          CHECK(ok);
+        }
+      }
+    }
+
+    TEST("the reference flags exactly the tensors that hold a non-finite value and multiplies by inv") {
+      int64_t numels[3] = {5, 5, 5};
+      int32_t dtypes[3] = {0, 0, 0};
+      list_t l = make_list(3, numels, dtypes, &rng);
+      ((float *)l.t[1].data)[4] = NAN;
+      float before = ((float *)l.t[0].data)[2];
+      uint8_t flags[3] = {0, 0, 0};
+      float found = 0.0f, scale = 4.0f;
+      CHECK_OK(llmmem_scaler_unscale_check_ref(l.t, 3, &scale, 0, &found, flags, 3));
+      CHECK(found == 1.0f);
+      CHECK(flags[0] == 0 && flags[1] == 1 && flags[2] == 0);
+      CHECK(((float *)l.t[0].data)[2] == before * 0.25f);
+      free_list(&l);
+    }
+
+    TEST("many tensors (1..1000), mixed dtypes, 1..8 threads: fast == reference") {
+      const size_t counts[] = {1, 2, 17, 1000};
+      for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+        size_t n = counts[c];
+        int64_t *numels = malloc(n * sizeof *numels);
+        int32_t *dtypes = malloc(n * sizeof *dtypes);
+        for (size_t i = 0; i < n; i++) {
+          numels[i] = (int64_t)(th_rand(&rng) % (n > 100 ? 9000 : 300000));
+          dtypes[i] = (int32_t)(th_rand(&rng) % 4);
+        }
+        for (int threads = 1; threads <= 8; threads += 3) {
+          list_t l = make_list(n, numels, dtypes, &rng);
+          size_t victim = n / 2;
+          if (numels[victim] > 0) {
+            put(l.t[victim].data, dtypes[victim], numels[victim] - 1, INFINITY);
+            put(l.copy[victim], dtypes[victim], numels[victim] - 1, INFINITY);
+          }
+          float scale = 1.0f / 3.0f; /* inv > 1: fp16 may overflow to inf, both paths alike */
+          CHECK(fast_matches_ref(&l, &scale, threads));
           free_list(&l);
         }
+        free(numels);
+        free(dtypes);
       }
     }
   }
-
-  TEST("the reference flags exactly the tensors that hold a non-finite value and multiplies by inv") {
-    int64_t numels[3] = {5, 5, 5};
-    int32_t dtypes[3] = {0, 0, 0};
-    list_t l = make_list(3, numels, dtypes, &rng);
-    ((float *)l.t[1].data)[4] = NAN;
-    float before = ((float *)l.t[0].data)[2];
-    uint8_t flags[3] = {0, 0, 0};
-    float found = 0.0f, scale = 4.0f;
-    CHECK_OK(llmmem_scaler_unscale_check_ref(l.t, 3, &scale, 0, &found, flags, 3));
-    CHECK(found == 1.0f);
-    CHECK(flags[0] == 0 && flags[1] == 1 && flags[2] == 0);
-    CHECK(((float *)l.t[0].data)[2] == before * 0.25f);
-    free_list(&l);
-  }
-
-  TEST("many tensors (1..1000), mixed dtypes, 1..8 threads: fast == reference") {
-    const size_t counts[] = {1, 2, 17, 1000};
-    for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
-      size_t n = counts[c];
-      int64_t *numels = malloc(n * sizeof *numels);
-      int32_t *dtypes = malloc(n * sizeof *dtypes);
-      for (size_t i = 0; i < n; i++) {
-        numels[i] = (int64_t)(th_rand(&rng) % (n > 100 ? 9000 : 300000));
-        dtypes[i] = (int32_t)(th_rand(&rng) % 4);
-      }
-      for (int threads = 1; threads <= 8; threads += 3) {
-        list_t l = make_list(n, numels, dtypes, &rng);
-        size_t victim = n / 2;
-        if (numels[victim] > 0) {
-          put(l.t[victim].data, dtypes[victim], numels[victim] - 1, INFINITY);
-          put(l.copy[victim], dtypes[victim], numels[victim] - 1, INFINITY);
-        }
-        float scale = 1.0f / 3.0f; /* inv > 1: fp16 may overflow to inf, both paths alike */
-        CHECK(fast_matches_ref(&l, &scale, threads));
-        free_list(&l);
-      }
-      free(numels);
-      free(dtypes);
-    }
-  }
+  _llmmem_scaler_force_isa(-1);
 
   TEST("a large fp32 tensor over many threads: cut points never lose or repeat an element") {
     int64_t n = 3000017;
