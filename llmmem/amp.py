@@ -33,6 +33,8 @@ from llmmem.errors import InvalidArgumentError
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
 
+_Parameter = torch.nn.Parameter
+
 
 class ScalerArgumentError(InvalidArgumentError, AssertionError):
     """A bad GradScaler setting. A ``ValueError`` (via :class:`llmmem.InvalidArgumentError`) and,
@@ -284,7 +286,8 @@ class GradScaler:
         owners, grads = [], []
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if not isinstance(param, torch.Tensor):
+                # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
+                if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                 grad = param.grad
                 if grad is not None:
