@@ -613,7 +613,7 @@ class GradScaler:
         return list(self._init_stats) if self._stats is None else [int(v) for v in self._stats.tolist()]
 
     def _warn_if_min_scale_hit(self) -> None:
-        if self._min_scale is None or self._min_scale_warned or self._stats is None:
+        if not self._enabled or self._min_scale is None or self._min_scale_warned or self._stats is None:
             return
         if int(self._stats[3].item()) > 0:
             self._min_scale_warned = True
@@ -661,6 +661,8 @@ class GradScaler:
 
         .. warning:: synchronises with the GPU (reads the per-gradient flags).
         """
+        if not self._enabled:
+            return []
         names = {}
         if module is not None:
             names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}

@@ -5,6 +5,7 @@ torch-ops fallback against the C rule, the visibility extras, and the binding's 
 
 from __future__ import annotations
 
+import pickle
 import random
 import warnings
 
@@ -250,6 +251,15 @@ def test_overflowed_params_names_and_indices():
     train(s, model, opt, 1)
     assert s.overflowed_params(model) == [] and not s.last_step_skipped()
     assert s.stats() == {"updates": 4, "skipped_steps": 1, "last_step_skipped": 0, "min_scale_hits": 0}
+    s2 = pickle.loads(pickle.dumps(s))  # counters survive pickling, and keep counting
+    train(s2, model, opt, 1, poison_at=(0,))
+    assert s2.stats() == {"updates": 5, "skipped_steps": 2, "last_step_skipped": 1, "min_scale_hits": 0}
+
+
+def test_visibility_readers_on_a_disabled_scaler():
+    s = llmmem.GradScaler("cpu", enabled=False)
+    assert s.stats() == {"updates": 0, "skipped_steps": 0, "last_step_skipped": 0, "min_scale_hits": 0}
+    assert s.overflowed_params() == [] and not s.last_step_skipped() and s.skipped_steps() == 0
 
 
 def test_hysteresis_holds_the_scale_for_n_overflows():
