@@ -252,7 +252,7 @@ def test_overflowed_params_names_and_indices():
     assert s.overflowed_params(model) == [] and not s.last_step_skipped()
     assert s.stats() == {"updates": 4, "skipped_steps": 1, "last_step_skipped": 0, "min_scale_hits": 0}
     s2 = pickle.loads(pickle.dumps(s))  # counters survive pickling, and keep counting
-    train(s2, model, opt, 1, poison_at=(0,))
+    train(s2, model, opt, 1, poison_at=(0,), poison_param="0.weight")
     assert s2.stats() == {"updates": 5, "skipped_steps": 2, "last_step_skipped": 1, "min_scale_hits": 0}
 
 
