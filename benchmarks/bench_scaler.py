@@ -94,7 +94,8 @@ def op_fns(grads, device):
         for gs in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
 
-    ptrs, numels, codes = [g.data_ptr() for g in grads], [g.numel() for g in grads], [K.DTYPE_CODES[g.dtype] for g in grads]
+    ptrs, numels = [g.data_ptr() for g in grads], [g.numel() for g in grads]
+    codes = [K.DTYPE_CODES[g.dtype] for g in grads]
     threads = torch.get_num_threads()
     if device == "cpu":
         def ours_op():

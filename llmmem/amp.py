@@ -231,7 +231,8 @@ class GradScaler:
 
     # ------------------------------------------------------------------ torch's API
 
-    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
+    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]
+              ) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
         """Multiplies a tensor, or (nested) lists/tuples/iterables of tensors, by the scale.
 
         Returns the scaled outputs (lists and tuples keep their type, other iterables come back as

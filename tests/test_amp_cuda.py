@@ -33,11 +33,12 @@ def rand_grads(count, seed, max_numel=300_000):
     for i in range(count):
         n = rng.choice([0, 1, 7, 4097, 65536, 65537, rng.randint(1, max_numel)])
         g = (torch.randn(n, generator=gen, dtype=torch.float64) * 2.0 ** rng.randint(-10, 10)).to(rng.choice(DTYPES))
+        if n > 8 and rng.random() < 0.2:
+            g = g[1:]  # misaligned start: the kernel's scalar path
+            n -= 1
         if n and rng.random() < 0.1:
             g[rng.choice([0, n // 2, n - 1])] = rng.choice(SPECIALS)
             poisoned.add(i)
-        if n > 8 and rng.random() < 0.2:
-            g = g[1:]  # misaligned start: the kernel's scalar path
         grads.append(g)
     return grads, poisoned
 

@@ -6,9 +6,11 @@
  * releases the GIL for its whole run; the CUDA calls only queue work on the given stream.
  * Argument errors raise llmmem.InvalidArgumentError (a ValueError) naming the argument.
  */
-#include "binding.h" /* first: Python.h must precede system headers */
-
+/* binding.h first: Python.h must precede the system headers. */
+#include "binding.h"
+// clang-format off
 #include <llmmem/scaler.h>
+// clang-format on
 
 /* Parses three equally long sequences into a malloc'd tensor array (*out, freed by the caller). */
 static int parse_tensors(PyObject *ptrs, PyObject *numels, PyObject *dtypes, llmmem_scaler_tensor_t **out,
@@ -61,46 +63,46 @@ done:
   return rc;
 }
 
-/* unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, num_threads, reference=False) */
+/* unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, num_threads,
+ * reference=False) */
 static PyObject *py_unscale_check(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
-  static char *kw[] = {"ptrs", "numels", "dtypes", "scale_ptr", "scale_is_inverse", "found_inf_ptr", "flags_ptr", "n_flags",
-                       "num_threads", "reference", NULL};
+  static char *kw[] = {
+      "ptrs",    "numels",      "dtypes",    "scale_ptr", "scale_is_inverse", "found_inf_ptr", "flags_ptr",
+      "n_flags", "num_threads", "reference", NULL};
   PyObject *ptrs, *numels, *dtypes;
   unsigned long long scale_ptr, found_ptr, flags_ptr;
   Py_ssize_t n_flags;
   int num_threads, reference = 0, inverse;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOKpKKni|p", kw, &ptrs, &numels, &dtypes, &scale_ptr, &inverse, &found_ptr,
-                                   &flags_ptr, &n_flags, &num_threads, &reference))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOKpKKni|p", kw, &ptrs, &numels, &dtypes, &scale_ptr, &inverse,
+                                   &found_ptr, &flags_ptr, &n_flags, &num_threads, &reference))
     return NULL;
   if (n_flags < 0) return PyErr_Format(PyExc_ValueError, "n_flags must be >= 0, got %zd", n_flags);
   llmmem_scaler_tensor_t *t;
   Py_ssize_t n;
   if (parse_tensors(ptrs, numels, dtypes, &t, &n) < 0) return NULL;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  if (reference)
-    st = llmmem_scaler_unscale_check_ref(t, (size_t)n, (const float *)(uintptr_t)scale_ptr, inverse,
-                                         (float *)(uintptr_t)found_ptr, (uint8_t *)(uintptr_t)flags_ptr,
-                                         (size_t)n_flags);
-  else
-    st = llmmem_scaler_unscale_check(t, (size_t)n, (const float *)(uintptr_t)scale_ptr, inverse, (float *)(uintptr_t)found_ptr,
-                                     (uint8_t *)(uintptr_t)flags_ptr, (size_t)n_flags, num_threads);
-  Py_END_ALLOW_THREADS
-  PyMem_Free(t);
+  Py_BEGIN_ALLOW_THREADS if (reference) st =
+      llmmem_scaler_unscale_check_ref(t, (size_t)n, (const float *)(uintptr_t)scale_ptr, inverse,
+                                      (float *)(uintptr_t)found_ptr, (uint8_t *)(uintptr_t)flags_ptr, (size_t)n_flags);
+  else st = llmmem_scaler_unscale_check(t, (size_t)n, (const float *)(uintptr_t)scale_ptr, inverse,
+                                        (float *)(uintptr_t)found_ptr, (uint8_t *)(uintptr_t)flags_ptr,
+                                        (size_t)n_flags, num_threads);
+  Py_END_ALLOW_THREADS PyMem_Free(t);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
 }
 
-/* unscale_check_cuda(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, device, stream) */
+/* unscale_check_cuda(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, device,
+ * stream) */
 static PyObject *py_unscale_check_cuda(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *ptrs, *numels, *dtypes;
   unsigned long long scale_ptr, found_ptr, flags_ptr, stream;
   Py_ssize_t n_flags;
   int device, inverse;
-  if (!PyArg_ParseTuple(args, "OOOKpKKniK", &ptrs, &numels, &dtypes, &scale_ptr, &inverse, &found_ptr, &flags_ptr, &n_flags,
-                        &device, &stream))
+  if (!PyArg_ParseTuple(args, "OOOKpKKniK", &ptrs, &numels, &dtypes, &scale_ptr, &inverse, &found_ptr, &flags_ptr,
+                        &n_flags, &device, &stream))
     return NULL;
   if (n_flags < 0) return PyErr_Format(PyExc_ValueError, "n_flags must be >= 0, got %zd", n_flags);
   llmmem_scaler_tensor_t *t;
@@ -148,8 +150,7 @@ static PyObject *py_update(PyObject *self, PyObject *args) {
   int hysteresis, device = -1;
   float min_scale;
   if (!PyArg_ParseTuple(args, "KKKKOddLif|iK", &scale_ptr, &growth_ptr, &hyst_ptr, &stats_ptr, &found_seq,
-                        &cfg.growth_factor, &cfg.backoff_factor, &interval, &hysteresis, &min_scale, &device,
-                        &stream))
+                        &cfg.growth_factor, &cfg.backoff_factor, &interval, &hysteresis, &min_scale, &device, &stream))
     return NULL;
   cfg.growth_interval = interval;
   cfg.hysteresis = hysteresis;
@@ -198,16 +199,19 @@ static PyObject *py_inv_scale(PyObject *self, PyObject *arg) {
 
 PyMethodDef llmmem_py_scaler_methods[] = {
     {"scaler_unscale_check", (PyCFunction)(void (*)(void))py_unscale_check, METH_VARARGS | METH_KEYWORDS,
-     "scaler_unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, num_threads, "
+     "scaler_unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
+     "num_threads, "
      "reference=False): CPU unscale + non-finite check in place (scale_ptr 0 = check only). Releases the GIL."},
     {"scaler_unscale_check_cuda", py_unscale_check_cuda, METH_VARARGS,
-     "scaler_unscale_check_cuda(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, device, stream): "
+     "scaler_unscale_check_cuda(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
+     "device, stream): "
      "queues the CUDA unscale + check on `stream`; no host synchronisation."},
     {"scaler_update", py_update, METH_VARARGS,
      "scaler_update(scale_ptr, growth_ptr, hyst_ptr, stats_ptr, found_inf_ptrs, growth_factor, backoff_factor, "
      "growth_interval, hysteresis, min_scale[, device, stream]): one scale update (device >= 0: on the GPU)."},
     {"scaler_check_config", py_check_config, METH_VARARGS,
-     "scaler_check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale): raises on a bad value."},
+     "scaler_check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale): raises on a bad "
+     "value."},
     {"scaler_inv_scale", py_inv_scale, METH_O, "scaler_inv_scale(scale) -> float: (float)(1.0 / (double)scale)."},
     {NULL, NULL, 0, NULL},
 };
