@@ -6,11 +6,9 @@
  * releases the GIL for its whole run; the CUDA calls only queue work on the given stream.
  * Argument errors raise llmmem.InvalidArgumentError (a ValueError) naming the argument.
  */
-/* binding.h first: Python.h must precede the system headers. */
-#include "binding.h"
-// clang-format off
+#include "binding.h" /* first: Python.h must precede the system headers */
+
 #include <llmmem/scaler.h>
-// clang-format on
 
 /* Parses three equally long sequences into a malloc'd tensor array (*out, freed by the caller). */
 static int parse_tensors(PyObject *ptrs, PyObject *numels, PyObject *dtypes, llmmem_scaler_tensor_t **out,
