@@ -666,7 +666,8 @@ class GradScaler:
             return []
         names = {}
         if module is not None:
-            names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            for n, p in module.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), n)  # a tied weight is reported by its first name
         out = []
         items = self._overflow.items() if optimizer is None else [(id(optimizer), self._overflow.get(id(optimizer)))]
         for _, info in items:
