@@ -57,7 +57,11 @@
 
 /* 64-byte vectors: worth it where the core can keep two 512-bit loads in flight per cycle. */
 #define LOOP_SUFFIX _avx512
+#if defined(__clang__) /* clang's target attribute has no prefer-vector-width; it picks widths itself */
+#define LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c")))
+#else
 #define LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c,prefer-vector-width=512")))
+#endif
 #define LOOP_F16C 1
 #include "unscale_loops.h"
 #undef LOOP_SUFFIX
@@ -77,7 +81,11 @@ int _llmmem_scaler_force_isa(int isa);
 static int best_isa(void) {
 #if LLMMEM_HAVE_X86_DISPATCH
   __builtin_cpu_init();
+#if defined(__clang__) /* older clang cannot query f16c; every AVX2 CPU has it (since Ivy Bridge) */
+  int avx2 = __builtin_cpu_supports("avx2");
+#else
   int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
   int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl");
   return avx512 ? 2 : avx2 ? 1 : 0;
