@@ -317,7 +317,9 @@ class GradScaler:
                 k = codes.index(-1)
                 raise TypeError(f"llmmem.GradScaler: the gradient of {_where(optimizer, owners[k])} has dtype "
                                 f"{dtypes[k]}; supported: float32, float16, bfloat16, float64")
-            dev_ids = [g.get_device() for g in grads]  # an int (-1 = CPU): cheaper than building devices
+            # get_device() is an int (-1 = CPU), cheaper than building torch.device objects; it cannot
+            # tell cuda:0 from xpu:0, a mix no optimizer holds in practice.
+            dev_ids = [g.get_device() for g in grads]
             groups = {dev_ids[0]: list(range(len(grads)))} if grads and dev_ids.count(dev_ids[0]) == len(grads) \
                 else self._group_positions(dev_ids)
             for pos in groups.values():
