@@ -140,8 +140,8 @@ class GradScaler:
         hysteresis (int): back off only after this many consecutive overflowing steps (any clean
             step refills the budget, as apex and DeepSpeed's ``consecutive_hysteresis``). Default 1: torch's rule.
         min_scale (float or None): never back off below this scale (a warning is issued, once, the
-            first time it is hit: right away on the CPU; on GPUs at the next call that synchronises
-            anyway, e.g. :meth:`get_scale` or :meth:`stats`, as checking earlier would cost a sync).
+            first time it is hit: right away on the CPU; on GPUs an update or two later, from a copy of
+            the counters that is read only once it has arrived, so no update waits for the GPU).
             Default ``None``: no floor, as torch.
 
     With the defaults the scale trajectory, growth tracker, skipped steps and ``state_dict`` are
@@ -470,8 +470,10 @@ class GradScaler:
             _k.update_scale_(_scale, _growth_tracker, self._hysteresis_tracker, self._stats, found_infs,
                              self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
                              float(self._min_scale or 0.0))
-            if _scale.device.type == "cpu":  # free to read on the host; on GPUs the readers check it
+            if _scale.device.type == "cpu":  # free to read on the host
                 self._warn_if_min_scale_hit()
+            elif self._min_scale is not None and not self._min_scale_warned:
+                self._poll_min_scale_hits()
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._overflow_stale = True
 
@@ -587,6 +589,7 @@ class GradScaler:
             state["_hysteresis_tracker"] = None
             state["_stats"] = None
             state["_overflow"] = {}
+            state.pop("_stats_poll", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -615,14 +618,35 @@ class GradScaler:
             return [0, 0, 0, 0]
         return list(self._init_stats) if self._stats is None else [int(v) for v in self._stats.tolist()]
 
+    def _poll_min_scale_hits(self) -> None:
+        """GPU scales: learn about min_scale hits without a sync. Each update queues a 32-byte copy
+        of the counters into pinned host memory plus an event; a later update reads the copy once
+        the event has passed (event.query() does not wait), so the warning comes a step or so late."""
+        pending = getattr(self, "_stats_poll", None)
+        if pending is not None:
+            host, event = pending
+            if not event.query():
+                return  # the previous copy is still in flight: keep it, check next time
+            if int(host[3]) > 0:
+                self._emit_min_scale_warning(stacklevel=4)
+                return
+        host = pending[0] if pending is not None else torch.empty(4, dtype=torch.int64, pin_memory=True)
+        host.copy_(self._stats, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._stats.device))
+        self._stats_poll = (host, event)
+
     def _warn_if_min_scale_hit(self) -> None:
         if not self._enabled or self._min_scale is None or self._min_scale_warned or self._stats is None:
             return
         if int(self._stats[3].item()) > 0:
-            self._min_scale_warned = True
-            warnings.warn(f"llmmem.GradScaler: the loss scale hit min_scale={self._min_scale} and stays there "
-                          "while gradients keep overflowing; the model may be diverging (or need bf16)",
-                          RuntimeWarning, stacklevel=3)
+            self._emit_min_scale_warning(stacklevel=4)
+
+    def _emit_min_scale_warning(self, stacklevel: int) -> None:
+        self._min_scale_warned = True
+        warnings.warn(f"llmmem.GradScaler: the loss scale hit min_scale={self._min_scale} and stays there "
+                      "while gradients keep overflowing; the model may be diverging (or need bf16)",
+                      RuntimeWarning, stacklevel=stacklevel)
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (or since the state was pickled): ``updates`` (calls of

@@ -165,6 +165,20 @@ def test_fused_training_step_never_synchronises():
     assert s.stats()["updates"] == 3
 
 
+def test_min_scale_warning_arrives_without_a_sync():
+    model = torch.nn.Linear(4, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = llmmem.GradScaler("cuda", init_scale=4.0, min_scale=2.0)
+    with pytest.warns(RuntimeWarning, match="min_scale=2.0"):
+        for _ in range(8):
+            s.scale(model(torch.ones(1, 4, device="cuda")).sum()).backward()
+            model.weight.grad[0, 0] = float("inf")
+            s.step(opt)
+            s.update()
+            torch.cuda.synchronize()  # lets the polled copy land; the scaler itself never waits
+    assert s._scale.item() == 2.0
+
+
 def test_overflow_names_on_cuda():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
