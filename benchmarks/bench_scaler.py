@@ -180,7 +180,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for both torch and llmmem (torch.set_num_threads); default: torch's")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 5 if args.quick else 9
     rows = []
     if args.device == "cpu":
