@@ -152,6 +152,15 @@ def test_non_contiguous_tensors():
     assert not strided.is_contiguous() and strided.stride() == (48, 3)
 
 
+def test_dense_span_detection():
+    x = torch.zeros(4, 6)
+    assert K._dense_span(x) and K._dense_span(x.t())
+    assert K._dense_span(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    assert K._dense_span(torch.zeros(1, 5).as_strided((1, 5), (99, 1)))  # size-1 dims' strides do not matter
+    assert not K._dense_span(x[:, ::2]) and not K._dense_span(x[1:3, 1:3])
+    assert not K._dense_span(torch.zeros(3).expand(4, 3))  # overlapping
+
+
 def test_sparse_gradients_same_as_torch():
     results = []
     for impl in (torch.amp.GradScaler, llmmem.GradScaler):
