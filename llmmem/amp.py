@@ -18,8 +18,6 @@ other unchanged. What differs is underneath and on top:
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 import warnings
 from collections import abc, defaultdict
 from typing import Any, Iterable, Optional, Union
@@ -29,21 +27,13 @@ from torch.amp.grad_scaler import OptState  # the same enum, so `stage is OptSta
 
 from llmmem import _scaler_kernels as _k
 from llmmem._native import available, load_error
-from llmmem.errors import InvalidArgumentError
+from llmmem._scaler_args import (ScaleInputError, ScalerArgumentError, _check_backoff_factor,
+                                 _check_growth_factor, _check_growth_interval, _check_number)
+from llmmem._scaler_visibility import _ScalerVisibility
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
 
 _Parameter = torch.nn.Parameter
-
-
-class ScalerArgumentError(InvalidArgumentError, AssertionError):
-    """A bad GradScaler setting. A ``ValueError`` (via :class:`llmmem.InvalidArgumentError`) and,
-    because torch's scaler raises ``AssertionError`` for some of the same settings, also one of those."""
-
-
-class ScaleInputError(TypeError, ValueError):
-    """``scale()`` got something that is not a tensor or an iterable of tensors. A ``TypeError``;
-    also a ``ValueError``, which is what torch's scaler raises there."""
 
 
 def _refresh_per_optimizer_state() -> dict[str, Any]:
@@ -73,33 +63,6 @@ class _InverseOf:
         self.scale = scale
 
 
-def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"llmmem.GradScaler: {name} must be {'an int' if integer else 'a number'}, "
-                        f"got {type(value).__name__}")
-    if not integer and not math.isfinite(value):
-        raise ScalerArgumentError(f"llmmem.GradScaler: {name} must be finite, got {value}")
-
-
-def _check_growth_factor(value: Any) -> None:
-    _check_number("growth_factor", value)
-    if not value > 1.0:
-        raise ScalerArgumentError(f"llmmem.GradScaler: growth_factor must be > 1.0, got {value}")
-
-
-def _check_backoff_factor(value: Any) -> None:
-    _check_number("backoff_factor", value)
-    if not 0.0 < value < 1.0:
-        raise ScalerArgumentError(f"llmmem.GradScaler: backoff_factor must be in (0, 1), got {value}")
-
-
-def _check_growth_interval(value: Any) -> None:
-    _check_number("growth_interval", value, integer=True)
-    if value < 1:
-        raise ScalerArgumentError(f"llmmem.GradScaler: growth_interval must be >= 1, got {value}")
-
-
 def _where(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> str:
     """Names a parameter by its place in the optimizer, for error messages."""
     for gi, group in enumerate(optimizer.param_groups):
@@ -109,7 +72,7 @@ def _where(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> str:
     return "a parameter"
 
 
-class GradScaler:
+class GradScaler(_ScalerVisibility):
     """Scales the loss, unscales and checks gradients, skips steps with inf/NaN gradients and
     adapts the scale: :class:`torch.amp.GradScaler`'s behaviour on llmmem's kernels.
 
@@ -606,110 +569,10 @@ class GradScaler:
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    # ------------------------------------------------------------------ visibility (llmmem only)
-
     def _get_hysteresis_tracker(self) -> int:
         if self._hysteresis_tracker is None:
             return self._init_hysteresis_tracker
         return int(self._hysteresis_tracker.item())
-
-    def _read_stats(self) -> list[int]:
-        if not self._enabled:
-            return [0, 0, 0, 0]
-        return list(self._init_stats) if self._stats is None else [int(v) for v in self._stats.tolist()]
-
-    def _poll_min_scale_hits(self) -> None:
-        """GPU scales: learn about min_scale hits without a sync. Each update queues a 32-byte copy
-        of the counters into pinned host memory plus an event; a later update reads the copy once
-        the event has passed (event.query() does not wait), so the warning comes a step or so late."""
-        pending = getattr(self, "_stats_poll", None)
-        if pending is not None:
-            host, event = pending
-            if not event.query():
-                return  # the previous copy is still in flight: keep it, check next time
-            if int(host[3]) > 0:
-                self._emit_min_scale_warning(stacklevel=4)
-                return
-        host = pending[0] if pending is not None else torch.empty(4, dtype=torch.int64, pin_memory=True)
-        host.copy_(self._stats, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._stats.device))
-        self._stats_poll = (host, event)
-
-    def _warn_if_min_scale_hit(self) -> None:
-        if not self._enabled or self._min_scale is None or self._min_scale_warned or self._stats is None:
-            return
-        if int(self._stats[3].item()) > 0:
-            self._emit_min_scale_warning(stacklevel=4)
-
-    def _emit_min_scale_warning(self, stacklevel: int) -> None:
-        self._min_scale_warned = True
-        warnings.warn(f"llmmem.GradScaler: the loss scale hit min_scale={self._min_scale} and stays there "
-                      "while gradients keep overflowing; the model may be diverging (or need bf16)",
-                      RuntimeWarning, stacklevel=stacklevel)
-
-    def stats(self) -> dict[str, int]:
-        """Counters since construction (or since the state was pickled): ``updates`` (calls of
-        :meth:`update` that consumed inf checks), ``skipped_steps`` (those that found inf/NaN, i.e.
-        at least one optimizer step was skipped), ``last_step_skipped`` (0/1) and ``min_scale_hits``.
-
-        .. warning:: synchronises with the GPU.
-        """
-        self._warn_if_min_scale_hit()
-        u, s, last, hits = self._read_stats()
-        return {"updates": u, "skipped_steps": s, "last_step_skipped": last, "min_scale_hits": hits}
-
-    def skipped_steps(self) -> int:
-        """How many iterations had inf/NaN gradients (their optimizer steps were skipped).
-
-        .. warning:: synchronises with the GPU."""
-        return self.stats()["skipped_steps"]
-
-    def last_step_skipped(self) -> bool:
-        """Whether the latest :meth:`update` saw inf/NaN gradients, i.e. the step was skipped; use
-        it to hold back a learning-rate scheduler. ``False`` before the first update.
-
-        .. warning:: synchronises with the GPU."""
-        return bool(self.stats()["last_step_skipped"])
-
-    def overflowed_params(self, module: Optional[torch.nn.Module] = None,
-                          optimizer: Optional[torch.optim.Optimizer] = None) -> list:
-        """Which parameters had inf/NaN gradients in the latest check (the current iteration's, or
-        the previous one's until the next :meth:`unscale_`/:meth:`step`).
-
-        Args:
-            module: when given, parameters are reported by their names in ``module.named_parameters()``
-                (parameters not found there by index).
-            optimizer: only this optimizer's parameters (default: all optimizers checked).
-
-        Returns:
-            a list of names (str), or of ``(group_index, param_index)`` tuples into
-            ``optimizer.param_groups`` when no module names them.
-
-        .. warning:: synchronises with the GPU (reads the per-gradient flags).
-        """
-        if not self._enabled:
-            return []
-        names = {}
-        if module is not None:
-            for n, p in module.named_parameters(remove_duplicate=False):
-                names.setdefault(id(p), n)  # a tied weight is reported by its first name
-        out = []
-        items = self._overflow.items() if optimizer is None else [(id(optimizer), self._overflow.get(id(optimizer)))]
-        for _, info in items:
-            if info is None:
-                continue
-            param_groups, owners, per_device = info
-            hit = set()
-            for flags, pos in per_device.values():
-                for j, f in enumerate(flags.tolist()):
-                    if f:
-                        hit.add(pos[j])
-            index = {id(p): (gi, pi) for gi, g in enumerate(param_groups) for pi, p in enumerate(g["params"])}
-            for k in sorted(hit):
-                param = owners[k]
-                out.append(names.get(id(param), index.get(id(param))))
-        return out
 
 
 def feature_status() -> tuple[bool, str]:
