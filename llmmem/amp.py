@@ -262,8 +262,11 @@ class GradScaler(_ScalerVisibility):
             dtypes = [g.dtype for g in grads]
             if not allow_fp16 and torch.float16 in dtypes:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            for k, g in enumerate(grads):
-                if g.layout is torch.strided:
+            strided = torch.strided
+            layouts = [g.layout for g in grads]
+            for k in ([] if layouts.count(strided) == len(layouts) else range(len(grads))):
+                g = grads[k]
+                if layouts[k] is strided:
                     continue
                 param = owners[k]
                 if not g.is_sparse:
