@@ -159,3 +159,23 @@ def test_pickle_mid_iteration_refused(impl):
     s.unscale_(opt)
     with pytest.raises(AssertionError, match="may only be pickled at the beginning"):
         pickle.dumps(s)
+
+
+class _LegacyAmpOptimizer(torch.optim.SGD):
+    """An optimizer on the old contract: it takes the scaler as a `grad_scaler` keyword."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        self.seen_scaler = grad_scaler
+        return "stepped"
+
+
+def test_legacy_grad_scaler_kwarg_contract(impl):
+    model = torch.nn.Linear(3, 2)
+    opt = _LegacyAmpOptimizer(model.parameters(), lr=0.1)
+    s = impl("cpu")
+    s.scale(model(torch.ones(1, 3)).sum()).backward()
+    with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+        assert s.step(opt) == "stepped"
+    assert opt.seen_scaler is s and not hasattr(opt, "found_inf")
