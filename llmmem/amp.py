@@ -110,7 +110,9 @@ class GradScaler(_ScalerVisibility):
     With the defaults the scale trajectory, growth tracker, skipped steps and ``state_dict`` are
     those of ``torch.amp.GradScaler``.
 
-    Invalid settings raise :class:`ValueError` (never a bare ``assert``).
+    Invalid settings raise :class:`ValueError` naming the setting, never a bare ``assert`` (the
+    error is also an ``AssertionError``, what torch raises for a bad growth or backoff factor, so
+    code written against torch keeps catching it); wrong types raise :class:`TypeError`.
 
     .. note::
         Synchronisation: :meth:`unscale_` and :meth:`update` never synchronise with the GPU; neither
@@ -162,7 +164,7 @@ class GradScaler(_ScalerVisibility):
             self._init_stats = [0, 0, 0, 0]
             self._min_scale_warned = False
             # id(optimizer) -> (its param_groups, params whose grads were checked, {device: (flags, positions)})
-            self._overflow: dict[int, tuple[list, dict]] = {}
+            self._overflow: dict[int, tuple[list, list, dict]] = {}
             self._overflow_stale = False
 
     # ------------------------------------------------------------------ lazy state
