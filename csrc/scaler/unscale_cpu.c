@@ -1,0 +1,327 @@
+/*
+ * unscale_cpu.c — the CPU multi-tensor unscale + non-finite check (llmmem_scaler_unscale_check)
+ * and its plain reference (llmmem_scaler_unscale_check_ref).
+ *
+ * All gradients of a call are seen as one virtual concatenation of bytes, cut into one equal
+ * share per thread (at element boundaries, mixed dtypes balanced by bytes), so a list of 4000
+ * tiny tensors costs one spread of threads, not 4000. Each element is read and written once.
+ * Threads are created per call and joined before returning: no pool outlives a call, so nothing
+ * breaks across fork() and nothing needs shutting down. Without a usable thread the work runs
+ * on the calling thread.
+ *
+ * What it does not do: strided tensors (ranges must be contiguous), or any allocation besides
+ * thread stacks.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <llmmem/scaler.h>
+
+#include "halfconv.h"
+#include "internal.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define LLMMEM_HAVE_X86_DISPATCH 1
+#else
+#define LLMMEM_HAVE_X86_DISPATCH 0
+#endif
+
+/* Below this many bytes per thread a new thread costs more (tens of microseconds) than it saves. */
+#define MIN_BYTES_PER_THREAD ((size_t)1 << 19)
+#define MAX_THREADS 64
+/* Thread shares start on multiples of this many elements, so vector loops stay aligned. */
+#define CUT_ALIGN_ELEMS 64
+
+/* ---------------------------------------------------------------- loops, per instruction set */
+
+#define LOOP_SUFFIX _generic
+#define LOOP_TARGET
+#define LOOP_F16C 0
+#include "unscale_loops.h"
+#undef LOOP_SUFFIX
+#undef LOOP_TARGET
+#undef LOOP_F16C
+
+#if LLMMEM_HAVE_X86_DISPATCH
+#define LOOP_SUFFIX _avx2
+#define LOOP_TARGET __attribute__((target("avx2,f16c")))
+#define LOOP_F16C 1
+#include "unscale_loops.h"
+#undef LOOP_SUFFIX
+#undef LOOP_TARGET
+#undef LOOP_F16C
+
+/* 64-byte vectors: worth it where the core can keep two 512-bit loads in flight per cycle. */
+#define LOOP_SUFFIX _avx512
+#if defined(__clang__) /* clang's target attribute has no prefer-vector-width; it picks widths itself */
+#define LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c")))
+#else
+#define LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c,prefer-vector-width=512")))
+#endif
+#define LOOP_F16C 1
+#include "unscale_loops.h"
+#undef LOOP_SUFFIX
+#undef LOOP_TARGET
+#undef LOOP_F16C
+#endif
+
+typedef int (*run_range_fn)(const llmmem_scaler_tensor_t *, int64_t, int64_t, float, int);
+
+/* -1: pick by CPU; else the ISA level the tests force (see _llmmem_scaler_force_isa). */
+static int forced_isa = -1;
+
+/* Test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic. Levels the
+ * CPU lacks fall back to the best it has. Returns the level that will run. */
+int _llmmem_scaler_force_isa(int isa);
+
+static int best_isa(void) {
+#if LLMMEM_HAVE_X86_DISPATCH
+  __builtin_cpu_init();
+#if defined(__clang__) /* older clang cannot query f16c; every AVX2 CPU has it (since Ivy Bridge) */
+  int avx2 = __builtin_cpu_supports("avx2");
+#else
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
+  int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+  return avx512 ? 2 : avx2 ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+int _llmmem_scaler_force_isa(int isa) {
+  forced_isa = isa;
+  int best = best_isa();
+  return isa < 0 || isa > best ? best : isa;
+}
+
+static run_range_fn pick_run_range(void) {
+  int best = best_isa();
+  int isa = forced_isa < 0 || forced_isa > best ? best : forced_isa;
+#if LLMMEM_HAVE_X86_DISPATCH
+  if (isa == 2) return run_range_avx512;
+  if (isa == 1) return run_range_avx2;
+#endif
+  (void)isa;
+  return run_range_generic;
+}
+
+/* ---------------------------------------------------------------- shared argument checks */
+
+LLMMEM_API size_t llmmem_scaler_dtype_size(int32_t dtype) {
+  switch (dtype) {
+    case LLMMEM_SCALER_F32: return 4;
+    case LLMMEM_SCALER_F16: return 2;
+    case LLMMEM_SCALER_BF16: return 2;
+    case LLMMEM_SCALER_F64: return 8;
+    default: return 0;
+  }
+}
+
+LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale) {
+  LLMMEM_CHECK_ARG(inv_scale != NULL, "llmmem_scaler_inv_scale: inv_scale must not be NULL");
+  /* torch: scale.double().reciprocal().float(), because an fp32 division can be imprecise. */
+  *inv_scale = (float)(1.0 / (double)scale);
+  return LLMMEM_OK;
+}
+
+/* The multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or the given inverse. */
+static llmmem_status_t resolve_inv(const float *scale, int scale_is_inverse, float *inv) {
+  *inv = 1.0f;
+  if (!scale) return LLMMEM_OK;
+  if (scale_is_inverse) {
+    *inv = *scale;
+    return LLMMEM_OK;
+  }
+  return llmmem_scaler_inv_scale(*scale, inv);
+}
+
+/* Checks the tensor list; on success *total_bytes is the bytes of all tensors together. */
+llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler_tensor_t *tensors, size_t count,
+                                             const float *found_inf, const uint8_t *tensor_flags, size_t n_flags,
+                                             size_t *total_bytes) {
+  LLMMEM_CHECK_ARG(tensors != NULL || count == 0, "%s: tensors is NULL but count is %zu", fn, count);
+  LLMMEM_CHECK_ARG(found_inf != NULL, "%s: found_inf must not be NULL", fn);
+  size_t total = 0;
+  for (size_t i = 0; i < count; i++) {
+    const llmmem_scaler_tensor_t *t = &tensors[i];
+    size_t es = llmmem_scaler_dtype_size(t->dtype);
+    LLMMEM_CHECK_ARG(es != 0, "%s: tensors[%zu].dtype %d is not a gradient dtype (0=f32 1=f16 2=bf16 3=f64)", fn, i,
+                     (int)t->dtype);
+    LLMMEM_CHECK_ARG(t->numel >= 0, "%s: tensors[%zu].numel is negative (%lld)", fn, i, (long long)t->numel);
+    LLMMEM_CHECK_ARG(t->data != NULL || t->numel == 0, "%s: tensors[%zu].data is NULL with numel %lld", fn, i,
+                     (long long)t->numel);
+    LLMMEM_CHECK_ARG((uint64_t)t->numel <= (SIZE_MAX - total) / es, "%s: tensors[%zu] makes the total size overflow",
+                     fn, i);
+    LLMMEM_CHECK_ARG(((uintptr_t)t->data % es) == 0, "%s: tensors[%zu].data is not aligned to its %zu-byte elements",
+                     fn, i, es);
+    if (tensor_flags != NULL)
+      LLMMEM_CHECK_ARG(t->flag >= 0 && (size_t)t->flag < n_flags,
+                       "%s: tensors[%zu].flag %d is outside tensor_flags (n_flags %zu)", fn, i, (int)t->flag, n_flags);
+    total += (size_t)t->numel * es;
+  }
+  *total_bytes = total;
+  return LLMMEM_OK;
+}
+
+/* ---------------------------------------------------------------- reference */
+
+LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_tensor_t *tensors, size_t count,
+                                                           const float *scale, int scale_is_inverse, float *found_inf,
+                                                           uint8_t *tensor_flags, size_t n_flags) {
+  size_t total;
+  LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check_ref", tensors, count, found_inf, tensor_flags,
+                                          n_flags, &total));
+  float inv = 1.0f;
+  LLMMEM_TRY(resolve_inv(scale, scale_is_inverse, &inv));
+  const int write = inv != 1.0f; /* torch leaves values untouched when inv_scale == 1 */
+  for (size_t i = 0; i < count; i++) {
+    const llmmem_scaler_tensor_t *t = &tensors[i];
+    int bad = 0;
+    for (int64_t k = 0; k < t->numel; k++) {
+      switch (t->dtype) {
+        case LLMMEM_SCALER_F32: {
+          float *p = (float *)t->data + k;
+          if (!isfinite(*p)) bad = 1;
+          if (write) *p = *p * inv;
+          break;
+        }
+        case LLMMEM_SCALER_F64: {
+          double *p = (double *)t->data + k;
+          if (!isfinite(*p)) bad = 1;
+          if (write) *p = *p * (double)inv;
+          break;
+        }
+        case LLMMEM_SCALER_BF16: {
+          uint16_t *p = (uint16_t *)t->data + k;
+          float v = llmmem_bf16_to_f32(*p);
+          if (!isfinite(v)) bad = 1;
+          if (write) *p = llmmem_f32_to_bf16(v * inv);
+          break;
+        }
+        default: {
+          uint16_t *p = (uint16_t *)t->data + k;
+          float v = llmmem_f16_to_f32(*p);
+          if (!isfinite(v)) bad = 1;
+          if (write) *p = llmmem_f32_to_f16(v * inv);
+          break;
+        }
+      }
+    }
+    if (bad) {
+      *found_inf = 1.0f;
+      if (tensor_flags) tensor_flags[t->flag] = 1;
+    }
+  }
+  return LLMMEM_OK;
+}
+
+/* ---------------------------------------------------------------- threaded fast path */
+
+typedef struct {
+  size_t tensor;   /* index of the first tensor of the share */
+  int64_t offset;  /* first element within it */
+} cut_t;
+
+typedef struct {
+  const llmmem_scaler_tensor_t *tensors;
+  cut_t begin, end;     /* [begin, end) in (tensor, element) order */
+  float inv;
+  int write;
+  uint8_t *flags;       /* shared; written with relaxed atomic stores (two shares can meet in one tensor) */
+  run_range_fn run;
+  int found;            /* out */
+} share_t;
+
+static void run_share(share_t *s) {
+  int found = 0;
+  for (size_t i = s->begin.tensor; i <= s->end.tensor; i++) {
+    const llmmem_scaler_tensor_t *t = &s->tensors[i];
+    int64_t lo = i == s->begin.tensor ? s->begin.offset : 0;
+    int64_t hi = i == s->end.tensor ? s->end.offset : t->numel;
+    if (hi > lo && s->run(t, lo, hi - lo, s->inv, s->write)) {
+      found = 1;
+      if (s->flags) __atomic_store_n(&s->flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
+    }
+  }
+  s->found = found;
+}
+
+static void *share_thread(void *arg) {
+  run_share((share_t *)arg);
+  return NULL;
+}
+
+static int online_cpus(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+/* Where the byte `target` of the virtual concatenation falls, rounded down to CUT_ALIGN_ELEMS
+ * elements; `*cursor`/`*before` carry the walk between calls (targets are increasing). */
+static cut_t find_cut(const llmmem_scaler_tensor_t *tensors, size_t count, size_t target, size_t *cursor,
+                      size_t *before) {
+  while (*cursor < count) {
+    const llmmem_scaler_tensor_t *t = &tensors[*cursor];
+    size_t es = llmmem_scaler_dtype_size(t->dtype);
+    size_t bytes = (size_t)t->numel * es;
+    if (target < *before + bytes) {
+      int64_t off = (int64_t)((target - *before) / es);
+      off -= off % CUT_ALIGN_ELEMS;
+      return (cut_t){*cursor, off};
+    }
+    *before += bytes;
+    (*cursor)++;
+  }
+  return (cut_t){count, 0};
+}
+
+LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
+                                                       const float *scale, int scale_is_inverse, float *found_inf,
+                                                       uint8_t *tensor_flags, size_t n_flags, int num_threads) {
+  size_t total;
+  LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check", tensors, count, found_inf, tensor_flags,
+                                          n_flags, &total));
+  LLMMEM_CHECK_ARG(num_threads >= 0, "llmmem_scaler_unscale_check: num_threads must be >= 0, got %d", num_threads);
+  if (count == 0 || total == 0) return LLMMEM_OK;
+  float inv = 1.0f;
+  LLMMEM_TRY(resolve_inv(scale, scale_is_inverse, &inv));
+
+  size_t nt = (size_t)(num_threads > 0 ? num_threads : online_cpus());
+  size_t by_size = total / MIN_BYTES_PER_THREAD;
+  if (nt > by_size) nt = by_size;
+  if (nt > MAX_THREADS) nt = MAX_THREADS;
+  if (nt < 1) nt = 1;
+
+  share_t shares[MAX_THREADS];
+  cut_t cuts[MAX_THREADS + 1];
+  size_t cursor = 0, before = 0;
+  cuts[0] = (cut_t){0, 0};
+  for (size_t k = 1; k < nt; k++) cuts[k] = find_cut(tensors, count, total / nt * k, &cursor, &before);
+  cuts[nt] = (cut_t){count - 1, tensors[count - 1].numel};
+  run_range_fn run = pick_run_range();
+  for (size_t k = 0; k < nt; k++) {
+    /* Every cut lies inside the list: its byte target is below the total. */
+    shares[k] = (share_t){tensors, cuts[k], cuts[k + 1], inv, inv != 1.0f, tensor_flags, run, 0};
+  }
+
+  pthread_t threads[MAX_THREADS];
+  int started[MAX_THREADS] = {0};
+  for (size_t k = 1; k < nt; k++) started[k] = pthread_create(&threads[k], NULL, share_thread, &shares[k]) == 0;
+  run_share(&shares[0]);
+  int found = shares[0].found;
+  for (size_t k = 1; k < nt; k++) {
+    if (started[k])
+      pthread_join(threads[k], NULL);
+    else
+      run_share(&shares[k]); /* no thread could be made: do its share here */
+    found |= shares[k].found;
+  }
+  if (found) *found_inf = 1.0f;
+  return LLMMEM_OK;
+}

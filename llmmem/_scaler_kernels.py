@@ -1,0 +1,179 @@
+"""Torch-facing glue of the loss-scaler kernels: tensors in, C core (llmmem._C) calls out.
+
+Everything here works on lists of gradient tensors of one device; :mod:`llmmem.amp` does the
+bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype codes.
+
+- CPU tensors go to the threaded C kernel (the GIL is released while it runs).
+- CUDA tensors go to the CUDA kernels when llmmem was built with CUDA: queued on the current
+  stream, no host synchronisation.
+- Any other device, or CUDA with a CPU-only build of llmmem, falls back to torch's own ops
+  (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from llmmem._native import available, native
+
+# dtype -> code of llmmem_scaler_dtype_t (csrc/include/llmmem/scaler.h)
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+_cuda_built: Optional[bool] = None
+_warned_fallback: set = set()
+
+
+def cuda_kernels_built() -> bool:
+    """True when this llmmem was compiled with its CUDA kernels (no GPU needed to answer)."""
+    global _cuda_built
+    if _cuda_built is None:
+        _cuda_built = bool(available() and native.build_info()["cuda_built"])
+    return _cuda_built
+
+
+def uses_llmmem_kernels(device: torch.device) -> bool:
+    """Whether gradients on ``device`` are handled by llmmem's own kernels (else torch's ops)."""
+    if not available():
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_built())
+
+
+def _dense_span(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill exactly ``numel`` consecutive slots from ``data_ptr()``
+    (contiguous in some order, e.g. channels_last or a transposed weight), so it can be treated
+    as a flat array: the unscale is elementwise, the order does not matter."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _warn_fallback(device: torch.device, why: str) -> None:
+    if device.type not in _warned_fallback:
+        _warned_fallback.add(device.type)
+        warnings.warn(f"llmmem.GradScaler: {why}; using torch's unscale and update ops on {device.type} "
+                      "(no per-parameter overflow flags there)", RuntimeWarning, stacklevel=4)
+
+
+def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
+                   scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
+                   codes: Optional[Sequence[int]] = None) -> None:
+    """In place on ``grads`` (all on one device): multiply by the inverse scale and set
+    ``found_inf`` (a 0-dim float32 tensor on that device) to 1 if any element is inf/NaN.
+
+    ``scale`` None means check only. ``flags`` (uint8, one per grad, same device) gets a 1 for
+    each grad holding a non-finite value. Gradients must be strided tensors of a supported dtype;
+    strided views that are not dense are copied, processed and copied back. ``codes``: the
+    dtype codes of ``grads`` when the caller already has them.
+    """
+    if not grads:
+        return
+    device = grads[0].device
+    work, copies = grads, []
+    if not all([g.is_contiguous() for g in grads]):
+        work = []
+        for g in grads:
+            if _dense_span(g):
+                work.append(g)
+            else:
+                tmp = g.contiguous()
+                work.append(tmp)
+                copies.append((g, tmp))
+    if uses_llmmem_kernels(device):
+        ptrs = [t.data_ptr() for t in work]
+        numels = [t.numel() for t in work]
+        if codes is None:
+            codes = [DTYPE_CODES[t.dtype] for t in work]
+        flags_ptr = flags.data_ptr() if flags is not None else 0
+        n_flags = flags.numel() if flags is not None else 0
+        scale_ptr = scale.data_ptr() if scale is not None else 0
+        if device.type == "cpu":
+            native.scaler_unscale_check(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
+                                        flags_ptr, n_flags, torch.get_num_threads())
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            stream = torch.cuda.current_stream(index).cuda_stream
+            native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
+                                             flags_ptr, n_flags, index, stream)
+    else:
+        _warn_fallback(device, "llmmem's kernels do not cover this device" if available() else
+                       "llmmem's C core is not loaded")
+        _torch_unscale_check_(work, found_inf, flags, scale, scale_is_inverse)
+    for g, tmp in copies:
+        g.copy_(tmp)
+
+
+def _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse):
+    """The same operation with torch's ops (per tensor, so flags can be filled)."""
+    if scale is None:
+        inv = torch.ones((), dtype=torch.float32, device=found_inf.device)
+    elif scale_is_inverse:
+        inv = scale
+    else:
+        inv = scale.double().reciprocal().float()
+    per_tensor = torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device)
+    for i, g in enumerate(grads):
+        target = g
+        if g.dtype == torch.bfloat16 and g.device.type == "cuda":  # torch's CUDA op rejects bf16
+            target = g.float()
+        torch._amp_foreach_non_finite_check_and_unscale_([target], per_tensor[i], inv)
+        if target is not g:
+            g.copy_(target)
+    if flags is not None:
+        flags.copy_((per_tensor > 0).to(flags.dtype))
+    found_inf.copy_(torch.maximum(found_inf, per_tensor.max()))
+
+
+def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_tracker: torch.Tensor,
+                  stats: torch.Tensor, found_infs: Sequence[torch.Tensor], growth_factor: float,
+                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float) -> None:
+    """One scale update in place (torch's rule when hysteresis == 1 and min_scale == 0); all
+    tensors on the scale's device. No host synchronisation on CUDA."""
+    device = scale.device
+    if len(found_infs) > 16:  # the C entry takes at most 16 flags: fold the rest first
+        found_infs = [torch.stack(list(found_infs)).sum()]
+    if uses_llmmem_kernels(device):
+        ptrs = [f.data_ptr() for f in found_infs]
+        args = (scale.data_ptr(), growth_tracker.data_ptr(), hysteresis_tracker.data_ptr(), stats.data_ptr(), ptrs,
+                float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale))
+        if device.type == "cpu":
+            native.scaler_update(*args)
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream)
+        return
+    _torch_update_(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
+                   growth_interval, hysteresis, min_scale)
+
+
+def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backoff_factor, growth_interval,
+                   hysteresis, min_scale):
+    """update_scale_ with torch ops only (devices without llmmem kernels); same rule, no sync."""
+    found = torch.stack([f.reshape(()) for f in found_infs]).ne(0).any()
+    left = torch.clamp(hyst - 1, min=0)
+    back = found & left.eq(0)
+    backed = (scale.double() * backoff_factor).float()
+    hit = torch.zeros((), dtype=torch.bool, device=scale.device)
+    if min_scale > 0:
+        hit = back & ~(backed >= min_scale)
+        backed = torch.where(backed >= min_scale, backed, torch.full_like(backed, min_scale))
+    successful = growth + 1
+    grow = ~found & successful.eq(growth_interval)
+    grown = (scale.double() * growth_factor).float()
+    new_scale = torch.where(back, backed, torch.where(grow & torch.isfinite(grown), grown, scale))
+    new_growth = torch.where(found | grow, torch.zeros_like(growth), successful)
+    new_hyst = torch.where(found, left, torch.full_like(hyst, hysteresis))
+    scale.copy_(new_scale)
+    growth.copy_(new_growth)
+    hyst.copy_(new_hyst)
+    f64 = found.long()
+    stats.add_(torch.stack([torch.ones_like(f64), f64, torch.zeros_like(f64), hit.long()]))
+    stats[2] = f64
