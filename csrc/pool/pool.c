@@ -101,24 +101,24 @@ void _llmmem_block_clear_event(llmmem_pool_t *pool, pool_block_t *b) {
 int _llmmem_block_usable(llmmem_pool_t *pool, pool_block_t *b, void *stream) {
   if (!b->event) return 1;
   if (b->stream == stream) return 1;  /* same stream: the queue orders our use after the free */
-  if (pool->backend.event_done(pool->backend.ctx, b->event) == 1) {
-    _llmmem_block_clear_event(pool, b);
-    return 1;
-  }
-  return 0;
+  /* A completed event is left in place: poll_events clears it and coalesces, which a search
+   * must not do under the caller's feet. */
+  return pool->backend.event_done(pool->backend.ctx, b->event) == 1;
 }
 
 /* ---- coalescing ---------------------------------------------------------------------------- */
 
-/* Two free neighbours can become one block unless they wait on events of different streams. */
-static int mergeable(const pool_block_t *a, const pool_block_t *n, int allow_pending) {
+/* Two free neighbours become one block when neither waits for an event, or both wait on the same
+ * stream (the later event covers the earlier). A waiting block is not merged with a free one:
+ * that would make the free one wait too; they merge once the event is seen complete. */
+static int mergeable(const pool_block_t *a, const pool_block_t *n) {
   if (!n || !n->is_free) return 0;
-  if (n->event && !allow_pending) return 0;
-  return !(a->event && n->event && a->stream != n->stream);
+  if (!a->event && !n->event) return 1;
+  return a->event && n->event && a->stream == n->stream;
 }
 
 /* lo absorbs its successor hi (both free, neither in a heap). On one stream the later event
- * covers the earlier one; an event-less part simply takes on the other's event (conservative). */
+ * covers the earlier one. */
 static pool_block_t *merge(llmmem_pool_t *pool, pool_block_t *lo, pool_block_t *hi) {
   pool_event_t a = detach_event(pool, lo), b = detach_event(pool, hi);
   pool_event_t keep = a, drop = b;
@@ -135,15 +135,17 @@ static pool_block_t *merge(llmmem_pool_t *pool, pool_block_t *lo, pool_block_t *
   return lo;
 }
 
-/* Merges free block b (not in a heap) with its free neighbours; returns the result, not in a heap. */
-static pool_block_t *coalesce(llmmem_pool_t *pool, pool_block_t *b, int allow_pending) {
+/* Merges free block b (not in a heap) with its free neighbours; returns the result, not in a heap.
+ * An event-less b only absorbs event-less neighbours, which are never in the pending list, so
+ * poll_events can call this while walking that list. */
+static pool_block_t *coalesce(llmmem_pool_t *pool, pool_block_t *b) {
   pool_block_t *n = b->next;
-  if (mergeable(b, n, allow_pending)) {
+  if (mergeable(b, n)) {
     _llmmem_heap_remove(heap_of(pool, n), n);
     b = merge(pool, b, n);
   }
   pool_block_t *p = b->prev;
-  if (mergeable(b, p, allow_pending)) {
+  if (mergeable(b, p)) {
     _llmmem_heap_remove(heap_of(pool, p), p);
     b = merge(pool, p, b);
   }
@@ -240,7 +242,7 @@ static void split(llmmem_pool_t *pool, pool_block_t *b, size_t size, pool_block_
 
 /* Frees large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away and
  * its event (if any) moves to lb. Returns lb, merged with its neighbours and in the large heap. */
-static void release_chunk(llmmem_pool_t *pool, pool_region_t *c, int allow_pending) {
+static void release_chunk(llmmem_pool_t *pool, pool_region_t *c) {
   pool_block_t *sb = c->first, *lb = c->backing;
   _llmmem_heap_remove(&pool->small, sb);
   pool_event_t ev = detach_event(pool, sb);
@@ -251,15 +253,15 @@ static void release_chunk(llmmem_pool_t *pool, pool_region_t *c, int allow_pendi
   lb->chunk = NULL;
   lb->is_free = 1;
   attach_event(pool, lb, ev);
-  lb = coalesce(pool, lb, allow_pending);
+  lb = coalesce(pool, lb);
   _llmmem_heap_insert(&pool->large, lb);
 }
 
 /* A whole chunk just became free (block m covers it, not in a heap): keep one such chunk for the
  * next small request, give any other back to the large heap. */
-static void chunk_became_empty(llmmem_pool_t *pool, pool_block_t *m, int allow_pending) {
+static void chunk_became_empty(llmmem_pool_t *pool, pool_block_t *m) {
   _llmmem_heap_insert(&pool->small, m);
-  if (pool->empty_chunks >= 1) release_chunk(pool, m->region, allow_pending);
+  if (pool->empty_chunks >= 1) release_chunk(pool, m->region);
   else pool->empty_chunks++;
 }
 
@@ -268,7 +270,7 @@ static void release_empty_chunks(llmmem_pool_t *pool) {
   while (c) {
     pool_region_t *next = c->next;
     if (region_empty(c)) {
-      release_chunk(pool, c, 0);
+      release_chunk(pool, c);
       pool->empty_chunks--;
     }
     c = next;
@@ -288,9 +290,8 @@ static void poll_events(llmmem_pool_t *pool, int max_checks) {
       int counted = b->small && region_empty(b->region);  /* an empty chunk already counted */
       _llmmem_heap_remove(heap_of(pool, b), b);
       _llmmem_block_clear_event(pool, b);
-      /* Only event-less neighbours: a pending one may be `next`, which must stay valid. */
-      pool_block_t *m = coalesce(pool, b, 0);
-      if (m->small && region_empty(m->region) && !counted) chunk_became_empty(pool, m, 0);
+      pool_block_t *m = coalesce(pool, b);  /* event-less: `next` cannot be merged away */
+      if (m->small && region_empty(m->region) && !counted) chunk_became_empty(pool, m);
       else _llmmem_heap_insert(heap_of(pool, m), m);
     }
     b = next;
@@ -548,7 +549,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
     block_recycle(pool, rest);
   }
   if (_llmmem_ptrmap_put(&pool->live, b->addr, b) != LLMMEM_OK) {
-    b = coalesce(pool, b, 1);
+    b->is_free = 1;
+    b = coalesce(pool, b);
     _llmmem_heap_insert(heap_of(pool, b), b);
     pthread_mutex_unlock(&pool->lock);
     return LLMMEM_ERR_NOMEM;
@@ -606,8 +608,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void
   b->requested = 0;
   b->stream = NULL;
   attach_event(pool, b, ev);
-  pool_block_t *m = coalesce(pool, b, 1);
-  if (m->small && region_empty(m->region)) chunk_became_empty(pool, m, 1);
+  pool_block_t *m = coalesce(pool, b);
+  if (m->small && region_empty(m->region)) chunk_became_empty(pool, m);
   else _llmmem_heap_insert(heap_of(pool, m), m);
   update_active(pool);
   int destroy = pool->release_when_empty && pool->st.allocations.current == 0;

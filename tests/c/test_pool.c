@@ -463,11 +463,17 @@ int main(void) {
     CHECK((uintptr_t)c >= (uintptr_t)d + 4 * MiB || (uintptr_t)c + 4 * MiB <= (uintptr_t)a);
     CHECK_OK(llmmem_pool_free(p, c, S2));
     fake_complete(&f, S1);
-    void *e;
+    void *e, *e2;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    int64_t reserved = s.reserved_bytes.current;
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S2, &e));
-    CHECK(e == a);  /* now reusable by S2 */
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S2, &e2));
+    CHECK((e == a && e2 == c) || (e == c && e2 == a));  /* a is now reusable by S2, c always was */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == reserved);
     CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_free(p, e, S2));
+    CHECK_OK(llmmem_pool_free(p, e2, S2));
     CHECK_OK(llmmem_pool_free(p, d, S1));
     CHECK_OK(llmmem_pool_empty_cache(p, NULL));  /* waits every event */
     CHECK(segments_whole_and_free(p));
@@ -509,24 +515,38 @@ int main(void) {
     void *streams[3] = {(void *)0x10, (void *)0x20, (void *)0x30};
     void *ptrs[32];
     void *on[32];
-    int n = 0, ok = 1;
+    size_t sizes[32];
+    /* Model of the safety property: memory freed on stream S may go to another stream only once
+     * the event recorded at that free has completed. */
+    typedef struct { uintptr_t addr; size_t size; void *stream; fake_event_t *ev; } freed_t;
+    static freed_t freed[4096];
+    int n = 0, n_freed = 0, ok = 1, unsafe = 0;
     for (int i = 0; i < 3000 && ok; i++) {
       unsigned long long r = th_rand(&rng);
       if (f.n_events > 3500) break;
       if (n < 32 && (n == 0 || r % 2)) {
         on[n] = streams[r % 3];
-        if (llmmem_pool_alloc(p, 1 + (r >> 8) % (3 * MiB), on[n], &ptrs[n]) != LLMMEM_OK) ok = 0;
+        sizes[n] = 1 + (r >> 8) % (3 * MiB);
+        if (llmmem_pool_alloc(p, sizes[n], on[n], &ptrs[n]) != LLMMEM_OK) ok = 0;
+        uintptr_t lo = (uintptr_t)ptrs[n], hi = lo + sizes[n];
+        for (int j = 0; j < n_freed; j++)
+          if (freed[j].stream != on[n] && !freed[j].ev->done && lo < freed[j].addr + freed[j].size && freed[j].addr < hi)
+            unsafe++;
         n++;
       } else {
         int k = (int)((r >> 8) % (unsigned long long)n);
         if (llmmem_pool_free(p, ptrs[k], on[k]) != LLMMEM_OK) ok = 0;
+        freed[n_freed++] = (freed_t){(uintptr_t)ptrs[k], sizes[k], on[k], f.events[f.n_events - 1]};
         ptrs[k] = ptrs[n - 1];
+        sizes[k] = sizes[n - 1];
         on[k] = on[--n];
       }
       if (r % 7 == 0) fake_complete(&f, streams[(r >> 4) % 3]);
       if (i % 50 == 0 && _llmmem_pool_check(p) != LLMMEM_OK) ok = 0;
     }
     CHECK(ok);
+    CHECK(unsafe == 0);
+    CHECK(n_freed > 1000);
     for (n--; n >= 0; n--) CHECK_OK(llmmem_pool_free(p, ptrs[n], on[n]));
     CHECK_OK(llmmem_pool_empty_cache(p, NULL));
     CHECK_OK(_llmmem_pool_check(p));
