@@ -327,6 +327,28 @@ static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
   return st;
 }
 
+/* Growth that does not strand memory: fully free growth segments are given back first and their
+ * bytes re-reserved inside the one new segment, so free space that was scattered over segments
+ * (which can never merge with each other) becomes contiguous; reserved memory grows only by what
+ * the request adds. The release costs a backend free (cudaFree synchronizes the device), but only
+ * on the growth path, which already pays for a cudaMalloc; a steady training loop never gets here. */
+static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
+  size_t freed = 0;
+  release_empty_chunks(pool);
+  for (pool_region_t *r = pool->segments, *next; r; r = next) {
+    next = r->next;
+    if (!r->is_initial && region_empty(r) && !r->first->event) {
+      freed += r->size;
+      release_segment(pool, r);
+    }
+  }
+  if (freed > need) {
+    llmmem_status_t st = grow(pool, freed);
+    if (st != LLMMEM_ERR_NOMEM) return st;
+  }
+  return grow(pool, need);
+}
+
 /* A free large block of >= size usable on `stream`, removed from the heap, or NULL (OOM). */
 static pool_block_t *large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why) {
   pool_block_t *b = _llmmem_heap_find(pool, &pool->large, size, stream, POOL_SCAN_LIMIT);
@@ -335,7 +357,7 @@ static pool_block_t *large_take(llmmem_pool_t *pool, size_t size, void *stream, 
     b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
   }
   if (!b) {
-    *why = grow(pool, size);
+    *why = grow_consolidating(pool, size);
     if (*why == LLMMEM_OK) b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
   }
   if (!b && *why != LLMMEM_OK && *why != LLMMEM_ERR_NOMEM) return NULL;  /* a backend error, not OOM */
@@ -523,7 +545,11 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
       _llmmem_heap_remove(&pool->small, b);
       if (region_empty(b->region)) pool->empty_chunks--;
     } else {
-      b = new_chunk(pool);  /* NULL: no room for 2 MiB; the large heap may still fit this request */
+      /* A large-heap remnant smaller than a chunk (the tail of a segment, say) cannot split any big
+       * range, so it serves small requests before a new chunk is carved. */
+      b = _llmmem_heap_find(pool, &pool->large, rsize, stream, POOL_SCAN_LIMIT);
+      if (b && b->size < LLMMEM_POOL_CHUNK_SIZE) _llmmem_heap_remove(&pool->large, b);
+      else b = new_chunk(pool);  /* NULL: no room for 2 MiB; the large heap may still fit this request */
     }
   }
   if (!b) b = large_take(pool, rsize, stream, &why);
