@@ -178,6 +178,14 @@ def gpu_part(traces: dict, quick: bool) -> dict:
             torch.cuda.caching_allocator_delete(p)
         real[name] = peak / peak_requested(events)
     out["torch_real_ratio"] = real
+    # the largest GPT batch under a fixed cap, each allocator in a fresh process
+    cap = "4"
+    for mode in ("native", "llmmem"):
+        r = subprocess.run([sys.executable, os.path.join(HERE, "_max_batch.py"), mode, cap], capture_output=True,
+                           text=True, timeout=300)
+        out[f"max_batch_{mode}"] = json.loads(r.stdout.strip().splitlines()[-1])["max_batch"] if r.returncode == 0 \
+            else f"failed: {r.stderr.strip()[-300:]}"
+    out["max_batch_cap_gib"] = float(cap)
     return out
 
 
@@ -234,6 +242,9 @@ def main(argv=None) -> int:
                     ["trace", "real", "simulated"],
                     [[k, v, next(r["torch_policy_ratio"] for r in rows if r["trace"] == k)]
                      for k, v in g["torch_real_ratio"].items()])
+        print_table(f"GPU: largest GPT batch under a {g['max_batch_cap_gib']:.0f} GiB cap",
+                    ["allocator", "max batch"],
+                    [["PyTorch default", g["max_batch_native"]], ["llmmem install_allocator", g["max_batch_llmmem"]]])
     path = write_json("pool", result, args.json)
     print(f"\nwrote {path}")
     return 0

@@ -430,6 +430,40 @@ int main(void) {
     CHECK_OK(llmmem_pool_destroy(p));
   }
 
+  TEST("growth folds fully free segments into the new one instead of stranding them") {
+    llmmem_pool_t *p = host_pool(0, 0, 0);
+    void *a, *b, *c, *d;
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &b));
+    CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &c));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    /* 10 MiB free in two segments, none fits 9 MiB: both go back, one 10 MiB segment comes */
+    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB, NULL, &d));
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(12 * MiB) && s.reserved_bytes.peak == (int64_t)(12 * MiB));
+    CHECK(s.segments.current == 2 && s.num_backend_releases == 2 && s.num_backend_reserves == 4);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));
+    CHECK_OK(llmmem_pool_free(p, d, NULL));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("small requests use large-heap remnants before carving a new chunk") {
+    llmmem_pool_t *p = host_pool(0, 0, 0);
+    void *a, *b;
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB + 512 * 1024, NULL, &a));  /* a 4 MiB segment, 0.5 MiB tail */
+    CHECK_OK(llmmem_pool_alloc(p, 100 * 1024, NULL, &b));
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.small_chunks == 0 && s.segments.current == 1 && (uintptr_t)b == (uintptr_t)a + 3 * MiB + 512 * 1024);
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK(segments_whole_and_free(p));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
   TEST("growth_size sets the minimum segment") {
     llmmem_pool_t *p = host_pool(0, 0, 32 * MiB);
     void *a;
