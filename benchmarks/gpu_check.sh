@@ -13,7 +13,7 @@ run "$PY" -m llmmem info
 
 # ---- caching memory pool (issue 5) ----
 run "$PY" -m pytest -q -x tests/test_pool_cuda.py
-run "$PY" benchmarks/record_traces.py --device cuda --out benchmarks/results/traces_cuda
+run "$PY" benchmarks/record_traces.py --device cuda   # adds benchmarks/traces/*_cuda.json.gz
 run "$PY" benchmarks/run.py --only pool --device cuda --quick
 
 exit $status

@@ -412,12 +412,12 @@ int main(void) {
   TEST("empty_cache gives back fully free growth segments only") {
     llmmem_pool_t *p = host_pool(2 * MiB, 0, 0);
     void *a, *b;
-    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB, NULL, &a));
-    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB, NULL, &b));
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB - 1000, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &b));
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     size_t released = 0;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
-    CHECK(released == 6 * MiB);  /* 5 MiB rounded to the 2 MiB growth granularity */
+    CHECK(released == 6 * MiB);  /* rounded up to the 2 MiB growth granularity */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 2 && s.reserved_bytes.current == (int64_t)(12 * MiB));
@@ -433,16 +433,16 @@ int main(void) {
   TEST("growth folds fully free segments into the new one instead of stranding them") {
     llmmem_pool_t *p = host_pool(0, 0, 0);
     void *a, *b, *c, *d;
-    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &a));
-    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &b));
+    CHECK_OK(llmmem_pool_alloc(p, 12 * MiB, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 14 * MiB, NULL, &b));
     CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &c));
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
-    /* 10 MiB free in two segments, none fits 9 MiB: both go back, one 10 MiB segment comes */
-    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB, NULL, &d));
+    /* 26 MiB free in two segments, none fits 20 MiB: both go back, one 26 MiB segment comes */
+    CHECK_OK(llmmem_pool_alloc(p, 20 * MiB, NULL, &d));
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(s.reserved_bytes.current == (int64_t)(12 * MiB) && s.reserved_bytes.peak == (int64_t)(12 * MiB));
+    CHECK(s.reserved_bytes.current == (int64_t)(28 * MiB) && s.reserved_bytes.peak == (int64_t)(28 * MiB));
     CHECK(s.segments.current == 2 && s.num_backend_releases == 2 && s.num_backend_reserves == 4);
     CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_free(p, c, NULL));
@@ -453,14 +453,26 @@ int main(void) {
   TEST("small requests use large-heap remnants before carving a new chunk") {
     llmmem_pool_t *p = host_pool(0, 0, 0);
     void *a, *b;
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB + 512 * 1024, NULL, &a));  /* a 4 MiB segment, 0.5 MiB tail */
+    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB + 512 * 1024, NULL, &a));  /* a 10 MiB segment, 0.5 MiB tail */
     CHECK_OK(llmmem_pool_alloc(p, 100 * 1024, NULL, &b));
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(s.small_chunks == 0 && s.segments.current == 1 && (uintptr_t)b == (uintptr_t)a + 3 * MiB + 512 * 1024);
+    CHECK(s.small_chunks == 0 && s.segments.current == 1 && (uintptr_t)b == (uintptr_t)a + 9 * MiB + 512 * 1024);
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK(segments_whole_and_free(p));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("a mid-size request that must grow gets room for a few of its size when that wastes less") {
+    llmmem_pool_t *p = host_pool(0, 0, 0);
+    void *a[4];
+    size_t r = 2 * MiB + MiB / 4;  /* alone: a 4 MiB segment, 44% unused; four: 9 MiB in 10 MiB */
+    for (int i = 0; i < 4; i++) CHECK_OK(llmmem_pool_alloc(p, r, NULL, &a[i]));
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.segments.current == 1 && s.reserved_bytes.current == (int64_t)(10 * MiB));
+    for (int i = 0; i < 4; i++) CHECK_OK(llmmem_pool_free(p, a[i], NULL));
     CHECK_OK(llmmem_pool_destroy(p));
   }
 
