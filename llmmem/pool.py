@@ -194,7 +194,8 @@ class MemoryPool:
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         buf = native.pool_buffer(self._cap(), numel * itemsize)
-        return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+        flat = torch.frombuffer(buf, dtype=dtype, count=numel)
+        return flat if len(shape) == 1 else flat.view(shape)
 
     # ---- statistics -----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -377,7 +378,9 @@ def current_pool() -> MemoryPool | None:
 def install_allocator(pool: MemoryPool) -> None:
     """Make ``pool`` PyTorch's CUDA allocator for the whole process (``change_current_allocator``).
 
-    Every CUDA tensor is then allocated and freed by llmmem directly, with stream-ordered reuse.
+    Every CUDA tensor is then allocated and freed by llmmem directly, with stream-ordered reuse
+    (each free records a CUDA event on the tensor's allocation stream, a few microseconds of host
+    time; PyTorch tells the allocator no other stream, so ``Tensor.record_stream`` has no effect).
     It must be called before the process makes its first CUDA allocation, and cannot be undone.
     Costs of this mode (PyTorch's, not llmmem's): ``torch.cuda.memory_stats()`` and
     ``memory_snapshot()`` stop working (use ``pool.stats()``), ``cudnn.benchmark`` is unsupported,

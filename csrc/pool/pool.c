@@ -590,11 +590,12 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
     snprintf(detail, sizeof detail, "%s", llmmem_last_error());
     pthread_mutex_unlock(&pool->lock);
     if (why != LLMMEM_ERR_NOMEM && why != LLMMEM_OK) return LLMMEM_FAIL(why, "allocating %zu bytes: %s", size, detail);
+    char cap[64];
+    if (max) snprintf(cap, sizeof cap, "max_size %zu", max);
+    else snprintf(cap, sizeof cap, "no max_size");
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM,
-                       "out of memory allocating %zu bytes (%zu rounded): %zu bytes allocated, %zu reserved, "
-                       "max_size %s%zu; %s",
-                       size, rsize, allocated, reserved, max ? "" : "unlimited, backend gave ", max ? max : reserved,
-                       detail);
+                       "out of memory allocating %zu bytes (%zu rounded): %zu bytes allocated, %zu reserved, %s; %s",
+                       size, rsize, allocated, reserved, cap, detail);
   }
   if (b->size - rsize >= LLMMEM_POOL_GRANULARITY) {
     split(pool, b, rsize, rest);
