@@ -65,11 +65,15 @@ def _parse_device(device) -> tuple[str, int]:
     if name in ("cpu", "pinned"):
         return name, -1
     if name == "cuda":
+        # torch.cuda.current_device() would initialize PyTorch's CUDA state, and with it its caching
+        # allocator, after which install_allocator can no longer swap it: ask only once it is up.
+        index = 0
         try:
             torch = _torch()
-            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            if torch.cuda.is_initialized():
+                index = torch.cuda.current_device()
         except Exception:  # noqa: BLE001 - no usable CUDA: the C backend says why at creation
-            index = 0
+            pass
         return "cuda", index
     if name.startswith("cuda:") and name[5:].isdigit():
         return "cuda", int(name[5:])

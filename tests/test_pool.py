@@ -336,3 +336,15 @@ def test_the_pluggable_entry_points_work_through_a_slot():
 def test_feature_status_reports():
     usable, detail = pool_mod.feature_status()
     assert usable is True and "CPU pools" in detail
+
+
+def test_naming_a_cuda_device_does_not_initialize_torch_cuda():
+    # install_allocator must run before PyTorch's CUDA allocator initializes: parsing "cuda" for a
+    # pool may not initialize it behind the user's back.
+    was = torch.cuda.is_initialized()
+    assert pool_mod._parse_device("cuda") == ("cuda", torch.cuda.current_device() if was else 0)
+    assert pool_mod._parse_device("cuda:3") == ("cuda", 3)
+    assert pool_mod._parse_device(torch.device("cuda", 2)) == ("cuda", 2)
+    assert pool_mod._parse_device(1) == ("cuda", 1)
+    assert pool_mod._parse_device("pinned") == ("pinned", -1)
+    assert torch.cuda.is_initialized() == was
