@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import math
 import numbers
+import threading
 
 from llmmem._native import available, load_error, native
 from llmmem.units import format_bytes, parse_bytes
@@ -144,6 +145,7 @@ class MemoryPool:
         self._max = cap
         self._slot = None
         self._torch_pool = None
+        self._lock = threading.Lock()  # guards the lazy creation of the slot and the torch MemPool
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -303,20 +305,22 @@ class MemoryPool:
 
     # ---- PyTorch integration --------------------------------------------------------------
     def _bind_slot(self) -> int:
-        if self._slot is None:
-            self._slot = native.pool_bind_slot(self._cap())
-        return self._slot
+        with self._lock:
+            if self._slot is None:
+                self._slot = native.pool_bind_slot(self._cap())
+            return self._slot
 
     def _mempool(self):
         """The torch.cuda.MemPool whose segments come from this pool (created on first use)."""
-        if self._torch_pool is None:
-            torch = _torch()
-            _require_mempool(torch)
-            slot = self._bind_slot()
-            alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, f"llmmem_pool_alloc_{slot}",
-                                                             f"llmmem_pool_free_{slot}")
-            self._torch_pool = torch.cuda.MemPool(allocator=alloc.allocator())
-        return self._torch_pool
+        torch = _torch()
+        _require_mempool(torch)
+        slot = self._bind_slot()
+        with self._lock:
+            if self._torch_pool is None:
+                alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, f"llmmem_pool_alloc_{slot}",
+                                                                 f"llmmem_pool_free_{slot}")
+                self._torch_pool = torch.cuda.MemPool(allocator=alloc.allocator())
+            return self._torch_pool
 
 
 def _parse_shape(shape) -> tuple[int, ...]:
