@@ -327,11 +327,6 @@ static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
   return st;
 }
 
-/* Growth that does not strand memory: fully free growth segments are given back first and their
- * bytes re-reserved inside the one new segment, so free space that was scattered over segments
- * (which can never merge with each other) becomes contiguous; reserved memory grows only by what
- * the request adds. The release costs a backend free (cudaFree synchronizes the device), but only
- * on the growth path, which already pays for a cudaMalloc; a steady training loop never gets here. */
 #define POOL_MID_REQUEST ((size_t)10 << 20) /* bytes: below this, a segment may hold several requests */
 #define POOL_MAX_GROUP 4
 #define POOL_MAX_GROUP_SEGMENT ((size_t)20 << 20) /* bytes: PyTorch's segment for mid-size requests */
@@ -358,6 +353,11 @@ static size_t segment_for(size_t need) {
   return best;
 }
 
+/* Growth that does not strand memory: fully free growth segments are given back first and their
+ * bytes re-reserved inside the one new segment, so free space that was scattered over segments
+ * (which can never merge with each other) becomes contiguous; reserved memory grows only by what
+ * the request adds. The release costs a backend free (cudaFree synchronizes the device), but only
+ * on the growth path, which already pays for a cudaMalloc; a steady training loop never gets here. */
 static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
   size_t freed = 0;
   release_empty_chunks(pool);
