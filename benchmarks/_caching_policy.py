@@ -59,7 +59,10 @@ class CachingAllocatorSim:
             _, addr = lst.pop(i)
             b = self.by_addr[addr]
         else:
-            seg = K_SMALL_BUFFER if small else K_LARGE_BUFFER if size < K_MIN_LARGE_ALLOC else _round_up(size, K_ROUND_LARGE)
+            if small:
+                seg = K_SMALL_BUFFER
+            else:
+                seg = K_LARGE_BUFFER if size < K_MIN_LARGE_ALLOC else _round_up(size, K_ROUND_LARGE)
             b = _Block(self.next_addr, seg, small)
             self.next_addr += seg + K_ROUND_LARGE  # segments never touch, so never merge
             self.by_addr[b.addr] = b

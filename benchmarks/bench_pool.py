@@ -219,7 +219,8 @@ def main(argv=None) -> int:
         print_table(f"C API latency (trace {next(iter(traces))}, {lat['pairs']} pairs; timer cost "
                     f"{lat['timer_ns']:.0f} ns subtracted)",
                     ["allocator", "pair median ns", "pair p99 ns", "trace replay ns/op"],
-                    [["llmmem pool", lat["pool_pair_median_ns"], lat["pool_pair_p99_ns"], lat["pool_replay_ns_per_op"]],
+                    [["llmmem pool", lat["pool_pair_median_ns"], lat["pool_pair_p99_ns"],
+                      lat["pool_replay_ns_per_op"]],
                      ["malloc/free", lat["malloc_pair_median_ns"], lat["malloc_pair_p99_ns"],
                       lat["malloc_replay_ns_per_op"]]])
     else:

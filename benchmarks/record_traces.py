@@ -30,7 +30,8 @@ CONFIGS = [
     ("gpt_tiny", dict(layers=4, hidden=128, heads=4, seq_len=128, vocab_size=512), 8, [128] * 3),
     ("gpt_small", dict(layers=6, hidden=256, heads=8, seq_len=256, vocab_size=2048), 8, [256] * 3),
     ("gpt_medium", dict(layers=8, hidden=384, heads=6, seq_len=256, vocab_size=4096), 4, [256] * 3),
-    ("gpt_varlen", dict(layers=6, hidden=256, heads=8, seq_len=320, vocab_size=2048), 6, [96, 160, 224, 288, 320, 128]),
+    ("gpt_varlen", dict(layers=6, hidden=256, heads=8, seq_len=320, vocab_size=2048), 6,
+     [96, 160, 224, 288, 320, 128]),
 ]
 
 

@@ -98,7 +98,7 @@ def _require_mempool(torch) -> None:
 
 def _require_pluggable(torch) -> None:
     memory = getattr(getattr(torch, "cuda", None), "memory", None)
-    if memory is None or not hasattr(memory, "CUDAPluggableAllocator") or not hasattr(memory, "change_current_allocator"):
+    if memory is None or not all(hasattr(memory, n) for n in ("CUDAPluggableAllocator", "change_current_allocator")):
         raise RuntimeError(
             "llmmem.install_allocator needs torch >= 2.0 (torch.cuda.memory.CUDAPluggableAllocator and "
             f"change_current_allocator); this is torch {getattr(torch, '__version__', '?')}"
@@ -107,7 +107,8 @@ def _require_pluggable(torch) -> None:
 
 def _require_native():
     if not available():
-        raise ImportError(f"llmmem: the C core (llmmem._C) is not loaded, so MemoryPool is unavailable: {load_error!r}")
+        raise ImportError(f"llmmem: the C core (llmmem._C) is not loaded, so MemoryPool is unavailable: "
+                          f"{load_error!r}")
     return native
 
 
@@ -170,7 +171,8 @@ class MemoryPool:
     def __repr__(self) -> str:
         dev = f"cuda:{self._index}" if self._kind == "cuda" else self._kind
         cap = "None" if self._max is None else format_bytes(self._max)
-        state = "closed" if self._capsule is None else f"reserved {format_bytes(self.stats()['reserved_bytes.current'])}"
+        state = "closed" if self._capsule is None else \
+            f"reserved {format_bytes(self.stats()['reserved_bytes.current'])}"
         return f"MemoryPool(device={dev!r}, initial_size={format_bytes(self._initial)}, max_size={cap}, {state})"
 
     def _cap(self):
@@ -289,7 +291,8 @@ class MemoryPool:
         if self._capsule is None:
             return
         if self is _installed:
-            raise RuntimeError("llmmem: this pool is installed as the process-wide CUDA allocator; it cannot be closed")
+            raise RuntimeError("llmmem: this pool is installed as the process-wide CUDA allocator; "
+                               "it cannot be closed")
         if self._torch_pool is not None:
             torch = _torch()
             self._torch_pool = None
