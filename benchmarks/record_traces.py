@@ -32,6 +32,9 @@ CONFIGS = [
     ("gpt_medium", dict(layers=8, hidden=384, heads=6, seq_len=256, vocab_size=4096), 4, [256] * 3),
     ("gpt_varlen", dict(layers=6, hidden=256, heads=8, seq_len=320, vocab_size=2048), 6,
      [96, 160, 224, 288, 320, 128]),
+    # recorded after the pool's growth policy was tuned on the four above: held-out checks
+    ("gpt_sdpa", dict(layers=6, hidden=320, heads=5, seq_len=192, vocab_size=3000, attention="sdpa"), 10, [192] * 3),
+    ("gpt_varlen2", dict(layers=5, hidden=192, heads=6, seq_len=256, vocab_size=5000), 8, [200, 64, 256, 144, 256]),
 ]
 
 
@@ -102,9 +105,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=os.path.join(HERE, "traces"))
+    ap.add_argument("--only", nargs="*", help="record only these traces")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     for name, cfg, batch, seqs in CONFIGS:
+        if args.only and name not in args.only:
+            continue
         ops = (record_cuda if args.device == "cuda" else record_cpu)(cfg, batch, seqs)
         path = os.path.join(args.out, f"{name}_{args.device}.json.gz")
         with gzip.open(path, "wt") as f:
