@@ -277,6 +277,14 @@ static void release_empty_chunks(llmmem_pool_t *pool) {
   }
 }
 
+/* A block that just became free (not in a heap): merge it, file it, and handle a chunk that is
+ * now entirely free. */
+static void put_back(llmmem_pool_t *pool, pool_block_t *b) {
+  pool_block_t *m = coalesce(pool, b);
+  if (m->small && region_empty(m->region)) chunk_became_empty(pool, m);
+  else _llmmem_heap_insert(heap_of(pool, m), m);
+}
+
 /* ---- events: polling and waiting ---------------------------------------------------------- */
 
 /* Clears completed events, oldest first, and coalesces what they freed. max_checks 0 = all. */
@@ -605,8 +613,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
   }
   if (_llmmem_ptrmap_put(&pool->live, b->addr, b) != LLMMEM_OK) {
     b->is_free = 1;
-    b = coalesce(pool, b);
-    _llmmem_heap_insert(heap_of(pool, b), b);
+    put_back(pool, b);
     pthread_mutex_unlock(&pool->lock);
     return LLMMEM_ERR_NOMEM;
   }
@@ -663,9 +670,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void
   b->requested = 0;
   b->stream = NULL;
   attach_event(pool, b, ev);
-  pool_block_t *m = coalesce(pool, b);
-  if (m->small && region_empty(m->region)) chunk_became_empty(pool, m);
-  else _llmmem_heap_insert(heap_of(pool, m), m);
+  put_back(pool, b);
   update_active(pool);
   int destroy = pool->release_when_empty && pool->st.allocations.current == 0;
   pthread_mutex_unlock(&pool->lock);

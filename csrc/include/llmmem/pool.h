@@ -124,8 +124,11 @@ LLMMEM_API void llmmem_pool_release_when_empty(llmmem_pool_t *pool);
  * pools or CUDA's default stream). LLMMEM_ERR_NOMEM when max_size or the backend is exhausted. */
 LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, void *stream, void **out);
 
-/* Returns a block, freed on `stream`. A pointer the pool never handed out, a pointer inside a
- * block, or a second free: LLMMEM_ERR_INVALID, nothing changed. */
+/* Returns a block, freed on `stream` (on CUDA an event is recorded there; other streams reuse the
+ * block once it completes). A pointer the pool never handed out, a pointer inside a block, or a
+ * second free: LLMMEM_ERR_INVALID, nothing changed. NULL: nothing to do. If the event cannot be
+ * recorded (a CUDA error, or the stream is capturing a graph) the block stays allocated and the
+ * backend's status is returned: memory is kept rather than risked. */
 LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void *stream);
 
 /* Size asked for of a live block `ptr` (LLMMEM_ERR_INVALID when not live). */
