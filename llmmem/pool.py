@@ -124,9 +124,9 @@ class MemoryPool:
     :param growth_size: when the pool must grow, it reserves at least this much (default: only
         what the request needs, rounded up to 2 MiB).
 
-    Creating the pool reserves ``initial_size`` immediately (a ``cudaMalloc`` for CUDA; it
-    synchronizes nothing). Memory given back by :meth:`empty_cache` or :meth:`close` is returned
-    to the device.
+    Creating the pool reserves ``initial_size`` immediately (one ``cudaMalloc`` for CUDA, one
+    ``cudaHostAlloc`` for pinned). Memory given back by :meth:`empty_cache` or :meth:`close` is
+    returned to the device (``cudaFree``, which synchronizes the device).
     """
 
     def __init__(self, initial_size=0, max_size=None, device="cpu", *, growth_size=0):
@@ -277,9 +277,9 @@ class MemoryPool:
     # ---- memory management ----------------------------------------------------------------
     def empty_cache(self) -> int:
         """Returns fully free segments grown beyond ``initial_size`` to the device; returns the
-        bytes released. On CUDA, first waits for the pool's pending stream events (a host sync),
-        and asks PyTorch to release the cached segments it holds from this pool under
-        :func:`use_pool` (``torch.cuda.empty_cache``)."""
+        bytes released. On CUDA, first calls ``torch.cuda.empty_cache()`` so that PyTorch can hand
+        back the segments it cached from this pool under :func:`use_pool`, then waits for the pool's
+        pending stream events (a host sync)."""
         if self._kind == "cuda" and self._torch_pool is not None:
             _torch().cuda.empty_cache()
         return native.pool_empty_cache(self._cap())
