@@ -114,10 +114,52 @@ llmmem_status_t _llmmem_ptrmap_put(pool_ptrmap_t *m, uintptr_t key, pool_block_t
 pool_block_t *_llmmem_ptrmap_get(const pool_ptrmap_t *m, uintptr_t key);
 pool_block_t *_llmmem_ptrmap_take(pool_ptrmap_t *m, uintptr_t key);
 
-/* pool.c: events of free blocks (keep the pending list and pending_bytes consistent) */
+/* A stream value no caller passes: "usable by every stream", for memory that stops being tied to
+ * the stream that asks for it (a new chunk of small blocks). */
+#define POOL_ANY_STREAM ((void *)UINTPTR_MAX)
+
+/* The event recorded when a block was freed: until it completes, only `stream` may reuse it. */
+typedef struct pool_event_s {
+  void *event;
+  void *stream;
+  uint64_t seq;
+} pool_event_t;
+
+static inline pool_heap_t *_llmmem_heap_of(llmmem_pool_t *pool, const pool_block_t *b) {
+  return b->small ? &pool->small : &pool->large;
+}
+
+/* A region whose blocks are one free block. */
+static inline int _llmmem_region_empty(const pool_region_t *r) {
+  return r->first->is_free && r->first->size == r->size;
+}
+
+/* block.c: metadata, events of free blocks (keeping the pending list and pending_bytes
+ * consistent), coalescing, splitting */
+pool_block_t *_llmmem_block_new(llmmem_pool_t *pool);
+void _llmmem_block_recycle(llmmem_pool_t *pool, pool_block_t *b);
+void _llmmem_update_active(llmmem_pool_t *pool);
+void _llmmem_attach_event(llmmem_pool_t *pool, pool_block_t *b, pool_event_t ev);
+pool_event_t _llmmem_detach_event(llmmem_pool_t *pool, pool_block_t *b);
+void _llmmem_release_event(llmmem_pool_t *pool, pool_event_t ev);
 void _llmmem_block_clear_event(llmmem_pool_t *pool, pool_block_t *b);
 /* Usable on `stream` now: no event, freed on that stream, or its event has completed. */
 int _llmmem_block_usable(llmmem_pool_t *pool, pool_block_t *b, void *stream);
+pool_block_t *_llmmem_coalesce(llmmem_pool_t *pool, pool_block_t *b);
+void _llmmem_split(llmmem_pool_t *pool, pool_block_t *b, size_t size, pool_block_t *rest);
+
+/* segment.c: segments, chunks, growth, event polling */
+llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_initial);
+void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r);
+void _llmmem_release_empty_chunks(llmmem_pool_t *pool);
+void _llmmem_put_back(llmmem_pool_t *pool, pool_block_t *b);
+void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks);
+llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool);
+pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why);
+pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool);
+
+/* slots.c */
+void _llmmem_slots_forget(llmmem_pool_t *pool);
 
 /* pool_check.c: verifies every invariant (tiling, heaps, map, counters). LLMMEM_OK or
  * LLMMEM_ERR_INTERNAL naming the broken one. Takes the lock. For tests and debug builds. */

@@ -58,9 +58,14 @@ static int fake_done(void *ctx, void *ev) {
   (void)ctx;
   return ((fake_event_t *)ev)->done;
 }
+/* Like CUDA: once an event is waited for, every earlier event of its stream is complete too. */
 static llmmem_status_t fake_wait(void *ctx, void *ev) {
-  (void)ctx;
-  ((fake_event_t *)ev)->done = 1;
+  fake_ctx_t *f = ctx;
+  fake_event_t *e = ev;
+  for (int i = 0; i < f->n_events; i++) {
+    if (f->events[i]->stream == e->stream) f->events[i]->done = 1;
+    if (f->events[i] == e) break;
+  }
   return LLMMEM_OK;
 }
 static void fake_event_release(void *ctx, void *ev) {

@@ -55,9 +55,13 @@ static int f_done(void *ctx, void *ev) {
   (void)ctx;
   return ((ev_t *)ev)->done;
 }
+/* Like CUDA: waiting for an event means all work queued on its stream before it is done, so the
+ * earlier events of that stream complete too. */
 static llmmem_status_t f_wait(void *ctx, void *ev) {
   (void)ctx;
-  ((ev_t *)ev)->done = 1;
+  ev_t *e = ev;
+  for (ev_t *x = events; x <= e; x++)
+    if (x->stream == e->stream) x->done = 1;
   return LLMMEM_OK;
 }
 static void f_event_release(void *ctx, void *ev) {
