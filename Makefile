@@ -57,7 +57,8 @@ build/fuzz/fuzz_pool: tests/fuzz/fuzz_pool.c $(CORE_SRC) $(CORE_HDR)
 
 fuzz-pool: build/fuzz/fuzz_pool
 	@mkdir -p build/fuzz/corpus-pool
-	build/fuzz/fuzz_pool -max_total_time=$(FUZZ_SECONDS) -max_len=512 -rss_limit_mb=4096 build/fuzz/corpus-pool
+	build/fuzz/fuzz_pool -max_total_time=$(FUZZ_SECONDS) -max_len=512 -rss_limit_mb=4096 \
+	  -artifact_prefix=build/fuzz/ build/fuzz/corpus-pool
 
 bench: env
 	$(PY) benchmarks/run.py --device cpu
