@@ -35,8 +35,6 @@ demo: env
 
 test: env test-c
 	cd tests && $(LLMMEM_VENV)/bin/pytest -c ../pyproject.toml --rootdir .. ..
-	@if command -v $(FUZZ_CC) >/dev/null; then $(MAKE) --no-print-directory fuzz-pool; \
-	else echo "fuzz-pool skipped: $(FUZZ_CC) (libFuzzer) not found"; fi
 
 c-tests: $(CTEST_BIN)
 

@@ -8,8 +8,9 @@ inside PyTorch. ``python benchmarks/run.py --only pool [--device cuda] [--quick]
 2. Latency (C API, compiled here with the system compiler): alloc+free pairs, median and p99 ns,
    and ns per operation replaying a trace; malloc/free measured in the same run as baseline.
 3. From Python on the CPU: replaying a trace with pool.empty vs torch.empty (the user's view).
-4. GPU (--device cuda): torch.empty+del inside use_pool vs PyTorch's default; the traces replayed
-   against the real PyTorch allocator (checks the simulation).
+4. GPU (--device cuda): traces recorded on the GPU join the replay; torch.empty+del inside use_pool
+   vs PyTorch's default; the traces replayed against the real PyTorch allocator (checks the
+   simulation); the largest GPT batch under a fixed cap, PyTorch's default vs install_allocator.
 """
 
 from __future__ import annotations
@@ -199,6 +200,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     traces = load_traces(args.device)
+    if args.device == "cuda":
+        # Fresh CUDA traces of the same GPT steps (torch.cuda.memory._record_memory_history).
+        import record_traces
+
+        for name, cfg, batch, seqs in record_traces.CONFIGS[: 2 if args.quick else None]:
+            traces[f"{name}_cuda"] = record_traces.record_cuda(cfg, batch, seqs)
     if not traces:
         print("no traces in benchmarks/traces/: run benchmarks/record_traces.py first")
         return 1
