@@ -348,3 +348,16 @@ def test_naming_a_cuda_device_does_not_initialize_torch_cuda():
     assert pool_mod._parse_device(1) == ("cuda", 1)
     assert pool_mod._parse_device("pinned") == ("pinned", -1)
     assert torch.cuda.is_initialized() == was
+
+
+def test_pluggable_entry_points_are_exported_for_dlsym():
+    import ctypes
+
+    lib = ctypes.CDLL(native.__file__)
+    for k in range(16):
+        assert getattr(lib, f"llmmem_pool_alloc_{k}") and getattr(lib, f"llmmem_pool_free_{k}")
+        if native.build_info()["cuda_built"]:
+            assert getattr(lib, f"llmmem_pool_xalloc_{k}")  # install_allocator's throwing variant
+    alloc = lib.llmmem_pool_alloc_0
+    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    assert alloc(0, 0, None) is None  # a zero size returns NULL, through the very symbol PyTorch calls

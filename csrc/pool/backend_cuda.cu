@@ -10,10 +10,9 @@
  */
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
-#include <mutex>
+#include <cstdio>
+#include <new>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "cuda_check.h"
@@ -181,9 +180,13 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda(int device, llmme
  * throws instead of returning NULL (see the file comment). */
 static void *alloc_or_throw(int slot, size_t size, int device, void *stream) {
   void *p = llmmem_pool_slot_alloc(slot, size, device, stream);
-  if (!p && size > 0)
-    throw std::runtime_error(std::string("CUDA out of memory (llmmem pool, slot ") + std::to_string(slot) +
-                             "): " + llmmem_last_error());
+  if (!p && size > 0) {
+    /* A plain char buffer: std::string helpers would be instantiated here with default visibility
+     * and exported from llmmem._C, where only llmmem's ABI belongs. */
+    char msg[1024];
+    snprintf(msg, sizeof msg, "CUDA out of memory (llmmem pool, slot %d): %s", slot, llmmem_last_error());
+    throw std::runtime_error(msg);
+  }
   return p;
 }
 
