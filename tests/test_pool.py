@@ -3,6 +3,7 @@ and the CPU-side checks of the CUDA integration (versions, arguments, slots)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import types
@@ -361,3 +362,90 @@ def test_pluggable_entry_points_are_exported_for_dlsym():
     alloc = lib.llmmem_pool_alloc_0
     alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     assert alloc(0, 0, None) is None  # a zero size returns NULL, through the very symbol PyTorch calls
+
+
+class _FakeTorch:
+    """Just enough of torch's CUDA allocator API to check llmmem's wiring without a GPU."""
+
+    def __init__(self, swap_error: str | None = None):
+        self.calls = []
+        self.__version__ = "fake"
+        calls = self.calls
+
+        class Pluggable:
+            def __init__(self, path, alloc_name, free_name):
+                calls.append(("pluggable", path, alloc_name, free_name))
+                self.names = (alloc_name, free_name)
+
+            def allocator(self):
+                return ("handle",) + self.names
+
+        class MemPool:
+            def __init__(self, allocator=None):
+                calls.append(("mempool", allocator))
+
+        @contextlib.contextmanager
+        def use_mem_pool(pool, device=None):
+            calls.append(("enter", device))
+            yield
+            calls.append(("exit", device))
+
+        def change_current_allocator(alloc):
+            if swap_error:
+                raise RuntimeError(swap_error)
+            calls.append(("installed",) + alloc.names)
+
+        self.device = lambda kind, index=None: f"{kind}:{index}"
+        self.cuda = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool, memory=types.SimpleNamespace(
+            CUDAPluggableAllocator=Pluggable, change_current_allocator=change_current_allocator))
+
+
+def _pretend_cuda(pool, index=0):
+    pool._kind, pool._index = "cuda", index  # a host pool standing in for a GPU one: only the wiring is tested
+    return pool
+
+
+def test_use_pool_wires_torch_mempool_to_this_pools_slot(monkeypatch):
+    fake = _FakeTorch()
+    monkeypatch.setattr(pool_mod, "_torch", lambda: fake)
+    p = _pretend_cuda(llmmem.MemoryPool(initial_size="1MiB"), index=1)
+    with llmmem.use_pool(p):
+        assert pool_mod.current_pool() is p
+        with llmmem.use_pool(p):  # re-entering reuses the same MemPool
+            pass
+    slot = p._slot
+    assert fake.calls[0] == ("pluggable", native.__file__, f"llmmem_pool_alloc_{slot}", f"llmmem_pool_free_{slot}")
+    assert fake.calls[1] == ("mempool", ("handle", f"llmmem_pool_alloc_{slot}", f"llmmem_pool_free_{slot}"))
+    assert [c[0] for c in fake.calls[2:]] == ["enter", "enter", "exit", "exit"]
+    assert fake.calls[2] == ("enter", "cuda:1")
+    assert pool_mod.current_pool() is None
+    p._torch_pool = None
+    p._kind = "cpu"
+    p.close()
+
+
+def test_install_allocator_wires_the_throwing_entry_points_and_refuses_a_second_pool(monkeypatch):
+    fake = _FakeTorch()
+    monkeypatch.setattr(pool_mod, "_torch", lambda: fake)
+    monkeypatch.setattr(pool_mod, "_installed", None)
+    p = _pretend_cuda(llmmem.MemoryPool(initial_size="1MiB"))
+    llmmem.install_allocator(p)
+    slot = p._slot
+    assert ("installed", f"llmmem_pool_xalloc_{slot}", f"llmmem_pool_free_{slot}") in fake.calls
+    llmmem.install_allocator(p)  # the same pool again: nothing to do
+    q = _pretend_cuda(llmmem.MemoryPool(initial_size="1MiB"))
+    with pytest.raises(RuntimeError, match="already installed"):
+        llmmem.install_allocator(q)
+    with pytest.raises(RuntimeError, match="cannot be closed"):
+        p.close()
+
+
+def test_install_allocator_after_cuda_was_used_says_to_call_it_first(monkeypatch):
+    fake = _FakeTorch(swap_error="Can't swap an already initialized allocator")
+    monkeypatch.setattr(pool_mod, "_torch", lambda: fake)
+    monkeypatch.setattr(pool_mod, "_installed", None)
+    p = _pretend_cuda(llmmem.MemoryPool(initial_size="1MiB"))
+    with pytest.raises(RuntimeError, match="before the first CUDA allocation") as info:
+        llmmem.install_allocator(p)
+    assert "use_pool" in str(info.value)
+    assert pool_mod._installed is None
