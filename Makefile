@@ -5,6 +5,7 @@
 #   make test        the whole test suite (C tests under ASan+UBSan, then pytest), set-up included
 #   make test-c      only the C unit tests, built with the system compiler, no Python involved
 #   make bench       the CPU benchmarks (JSON under benchmarks/results/)
+#   make fuzz-pool   libFuzzer on the pool's C API for FUZZ_SECONDS (default 30), clang needed
 #   make clean
 
 SHELL := /bin/bash
@@ -24,7 +25,7 @@ CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initial
 export ASAN_OPTIONS ?= detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS ?= print_stacktrace=1
 
-.PHONY: demo test test-c c-tests env bench clean
+.PHONY: demo test test-c c-tests env bench clean fuzz-pool
 
 env:
 	@bash scripts/setup_env.sh
@@ -45,6 +46,19 @@ build/ctests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
 
 test-c: c-tests
 	@set -e; for t in $(CTEST_BIN); do echo "== $$t"; $$t; done
+
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 30
+
+build/fuzz/fuzz_pool: tests/fuzz/fuzz_pool.c $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	  -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -o $@ $< $(CORE_SRC) -lm
+
+fuzz-pool: build/fuzz/fuzz_pool
+	@mkdir -p build/fuzz/corpus-pool
+	build/fuzz/fuzz_pool -max_total_time=$(FUZZ_SECONDS) -max_len=512 -rss_limit_mb=4096 \
+	  -artifact_prefix=build/fuzz/ build/fuzz/corpus-pool
 
 bench: env
 	$(PY) benchmarks/run.py --device cpu

@@ -1,0 +1,265 @@
+"""The caching pool: fragmentation by trace replay, allocation latency, and (on a GPU) the cost
+inside PyTorch. ``python benchmarks/run.py --only pool [--device cuda] [--quick]``
+
+1. Fragmentation: each trace in benchmarks/traces/ (allocations of training steps of the small
+   GPT, recorded by record_traces.py) is replayed through llmmem's pool core and through a
+   simulation of PyTorch's caching-allocator policy (_caching_policy.py). Reported: peak reserved
+   / peak requested for each (1.00 = no waste), and their ratio.
+2. Latency (C API, compiled here with the system compiler): alloc+free pairs, median and p99 ns,
+   and ns per operation replaying a trace; malloc/free measured in the same run as baseline.
+3. From Python on the CPU: replaying a trace with pool.empty vs torch.empty (the user's view).
+4. GPU (--device cuda): traces recorded on the GPU join the replay; torch.empty+del inside use_pool
+   vs PyTorch's default; the traces replayed against the real PyTorch allocator (checks the
+   simulation); the largest GPT batch under a fixed cap, PyTorch's default vs install_allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from _caching_policy import CachingAllocatorSim  # noqa: E402
+from _harness import print_table, write_json  # noqa: E402
+
+MiB = 1 << 20
+# Traces recorded after the pool's growth policy (segment_for in csrc/pool/pool.c) was tuned on
+# the others: their numbers are the honest out-of-sample check.
+HELD_OUT = {"gpt_sdpa_cpu", "gpt_varlen2_cpu"}
+
+
+def load_traces(device: str) -> dict[str, list]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(HERE, "traces", "*.json.gz"))):
+        with gzip.open(path, "rt") as f:
+            out[os.path.basename(path)[: -len(".json.gz")]] = json.load(f)["events"]
+    return out
+
+
+def peak_requested(events) -> int:
+    cur = peak = 0
+    sizes = {}
+    for op, i, size in events:
+        if op:
+            sizes[i] = size
+            cur += size
+            peak = max(peak, cur)
+        elif i in sizes:
+            cur -= sizes.pop(i)
+    return peak
+
+
+def replay_sim(events) -> CachingAllocatorSim:
+    sim, live = CachingAllocatorSim(), {}
+    for op, i, size in events:
+        if op:
+            live[i] = sim.malloc(size)
+        elif i in live:
+            sim.free(live.pop(i))
+    return sim
+
+
+def replay_llmmem(events, initial_size: int = 0) -> dict:
+    import llmmem
+    from llmmem._native import native
+
+    pool = llmmem.MemoryPool(initial_size=initial_size, device="cpu")
+    cap, live = pool._cap(), {}
+    for op, i, size in events:
+        if op:
+            live[i] = native.pool_alloc(cap, size)
+        elif i in live:
+            native.pool_free(cap, live.pop(i))
+    stats = pool.stats()
+    for addr in live.values():
+        native.pool_free(cap, addr)
+    pool.close()
+    return stats
+
+
+def fragmentation(traces: dict) -> list[dict]:
+    rows = []
+    for name, events in traces.items():
+        peak = peak_requested(events)
+        sim = replay_sim(events)
+        ours = replay_llmmem(events)
+        pre = replay_llmmem(events, initial_size=-(-peak // (2 * MiB)) * 2 * MiB)
+        rows.append({"trace": name, "held_out": name in HELD_OUT, "allocs": sum(1 for e in events if e[0]), "peak_requested": peak,
+                     "torch_policy_ratio": sim.peak_reserved / peak, "torch_policy_segments": sim.segments,
+                     "llmmem_ratio": ours["reserved_bytes.peak"] / peak, "llmmem_segments": ours["segment.peak"],
+                     "llmmem_preallocated_ratio": pre["reserved_bytes.peak"] / peak})
+    return rows
+
+
+def c_latency(events, pairs: int) -> dict | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None
+    srcs = [p for p in glob.glob(os.path.join(ROOT, "csrc", "*", "*.c")) if os.sep + "python" + os.sep not in p]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe, trace = os.path.join(tmp, "pool_latency"), os.path.join(tmp, "trace.txt")
+        with open(trace, "w") as f:
+            f.write("\n".join(f"a {i} {s}" if op else f"f {i}" for op, i, s in events))
+        subprocess.run([cc, "-O2", "-std=c11", "-pthread", "-DLLMMEM_DEBUG=0", f"-I{ROOT}/csrc/include",
+                        f"-I{ROOT}/csrc/common", "-o", exe, os.path.join(HERE, "pool_latency.c"), *srcs, "-lm"],
+                       check=True)
+        out = subprocess.run([exe, trace, str(pairs)], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def python_replay(events, repeats: int) -> dict:
+    import torch
+
+    import llmmem
+
+    pool = llmmem.MemoryPool(initial_size="1GiB", device="cpu")
+
+    def run(make):
+        live = {}
+        t0 = time.perf_counter()
+        for op, i, size in events:
+            if op:
+                live[i] = make(size)
+            else:
+                live.pop(i, None)
+        live.clear()
+        return (time.perf_counter() - t0) / len(events)
+
+    u8 = torch.uint8
+    best_pool = min(run(lambda n: pool.empty((n,), u8)) for _ in range(repeats))
+    best_torch = min(run(lambda n: torch.empty((n,), dtype=u8)) for _ in range(repeats))
+    pool.close()
+    return {"pool_ns_per_op": best_pool * 1e9, "torch_ns_per_op": best_torch * 1e9}
+
+
+def gpu_part(traces: dict, quick: bool) -> dict:
+    import torch
+
+    import llmmem
+
+    out = {}
+    pool = llmmem.MemoryPool(initial_size="1GiB", device="cuda")
+    sizes = [512, 4096, 65536, MiB, 8 * MiB]
+
+    def pairs():
+        for s in sizes:
+            t = torch.empty(s, dtype=torch.uint8, device="cuda")
+            del t
+
+    from _harness import time_fn
+
+    native_t = time_fn(pairs, repeats=7, inner=200)["median_s"]
+    with llmmem.use_pool(pool):
+        pooled_t = time_fn(pairs, repeats=7, inner=200)["median_s"]
+    out["empty_free_ns_default"] = native_t / len(sizes) * 1e9
+    out["empty_free_ns_use_pool"] = pooled_t / len(sizes) * 1e9
+    out["use_pool_over_default"] = pooled_t / native_t
+    # the real PyTorch allocator on the same traces: checks the simulation
+    real = {}
+    for name, events in list(traces.items())[: 1 if quick else None]:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_reserved()
+        live = {}
+        for op, i, size in events:
+            if op:
+                live[i] = torch.cuda.caching_allocator_alloc(size)
+            elif i in live:
+                torch.cuda.caching_allocator_delete(live.pop(i))
+        peak = torch.cuda.max_memory_reserved() - base
+        for p in live.values():
+            torch.cuda.caching_allocator_delete(p)
+        real[name] = peak / peak_requested(events)
+    out["torch_real_ratio"] = real
+    # the largest GPT batch under a fixed cap, each allocator in a fresh process
+    cap = "4"
+    for mode in ("native", "llmmem"):
+        r = subprocess.run([sys.executable, os.path.join(HERE, "_max_batch.py"), mode, cap], capture_output=True,
+                           text=True, timeout=300)
+        out[f"max_batch_{mode}"] = json.loads(r.stdout.strip().splitlines()[-1])["max_batch"] if r.returncode == 0 \
+            else f"failed: {r.stderr.strip()[-300:]}"
+    out["max_batch_cap_gib"] = float(cap)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    traces = load_traces(args.device)
+    if args.device == "cuda":
+        # Fresh CUDA traces of the same GPT steps (torch.cuda.memory._record_memory_history).
+        import record_traces
+
+        for name, cfg, batch, seqs in record_traces.CONFIGS[: 2 if args.quick else None]:
+            traces[f"{name}_cuda"] = record_traces.record_cuda(cfg, batch, seqs)
+    if not traces:
+        print("no traces in benchmarks/traces/: run benchmarks/record_traces.py first")
+        return 1
+    result: dict = {}
+
+    rows = fragmentation(traces)
+    result["fragmentation"] = rows
+    print_table("Fragmentation by trace replay: peak reserved / peak requested (lower is better; 1.00 = none)",
+                ["trace", "allocs", "peak req MiB", "PyTorch policy", "llmmem", "llmmem/PyTorch",
+                 "segs PyTorch", "segs llmmem", "llmmem prealloc"],
+                [[r["trace"] + (" (held out)" if r["trace"] in HELD_OUT else ""), r["allocs"], r["peak_requested"] / MiB, f"{r['torch_policy_ratio']:.3f}",
+                  f"{r['llmmem_ratio']:.3f}", f"{r['llmmem_ratio'] / r['torch_policy_ratio']:.3f}",
+                  r["torch_policy_segments"], r["llmmem_segments"], f"{r['llmmem_preallocated_ratio']:.3f}"]
+                 for r in rows])
+    print("  (llmmem: initial_size=0, grows on demand like PyTorch; prealloc: initial_size = peak requested)")
+
+    first = next(iter(traces.values()))
+    lat = c_latency(first, 50_000 if args.quick else 200_000)
+    result["c_latency"] = lat
+    if lat:
+        print_table(f"C API latency (trace {next(iter(traces))}, {lat['pairs']} pairs; timer cost "
+                    f"{lat['timer_ns']:.0f} ns subtracted)",
+                    ["allocator", "pair median ns", "pair p99 ns", "trace replay ns/op"],
+                    [["llmmem pool", lat["pool_pair_median_ns"], lat["pool_pair_p99_ns"],
+                      lat["pool_replay_ns_per_op"]],
+                     ["malloc/free", lat["malloc_pair_median_ns"], lat["malloc_pair_p99_ns"],
+                      lat["malloc_replay_ns_per_op"]]])
+    else:
+        print("\n(no C compiler found: C latency skipped)")
+
+    py = python_replay(first, 2 if args.quick else 5)
+    result["python_replay"] = py
+    print_table("From Python, CPU tensors: replaying the trace (best of repeats)",
+                ["allocator", "ns per op", "ratio to torch.empty"],
+                [["pool.empty", py["pool_ns_per_op"], py["pool_ns_per_op"] / py["torch_ns_per_op"]],
+                 ["torch.empty", py["torch_ns_per_op"], 1.0]])
+
+    if args.device == "cuda":
+        g = gpu_part(traces, args.quick)
+        result["gpu"] = g
+        print_table("GPU: torch.empty + del (ns per pair)", ["setting", "ns", "ratio"],
+                    [["PyTorch default", g["empty_free_ns_default"], 1.0],
+                     ["inside use_pool", g["empty_free_ns_use_pool"], g["use_pool_over_default"]]])
+        print_table("GPU: real PyTorch allocator on the traces (peak reserved / peak requested)",
+                    ["trace", "real", "simulated"],
+                    [[k, v, next(r["torch_policy_ratio"] for r in rows if r["trace"] == k)]
+                     for k, v in g["torch_real_ratio"].items()])
+        print_table(f"GPU: largest GPT batch under a {g['max_batch_cap_gib']:.0f} GiB cap",
+                    ["allocator", "max batch"],
+                    [["PyTorch default", g["max_batch_native"]], ["llmmem install_allocator", g["max_batch_llmmem"]]])
+    path = write_json("pool", result, args.json)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

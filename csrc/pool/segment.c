@@ -1,0 +1,286 @@
+/*
+ * segment.c — the pool's regions: segments from the backend and the 2 MiB chunks for small
+ * requests carved from them; growth up to max_size (and when growth folds free segments into a
+ * new one); polling and waiting on stream events of free blocks.
+ *
+ * Runs under the pool's mutex. Backend calls (cudaMalloc/cudaFree, event queries) happen here.
+ */
+#include <stdlib.h>
+
+#include "pool_internal.h"
+
+/* ---- regions ------------------------------------------------------------------------------- */
+
+static void region_link(pool_region_t **list, pool_region_t *r) {
+  r->prev = NULL;
+  r->next = *list;
+  if (*list) (*list)->prev = r;
+  *list = r;
+}
+
+static void region_unlink(pool_region_t **list, pool_region_t *r) {
+  if (r->prev) r->prev->next = r->next;
+  else *list = r->next;
+  if (r->next) r->next->prev = r->prev;
+}
+
+
+llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_initial) {
+  void *ptr = NULL;
+  llmmem_status_t st = pool->backend.reserve(pool->backend.ctx, bytes, &ptr);
+  if (st != LLMMEM_OK) return st;
+  if (!ptr || ((uintptr_t)ptr & (LLMMEM_POOL_GRANULARITY - 1))) {
+    if (ptr) pool->backend.release(pool->backend.ctx, ptr, bytes);
+    return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "pool: backend %s returned a region not aligned to 512 bytes",
+                       pool->backend.name);
+  }
+  pool_region_t *r = calloc(1, sizeof *r);
+  pool_block_t *b = _llmmem_block_new(pool);
+  if (!r || !b) {
+    free(r);
+    if (b) _llmmem_block_recycle(pool, b);
+    pool->backend.release(pool->backend.ctx, ptr, bytes);
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: no host memory for segment metadata");
+  }
+  r->base = (uintptr_t)ptr;
+  r->size = bytes;
+  r->first = b;
+  r->is_initial = (uint8_t)is_initial;
+  region_link(&pool->segments, r);
+  b->addr = r->base;
+  b->size = bytes;
+  b->region = r;
+  b->is_free = 1;
+  _llmmem_heap_insert(&pool->large, b);
+  pool->st.num_backend_reserves++;
+  _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)bytes);
+  _llmmem_stat_add(&pool->st.segments, 1);
+  return LLMMEM_OK;
+}
+
+/* Gives a fully free, event-free segment back to the backend. */
+void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
+  pool_block_t *b = r->first;
+  _llmmem_heap_remove(&pool->large, b);
+  _llmmem_block_clear_event(pool, b);
+  _llmmem_block_recycle(pool, b);
+  region_unlink(&pool->segments, r);
+  pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
+  pool->st.num_backend_releases++;
+  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)r->size);
+  _llmmem_stat_add(&pool->st.segments, -1);
+  free(r);
+}
+
+/* Frees large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away and
+ * its event (if any) moves to lb. Returns lb, merged with its neighbours and in the large heap. */
+static void release_chunk(llmmem_pool_t *pool, pool_region_t *c) {
+  pool_block_t *sb = c->first, *lb = c->backing;
+  _llmmem_heap_remove(&pool->small, sb);
+  pool_event_t ev = _llmmem_detach_event(pool, sb);
+  _llmmem_block_recycle(pool, sb);
+  region_unlink(&pool->chunks, c);
+  free(c);
+  pool->st.small_chunks--;
+  lb->chunk = NULL;
+  lb->is_free = 1;
+  _llmmem_attach_event(pool, lb, ev);
+  lb = _llmmem_coalesce(pool, lb);
+  _llmmem_heap_insert(&pool->large, lb);
+}
+
+/* A whole chunk just became free (block m covers it, not in a heap): keep one such chunk for the
+ * next small request, give any other back to the large heap. */
+static void chunk_became_empty(llmmem_pool_t *pool, pool_block_t *m) {
+  _llmmem_heap_insert(&pool->small, m);
+  if (pool->empty_chunks >= 1) release_chunk(pool, m->region);
+  else pool->empty_chunks++;
+}
+
+void _llmmem_release_empty_chunks(llmmem_pool_t *pool) {
+  pool_region_t *c = pool->chunks;
+  while (c) {
+    pool_region_t *next = c->next;
+    if (_llmmem_region_empty(c)) {
+      release_chunk(pool, c);
+      pool->empty_chunks--;
+    }
+    c = next;
+  }
+}
+
+/* A block that just became free (not in a heap): merge it, file it, and handle a chunk that is
+ * now entirely free. */
+void _llmmem_put_back(llmmem_pool_t *pool, pool_block_t *b) {
+  pool_block_t *m = _llmmem_coalesce(pool, b);
+  if (m->small && _llmmem_region_empty(m->region)) chunk_became_empty(pool, m);
+  else _llmmem_heap_insert(_llmmem_heap_of(pool, m), m);
+}
+
+/* ---- events: polling and waiting ---------------------------------------------------------- */
+
+/* Clears completed events, oldest first, and coalesces what they freed. max_checks 0 = all. */
+void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks) {
+  int checked = 0;
+  pool_block_t *b = pool->pending_head;
+  while (b && (max_checks == 0 || checked < max_checks)) {
+    pool_block_t *next = b->pend_next;
+    checked++;
+    if (pool->backend.event_done(pool->backend.ctx, b->event) == 1) {
+      int counted = b->small && _llmmem_region_empty(b->region);  /* an empty chunk already counted */
+      _llmmem_heap_remove(_llmmem_heap_of(pool, b), b);
+      _llmmem_block_clear_event(pool, b);
+      pool_block_t *m = _llmmem_coalesce(pool, b);  /* event-less: `next` cannot be merged away */
+      if (m->small && _llmmem_region_empty(m->region) && !counted) chunk_became_empty(pool, m);
+      else _llmmem_heap_insert(_llmmem_heap_of(pool, m), m);
+    }
+    b = next;
+  }
+}
+
+/* Waits for every outstanding event (the OOM path and empty_cache), then clears them. */
+llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool) {
+  for (pool_block_t *b = pool->pending_head; b; b = b->pend_next) {
+    LLMMEM_TRY(pool->backend.event_wait(pool->backend.ctx, b->event));
+    pool->st.num_event_waits++;
+  }
+  _llmmem_poll_events(pool, 0);
+  return LLMMEM_OK;
+}
+
+/* ---- growth -------------------------------------------------------------------------------- */
+
+static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
+  size_t max = pool->options.max_size;
+  size_t reserved = (size_t)pool->st.reserved_bytes.current;
+  size_t seg = _llmmem_round_up(need, LLMMEM_POOL_CHUNK_SIZE);
+  if (pool->options.growth_size > seg) seg = pool->options.growth_size;
+  if (max) {
+    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
+    if (avail < need)
+      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
+                         reserved, need);
+    if (seg > avail) seg = avail;
+  }
+  llmmem_status_t st = _llmmem_add_segment(pool, seg, 0);
+  if (st == LLMMEM_ERR_NOMEM && seg > need) st = _llmmem_add_segment(pool, need, 0);  /* no slack then */
+  return st;
+}
+
+#define POOL_MID_REQUEST ((size_t)10 << 20) /* bytes: below this, a segment may hold several requests */
+#define POOL_MAX_GROUP 4
+#define POOL_MAX_GROUP_SEGMENT ((size_t)20 << 20) /* bytes: PyTorch's segment for mid-size requests */
+
+/* The segment to reserve for a request of `need` bytes that does not fit anywhere: a multiple of
+ * 2 MiB (the granularity cudaMalloc maps anyway). A mid-size request gets room for up to
+ * POOL_MAX_GROUP requests of its size (at most 20 MiB) when that cuts the rounding waste — 2.25 MiB
+ * alone wastes 44% of a 4 MiB segment, four of them 10% of 10 MiB — since same-size requests come
+ * in runs (one per layer); unused room stays one contiguous free block, usable by any request.
+ * (The group size 4 was chosen on the GPT traces of benchmarks/traces; bench_pool reports it.) */
+static size_t segment_for(size_t need) {
+  size_t best = _llmmem_round_up(need, LLMMEM_POOL_CHUNK_SIZE);
+  if (need >= POOL_MID_REQUEST || need <= LLMMEM_POOL_SMALL_MAX) return best;
+  double best_waste = (double)(best - need) / (double)best;
+  for (size_t n = 2; n <= POOL_MAX_GROUP; n++) {
+    size_t seg = _llmmem_round_up(n * need, LLMMEM_POOL_CHUNK_SIZE);
+    if (seg > POOL_MAX_GROUP_SEGMENT) break;
+    double waste = (double)(seg - n * need) / (double)seg;
+    if (waste + 0.02 < best_waste) {
+      best = seg;
+      best_waste = waste;
+    }
+  }
+  return best;
+}
+
+/* Growth that does not strand memory: fully free growth segments are given back first and their
+ * bytes re-reserved inside the one new segment, so free space that was scattered over segments
+ * (which can never merge with each other) becomes contiguous; reserved memory grows only by what
+ * the request adds. The release costs a backend free (cudaFree synchronizes the device), but only
+ * on the growth path, which already pays for a cudaMalloc; a steady training loop never gets here. */
+static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
+  size_t freed = 0;
+  _llmmem_release_empty_chunks(pool);
+  for (pool_region_t *r = pool->segments, *next; r; r = next) {
+    next = r->next;
+    if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) {
+      freed += r->size;
+      _llmmem_release_segment(pool, r);
+    }
+  }
+  size_t want = segment_for(need);
+  if (freed > want) want = freed;
+  if (want > need) {
+    llmmem_status_t st = grow(pool, want);
+    if (st != LLMMEM_ERR_NOMEM) return st;
+  }
+  return grow(pool, need);
+}
+
+/* A free large block of >= size usable on `stream`, removed from the heap, or NULL (OOM). */
+pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why) {
+  pool_block_t *b = _llmmem_heap_find(pool, &pool->large, size, stream, POOL_SCAN_LIMIT);
+  if (!b && pool->pending_head) {
+    _llmmem_poll_events(pool, 0);
+    b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
+  }
+  if (!b) {
+    *why = grow_consolidating(pool, size);
+    if (*why == LLMMEM_OK) b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
+  }
+  if (!b && *why != LLMMEM_OK && *why != LLMMEM_ERR_NOMEM) return NULL;  /* a backend error, not OOM */
+  if (!b) {
+    /* Last resort, as PyTorch does: wait for other streams, return cached memory, try again. */
+    if (pool->pending_head && _llmmem_wait_all_events(pool) == LLMMEM_OK)
+      b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
+    if (!b) {
+      _llmmem_release_empty_chunks(pool);
+      for (pool_region_t *r = pool->segments, *next; r; r = next) {
+        next = r->next;
+        if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) _llmmem_release_segment(pool, r);
+      }
+      b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
+      if (!b) {
+        *why = grow(pool, size);
+        if (*why == LLMMEM_OK) b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
+      }
+    }
+  }
+  if (b) _llmmem_heap_remove(&pool->large, b);
+  return b;
+}
+
+/* A fresh 2 MiB chunk for small requests; returns its single free block (not in a heap). */
+pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool) {
+  pool_region_t *c = calloc(1, sizeof *c);
+  pool_block_t *sb = _llmmem_block_new(pool), *rest = _llmmem_block_new(pool);
+  llmmem_status_t why = LLMMEM_OK;
+  pool_block_t *lb =
+      c && sb && rest ? _llmmem_large_take(pool, LLMMEM_POOL_CHUNK_SIZE, POOL_ANY_STREAM, &why) : NULL;
+  if (!lb) {
+    free(c);
+    if (sb) _llmmem_block_recycle(pool, sb);
+    if (rest) _llmmem_block_recycle(pool, rest);
+    return NULL;
+  }
+  if (lb->size - LLMMEM_POOL_CHUNK_SIZE >= LLMMEM_POOL_GRANULARITY) {
+    _llmmem_split(pool, lb, LLMMEM_POOL_CHUNK_SIZE, rest);
+  } else {
+    _llmmem_split(pool, lb, lb->size, NULL);
+    _llmmem_block_recycle(pool, rest);
+  }
+  lb->is_free = 0;
+  lb->chunk = c;
+  c->base = lb->addr;
+  c->size = lb->size;
+  c->first = sb;
+  c->backing = lb;
+  region_link(&pool->chunks, c);
+  pool->st.small_chunks++;
+  sb->addr = c->base;
+  sb->size = c->size;
+  sb->region = c;
+  sb->small = 1;
+  sb->is_free = 1;
+  return sb;
+}
