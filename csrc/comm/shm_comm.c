@@ -76,6 +76,14 @@ llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, c
   return LLMMEM_FAIL(status, "%s", msg);
 }
 
+static llmmem_status_t check_abort(llmmem_shm_comm_t *c, const char *what) {
+  int failed = atomic_load_explicit(&c->hdr->abort_rank, memory_order_acquire);
+  if (!failed) return LLMMEM_OK;
+  c->broken = 1;
+  return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem shm %s on rank %d: rank %d failed: %s", what, c->rank, failed - 1,
+                     c->hdr->abort_msg);
+}
+
 /* Waits until ctl[peer].arrive >= epoch. */
 static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoch, const char *what) {
   double start = 0, next_liveness = 0;
@@ -86,12 +94,7 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
       continue;
     }
     if ((iter & 63) == 0) {
-      int failed = atomic_load_explicit(&c->hdr->abort_rank, memory_order_acquire);
-      if (failed) {
-        c->broken = 1;
-        return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem shm %s on rank %d: rank %d failed: %s", what, c->rank,
-                           failed - 1, c->hdr->abort_msg);
-      }
+      LLMMEM_TRY(check_abort(c, what));
       double t = now_s();
       if (start == 0) start = t, next_liveness = t + 0.05;
       if (t >= next_liveness) {
@@ -115,13 +118,16 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
 }
 
 llmmem_status_t _llmmem_shm_barrier(llmmem_shm_comm_t *c, const char *what) {
+  LLMMEM_TRY(check_abort(c, what));
   uint64_t epoch = ++c->epoch;
   atomic_store_explicit(&c->ctl[c->rank].arrive, epoch, memory_order_release);
   for (int q = 0; q < c->world_size; q++) {
     if (q == c->rank) continue;
     LLMMEM_TRY(wait_arrive(c, q, epoch, what));
   }
-  return LLMMEM_OK;
+  /* A peer that gave up (timeout) after arriving must not leave us with a half-done collective:
+   * a late rank sees the abort word here, even though every peer's arrival flag is set. */
+  return check_abort(c, what);
 }
 
 static size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

@@ -185,7 +185,13 @@ static int body_mismatch(llmmem_shm_comm_t *c, int rank, int world, void *arg) {
 static int body_timeout(llmmem_shm_comm_t *c, int rank, int world, void *arg) {
   (void)world, (void)arg;
   float x[4] = {0};
-  if (rank == 1) return 0; /* never calls the collective */
+  if (rank == 1) {
+    /* comes too late: rank 0 has given up and said so; this rank must fail too, not reduce stale data */
+    struct timespec ts = {0, 700 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    llmmem_status_t st = llmmem_shm_all_reduce(c, x, x, 4, LLMMEM_COMM_F32);
+    return !(st == LLMMEM_ERR_STATE && strstr(llmmem_last_error(), "rank 0 failed"));
+  }
   llmmem_status_t st = llmmem_shm_all_reduce(c, x, x, 4, LLMMEM_COMM_F32);
   return !(st == LLMMEM_ERR_STATE && strstr(llmmem_last_error(), "timed out") &&
            strstr(llmmem_last_error(), "all_reduce"));
@@ -277,7 +283,7 @@ int main(void) {
     CHECK(run_threads(2, 4096, 5.0, body_mismatch, NULL, NULL) == 0);
   }
 
-  TEST("a rank that never calls makes the other time out, naming the collective") {
+  TEST("a late rank makes the other time out (naming the collective), then fails itself") {
     double t0 = now_s();
     CHECK(run_threads(2, 4096, 0.3, body_timeout, NULL, NULL) == 0);
     CHECK(now_s() - t0 < 5.0);
