@@ -216,7 +216,33 @@ def _layers_worker(rank, world):
     _check_attention(rank, world)
     _check_embedding_and_loss(rank, world)
     _check_bad_input(rank, world)
+    if world == 4:
+        _check_tp_dp(rank, world)
     print(f"rank {rank}: all layer checks passed")
+
+
+def _check_tp_dp(rank, world):
+    """llmmem.parallel.init inside an existing world of 4: two TP groups of 2, two DP groups of 2."""
+    import torch.distributed as dist
+
+    import llmmem.parallel as par
+
+    tp = par.init(tensor_parallel_size=2)
+    try:
+        assert dist.get_world_size(tp) == 2 and dist.get_rank(tp) == rank % 2
+        assert par.get_tensor_parallel_group() is tp
+        dp = par.get_data_parallel_group()
+        assert dist.get_world_size(dp) == 2 and dist.get_rank(dp) == rank // 2
+        # layers built without process_group= now shard over the TP group only
+        _check_mlp(rank % 2, 2, gather_output=False, skip_bias_add=False, sequence_parallel=False)
+        _check_mlp(rank % 2, 2, gather_output=False, skip_bias_add=True, sequence_parallel=True)
+        try:
+            par.init(tensor_parallel_size=3)
+            raise AssertionError("a TP size that does not divide the world must raise")
+        except ValueError as exc:
+            assert "tensor_parallel_size (3)" in str(exc) and "(4)" in str(exc)
+    finally:
+        par.destroy()
 
 
 @pytest.mark.distributed
