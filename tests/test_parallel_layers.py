@@ -218,7 +218,24 @@ def _layers_worker(rank, world):
     _check_bad_input(rank, world)
     if world == 4:
         _check_tp_dp(rank, world)
+    if world == 2:
+        _check_tp_size_one(rank, world)
     print(f"rank {rank}: all layer checks passed")
+
+
+def _check_tp_size_one(rank, world):
+    """Tensor-parallel size 1 (every rank its own group): the layers are plain nn.Linear/nn.Embedding."""
+    import llmmem.parallel as par
+
+    par.init(tensor_parallel_size=1)
+    try:
+        for gather_output in (False, True):
+            _check_mlp(0, 1, gather_output=gather_output, skip_bias_add=not gather_output, sequence_parallel=False)
+        _check_mlp(0, 1, gather_output=False, skip_bias_add=False, sequence_parallel=True)
+        _check_attention(0, 1)
+        _check_embedding_and_loss(0, 1)
+    finally:
+        par.destroy()
 
 
 def _check_tp_dp(rank, world):
@@ -246,7 +263,7 @@ def _check_tp_dp(rank, world):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # world 2 also checks TP size 1, world 4 TP 2 x DP 2
 def test_layers_match_single_process(world_size):
     from llmmem.parallel.testing import run_ranks
 

@@ -1,8 +1,11 @@
 /*
  * shm_comm.c — the shared-memory communicator: joining the segment, the barrier, failures.
  *
- * Waiting is bounded everywhere: spin briefly (a peer is usually a few microseconds away), then
- * yield the core (ranks may outnumber cores), then sleep in short naps. While waiting we watch
+ * Waiting is bounded everywhere: spin briefly (a peer is usually a few microseconds away), yield
+ * the core for a few tens of microseconds, then sleep on a futex on the peer's arrival word (the
+ * arriving rank wakes sleepers only when there are any, so the fast path makes no system call).
+ * Sleeping matters: a rank still computing its matmul must not compete for a core with ranks
+ * that spin waiting for it (ranks often outnumber cores on CPU). While waiting we watch
  * the abort word of the segment (another rank failed), the clock (timeout) and, every ~50 ms,
  * whether the awaited peer's process still exists, so a killed rank is reported quickly instead
  * of after the full timeout. This file does not move data; shm_collectives.c does.
@@ -20,6 +23,10 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include "shm_internal.h"
 
@@ -40,6 +47,26 @@ static double now_s(void) {
 static void nap_us(long us) {
   struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
   nanosleep(&ts, NULL);
+}
+
+/* Sleeps while *word == seen, at most `us` microseconds (a nap where futexes do not exist). */
+static void sleep_on(_Atomic uint32_t *word, uint32_t seen, long us) {
+#ifdef __linux__
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+  /* not FUTEX_PRIVATE: the word is shared between processes */
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
+#else
+  (void)word, (void)seen;
+  nap_us(us);
+#endif
+}
+
+static void wake_all(_Atomic uint32_t *word) {
+#ifdef __linux__
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, 0x7fffffff, NULL, NULL, 0);
+#else
+  (void)word;
+#endif
 }
 
 /* 1 when process `pid` is gone (no such process, or a zombie waiting to be reaped). */
@@ -72,6 +99,7 @@ llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, c
   if (atomic_compare_exchange_strong(&c->hdr->abort_claim, &expected, c->rank + 1)) {
     snprintf(c->hdr->abort_msg, sizeof c->hdr->abort_msg, "%s", msg);
     atomic_store_explicit(&c->hdr->abort_rank, c->rank + 1, memory_order_release);
+    for (int q = 0; q < c->world_size; q++) wake_all(&c->ctl[q].arrive32); /* sleepers: look at the abort */
   }
   return LLMMEM_FAIL(status, "%s", msg);
 }
@@ -93,7 +121,7 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
       CPU_RELAX();
       continue;
     }
-    if ((iter & 63) == 0) {
+    if ((iter & 63) == 0 || iter >= 160) { /* every time once sleeping: a sleep is 10 ms */
       LLMMEM_TRY(check_abort(c, what));
       double t = now_s();
       if (start == 0) start = t, next_liveness = t + 0.05;
@@ -112,15 +140,26 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
                                 "(did every rank call the same collective?)",
                                 what, c->timeout_s, c->rank, peer);
     }
-    if (iter < 20000) sched_yield();
-    else nap_us(iter < 100000 ? 20 : 200);
+    if (iter < 160) {
+      sched_yield();
+      continue;
+    }
+    /* Sleep until the peer arrives (it wakes us) or 10 ms pass (to check abort, liveness, time). */
+    shm_ctl_t *p = &c->ctl[peer];
+    atomic_fetch_add(&p->waiters, 1); /* seq_cst: pairs with the arriver's store + load of waiters */
+    uint32_t seen = atomic_load(&p->arrive32);
+    if ((int32_t)(seen - (uint32_t)epoch) < 0) sleep_on(&p->arrive32, seen, 10000);
+    atomic_fetch_sub(&p->waiters, 1);
   }
 }
 
 llmmem_status_t _llmmem_shm_barrier(llmmem_shm_comm_t *c, const char *what) {
   LLMMEM_TRY(check_abort(c, what));
   uint64_t epoch = ++c->epoch;
-  atomic_store_explicit(&c->ctl[c->rank].arrive, epoch, memory_order_release);
+  shm_ctl_t *me = &c->ctl[c->rank];
+  atomic_store_explicit(&me->arrive, epoch, memory_order_release);
+  atomic_store(&me->arrive32, (uint32_t)epoch); /* seq_cst: a sleeper either sees it or is counted */
+  if (atomic_load(&me->waiters) > 0) wake_all(&me->arrive32);
   for (int q = 0; q < c->world_size; q++) {
     if (q == c->rank) continue;
     LLMMEM_TRY(wait_arrive(c, q, epoch, what));

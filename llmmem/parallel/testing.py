@@ -1,11 +1,14 @@
 """Run a function on several local ranks (gloo on CPU), for tests, examples and benchmarks.
 
-``run_ranks(path, "fn", world_size)`` starts ``world_size`` fresh Python processes; each joins a
-gloo process group (a file store in a temporary folder, so no port is needed), loads the file at
-``path`` and calls ``fn(rank, world_size, *args)``. The function is found by file path, so test
-files that are not importable as modules work. Every run has a wall-clock timeout; when one rank
-fails the others get a short grace period and are then killed, so a bug cannot hang the caller
-and no process is left behind.
+``run_ranks(path, "fn", world_size)`` starts one launcher process that imports torch and the file
+at ``path`` once, then forks ``world_size`` ranks from it (a fresh ``import torch`` per rank costs
+seconds of CPU; a fork costs milliseconds). Each rank joins a gloo process group (a file store in
+a temporary folder, so no port is needed) and calls ``fn(rank, world_size, *args)``. The function
+is found by file path, so test files that are not importable modules work.
+
+Every run has a wall-clock timeout. When a rank fails, the others get a short grace period and
+are then killed; on timeout the whole process group of the launcher is killed. So a bug cannot
+hang the caller and no process is left behind.
 """
 
 from __future__ import annotations
@@ -14,18 +17,20 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 
 
 @dataclass
 class RankResult:
     rank: int
-    returncode: int | None   # None: killed by us after the timeout / grace period
-    output: str              # stdout and stderr, interleaved
+    returncode: int | None   # negative: killed by that signal; None: killed by us (timeout or grace)
+    output: str              # the rank's stdout and stderr, interleaved
 
 
 class RanksFailed(AssertionError):
@@ -52,81 +57,123 @@ def run_ranks(path: str, fn: str, world_size: int, *, args: tuple = (), timeout:
     root = os.path.dirname(os.path.dirname(os.path.abspath(llmmem.__file__)))
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = root + (os.pathsep + child_env["PYTHONPATH"] if child_env.get("PYTHONPATH") else "")
-    # one thread per rank: the ranks share the machine's cores with each other
-    child_env.setdefault("OMP_NUM_THREADS", "1")
+    child_env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the machine's cores
     child_env.update(env or {})
-    expect = expect or {}
+    expect = {int(k): v for k, v in (expect or {}).items()}
     with tempfile.TemporaryDirectory(prefix="llmmem-ranks-") as tmp:
-        procs, logs = [], []
-        for rank in range(world_size):
-            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
-            cmd = [sys.executable, "-m", "llmmem.parallel.testing", "--file", os.path.abspath(path), "--fn", fn,
-                   "--rank", str(rank), "--world-size", str(world_size), "--store", os.path.join(tmp, "store"),
-                   "--args", json.dumps(list(args)), "--timeout", str(timeout)]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env))
-            logs.append(log)
-        deadline = time.monotonic() + timeout
-        first_failure = None
-        codes: list[int | None] = [None] * world_size
-        try:
-            while any(c is None for c in codes):
-                now = time.monotonic()
-                for i, p in enumerate(procs):
-                    if codes[i] is None and p.poll() is not None:
-                        codes[i] = p.returncode
-                        if p.returncode != expect.get(i, 0) and first_failure is None:
-                            first_failure = now
-                if now > deadline or (first_failure is not None and now > first_failure + grace):
-                    break
-                time.sleep(0.02)
-        finally:
-            for i, p in enumerate(procs):
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-                    codes[i] = None
-                elif codes[i] is None:
-                    codes[i] = p.returncode
-        results = []
-        for i, log in enumerate(logs):
+        cmd = [sys.executable, "-m", "llmmem.parallel.testing", "--file", os.path.abspath(path), "--fn", fn,
+               "--world-size", str(world_size), "--dir", tmp, "--args", json.dumps(list(args)),
+               "--timeout", str(timeout), "--grace", str(grace), "--expect", json.dumps(expect)]
+        with open(os.path.join(tmp, "launcher.log"), "w+") as log:
+            launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                        start_new_session=True)
+            try:
+                launcher.wait(timeout=timeout + grace + 30)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                # the launcher leads its own process group: this also reaps any rank still running
+                try:
+                    os.killpg(launcher.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                launcher.wait()
             log.seek(0)
-            results.append(RankResult(i, codes[i], log.read()))
-            log.close()
-    if check and any(r.returncode != expect.get(r.rank, 0) for r in results):
-        timed_out = any(r.returncode is None for r in results)
-        raise RanksFailed(("timed out after %.0f s; " % timeout if timed_out else "") +
-                          f"{fn} failed on some rank:\n{_report(results)}")
+            launcher_out = log.read()
+        codes = {}
+        status_path = os.path.join(tmp, "status.json")
+        if os.path.exists(status_path):
+            with open(status_path) as f:
+                codes = {int(k): v for k, v in json.load(f).items()}
+        results = []
+        for r in range(world_size):
+            p = os.path.join(tmp, f"rank{r}.log")
+            text = open(p).read() if os.path.exists(p) else ""
+            results.append(RankResult(r, codes.get(r), text))
+    if check and (any(r.returncode != expect.get(r.rank, 0) for r in results) or launcher.returncode != 0):
+        raise RanksFailed(f"{fn} failed on some rank (launcher exit {launcher.returncode}):\n"
+                          f"{launcher_out[-3000:]}\n{_report(results)}")
     return results
 
 
-def _child(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--file", required=True)
-    p.add_argument("--fn", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--store", required=True)
-    p.add_argument("--args", default="[]")
-    p.add_argument("--timeout", type=float, default=90.0)
-    a = p.parse_args(argv)
+def _rank_main(module, fn: str, rank: int, world: int, store: str, args: list, timeout: float) -> None:
     import datetime
 
     import torch.distributed as dist
 
-    spec = importlib.util.spec_from_file_location("_llmmem_rank_module", a.file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world_size,
-                            timeout=datetime.timedelta(seconds=a.timeout))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
     try:
-        getattr(module, a.fn)(a.rank, a.world_size, *json.loads(a.args))
+        getattr(module, fn)(rank, world, *args)
     finally:
         from llmmem.parallel import collectives
 
         collectives.close_all()
         dist.destroy_process_group()
+
+
+def _launch(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--file", required=True)
+    p.add_argument("--fn", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--args", default="[]")
+    p.add_argument("--timeout", type=float, default=90.0)
+    p.add_argument("--grace", type=float, default=10.0)
+    p.add_argument("--expect", default="{}")
+    a = p.parse_args(argv)
+    expect = {int(k): v for k, v in json.loads(a.expect).items()}
+    import torch  # noqa: F401 - imported once here, inherited by every forked rank
+
+    spec = importlib.util.spec_from_file_location("_llmmem_rank_module", a.file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    store = os.path.join(a.dir, "store")
+    pids = {}
+    for rank in range(a.world_size):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(os.path.join(a.dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                _rank_main(module, a.fn, rank, a.world_size, store, json.loads(a.args), a.timeout)
+                code = 0
+            except BaseException:  # noqa: BLE001 - report anything, then exit with a status
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    codes: dict[int, int | None] = {}
+    deadline = time.monotonic() + a.timeout
+    kill_at = None
+    while len(codes) < len(pids):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid in pids:
+            rank = pids[pid]
+            codes[rank] = os.waitstatus_to_exitcode(status)
+            if codes[rank] != expect.get(rank, 0) and kill_at is None:
+                kill_at = time.monotonic() + a.grace
+            continue
+        now = time.monotonic()
+        if now > deadline or (kill_at is not None and now > kill_at):
+            for pid, rank in pids.items():
+                if rank not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    codes[rank] = None
+            break
+        time.sleep(0.01)
+    with open(os.path.join(a.dir, "status.json"), "w") as f:
+        json.dump(codes, f)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))
+    sys.exit(_launch(sys.argv[1:]))
