@@ -178,6 +178,34 @@ def _check_embedding_and_loss(rank, world):
     _close("head weight grad", head.weight.grad, _shard(head_ref.weight.grad, world, rank, 0))
 
 
+def _check_gpt(rank, world):
+    """The tensor-parallel GPT made from a GPT: same loss, same gradients (shards of them)."""
+    from llmmem.models.gpt import GPT, GPTConfig
+    from llmmem.parallel.gpt import TensorParallelGPT
+
+    for attention in ("explicit", "sdpa"):
+        torch.manual_seed(2)
+        cfg = GPTConfig(layers=2, hidden=16, heads=4, seq_len=8, vocab_size=32, dropout=0.0, attention=attention)
+        ref = GPT(cfg)
+        model = TensorParallelGPT.from_gpt(ref)
+        idx = torch.randint(0, 32, (2, 8))
+        tgt = torch.randint(0, 32, (2, 8))
+        ref_logits, ref_loss = ref(idx, tgt)
+        ref_loss.backward()
+        logits, loss = model(idx, tgt)
+        _close("gpt logits", logits, _shard(ref_logits.detach(), world, rank, -1))
+        _close("gpt loss", loss, ref_loss.detach())
+        loss.backward()
+        _close("tied embedding grad", model.tok_emb.weight.grad, _shard(ref.tok_emb.weight.grad, world, rank, 0))
+        _close("pos emb grad", model.pos_emb.weight.grad, ref.pos_emb.weight.grad)
+        _close("ln1 grad", model.blocks[0].ln1.weight.grad, ref.blocks[0].ln1.weight.grad)
+        _close("mlp fc grad", model.blocks[1].mlp.fc.weight.grad, _shard(ref.blocks[1].mlp.fc.weight.grad, world, rank, 0))
+        _close("attn proj grad", model.blocks[0].attn.proj.weight.grad,
+               _shard(ref.blocks[0].attn.proj.weight.grad, world, rank, 1))
+        _close("attn proj bias grad", model.blocks[0].attn.proj.bias.grad, ref.blocks[0].attn.proj.bias.grad)
+        assert model.head.weight is model.tok_emb.weight
+
+
 def _check_bad_input(rank, world):
     import llmmem
 
@@ -216,6 +244,7 @@ def _layers_worker(rank, world):
     _check_attention(rank, world)
     _check_embedding_and_loss(rank, world)
     _check_bad_input(rank, world)
+    _check_gpt(rank, world)
     if world == 4:
         _check_tp_dp(rank, world)
     if world == 2:
