@@ -84,5 +84,7 @@ llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, c
 
 /* sum_ref.c */
 void _llmmem_comm_sum(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype);
+void _llmmem_comm_sum2(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
+                       llmmem_comm_dtype_t dtype);
 
 #endif /* LLMMEM_COMM_SHM_INTERNAL_H */

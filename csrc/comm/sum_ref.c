@@ -51,15 +51,22 @@ static void store_block(void *dst, size_t off, const float *acc, size_t n, llmme
   }
 }
 
-/* The unchecked worker shared with the shm engine (declared in shm_internal.h). */
-void _llmmem_comm_sum(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype) {
+/* The unchecked workers shared with the shm engine (declared in shm_internal.h). _sum2 writes the
+ * result to two places (out2 may be NULL) from the same accumulator, saving a re-read. */
+void _llmmem_comm_sum2(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
+                       llmmem_comm_dtype_t dtype) {
   float acc[BLOCK];
   for (size_t off = 0; off < count; off += BLOCK) {
     size_t n = count - off < BLOCK ? count - off : BLOCK;
     load_block(acc, srcs[0], off, n, dtype, 0);
     for (int r = 1; r < nsrc; r++) load_block(acc, srcs[r], off, n, dtype, 1);
     store_block(out, off, acc, n, dtype);
+    if (out2) store_block(out2, off, acc, n, dtype);
   }
+}
+
+void _llmmem_comm_sum(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype) {
+  _llmmem_comm_sum2(srcs, nsrc, out, NULL, count, dtype);
 }
 
 llmmem_status_t llmmem_comm_sum_ref(const void *const *srcs, int nsrc, void *out, size_t count,

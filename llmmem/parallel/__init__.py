@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from llmmem.parallel.collectives import get_collective_thresholds, set_collective_thresholds, set_timeout
 from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
+from llmmem.parallel.gpt import TensorParallelGPT
 from llmmem.parallel.groups import destroy, get_data_parallel_group, get_tensor_parallel_group, init
 from llmmem.parallel.layers import (
     ColumnParallelLinear,
@@ -32,6 +33,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
+    "TensorParallelGPT",
     "allreduce_sequence_parallel_grads",
     "init",
     "destroy",

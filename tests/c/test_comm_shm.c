@@ -203,9 +203,13 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Slot size for size index s: 4 KiB and 64 KiB slots split messages into many (one-shot) chunks;
+ * 1 MiB slots take the largest sizes whole, which runs the two-shot path (> 256 KiB). */
+static size_t slot_for(size_t s) { return s == 2 || s == 3 ? 4096 : s == 4 ? 65536 : (1u << 20); }
+
 int main(void) {
   const llmmem_comm_dtype_t dtypes[] = {LLMMEM_COMM_F32, LLMMEM_COMM_F16, LLMMEM_COMM_BF16};
-  const size_t sizes[] = {0, 1, 7, 4097, 70003};
+  const size_t sizes[] = {0, 1, 7, 4097, 70003, 200002}; /* the last two also run two-shot */
 
   TEST("half conversions round to nearest even and keep special values") {
     CHECK(llmmem_f32_to_f16(1.0f) == 0x3c00 && llmmem_f16_to_f32(0x3c00) == 1.0f);
@@ -254,8 +258,7 @@ int main(void) {
             ar_case_t k = {sizes[s], dtypes[d], in_place, {0}};
             size_t bytes = sizes[s] * llmmem_comm_dtype_size(dtypes[d]) + 1;
             for (int r = 0; r < world; r++) k.results[r] = calloc(1, bytes);
-            /* a 4 KiB slot forces many one-shot chunks; 1 MiB exercises the two-shot path */
-            size_t slot = s % 2 ? 4096 : (1u << 20);
+            size_t slot = slot_for(s);
             char name[128];
             CHECK(run_threads(world, slot, 10.0, body_all_reduce, &k, name) == 0);
             for (int r = 1; r < world; r++) CHECK(memcmp(k.results[0], k.results[r], bytes - 1) == 0);
@@ -269,7 +272,7 @@ int main(void) {
       for (size_t d = 0; d < 3; d++)
         for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
           ar_case_t k = {sizes[s], dtypes[d], 0, {0}};
-          CHECK(run_threads(world, s % 2 ? 4096 : (1u << 20), 10.0, body_gather_scatter, &k, NULL) == 0);
+          CHECK(run_threads(world, slot_for(s), 10.0, body_gather_scatter, &k, NULL) == 0);
         }
   }
 
