@@ -59,7 +59,8 @@ def _collectives_worker(rank, world):
             ref_rs = z.clone()
             dist.all_reduce(ref_rs)
             got_rs = collectives.reduce_scatter(z, 0, None)
-            torch.testing.assert_close(got_rs.float(), ref_rs.chunk(world)[rank].float(), rtol=tol, atol=tol * 4 * world)
+            torch.testing.assert_close(got_rs.float(), ref_rs.chunk(world)[rank].float(), rtol=tol,
+                                       atol=tol * 4 * world)
     # 1000 small all-reduces in a row, each checked
     for i in range(1000):
         v = torch.full((3,), float(rank + i))

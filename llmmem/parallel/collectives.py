@@ -43,7 +43,8 @@ def _env_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"llmmem: environment variable {name} must be an integer number of bytes, got {raw!r}") from None
+        raise ValueError(f"llmmem: environment variable {name} must be an integer number of bytes, "
+                         f"got {raw!r}") from None
     if value < 0:
         raise ValueError(f"llmmem: environment variable {name} must be >= 0, got {value}")
     return value

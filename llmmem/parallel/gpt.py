@@ -24,7 +24,6 @@ from llmmem.models.gpt import GPT, GPTConfig
 from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llmmem.parallel.groups import get_tensor_parallel_group
 from llmmem.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from llmmem.parallel.mappings import copy_to_tensor_parallel_region
 
 
 def _qkv_master_by_rank(w: torch.Tensor, heads: int, t: int) -> torch.Tensor:
