@@ -85,6 +85,13 @@ static int process_dead(int pid) {
   return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
+/* Identity of this process's PID namespace (0 if unknown): a pid only means something to a
+ * process in the same namespace (containers may share /dev/shm but not PIDs). */
+static uint64_t pid_namespace(void) {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
 static void path_of(char *out, size_t cap, const char *name) { snprintf(out, cap, "/dev/shm/%s", name); }
 
 llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, const char *fmt, ...) {
@@ -127,7 +134,8 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
       if (start == 0) start = t, next_liveness = t + 0.05;
       if (t >= next_liveness) {
         next_liveness = t + 0.05;
-        if (process_dead(c->ctl[peer].pid) &&
+        if (c->ctl[peer].pid_ns != 0 && c->ctl[peer].pid_ns == c->ctl[c->rank].pid_ns &&
+            process_dead(c->ctl[peer].pid) &&
             atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
           return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
                                   "llmmem shm %s: rank %d (pid %d) exited before joining the collective "
@@ -289,6 +297,7 @@ llmmem_status_t llmmem_shm_comm_open(const char *name, int rank, int world_size,
   c->ctl = (shm_ctl_t *)(c->base + LLMMEM_SHM_HEADER_BYTES);
   c->data = c->base + LLMMEM_SHM_HEADER_BYTES + round_up((size_t)world_size * LLMMEM_SHM_CTL_BYTES, 4096);
   c->ctl[rank].pid = (int32_t)getpid();
+  c->ctl[rank].pid_ns = pid_namespace();
   atomic_fetch_add_explicit(&c->hdr->joined, 1, memory_order_acq_rel);
 
   /* Everyone waits for everyone: a rank that never joins fails the set-up on all the others. */

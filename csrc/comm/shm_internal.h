@@ -36,8 +36,9 @@ typedef struct {
   _Atomic uint64_t arrive;   /* last barrier epoch this rank reached (release after its writes) */
   _Atomic uint32_t arrive32; /* its low 32 bits: the futex word peers sleep on */
   _Atomic uint32_t waiters;  /* peers asleep (or about to sleep) on arrive32: wake only if > 0 */
-  int32_t pid;               /* for telling a dead peer from a slow one */
+  int32_t pid;               /* for telling a dead peer from a slow one ... */
   int32_t pad0;
+  uint64_t pid_ns;           /* ... when it lives in our PID namespace (inode of /proc/self/ns/pid) */
   shm_desc_t desc[2];        /* what this rank is doing, indexed by collective seq & 1 */
 } shm_ctl_t;
 
