@@ -47,7 +47,9 @@ def _ipc_worker(rank, world):
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for n in (1, 7, 4097, 65536 + 3):
+        # one-shot below 256 KiB, two-shot above (65539 fp32, 150001 halves); 150001 fp32 exceeds the
+        # 512 KiB threshold and goes to torch.distributed, which must give the same bits for 2 ranks
+        for n in (1, 7, 4097, 65536 + 3, 150001):
             g = torch.Generator().manual_seed(rank * 1000 + n)
             host = torch.randn(n, generator=g).to(dtype)
             everyone = [torch.empty_like(host) for _ in range(world)]
@@ -71,6 +73,11 @@ def _ipc_worker(rank, world):
             raise AssertionError("a missing peer must be reported")
         except StateError as exc:
             assert "timed out" in str(exc)
+        try:  # and the communicator refuses further work instead of reducing stale data
+            comm.all_reduce_(torch.ones(4, device=dev))
+            raise AssertionError("a timed-out communicator must refuse new calls")
+        except StateError as exc:
+            assert "earlier call" in str(exc)
     dist.barrier()
     comm.close()
     print("ipc ok")

@@ -14,8 +14,14 @@
  * stream per rank. Waits are bounded by %globaltimer: a peer that never arrives sets an error
  * word that llmmem_cuda_ar_check reports, instead of hanging the GPU forever.
  *
- * What this file does not do: two-shot / multimem variants and large messages (NCCL is faster
- * there; llmmem/parallel/collectives.py routes them to torch.distributed).
+ * Messages of TWO_SHOT_MIN_BYTES and more use the two-shot kernel instead: rank r sums only part
+ * r of every slot (reading the message about once instead of world times), writes it to `out` and
+ * back into part r of its own slot; a second per-block barrier (flag set B); then it copies the
+ * other parts from their owners' slots. Block b handles the same offsets inside every part on
+ * every rank, so per-block barriers suffice, and the sum order is the same as one-shot's.
+ *
+ * What this file does not do: multimem (NVLS) variants and large messages (NCCL is faster there;
+ * llmmem/parallel/collectives.py routes them to torch.distributed).
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -33,9 +39,11 @@
 #define AR_MAX_WORLD 8
 #define AR_MAX_BLOCKS 32
 #define AR_THREADS 512
-#define AR_FLAG_BYTES 4096 /* AR_MAX_BLOCKS * AR_MAX_WORLD uint32 flags, padded */
+#define AR_FLAG_BYTES 4096 /* two sets (A, B) of AR_MAX_BLOCKS * AR_MAX_WORLD uint32 flags, padded */
+#define AR_FLAGS_B_OFFSET 2048
+#define TWO_SHOT_MIN_BYTES (256u * 1024u)
 
-static_assert(AR_MAX_BLOCKS * AR_MAX_WORLD * sizeof(uint32_t) <= AR_FLAG_BYTES, "flag area too small");
+static_assert(AR_MAX_BLOCKS * AR_MAX_WORLD * sizeof(uint32_t) <= AR_FLAGS_B_OFFSET, "flag area too small");
 static_assert(sizeof(cudaIpcMemHandle_t) == LLMMEM_CUDA_IPC_HANDLE_BYTES, "IPC handle size changed");
 
 struct llmmem_cuda_ar_s {
@@ -44,7 +52,10 @@ struct llmmem_cuda_ar_s {
   double timeout_s;
   char *local;                  /* this rank's buffer */
   char *peers[AR_MAX_WORLD];    /* every rank's buffer as mapped here (peers[rank] == local) */
-  int *error;                   /* device word: 1 when a kernel gave up waiting */
+  int *error;                   /* device view of error_host: a kernel that gave up waiting sets it to 1 */
+  volatile int *error_host;     /* mapped pinned host memory: read without synchronising, so a
+                                   timed-out communicator fails the next call instead of silently
+                                   computing on stale peer data */
   uint32_t epoch;
   int connected;
 };
@@ -77,29 +88,68 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-template <typename T>
-__global__ void one_shot_all_reduce_kernel(PeerPtrs ptrs, int rank, int world, size_t count, size_t slot_off,
-                                           uint32_t epoch, uint64_t timeout_ns, int *error, T *out) {
+/* Block-level barrier across ranks on flag set at byte offset `flags_off`: thread t tells peer t
+ * "this block reached epoch" and waits for peer t's word. Returns false if a peer never came. */
+__device__ __forceinline__ bool block_barrier(const PeerPtrs &ptrs, int rank, int world, size_t flags_off,
+                                              uint32_t epoch, uint64_t timeout_ns, int *error) {
+  __syncthreads();
+  int failed = 0;
   if (threadIdx.x < world) {
     int peer = threadIdx.x;
-    uint32_t *to_peer = reinterpret_cast<uint32_t *>(ptrs.p[peer]) + blockIdx.x * AR_MAX_WORLD + rank;
+    __threadfence_system(); /* this block's earlier writes (after the __syncthreads) before the flag */
+    uint32_t *to_peer = reinterpret_cast<uint32_t *>(ptrs.p[peer] + flags_off) + blockIdx.x * AR_MAX_WORLD + rank;
     st_release_sys(to_peer, epoch);
-    const uint32_t *from_peer = reinterpret_cast<const uint32_t *>(ptrs.p[rank]) + blockIdx.x * AR_MAX_WORLD + peer;
+    const uint32_t *from_peer =
+        reinterpret_cast<const uint32_t *>(ptrs.p[rank] + flags_off) + blockIdx.x * AR_MAX_WORLD + peer;
     uint64_t start = global_ns();
     while ((int32_t)(ld_acquire_sys(from_peer) - epoch) < 0) {
       if (global_ns() - start > timeout_ns) {
-        atomicExch(error, 1);
+        failed = 1;
+        *(volatile int *)error = 1; /* a plain store: host memory need not support GPU atomics */
+        __threadfence_system();
         break;
       }
     }
   }
-  __syncthreads();
-  if (*(volatile int *)error) return; /* a peer is missing: its slot may hold stale data */
+  /* a peer is missing: its slot may hold stale data, so this block stops */
+  return __syncthreads_or(failed) == 0;
+}
+
+template <typename T>
+__global__ void one_shot_all_reduce_kernel(PeerPtrs ptrs, int rank, int world, size_t count, size_t slot_off,
+                                           uint32_t epoch, uint64_t timeout_ns, int *error, T *out) {
+  if (!block_barrier(ptrs, rank, world, 0, epoch, timeout_ns, error)) return;
   size_t stride = (size_t)gridDim.x * blockDim.x;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
     float acc = to_f32(reinterpret_cast<const T *>(ptrs.p[0] + slot_off)[i]);
     for (int q = 1; q < world; q++) acc += to_f32(reinterpret_cast<const T *>(ptrs.p[q] + slot_off)[i]);
     out[i] = from_f32<T>(acc);
+  }
+}
+
+/* part q of a message of `count` elements split in `world` parts: [q*per, min((q+1)*per, count)) */
+template <typename T>
+__global__ void two_shot_all_reduce_kernel(PeerPtrs ptrs, int rank, int world, size_t count, size_t per,
+                                           size_t slot_off, uint32_t epoch, uint64_t timeout_ns, int *error, T *out) {
+  if (!block_barrier(ptrs, rank, world, 0, epoch, timeout_ns, error)) return;
+  size_t stride = (size_t)gridDim.x * blockDim.x, first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  /* phase 1: reduce my part into out and into my slot (only I touch part `rank` of my slot) */
+  size_t lo = (size_t)rank * per, hi = lo + per < count ? lo + per : count;
+  T *mine = reinterpret_cast<T *>(ptrs.p[rank] + slot_off);
+  for (size_t i = lo + first; i < hi; i += stride) {
+    float acc = to_f32(reinterpret_cast<const T *>(ptrs.p[0] + slot_off)[i]);
+    for (int q = 1; q < world; q++) acc += to_f32(reinterpret_cast<const T *>(ptrs.p[q] + slot_off)[i]);
+    T v = from_f32<T>(acc);
+    out[i] = v;
+    mine[i] = v;
+  }
+  if (!block_barrier(ptrs, rank, world, AR_FLAGS_B_OFFSET, epoch, timeout_ns, error)) return;
+  /* phase 2: the other parts, from the slots of the ranks that reduced them */
+  for (int q = 0; q < world; q++) {
+    if (q == rank) continue;
+    size_t qlo = (size_t)q * per, qhi = qlo + per < count ? qlo + per : count;
+    const T *theirs = reinterpret_cast<const T *>(ptrs.p[q] + slot_off);
+    for (size_t i = qlo + first; i < qhi; i += stride) out[i] = theirs[i];
   }
 }
 
@@ -118,8 +168,11 @@ static llmmem_status_t create_on_device(llmmem_cuda_ar_t *ar, void *handle_out) 
   size_t total = AR_FLAG_BYTES + 2 * ar->max_bytes;
   LLMMEM_CUDA_TRY(cudaMalloc((void **)&ar->local, total));
   LLMMEM_CUDA_TRY(cudaMemset(ar->local, 0, AR_FLAG_BYTES));
-  LLMMEM_CUDA_TRY(cudaMalloc((void **)&ar->error, sizeof(int)));
-  LLMMEM_CUDA_TRY(cudaMemset(ar->error, 0, sizeof(int)));
+  int *host = NULL;
+  LLMMEM_CUDA_TRY(cudaHostAlloc((void **)&host, sizeof(int), cudaHostAllocMapped));
+  *host = 0;
+  ar->error_host = host;
+  LLMMEM_CUDA_TRY(cudaHostGetDevicePointer((void **)&ar->error, host, 0));
   cudaIpcMemHandle_t h;
   LLMMEM_CUDA_TRY(cudaIpcGetMemHandle(&h, ar->local));
   memcpy(handle_out, &h, sizeof h);
@@ -133,7 +186,7 @@ static void release(llmmem_cuda_ar_t *ar) {
   for (int q = 0; q < ar->world; q++)
     if (q != ar->rank && ar->peers[q]) (void)cudaIpcCloseMemHandle(ar->peers[q]);
   if (ar->local) (void)cudaFree(ar->local);
-  if (ar->error) (void)cudaFree(ar->error);
+  if (ar->error_host) (void)cudaFreeHost((void *)ar->error_host);
   (void)cudaGetLastError();
   if (prev >= 0 && prev != ar->device) (void)cudaSetDevice(prev);
   delete ar;
@@ -213,6 +266,9 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t
                    count * es, ar->max_bytes);
   if (ar->world > 1 && !ar->connected)
     return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_cuda_ar_all_reduce: call llmmem_cuda_ar_connect first");
+  if (*ar->error_host)
+    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem cuda all_reduce: an earlier call on rank %d timed out waiting for a "
+                                         "peer; the communicator is unusable", ar->rank);
   cudaStream_t s = (cudaStream_t)stream;
   if (count == 0) return LLMMEM_OK;
   if (ar->world == 1) {
@@ -225,9 +281,30 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t
   PeerPtrs ptrs;
   memset(&ptrs, 0, sizeof ptrs);
   for (int q = 0; q < ar->world; q++) ptrs.p[q] = ar->peers[q];
+  uint64_t timeout_ns = (uint64_t)(ar->timeout_s * 1e9);
+  if (count * es >= TWO_SHOT_MIN_BYTES) {
+    size_t per = (count + (size_t)ar->world - 1) / (size_t)ar->world;
+    size_t want = (per + AR_THREADS - 1) / AR_THREADS;
+    int blocks = want < AR_MAX_BLOCKS ? (int)want : AR_MAX_BLOCKS;
+    switch (dtype) {
+      case LLMMEM_COMM_F32:
+        two_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(ptrs, ar->rank, ar->world, count, per, slot_off,
+                                                                         epoch, timeout_ns, ar->error, (float *)out);
+        break;
+      case LLMMEM_COMM_F16:
+        two_shot_all_reduce_kernel<__half><<<blocks, AR_THREADS, 0, s>>>(
+            ptrs, ar->rank, ar->world, count, per, slot_off, epoch, timeout_ns, ar->error, (__half *)out);
+        break;
+      default:
+        two_shot_all_reduce_kernel<__nv_bfloat16><<<blocks, AR_THREADS, 0, s>>>(
+            ptrs, ar->rank, ar->world, count, per, slot_off, epoch, timeout_ns, ar->error, (__nv_bfloat16 *)out);
+        break;
+    }
+    LLMMEM_CUDA_TRY(cudaGetLastError());
+    return LLMMEM_OK;
+  }
   size_t want_blocks = (count + AR_THREADS - 1) / AR_THREADS;
   int blocks = want_blocks < AR_MAX_BLOCKS ? (int)want_blocks : AR_MAX_BLOCKS;
-  uint64_t timeout_ns = (uint64_t)(ar->timeout_s * 1e9);
   switch (dtype) {
     case LLMMEM_COMM_F32:
       one_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(ptrs, ar->rank, ar->world, count, slot_off,
@@ -249,9 +326,7 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t
 extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_check(llmmem_cuda_ar_t *ar, void *stream) {
   LLMMEM_CHECK_ARG(ar != NULL, "llmmem_cuda_ar_check: ar must not be NULL");
   LLMMEM_CUDA_TRY(cudaStreamSynchronize((cudaStream_t)stream));
-  int err = 0;
-  LLMMEM_CUDA_TRY(cudaMemcpy(&err, ar->error, sizeof err, cudaMemcpyDeviceToHost));
-  if (err)
+  if (*ar->error_host)
     return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem cuda all_reduce: rank %d timed out after %.3g s waiting for a peer "
                                          "(did every rank call the same collective?)", ar->rank, ar->timeout_s);
   return LLMMEM_OK;
