@@ -255,10 +255,19 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_close(llmmem_cuda_ar_t *ar)
   return LLMMEM_OK;
 }
 
+static llmmem_status_t all_reduce_on_device(llmmem_cuda_ar_t *ar, const void *in, void *out, size_t count,
+                                            llmmem_comm_dtype_t dtype, void *stream);
+
+/* The kernel must run on the communicator's device whatever device the caller has current. */
 extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t *ar, const void *in, void *out,
                                                                 size_t count, llmmem_comm_dtype_t dtype,
                                                                 void *stream) {
   LLMMEM_CHECK_ARG(ar != NULL, "llmmem_cuda_ar_all_reduce: ar must not be NULL");
+  WITH_DEVICE(ar->device, all_reduce_on_device(ar, in, out, count, dtype, stream));
+}
+
+static llmmem_status_t all_reduce_on_device(llmmem_cuda_ar_t *ar, const void *in, void *out, size_t count,
+                                            llmmem_comm_dtype_t dtype, void *stream) {
   size_t es = llmmem_comm_dtype_size(dtype);
   LLMMEM_CHECK_ARG(es != 0, "llmmem_cuda_ar_all_reduce: unknown dtype %d", (int)dtype);
   LLMMEM_CHECK_ARG(count == 0 || (in != NULL && out != NULL), "llmmem_cuda_ar_all_reduce: in/out must not be NULL");
