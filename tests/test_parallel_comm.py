@@ -122,9 +122,11 @@ def _check_fallback(rank, world):
 
 
 def _fault_worker(rank, world):
-    """First rank 1 skips a collective (rank 0 times out, rank 1 then fails too), then, on a fresh
-    engine, rank 1 dies (SIGKILL) and rank 0 must notice it well before its timeout."""
+    """First rank 1 skips a collective (rank 0 times out, rank 1 then fails too); then, on a fresh
+    engine, rank 1 is killed (SIGKILL) in the middle of a 16-chunk all-reduce, after it has
+    contributed its first chunk; rank 0 must notice it well before its timeout."""
     import signal
+    import threading
 
     from llmmem.errors import StateError
     from llmmem.parallel import collectives
@@ -134,13 +136,17 @@ def _fault_worker(rank, world):
         collectives.set_timeout(timeout)
         x = collectives.all_reduce_(torch.ones(100))
         assert x[0].item() == world
+        big = torch.ones(4 << 20)  # 16 MiB: 16 chunks of the default 1 MiB slot
         if rank == 1 and mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+            # dies while blocked inside the collective (the GIL is released there)
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if rank == 0 and mode == "kill":
+            time.sleep(0.8)  # join after rank 1 has arrived at the first chunk and been killed
         if rank == 1 and mode == "late":
             time.sleep(1.5)  # miss the collective; rank 0 gives up after 1 s and tells us
         t0 = time.monotonic()
         try:
-            collectives.all_reduce_(torch.ones(100))
+            collectives.all_reduce_(big)
             raise AssertionError("the collective must fail")
         except StateError as exc:
             elapsed = time.monotonic() - t0

@@ -138,8 +138,7 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
             process_dead(c->ctl[peer].pid) &&
             atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
           return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
-                                  "llmmem shm %s: rank %d (pid %d) exited before joining the collective "
-                                  "(rank %d was waiting for it)",
+                                  "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it",
                                   what, peer, c->ctl[peer].pid, c->rank);
       }
       if (t - start > c->timeout_s)
