@@ -139,6 +139,17 @@ def _check_embedding_and_loss(rank, world):
         (out * g).sum().backward()
         _close("embedding weight grad", emb.weight.grad, _shard(ref.weight.grad, world, rank, 0))
         assert torch.equal(emb.full_weight(), ref.weight.detach())
+    # sequence parallel: the sum over ranks is reduce-scattered along the sequence (dim 1 of (b, s))
+    torch.manual_seed(12)
+    ref = nn.Embedding(V, D)
+    sp = llmmem.VocabParallelEmbedding.from_embedding(ref, sequence_parallel=True, sequence_dim=1)
+    ids = torch.randint(0, V, (2, 4))
+    g = torch.randn(2, 4, D)
+    (ref(ids) * g).sum().backward()
+    out = sp(ids)
+    _close("sequence-parallel embedding", out, _shard(ref(ids).detach(), world, rank, 1))
+    (out * _shard(g, world, rank, 1)).sum().backward()
+    _close("sequence-parallel embedding grad", sp.weight.grad, _shard(ref.weight.grad, world, rank, 0))
     try:
         emb(torch.tensor([V]))
         raise AssertionError("an id >= num_embeddings must raise")
@@ -232,6 +243,16 @@ def _check_bad_input(rank, world):
         raise AssertionError("gather_output + sequence_parallel must raise")
     except ValueError as exc:
         assert "gather_output" in str(exc)
+    try:
+        llmmem.RowParallelLinear(2 * world, 4, input_is_parallel=False, sequence_parallel=True)
+        raise AssertionError("sequence_parallel without input_is_parallel must raise")
+    except ValueError as exc:
+        assert "input_is_parallel" in str(exc)
+    try:
+        llmmem.ColumnParallelLinear.from_linear(nn.Linear(4, 2 * world), bias=False)
+        raise AssertionError("from_linear takes the bias from the nn.Linear")
+    except TypeError as exc:
+        assert "bias" in str(exc)
 
 
 def _layers_worker(rank, world):
