@@ -38,7 +38,10 @@ class RanksFailed(AssertionError):
 
 
 def _report(results: list[RankResult]) -> str:
-    return "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-6000:]}" for r in results)
+    def status(code):
+        return "killed: timeout, or another rank failed first" if code is None else f"exit {code}"
+
+    return "\n".join(f"--- rank {r.rank} ({status(r.returncode)}) ---\n{r.output[-6000:]}" for r in results)
 
 
 def run_ranks(path: str, fn: str, world_size: int, *, args: tuple = (), timeout: float = 90.0,
