@@ -61,7 +61,8 @@ LLMMEM_API llmmem_status_t llmmem_shm_comm_set_timeout(llmmem_shm_comm_t *comm, 
 /* Bytes of one slot (the chunk size of the collectives). */
 LLMMEM_API llmmem_status_t llmmem_shm_comm_slot_bytes(const llmmem_shm_comm_t *comm, size_t *out);
 
-/* out[i] = sum over ranks of in[i], i < count. in == out is allowed (in place). */
+/* out[i] = sum over ranks of in[i], i < count. in == out is allowed (in place); otherwise the two
+ * buffers must not overlap (nor may they in the two calls below). */
 LLMMEM_API llmmem_status_t llmmem_shm_all_reduce(llmmem_shm_comm_t *comm, const void *in, void *out, size_t count,
                                                  llmmem_comm_dtype_t dtype);
 
