@@ -140,6 +140,8 @@ def _cuda_for(tensor: torch.Tensor, group):
         return None
     if not _env_on("LLMMEM_TP_CUDA_IPC"):
         return None
+    if torch.cuda.is_current_stream_capturing():
+        return None  # the IPC kernel's epochs are host-side: a replayed graph would reuse a stale one
     key = group if group is not None else dist.group.WORLD
     if key not in _cuda_comms:
         from llmmem.parallel import cuda_ipc
