@@ -44,6 +44,7 @@ _LAZY = {
     "ColumnParallelLinear": "llmmem.parallel",
     "RowParallelLinear": "llmmem.parallel",
     "VocabParallelEmbedding": "llmmem.parallel",
+    "vocab_parallel_cross_entropy": "llmmem.parallel",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

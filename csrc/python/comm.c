@@ -1,8 +1,246 @@
 /*
- * comm.c — the Python binding of csrc/comm/ (filled in by the issue that builds it).
+ * comm.c — the Python binding of csrc/comm/: intra-node collectives.
+ *
+ * Communicators travel to Python as capsules that close themselves when collected (or earlier
+ * through *_close). Buffers arrive as integer addresses (tensor.data_ptr()) with an element count
+ * and a dtype code (llmmem_comm_dtype_t); llmmem/parallel/shm.py and cuda_ipc.py check the tensors
+ * (device, contiguity, dtype, sizes) before calling. The GIL is released while a collective or a
+ * set-up waits for the other ranks.
  */
 #include "binding.h"
 
+#include <llmmem/comm.h>
+
+#define SHM_CAPSULE "llmmem.shm_comm"
+#define CUDA_AR_CAPSULE "llmmem.cuda_ar"
+
+typedef struct {
+  void *comm; /* llmmem_shm_comm_t* or llmmem_cuda_ar_t*; NULL once closed */
+} holder_t;
+
+static void shm_capsule_free(PyObject *cap) {
+  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE);
+  if (!h) return;
+  llmmem_shm_comm_close(h->comm);
+  PyMem_Free(h);
+}
+
+static void cuda_ar_capsule_free(PyObject *cap) {
+  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
+  if (!h) return;
+  llmmem_cuda_ar_close(h->comm);
+  PyMem_Free(h);
+}
+
+/* The live communicator inside a capsule, or NULL with an exception set. */
+static void *live(PyObject *cap, const char *kind) {
+  holder_t *h = PyCapsule_GetPointer(cap, kind);
+  if (!h) return NULL;
+  if (!h->comm) {
+    PyErr_SetString(PyExc_ValueError, "llmmem: the communicator is closed");
+    return NULL;
+  }
+  return h->comm;
+}
+
+static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn) {
+  holder_t *h = PyMem_Malloc(sizeof *h);
+  if (!h) {
+    free_fn == shm_capsule_free ? (void)llmmem_shm_comm_close(comm) : (void)llmmem_cuda_ar_close(comm);
+    return PyErr_NoMemory();
+  }
+  h->comm = comm;
+  PyObject *cap = PyCapsule_New(h, kind, free_fn);
+  if (!cap) {
+    free_fn == shm_capsule_free ? (void)llmmem_shm_comm_close(comm) : (void)llmmem_cuda_ar_close(comm);
+    PyMem_Free(h);
+  }
+  return cap;
+}
+
+/* ------------------------------------------------------------------ shared memory */
+
+/* shm_comm_open(name, rank, world_size, slot_bytes, timeout_s) -> capsule */
+static PyObject *py_shm_comm_open(PyObject *self, PyObject *args) {
+  (void)self;
+  const char *name;
+  int rank, world;
+  unsigned long long slot;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "siiKd", &name, &rank, &world, &slot, &timeout)) return NULL;
+  llmmem_shm_comm_t *comm = NULL;
+  llmmem_status_t st;
+  Py_BEGIN_ALLOW_THREADS
+  st = llmmem_shm_comm_open(name, rank, world, (size_t)slot, timeout, &comm);
+  Py_END_ALLOW_THREADS
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  return wrap(comm, SHM_CAPSULE, shm_capsule_free);
+}
+
+static PyObject *py_shm_comm_close(PyObject *self, PyObject *cap) {
+  (void)self;
+  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE);
+  if (!h) return NULL;
+  llmmem_shm_comm_close(h->comm);
+  h->comm = NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_shm_comm_set_timeout(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *cap;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "Od", &cap, &timeout)) return NULL;
+  llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
+  if (!comm) return NULL;
+  llmmem_status_t st = llmmem_shm_comm_set_timeout(comm, timeout);
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_shm_comm_slot_bytes(PyObject *self, PyObject *cap) {
+  (void)self;
+  llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
+  if (!comm) return NULL;
+  size_t n = 0;
+  llmmem_status_t st = llmmem_shm_comm_slot_bytes(comm, &n);
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  return PyLong_FromSize_t(n);
+}
+
+typedef llmmem_status_t (*shm_op_fn)(llmmem_shm_comm_t *, const void *, void *, size_t, llmmem_comm_dtype_t);
+
+/* (capsule, in_ptr, out_ptr, count, dtype) -> None */
+static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
+  PyObject *cap;
+  unsigned long long in_ptr, out_ptr, count;
+  int dtype;
+  if (!PyArg_ParseTuple(args, "OKKKi", &cap, &in_ptr, &out_ptr, &count, &dtype)) return NULL;
+  llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
+  if (!comm) return NULL;
+  llmmem_status_t st;
+  Py_BEGIN_ALLOW_THREADS
+  st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
+          (llmmem_comm_dtype_t)dtype);
+  Py_END_ALLOW_THREADS
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args) {
+  (void)self;
+  return shm_op(args, llmmem_shm_all_reduce);
+}
+
+static PyObject *py_shm_all_gather(PyObject *self, PyObject *args) {
+  (void)self;
+  return shm_op(args, llmmem_shm_all_gather);
+}
+
+static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args) {
+  (void)self;
+  return shm_op(args, llmmem_shm_reduce_scatter);
+}
+
+/* ------------------------------------------------------------------ CUDA IPC all-reduce */
+
+/* cuda_ar_create(device, rank, world_size, max_bytes, timeout_s) -> (capsule, handle: bytes) */
+static PyObject *py_cuda_ar_create(PyObject *self, PyObject *args) {
+  (void)self;
+  int device, rank, world;
+  unsigned long long max_bytes;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "iiiKd", &device, &rank, &world, &max_bytes, &timeout)) return NULL;
+  llmmem_cuda_ar_t *ar = NULL;
+  char handle[LLMMEM_CUDA_IPC_HANDLE_BYTES] = {0};
+  llmmem_status_t st;
+  Py_BEGIN_ALLOW_THREADS
+  st = llmmem_cuda_ar_create(device, rank, world, (size_t)max_bytes, timeout, &ar, handle);
+  Py_END_ALLOW_THREADS
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  PyObject *cap = wrap(ar, CUDA_AR_CAPSULE, cuda_ar_capsule_free);
+  if (!cap) return NULL;
+  return Py_BuildValue("(Ny#)", cap, handle, (Py_ssize_t)sizeof handle);
+}
+
+/* cuda_ar_connect(capsule, handles: bytes of world_size * 64) */
+static PyObject *py_cuda_ar_connect(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *cap;
+  const char *handles;
+  Py_ssize_t len;
+  if (!PyArg_ParseTuple(args, "Oy#", &cap, &handles, &len)) return NULL;
+  llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
+  if (!ar) return NULL;
+  if (len <= 0 || len % LLMMEM_CUDA_IPC_HANDLE_BYTES != 0) {
+    PyErr_Format(PyExc_ValueError, "cuda_ar_connect: handles must be world_size * %d bytes, got %zd",
+                 LLMMEM_CUDA_IPC_HANDLE_BYTES, len);
+    return NULL;
+  }
+  llmmem_status_t st;
+  Py_BEGIN_ALLOW_THREADS
+  st = llmmem_cuda_ar_connect(ar, handles);
+  Py_END_ALLOW_THREADS
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_RETURN_NONE;
+}
+
+/* cuda_ar_all_reduce(capsule, in_ptr, out_ptr, count, dtype, stream) -> None */
+static PyObject *py_cuda_ar_all_reduce(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *cap;
+  unsigned long long in_ptr, out_ptr, count, stream;
+  int dtype;
+  if (!PyArg_ParseTuple(args, "OKKKiK", &cap, &in_ptr, &out_ptr, &count, &dtype, &stream)) return NULL;
+  llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
+  if (!ar) return NULL;
+  llmmem_status_t st = llmmem_cuda_ar_all_reduce(ar, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr,
+                                                 (size_t)count, (llmmem_comm_dtype_t)dtype, (void *)(uintptr_t)stream);
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_RETURN_NONE;
+}
+
+/* cuda_ar_check(capsule, stream) -> None; waits for the stream, raises if a kernel timed out */
+static PyObject *py_cuda_ar_check(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *cap;
+  unsigned long long stream;
+  if (!PyArg_ParseTuple(args, "OK", &cap, &stream)) return NULL;
+  llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
+  if (!ar) return NULL;
+  llmmem_status_t st;
+  Py_BEGIN_ALLOW_THREADS
+  st = llmmem_cuda_ar_check(ar, (void *)(uintptr_t)stream);
+  Py_END_ALLOW_THREADS
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_cuda_ar_close(PyObject *self, PyObject *cap) {
+  (void)self;
+  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
+  if (!h) return NULL;
+  llmmem_cuda_ar_close(h->comm);
+  h->comm = NULL;
+  Py_RETURN_NONE;
+}
+
 PyMethodDef llmmem_py_comm_methods[] = {
+    {"shm_comm_open", py_shm_comm_open, METH_VARARGS,
+     "shm_comm_open(name, rank, world_size, slot_bytes, timeout_s) -> communicator (joins /dev/shm/<name>)"},
+    {"shm_comm_close", py_shm_comm_close, METH_O, "shm_comm_close(comm): unmap now (idempotent)"},
+    {"shm_comm_set_timeout", py_shm_comm_set_timeout, METH_VARARGS, "shm_comm_set_timeout(comm, seconds)"},
+    {"shm_comm_slot_bytes", py_shm_comm_slot_bytes, METH_O, "shm_comm_slot_bytes(comm) -> bytes per chunk"},
+    {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS, "shm_all_reduce(comm, in_ptr, out_ptr, count, dtype)"},
+    {"shm_all_gather", py_shm_all_gather, METH_VARARGS, "shm_all_gather(comm, in_ptr, out_ptr, count, dtype)"},
+    {"shm_reduce_scatter", py_shm_reduce_scatter, METH_VARARGS,
+     "shm_reduce_scatter(comm, in_ptr, out_ptr, count, dtype): count = output elements"},
+    {"cuda_ar_create", py_cuda_ar_create, METH_VARARGS,
+     "cuda_ar_create(device, rank, world_size, max_bytes, timeout_s) -> (communicator, ipc_handle)"},
+    {"cuda_ar_connect", py_cuda_ar_connect, METH_VARARGS, "cuda_ar_connect(comm, handles): all ranks' handles"},
+    {"cuda_ar_all_reduce", py_cuda_ar_all_reduce, METH_VARARGS,
+     "cuda_ar_all_reduce(comm, in_ptr, out_ptr, count, dtype, stream)"},
+    {"cuda_ar_check", py_cuda_ar_check, METH_VARARGS, "cuda_ar_check(comm, stream): raise if a peer timed out"},
+    {"cuda_ar_close", py_cuda_ar_close, METH_O, "cuda_ar_close(comm)"},
     {NULL, NULL, 0, NULL},
 };

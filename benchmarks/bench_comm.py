@@ -1,0 +1,162 @@
+"""All-reduce latency and bandwidth: llmmem's shared-memory engine vs gloo (CPU), measured in the same run.
+
+``python benchmarks/bench_comm.py [--device cpu|cuda] [--quick] [--ranks 2 4] [--json PATH]``
+
+CPU: for 2 and 4 local ranks (spawned processes, one thread each) and messages of 4 KiB .. 64 MiB
+of fp32, every rank times ``llmmem.parallel.collectives.all_reduce_`` (shared memory) and
+``torch.distributed.all_reduce`` (gloo) on the same tensor, median of repeats; the table gives the
+ratio gloo / llmmem, the bus bandwidth (2(n-1)/n * bytes / time) and, as the physical reference,
+the copy bandwidth of this machine measured in the same run (bytes read + written per second).
+
+CUDA (``--device cuda``, for the lent GPU): two processes share GPU 0; the IPC one-shot all-reduce
+is checked against the sum computed on the CPU, then timed (CUDA events) against gloo on the same
+CUDA tensors (NCCL refuses two ranks on one GPU, so it cannot be the baseline there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+MARK = "BENCH_JSON "
+
+
+def _inner_for(nbytes: int) -> int:
+    return max(1, min(100, (256 * 1024) // max(nbytes, 1)))
+
+
+def _cpu_rank(rank, world, sizes, repeats):
+    import torch
+    import torch.distributed as dist
+
+    from _harness import time_fn
+    from llmmem.parallel import collectives
+
+    torch.set_num_threads(1)
+    rows = []
+    for nbytes in sizes:
+        x = torch.zeros(nbytes // 4)  # zeros: the sums stay finite however often we repeat
+        collectives.all_reduce_(x)  # engine set-up happens on the first call, not in the timing
+        inner = _inner_for(nbytes)
+        reps = repeats if nbytes < (16 << 20) else max(3, repeats // 2)
+        dist.barrier()
+        ours = time_fn(lambda: collectives.all_reduce_(x), repeats=reps, warmup=2, inner=inner)
+        dist.barrier()
+        gloo = time_fn(lambda: dist.all_reduce(x), repeats=reps, warmup=2, inner=inner)
+        rows.append({"bytes": nbytes, "llmmem_s": ours["median_s"], "gloo_s": gloo["median_s"]})
+    if rank == 0:
+        print(MARK + json.dumps(rows), flush=True)
+
+
+def _cuda_rank(rank, world, sizes, repeats):
+    import torch
+    import torch.distributed as dist
+
+    from _harness import time_fn
+    from llmmem.parallel.cuda_ipc import CudaIpcCommunicator
+
+    torch.cuda.set_device(0)
+    comm = CudaIpcCommunicator.setup(dist.group.WORLD, torch.device("cuda", 0), timeout=30.0,
+                                     max_bytes=max(sizes))
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for nbytes in sizes:
+            n = nbytes // torch.tensor([], dtype=dtype).element_size()
+            g = torch.Generator().manual_seed(rank * 7919 + n)
+            host = torch.randn(n, generator=g).to(dtype)
+            everyone = [torch.empty_like(host) for _ in range(world)]
+            dist.all_gather(everyone, host)
+            want = sum(e.float() for e in everyone).to(dtype)  # fp32 sum in rank order, rounded once
+            x = host.cuda()
+            comm.all_reduce_(x)
+            comm.check()
+            ok = torch.equal(x.cpu(), want)
+            row = {"dtype": str(dtype).replace("torch.", ""), "bytes": nbytes, "correct": ok}
+            if dtype == torch.float32:
+                z = torch.zeros(n, device="cuda")
+                dist.barrier()
+                row["llmmem_s"] = time_fn(lambda: comm.all_reduce_(z), repeats=repeats, device="cuda",
+                                          inner=20)["median_s"]
+                comm.check()
+                dist.barrier()
+                row["gloo_s"] = time_fn(lambda: dist.all_reduce(z), repeats=max(3, repeats // 2), device="cuda",
+                                        inner=2)["median_s"]
+            rows.append(row)
+    comm.close()
+    if rank == 0:
+        print(MARK + json.dumps(rows), flush=True)
+
+
+def _copy_bandwidth(nbytes: int = 64 << 20) -> float:
+    import torch
+
+    from _harness import time_fn
+
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    t = time_fn(lambda: dst.copy_(src), repeats=5, warmup=1)["median_s"]
+    return 2 * nbytes / t  # read + write
+
+
+def _human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main(argv=None) -> int:
+    from _harness import print_table, write_json
+    from llmmem.parallel.testing import run_ranks
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--ranks", type=int, nargs="*", default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    payload = {}
+    if a.device == "cpu":
+        sizes = ([4 << 10, 64 << 10, 1 << 20, 16 << 20] if a.quick
+                 else [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20])
+        repeats = 5 if a.quick else 9
+        copy_bw = _copy_bandwidth()
+        payload["copy_bandwidth_Bps"] = copy_bw
+        for world in a.ranks or ([2] if a.quick else [2, 4]):
+            t0 = time.time()
+            res = run_ranks(__file__, "_cpu_rank", world, args=(sizes, repeats), timeout=600,
+                            env={"LLMMEM_TP_TIMEOUT": "120"})
+            line = next(ln for ln in res[0].output.splitlines() if ln.startswith(MARK))
+            rows = json.loads(line[len(MARK):])
+            table = []
+            for r in rows:
+                bus = 2 * (world - 1) / world * r["bytes"]
+                table.append([_human(r["bytes"]), r["llmmem_s"] * 1e6, r["gloo_s"] * 1e6, r["gloo_s"] / r["llmmem_s"],
+                              bus / r["llmmem_s"] / 1e9, bus / r["gloo_s"] / 1e9])
+            print_table(f"fp32 all-reduce, {world} ranks on one host (copy bandwidth {copy_bw / 1e9:.1f} GB/s; "
+                        f"{time.time() - t0:.0f} s)",
+                        ["size", "llmmem us", "gloo us", "speed-up", "llmmem busbw GB/s", "gloo busbw GB/s"], table)
+            payload[f"ranks_{world}"] = rows
+    else:
+        sizes = [4 << 10, 64 << 10, 256 << 10, 512 << 10]
+        res = run_ranks(__file__, "_cuda_rank", 2, args=(sizes, 5 if a.quick else 9), timeout=300)
+        line = next(ln for ln in res[0].output.splitlines() if ln.startswith(MARK))
+        rows = json.loads(line[len(MARK):])
+        print_table("CUDA IPC one-shot all-reduce, 2 processes sharing GPU 0",
+                    ["dtype", "size", "bitwise = fp32 CPU sum", "llmmem us", "gloo us"],
+                    [[r["dtype"], _human(r["bytes"]), r["correct"], r.get("llmmem_s", float("nan")) * 1e6,
+                      r.get("gloo_s", float("nan")) * 1e6] for r in rows])
+        payload["cuda_2_procs_1_gpu"] = rows
+        if not all(r["correct"] for r in rows):
+            print("FAILED: the IPC all-reduce differs from the reference")
+            return 1
+    path = write_json("comm", payload, a.json)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

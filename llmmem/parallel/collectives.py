@@ -1,0 +1,214 @@
+"""The three collectives the tensor-parallel layers need, routed to the fastest working engine.
+
+``all_reduce_`` (sum, in place), ``all_gather`` and ``reduce_scatter`` (along any dimension) go to:
+
+- llmmem's shared-memory collectives (``csrc/comm/shm_*.c``) for CPU tensors when every rank of
+  the group is on this host and the message is at most ``cpu_shm_max_bytes``;
+- llmmem's CUDA IPC all-reduce (``csrc/comm/cuda_allreduce.cu``) for small CUDA all-reduces when
+  every rank is on this node and peer buffers could be opened (``cuda_ipc_max_bytes``);
+- torch.distributed (NCCL / gloo) otherwise. That path always works and is the fallback: if our
+  engine cannot be set up (no /dev/shm, ranks on several hosts, IPC refused) a warning is issued
+  once per group and torch.distributed is used from then on.
+
+Every rank must take the same route for the same call, so the choice depends only on things that
+are equal across ranks (size, dtype, device, thresholds, and the outcome of a collective set-up).
+Keep the ``LLMMEM_TP_*`` environment variables equal on all ranks.
+
+Thresholds (bytes of the message one rank contributes) can be set with
+:func:`set_collective_thresholds` or the environment variables ``LLMMEM_TP_SHM_MAX_BYTES`` and
+``LLMMEM_TP_CUDA_IPC_MAX_BYTES``; ``LLMMEM_TP_SHM=0`` / ``LLMMEM_TP_CUDA_IPC=0`` turn an engine off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+# Defaults from benchmarks/bench_comm.py: on CPU our shared-memory path beat gloo at every size we
+# measured (4 KiB .. 64 MiB), so it is used for everything; on CUDA the one-shot kernel is meant for
+# latency-bound messages, NCCL's bandwidth-optimal rings win above a few hundred KiB.
+_DEFAULT_SHM_MAX = 1 << 62
+_DEFAULT_CUDA_IPC_MAX = 512 * 1024
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"llmmem: environment variable {name} must be an integer number of bytes, "
+                         f"got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"llmmem: environment variable {name} must be >= 0, got {value}")
+    return value
+
+
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+
+
+_thresholds = {
+    "cpu_shm_max_bytes": _env_int("LLMMEM_TP_SHM_MAX_BYTES", _DEFAULT_SHM_MAX),
+    "cuda_ipc_max_bytes": _env_int("LLMMEM_TP_CUDA_IPC_MAX_BYTES", _DEFAULT_CUDA_IPC_MAX),
+}
+_timeout_s = float(os.environ.get("LLMMEM_TP_TIMEOUT", "300"))
+
+# group -> engine object, or None when set-up failed (then torch.distributed is used).
+_shm_comms: dict = {}
+_cuda_comms: dict = {}
+
+
+def set_collective_thresholds(*, cpu_shm_max_bytes: int | None = None, cuda_ipc_max_bytes: int | None = None) -> dict:
+    """Override the largest message (bytes per rank) sent through llmmem's own engines.
+
+    ``0`` sends everything to torch.distributed. Must be called with the same values on every rank.
+    Returns the thresholds now in force.
+    """
+    for name, value in (("cpu_shm_max_bytes", cpu_shm_max_bytes), ("cuda_ipc_max_bytes", cuda_ipc_max_bytes)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"set_collective_thresholds: {name} must be an int >= 0, got {value!r}")
+        _thresholds[name] = value
+    return dict(_thresholds)
+
+
+def get_collective_thresholds() -> dict:
+    return dict(_thresholds)
+
+
+def set_timeout(seconds: float) -> None:
+    """Seconds llmmem's own collectives wait for a peer before raising (default 300, env LLMMEM_TP_TIMEOUT).
+
+    Applies to engines set up after the call and to those already set up.
+    """
+    global _timeout_s
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+        raise ValueError(f"set_timeout: seconds must be a positive number, got {seconds!r}")
+    _timeout_s = float(seconds)
+    for comm in list(_shm_comms.values()) + list(_cuda_comms.values()):
+        if comm is not None:
+            comm.set_timeout(_timeout_s)
+
+
+def close_all() -> None:
+    """Release every engine (shared segments, IPC mappings). Later calls set them up again."""
+    for table in (_shm_comms, _cuda_comms):
+        for comm in table.values():
+            if comm is not None:
+                comm.close()
+        table.clear()
+
+
+def _warn_fallback(what: str, exc: BaseException) -> None:
+    warnings.warn(f"llmmem.parallel: {what} unavailable, using torch.distributed instead: {exc}",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _shm_for(tensor: torch.Tensor, group):
+    """The shared-memory engine for this call, or None to use torch.distributed."""
+    if tensor.device.type != "cpu" or tensor.dtype not in _SUPPORTED:
+        return None
+    if tensor.numel() * tensor.element_size() > _thresholds["cpu_shm_max_bytes"]:
+        return None
+    if not _env_on("LLMMEM_TP_SHM"):
+        return None
+    key = group if group is not None else dist.group.WORLD
+    if key not in _shm_comms:
+        from llmmem.parallel import shm
+
+        try:
+            _shm_comms[key] = shm.ShmCommunicator.setup(key, timeout=_timeout_s)
+        except shm.SetupError as exc:
+            _warn_fallback("shared-memory collectives", exc)
+            _shm_comms[key] = None
+    return _shm_comms[key]
+
+
+def _cuda_for(tensor: torch.Tensor, group):
+    """The CUDA IPC all-reduce engine for this call, or None to use torch.distributed."""
+    if tensor.device.type != "cuda" or tensor.dtype not in _SUPPORTED:
+        return None
+    if tensor.numel() * tensor.element_size() > _thresholds["cuda_ipc_max_bytes"]:
+        return None
+    if not _env_on("LLMMEM_TP_CUDA_IPC"):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None  # the IPC kernel's epochs are host-side: a replayed graph would reuse a stale one
+    key = group if group is not None else dist.group.WORLD
+    if key not in _cuda_comms:
+        from llmmem.parallel import cuda_ipc
+
+        try:
+            _cuda_comms[key] = cuda_ipc.CudaIpcCommunicator.setup(key, tensor.device, timeout=_timeout_s)
+        except cuda_ipc.SetupError as exc:
+            _warn_fallback("CUDA IPC all-reduce", exc)
+            _cuda_comms[key] = None
+    comm = _cuda_comms[key]
+    if comm is not None and tensor.numel() * tensor.element_size() > comm.max_bytes:
+        return None
+    return comm
+
+
+def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over the group, in place; returns it."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    if tensor.is_contiguous():
+        comm = _shm_for(tensor, group) or _cuda_for(tensor, group)
+        if comm is not None:
+            comm.all_reduce_(tensor)
+            return tensor
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
+    w = dist.get_world_size(group)
+    if w == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    tensor = tensor.contiguous()
+    stacked = torch.empty((w * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    comm = _shm_for(tensor, group)
+    if comm is not None:
+        comm.all_gather_into(stacked, tensor)
+    else:
+        dist.all_gather_into_tensor(stacked, tensor, group=group)
+    if dim == 0:
+        return stacked
+    # rank-major blocks of dim 0 -> concatenation along `dim`
+    return torch.cat(stacked.chunk(w, dim=0), dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
+    w = dist.get_world_size(group)
+    if w == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % w != 0:
+        raise ValueError(f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible by the "
+                         f"group size {w}")
+    if dim == 0:
+        src = tensor.contiguous()
+    else:
+        src = torch.cat([c.contiguous() for c in tensor.chunk(w, dim=dim)], dim=0)
+    rows = src.shape[0] // w
+    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    comm = _shm_for(out, group)
+    if comm is not None:
+        comm.reduce_scatter_into(out, src)
+    else:
+        dist.reduce_scatter_tensor(out, src, group=group)
+    # src stacks the chunks along dim 0, each chunk keeping its shape, so `out` is already this
+    # rank's chunk of `tensor` along `dim`.
+    return out

@@ -1,0 +1,115 @@
+"""Shared-memory collectives between the CPU ranks of one host (the Python side of csrc/comm/shm_*.c).
+
+Set-up is collective over the torch.distributed group: the ranks exchange their host identity
+(hostname + kernel boot id), rank 0 picks a fresh segment name, every rank joins it, and all ranks
+agree on the outcome, so either every rank uses the segment or none does. The segment's name is
+removed as soon as every rank has mapped it: nothing is left in /dev/shm after a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from llmmem._native import available, native
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class SetupError(RuntimeError):
+    """The engine cannot be used for this group (the caller falls back to torch.distributed)."""
+
+
+def host_identity() -> str:
+    """Equal on two processes only if they run on the same machine (and so can share /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _slot_bytes() -> int:
+    raw = os.environ.get("LLMMEM_TP_SHM_SLOT_BYTES", "")
+    return int(raw) if raw else 0  # 0: the C default (1 MiB per slot; 2 slots per rank)
+
+
+class ShmCommunicator:
+    """One shared segment per process group. Use :meth:`setup`; calls are collective, in the same
+    order on every rank, one thread at a time (like the process group itself)."""
+
+    def __init__(self, handle, rank: int, world_size: int) -> None:
+        self._handle = handle
+        self.rank, self.world_size = rank, world_size
+
+    @classmethod
+    def setup(cls, group, *, timeout: float) -> "ShmCommunicator":
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if not available():
+            raise SetupError("the C core (llmmem._C) is not loaded")
+        if world > 64:
+            raise SetupError(f"group of {world} ranks is larger than 64")
+        name = f"llmmem-tp-{uuid.uuid4().hex}" if rank == 0 else None
+        info = [None] * world
+        dist.all_gather_object(info, (host_identity(), name), group=group)
+        hosts = {h for h, _ in info}
+        if len(hosts) != 1:
+            raise SetupError(f"the group spans {len(hosts)} hosts")
+        name = info[0][1]
+        handle, error = None, None
+        try:
+            handle = native.shm_comm_open(name, rank, world, _slot_bytes(), float(timeout))
+        except Exception as exc:  # noqa: BLE001 - any failure means: fall back, on every rank
+            error = f"rank {rank}: {exc}"
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, error, group=group)
+        failures = [e for e in outcomes if e]
+        if failures:
+            if handle is not None:
+                native.shm_comm_close(handle)
+            raise SetupError("; ".join(failures))
+        return cls(handle, rank, world)
+
+    def set_timeout(self, seconds: float) -> None:
+        native.shm_comm_set_timeout(self._handle, float(seconds))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            native.shm_comm_close(self._handle)
+            self._handle = None
+
+    @staticmethod
+    def _check(t: torch.Tensor, what: str) -> int:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in DTYPE_CODES:
+            raise ValueError(f"llmmem shm {what}: needs a contiguous CPU float32/float16/bfloat16 tensor, got "
+                             f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+        return DTYPE_CODES[t.dtype]
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place."""
+        code = self._check(t, "all_reduce")
+        native.shm_all_reduce(self._handle, t.data_ptr(), t.data_ptr(), t.numel(), code)
+        return t
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``out`` (world * t.numel() elements) = every rank's ``t``, in rank order."""
+        code = self._check(t, "all_gather")
+        if self._check(out, "all_gather") != code or out.numel() != self.world_size * t.numel():
+            raise ValueError(f"llmmem shm all_gather: out must be {self.world_size} x {t.numel()} elements of "
+                             f"{t.dtype}, got {out.numel()} of {out.dtype}")
+        native.shm_all_gather(self._handle, t.data_ptr(), out.data_ptr(), t.numel(), code)
+        return out
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``out`` = this rank's block of the sum of every rank's ``t`` (world blocks of out.numel())."""
+        code = self._check(t, "reduce_scatter")
+        if self._check(out, "reduce_scatter") != code or t.numel() != self.world_size * out.numel():
+            raise ValueError(f"llmmem shm reduce_scatter: input must be {self.world_size} x {out.numel()} elements "
+                             f"of {out.dtype}, got {t.numel()} of {t.dtype}")
+        native.shm_reduce_scatter(self._handle, t.data_ptr(), out.data_ptr(), out.numel(), code)
+        return out
