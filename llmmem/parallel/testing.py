@@ -68,8 +68,10 @@ def run_ranks(path: str, fn: str, world_size: int, *, args: tuple = (), timeout:
                "--world-size", str(world_size), "--dir", tmp, "--args", json.dumps(list(args)),
                "--timeout", str(timeout), "--grace", str(grace), "--expect", json.dumps(expect)]
         with open(os.path.join(tmp, "launcher.log"), "w+") as log:
+            # cwd=root: `python -m` puts the working directory first on sys.path, and the ranks must
+            # import the same llmmem as the caller (not a source checkout the caller happens to be in).
             launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=root)
             try:
                 launcher.wait(timeout=timeout + grace + 30)
             except subprocess.TimeoutExpired:
