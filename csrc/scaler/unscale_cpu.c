@@ -20,7 +20,7 @@
 
 #include <llmmem/scaler.h>
 
-#include "halfconv.h"
+#include "half.h"
 #include "internal.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

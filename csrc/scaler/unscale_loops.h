@@ -65,7 +65,7 @@ LOOP_TARGET static int LOOP_NAME(loop_bf16)(uint16_t *restrict p, size_t n, floa
       v *= inv;
       uint32_t r;
       memcpy(&r, &v, 4);
-      /* round to nearest even, NaN -> 0x7fc0 (as halfconv.h), written branch-free to vectorise */
+      /* round to nearest even, NaN -> 0x7fc0 (as half.h), written branch-free to vectorise */
       uint32_t rounded = (r + 0x7fffu + ((r >> 16) & 1u)) >> 16;
       p[i] = (uint16_t)(((r & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
     }

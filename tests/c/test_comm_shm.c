@@ -20,7 +20,7 @@
 
 #include <llmmem/comm.h>
 
-#include "../../csrc/comm/half.h"
+#include "half.h"
 #include "testhelper.h"
 
 #define MAXW 4

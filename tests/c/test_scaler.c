@@ -11,7 +11,7 @@
 
 #include <llmmem/scaler.h>
 
-#include "../../csrc/scaler/halfconv.h"
+#include "half.h"
 #include "internal.h"
 #include "testhelper.h"
 

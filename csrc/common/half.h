@@ -1,15 +1,15 @@
 /*
- * halfconv.h — exact scalar conversions between fp16/bf16 bit patterns and float, in portable C.
+ * half.h — exact scalar conversions between fp16/bf16 bit patterns and float, in portable C.
  *
- * Used by the reference kernel and by the scalar tails of the vector kernels, so both round the
- * same way: round-to-nearest-even, overflow to inf, subnormals kept (no flush to zero).
+ * Shared by the scaler (its reference kernel and the scalar tails of its vector kernels) and the
+ * collectives (fp32-accumulated sums rounded once), so every CPU path rounds the same way: round-to-nearest-even, overflow to inf, subnormals kept (no flush to zero).
  * NaN results: fp16 keeps the sign and top payload bits and sets the quiet bit (what the x86
  * F16C instruction does); bf16 becomes 0x7fc0 (what torch's scalar conversion does; torch's own
  * vector path writes 0xffff instead, so NaN bit patterns are not part of any parity promise).
  * Not for CUDA: the .cu kernels use the cuda_fp16/cuda_bf16 intrinsics.
  */
-#ifndef LLMMEM_SCALER_HALFCONV_H
-#define LLMMEM_SCALER_HALFCONV_H
+#ifndef LLMMEM_HALF_H
+#define LLMMEM_HALF_H
 
 #include <stdint.h>
 #include <string.h>
@@ -72,4 +72,4 @@ static inline uint16_t llmmem_f32_to_f16(float f) {
   return (uint16_t)(sign | r);
 }
 
-#endif /* LLMMEM_SCALER_HALFCONV_H */
+#endif /* LLMMEM_HALF_H */
