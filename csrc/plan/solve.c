@@ -10,8 +10,9 @@
  * The first item of a segment is either block s keeping its tape in mode k (then the rest runs
  * with what the tape holds taken out of m), or a region [s, q) (its forward runs without tape, the
  * rest [q, e) runs holding a_q, then the region's content is solved as R(s, q, ...) with the
- * gradient of a_q held). The tables are float (the time of the chosen plan is recomputed exactly by
- * the simulator); choices are int16: k for a tape mode, K + (q - s - 1) for a region.
+ * gradient of a_q held). The tables are float least times (the time of the chosen plan is recomputed
+ * exactly by the simulator); choices are recovered by the walk: k for a tape mode, K + (q - s - 1)
+ * for a region.
  *
  * Identical blocks: R(s, e) depends only on e - s, so one row per length is filled (fast path).
  * Does not: parallelise (the rows of one length are independent: an OpenMP loop would do), or
@@ -33,55 +34,98 @@ typedef struct dp_s {
   /* sizes in slots, rounded up */
   int64_t *x, *s, *ft, *bt;
   double *fnsum;      /* prefix sums of the no-store forward times, [L + 1] */
-  float *R, *T;       /* [row][M + 1] */
-  int16_t *chR, *chT;
+  float *R, *T;       /* [row][M + 1] least times */
 } dp_t;
 
 static inline int64_t to_slots(uint64_t bytes, uint64_t unit) { return (int64_t)((bytes + unit - 1) / unit); }
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Fills one row: segment [s, e) (e == L: the top-level family). */
+static inline const float *row_of(const dp_t *dp, int32_t s, int32_t e) {
+  const size_t W = (size_t)dp->M + 1;
+  return e == dp->c->L ? dp->T + (size_t)s * W : dp->R + plan_row_R(dp->c, s, e) * W;
+}
+
+/* Tape option of block s in mode k: the least m it needs and its own slot footprint. */
+static inline void tape_needs(const dp_t *dp, int32_t s, int32_t e, int32_t k, int64_t *lo, int64_t *hold) {
+  const size_t ik = (size_t)s * dp->c->K + k;
+  *hold = dp->s[ik] + dp->x[s + 1];
+  *lo = max64(max64(*hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
+}
+
+/* Fills one row: segment [s, e) (e == L: the top-level family). Only the costs are stored: the
+ * walk re-evaluates the few states it visits to recover the choices, which keeps these loops
+ * branch-free (they vectorise) and halves the memory. */
 static void fill_row(dp_t *dp, int32_t s, int32_t e) {
   const plan_costs_t *c = dp->c;
   const int32_t K = c->K, L = c->L;
   const int top = e == L;
-  const int64_t M = dp->M, W = M + 1;
-  float *best = top ? dp->T + (size_t)s * W : dp->R + plan_row_R(c, s, e) * W;
-  int16_t *choice = top ? dp->chT + (size_t)s * W : dp->chR + plan_row_R(c, s, e) * W;
-  for (int64_t m = 0; m < W; m++) best[m] = DP_INF, choice[m] = -1;
+  const int64_t W = dp->M + 1;
+  float *best = (float *)row_of(dp, s, e);
+  for (int64_t m = 0; m < W; m++) best[m] = DP_INF;
 
   for (int32_t k = 0; k < K; k++) {
     if (!top && !c->nest[k]) continue;
-    const size_t ik = (size_t)s * K + k;
-    const int64_t hold = dp->s[ik] + dp->x[s + 1];
-    const int64_t lo = max64(max64(hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), hold);
-    const float base = (float)(c->f[ik] + c->b[ik]);
+    int64_t lo, hold;
+    tape_needs(dp, s, e, k, &lo, &hold);
+    const float base = (float)(c->f[(size_t)s * K + k] + c->b[(size_t)s * K + k]);
     if (s + 1 == e) {
-      for (int64_t m = lo; m < W; m++)
-        if (base < best[m]) best[m] = base, choice[m] = (int16_t)k;
+      for (int64_t m = lo; m < W; m++) best[m] = base < best[m] ? base : best[m];
     } else {
-      const float *rest = top ? dp->T + (size_t)(s + 1) * W : dp->R + plan_row_R(c, s + 1, e) * W;
+      const float *rest = row_of(dp, s + 1, e);
       for (int64_t m = lo; m < W; m++) {
-        const float t = base + rest[m - hold];
-        if (t < best[m]) best[m] = t, choice[m] = (int16_t)k;
+        const float v = base + rest[m - hold];
+        best[m] = v < best[m] ? v : best[m];
       }
     }
+  }
+  int64_t fneed = 0;
+  /* Identical blocks, recompute family: region [s, q) then rest [q, e) has the same table terms as
+   * region length e - q then rest q - s; the shorter region re-runs fewer forwards (and needs no
+   * more memory: its forward need is the same for any length >= 2), so lengths <= half suffice. */
+  const int32_t q_last = (c->identical && !top) ? s + (e - s) / 2 : e - 1;
+  for (int32_t q = s + 1; q <= q_last; q++) {
+    fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+    const int64_t xq = dp->x[q];
+    const int64_t lo = max64(fneed, xq);
+    const float fsum = (float)(dp->fnsum[q] - dp->fnsum[s]);
+    const float *rest = row_of(dp, q, e);
+    const float *inner = row_of(dp, s, q);
+    for (int64_t m = lo; m < W; m++) {
+      const float v = fsum + rest[m - xq] + inner[m - xq];
+      best[m] = v < best[m] ? v : best[m]; /* a min the compiler vectorises (no NaN here) */
+    }
+  }
+}
+
+/* The choice that gives the DP value of state (s, e, m): evaluates its options exactly as
+ * fill_row did and returns the closest (k for a tape mode, K + q - s - 1 for a region [s, q)). */
+static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m) {
+  const plan_costs_t *c = dp->c;
+  const int32_t K = c->K, L = c->L;
+  const int top = e == L;
+  const float target = row_of(dp, s, e)[m];
+  int32_t best_choice = -1;
+  float best_gap = INFINITY;
+  for (int32_t k = 0; k < K; k++) {
+    if (!top && !c->nest[k]) continue;
+    int64_t lo, hold;
+    tape_needs(dp, s, e, k, &lo, &hold);
+    if (m < lo) continue;
+    const float base = (float)(c->f[(size_t)s * K + k] + c->b[(size_t)s * K + k]);
+    const float v = s + 1 == e ? base : base + row_of(dp, s + 1, e)[m - hold];
+    if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = k;
   }
   int64_t fneed = 0;
   for (int32_t q = s + 1; q < e; q++) {
     fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
     const int64_t xq = dp->x[q];
-    const int64_t lo = max64(fneed, xq);
+    if (m < max64(fneed, xq)) continue;
     const float fsum = (float)(dp->fnsum[q] - dp->fnsum[s]);
-    const float *rest = top ? dp->T + (size_t)q * W : dp->R + plan_row_R(c, q, e) * W;
-    const float *inner = dp->R + plan_row_R(c, s, q) * W;
-    const int16_t code = (int16_t)(K + (q - s - 1));
-    for (int64_t m = lo; m < W; m++) {
-      const float t = fsum + rest[m - xq] + inner[m - xq];
-      if (t < best[m]) best[m] = t, choice[m] = code;
-    }
+    const float v = fsum + row_of(dp, q, e)[m - xq] + row_of(dp, s, q)[m - xq];
+    if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = K + (q - s - 1);
   }
+  return best_choice;
 }
 
 typedef struct walk_s {
@@ -105,8 +149,10 @@ static llmmem_status_t walk_dp(const dp_t *dp, walk_t *w, int32_t s, int32_t e, 
   while (s < e) {
     const int top = e == L;
     LLMMEM_ASSERT_INTERNAL(m >= 0 && m < W);
-    const int32_t ch = top ? dp->chT[(size_t)s * W + m] : dp->chR[plan_row_R(c, s, e) * W + m];
-    LLMMEM_ASSERT_INTERNAL(ch >= 0);
+    (void)top;
+    (void)W;
+    const int32_t ch = choose(dp, s, e, m);
+    if (ch < 0) return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "DP walk found no choice at [%d, %d) (please report)", s, e);
     if (!plan_choice_is_region(ch, K)) {
       w->plan->mode[s] = ch;
       m -= dp->s[(size_t)s * K + ch] + dp->x[s + 1];
@@ -150,8 +196,6 @@ static void dp_free(dp_t *dp) {
   free(dp->fnsum);
   free(dp->R);
   free(dp->T);
-  free(dp->chR);
-  free(dp->chT);
 }
 
 /* Runs the slot DP. *found = 1 and the plan written when a plan fits in the rounded budget. */
@@ -166,7 +210,7 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   dp.M = (int64_t)(budget / dp.unit);
   *found = 0;
   const size_t W = (size_t)dp.M + 1, nR = plan_rows_R(c);
-  const double table_bytes = (double)(nR + (size_t)L) * (double)W * (sizeof(float) + sizeof(int16_t));
+  const double table_bytes = (double)(nR + (size_t)L) * (double)W * sizeof(float);
   if (table_bytes > (double)MAX_TABLE_BYTES)
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "the DP tables for %d blocks and %d slots would need %.1f GiB; use fewer slots",
                        L, slots, table_bytes / (double)(1ULL << 30));
@@ -177,10 +221,8 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   dp.bt = malloc(LK * sizeof(int64_t));
   dp.fnsum = malloc(((size_t)L + 1) * sizeof(double));
   dp.R = malloc((nR ? nR : 1) * W * sizeof(float));
-  dp.chR = malloc((nR ? nR : 1) * W * sizeof(int16_t));
   dp.T = malloc((size_t)L * W * sizeof(float));
-  dp.chT = malloc((size_t)L * W * sizeof(int16_t));
-  if (!dp.x || !dp.s || !dp.ft || !dp.bt || !dp.fnsum || !dp.R || !dp.chR || !dp.T || !dp.chT) {
+  if (!dp.x || !dp.s || !dp.ft || !dp.bt || !dp.fnsum || !dp.R || !dp.T) {
     status = LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the DP tables (%.1f MiB) for %d blocks and %d slots",
                          table_bytes / (double)(1 << 20), L, slots);
     goto done;
