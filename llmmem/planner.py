@@ -35,7 +35,14 @@ __all__ = ["profile_blocks", "plan_checkpoints", "auto_checkpoint", "measure_sav
 
 MODES = ("store-all", "selective")
 _NESTABLE = {"store-all": 1, "selective": 0}
-DEFAULT_SLOTS = 500
+DEFAULT_SLOTS = None  # 2000 for identical blocks or short chains (cheap), else 500
+
+
+def _default_slots(profile) -> int:
+    chain = profile.to_chain()
+    identical = all(chain[k][i] == chain[k][0] for k in ("fwd_time", "bwd_time", "saved_bytes")
+                    for i in range(profile.n_blocks))
+    return 2000 if identical or profile.n_blocks <= 32 else 500
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +391,8 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
     :param sample_input: input of the first block (not needed with ``profile=``).
     :param budget: bytes, a string (``"6GB"``), or a fraction of the no-checkpoint peak.
     :param profile: reuse a :class:`ChainProfile` instead of measuring.
-    :param slots: memory discretisation of the DP (more: closer to optimal, slower).
+    :param slots: memory discretisation of the DP (more: closer to optimal, slower); default 2000
+        for identical blocks or chains of at most 32 blocks, else 500.
     :raises llmmem.InfeasibleError: (a ``ValueError``) when no plan fits; the message states the
         smallest feasible budget, also in ``.min_budget_bytes``.
 
@@ -397,6 +405,8 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
         profile = profile_blocks(blocks, sample_input, **profile_options)
     elif profile_options:
         raise ValueError(f"plan_checkpoints: {sorted(profile_options)} only apply when profiling (profile=None)")
+    if slots is None:
+        slots = _default_slots(profile)
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 100000:
         raise ValueError(f"plan_checkpoints: slots must be an int in 1..100000, got {slots!r}")
     chain = profile.to_chain()

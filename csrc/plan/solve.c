@@ -282,7 +282,21 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
     goto done;
   }
   int found = 0;
-  status = solve_slots(&c, budget_bytes, slots, plan, &found);
+  /* Keeping every tape in mode 0 is the fastest plan whenever mode 0 is each block's fastest mode;
+   * check it exactly first, so slot rounding never loses it at a budget it just fits. */
+  int mode0_fastest = 1;
+  for (int32_t i = 0; i < c.L; i++)
+    for (int32_t k = 1; k < c.K; k++)
+      if (c.f[(size_t)i * c.K + k] + c.b[(size_t)i * c.K + k] < c.f[(size_t)i * c.K] + c.b[(size_t)i * c.K]) mode0_fastest = 0;
+  if (mode0_fastest) {
+    for (int32_t i = 0; i < c.L; i++) plan->mode[i] = 0;
+    plan->n_regions = 0;
+    llmmem_plan_prediction_t all;
+    status = plan_simulate_costs(&c, plan, &all);
+    if (status != LLMMEM_OK) goto done;
+    found = all.peak_bytes <= budget_bytes;
+  }
+  if (!found) status = solve_slots(&c, budget_bytes, slots, plan, &found);
   if (status != LLMMEM_OK) goto done;
   if (!found) { /* rounding sizes up to slots lost every plan: the least-memory plan still fits */
     walk_t w = {plan, c.K};
