@@ -86,8 +86,8 @@ def _measure(kind, blocks, x0, exclude, device, arg=None):
 
 
 def _interleaved_times(configs, blocks, x0, device, rounds):
-    """Median step time of each config, measured round-robin: on a shared machine the load drifts
-    over minutes, and interleaving makes every strategy see the same drift."""
+    """Median step time of each config, measured in rounds (shuffled order within each): on a
+    shared machine the load drifts over minutes, and interleaving makes every strategy see it."""
     import statistics
     import time
 
@@ -99,8 +99,11 @@ def _interleaved_times(configs, blocks, x0, device, rounds):
     samples = {key: [] for key in configs}
     for key, (kind, arg) in configs.items():  # warm-up
         step(kind, arg)
+    order = list(configs.items())
+    shuffler = random.Random(0)
     for _ in range(rounds):
-        for key, (kind, arg) in configs.items():
+        shuffler.shuffle(order)  # no strategy always runs right after the same other one
+        for key, (kind, arg) in order:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
