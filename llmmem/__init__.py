@@ -36,6 +36,7 @@ _LAZY = {
     "profile_blocks": "llmmem.planner",
     "plan_checkpoints": "llmmem.planner",
     "auto_checkpoint": "llmmem.planner",
+    "selective_context_fn": "llmmem.selective",
     # dynamic loss scaling (issue 3)
     "GradScaler": "llmmem.amp",
     # caching memory pool (issue 5)

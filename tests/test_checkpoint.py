@@ -435,3 +435,40 @@ def test_early_stop_skips_work_after_the_last_saved_tensor(impl, early_stop):
     ckpt(fn, x, early_stop=early_stop).sum().backward()
     assert torch.equal(x.grad, 2.0 * x.exp())
     assert len(after_last_save) == (1 if early_stop else 2)
+
+
+def test_backward_inside_the_checkpointed_function(impl):
+    ckpt, _ = impl
+
+    def fn(t):
+        y = t.sin()
+        (g,) = torch.autograd.grad(y.sum(), t, create_graph=True)
+        return (g * y).exp()
+
+    x = torch.randn(5, requires_grad=True)
+    fn(x).sum().backward()
+    ref = x.grad.clone()
+    x.grad = None
+    ckpt(fn, x).sum().backward()
+    assert torch.equal(x.grad, ref)
+
+
+def test_selective_context_fn_keeps_matmul_outputs_and_matches_grads():
+    """Selective recompute: bitwise gradients, and it keeps less than store-all but more than
+    the input alone (the Linear outputs)."""
+    from llmmem.planner import measure_saved_bytes
+
+    block = _block(dropout=0.1)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    _, g_ref = _run(block, block, x)
+    _, g = _run(lambda t: llmmem.checkpoint(block, t, context_fn=llmmem.selective_context_fn), block, x)
+    _assert_bitwise(g, g_ref)
+    params = list(block.parameters()) + list(block.buffers())
+    with measure_saved_bytes(exclude=params) as full:
+        block(x)
+    with measure_saved_bytes(exclude=params) as sel:
+        llmmem.checkpoint(block, x, context_fn=llmmem.selective_context_fn)
+    # input + qkv (3h) + attention proj (h) + fc (4h) + mlp proj (h) outputs, float32
+    b, s, h = x.shape
+    assert sel.bytes == b * s * h * 4 * (1 + 3 + 1 + 4 + 1)
+    assert sel.bytes < full.bytes
