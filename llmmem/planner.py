@@ -189,7 +189,7 @@ def _profile_one(block, x: torch.Tensor, modes, repeats: int, warmup: int, devic
         _sync(device)
         return time.perf_counter() - t0
 
-    fwd, bwd, saved, btmp = [], [], [], []
+    fwd, bwd, saved, btmp, kept_out = [], [], [], [], []
     input_key = _storage_key(x)
     for mode in modes:
         for _ in range(warmup):
@@ -199,6 +199,10 @@ def _profile_one(block, x: torch.Tensor, modes, repeats: int, warmup: int, devic
         with measure_saved_bytes(exclude=params) as m:
             out = forward(mode)
         m.storages.pop(input_key, None)
+        # A block that keeps its own output (e.g. ending in tanh/sigmoid) shares that storage with
+        # whatever holds the next block's input; the planner counts it there, except after the
+        # last block (profile_blocks adds it back for that one).
+        kept_out.append(m.storages.pop(_storage_key(_first_tensor(out)), 0))
         saved.append(m.bytes)
         if cuda:
             grad = torch.ones_like(_first_tensor(out))
@@ -226,7 +230,7 @@ def _profile_one(block, x: torch.Tensor, modes, repeats: int, warmup: int, devic
         ftmp = max(0, torch.cuda.max_memory_allocated(device) - base - _tensor_bytes(y))
         del y
     torch.set_rng_state(rng)
-    return fwd, nostore, bwd, saved, ftmp, btmp
+    return fwd, nostore, bwd, saved, ftmp, btmp, kept_out
 
 
 def _look_identical(blocks: list, x: torch.Tensor) -> bool:
@@ -275,15 +279,18 @@ def profile_blocks(blocks, sample_input, *, modes: Sequence[str] = MODES, repeat
         same_blocks = len(blocks) > 1 and _look_identical(blocks, x)
     if same_blocks:
         xi = x.clone().requires_grad_(x.is_floating_point())
-        fwd, nostore, bwd, saved, ftmp, btmp = _profile_one(blocks[0], xi, modes, repeats, warmup, device)
+        fwd, nostore, bwd, saved, ftmp, btmp, kept_out = _profile_one(blocks[0], xi, modes, repeats, warmup, device)
         n = len(blocks)
         prof.fwd_time, prof.fwd_nostore_time, prof.bwd_time = [fwd] * n, [nostore] * n, [bwd] * n
         prof.saved_bytes, prof.fwd_tmp_bytes, prof.bwd_tmp_bytes = [saved] * n, [ftmp] * n, [btmp] * n
+        prof.saved_bytes[-1] = [s + o for s, o in zip(saved, kept_out)]
         prof.input_bytes = [prof.input_bytes[0]] * (n + 1)
         return prof
-    for block in blocks:
+    for i, block in enumerate(blocks):
         xi = x.clone().requires_grad_(x.is_floating_point())
-        fwd, nostore, bwd, saved, ftmp, btmp = _profile_one(block, xi, modes, repeats, warmup, device)
+        fwd, nostore, bwd, saved, ftmp, btmp, kept_out = _profile_one(block, xi, modes, repeats, warmup, device)
+        if i == len(blocks) - 1:
+            saved = [s + o for s, o in zip(saved, kept_out)]
         prof.fwd_time.append(fwd)
         prof.fwd_nostore_time.append(nostore)
         prof.bwd_time.append(bwd)
