@@ -314,3 +314,11 @@ def test_plan_is_honest_on_cuda():
         assert measured.bytes <= plan.budget_bytes
         assert abs(measured.bytes - plan.predicted_held_bytes) <= 0.10 * plan.predicted_held_bytes
         y.sum().backward()
+
+
+def test_oversized_problems_are_refused_not_run_for_minutes():
+    rnd = random.Random(2)
+    chain = random_chain(1000, 2, rnd)
+    least = _C.plan_min_budget(chain)
+    with pytest.raises(ValueError, match="DP steps"):
+        _C.plan_solve(chain, 2 * least, 2000)

@@ -28,6 +28,9 @@ typedef struct plan_costs_s {
 llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *out);
 void plan_costs_free(plan_costs_t *c);
 
+/* Heterogeneous chains are O(L^3) even without slots: longer ones are refused, not run for hours. */
+#define PLAN_MAX_GENERAL_BLOCKS 2048
+
 /* Exact least budget (bytes) for which a plan exists, into *out. choice_T ([L]) and choice_R
  * ([plan_rows_R]) receive the least-memory plan's choices when not NULL. */
 llmmem_status_t plan_costs_min_budget(const plan_costs_t *c, uint64_t *out, int32_t *choice_T, int32_t *choice_R);

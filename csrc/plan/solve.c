@@ -26,6 +26,7 @@
 
 #define DP_INF INFINITY
 #define MAX_TABLE_BYTES (6ULL << 30) /* refuse tables above 6 GiB: use fewer slots */
+#define MAX_DP_STEPS 3e10             /* about half a minute on one core */
 
 typedef struct dp_s {
   const plan_costs_t *c;
@@ -263,6 +264,18 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
   plan_costs_t c;
   LLMMEM_TRY(plan_costs_load(chain, &c));
   if (flags & LLMMEM_PLAN_NO_FAST_PATH) c.identical = 0;
+  {
+    /* Refuse work that would run for minutes instead of hanging the caller: the split loops are
+     * ~L^3/6 (general) or ~L^2 (identical blocks) steps per slot. */
+    const double L = (double)c.L, steps = (c.identical ? L * L : L * L * L / 6.0) * ((double)slots + 1.0);
+    if (steps > MAX_DP_STEPS) {
+      plan_costs_free(&c);
+      return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
+                         "%d %s blocks with %d slots is about %.1e DP steps (limit %.0e): use fewer slots, or group "
+                         "blocks so the chain is shorter", c.L, c.identical ? "identical" : "heterogeneous", slots, steps,
+                         MAX_DP_STEPS);
+    }
+  }
   const size_t nR = plan_rows_R(&c);
   int32_t *chT = malloc((size_t)c.L * sizeof *chT);
   int32_t *chR = malloc((nR ? nR : 1) * sizeof *chR);
