@@ -472,3 +472,29 @@ def test_selective_context_fn_keeps_matmul_outputs_and_matches_grads():
     b, s, h = x.shape
     assert sel.bytes == b * s * h * 4 * (1 + 3 + 1 + 4 + 1)
     assert sel.bytes < full.bytes
+
+
+def test_regions_are_freed_after_backward_without_gc(monkeypatch):
+    """No reference cycles: a region (and the inputs it holds) dies with its graph."""
+    import gc
+    import weakref
+
+    from llmmem import checkpointing
+
+    alive = []
+    original = checkpointing._Region.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        alive.append(weakref.ref(self))
+
+    monkeypatch.setattr(checkpointing._Region, "__init__", tracking_init)
+    block = _block(dropout=0.1)
+    gc.disable()
+    try:
+        for _ in range(5):
+            x = torch.randn(2, 16, 32, requires_grad=True)
+            llmmem.checkpoint(lambda t: llmmem.checkpoint(block, t), x).sum().backward()
+        assert len(alive) >= 10 and all(r() is None for r in alive)
+    finally:
+        gc.enable()
