@@ -494,8 +494,14 @@ def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
         autocast_states[accel] = _autocast_state(accel)
     rng = _RngState(tensors) if opts["preserve_rng_state"] else None
 
+    # torch's global switches (torch.utils.checkpoint.set_checkpoint_early_stop and
+    # set_checkpoint_debug_enabled) override the per-call options there, so they do here too.
+    early_stop = getattr(_torch_ckpt, "_enable_checkpoint_early_stop", None)
+    early_stop = opts["early_stop"] if early_stop is None else early_stop
+    debug = getattr(_torch_ckpt, "_checkpoint_debug_enabled", None)
+    debug = opts["debug"] if debug is None else debug
     debug_logs = None
-    if opts["debug"]:
+    if debug:
         debug_logs = ([], [])
         forward_ctx, recompute_ctx = _OpLog(debug_logs[0]), _OpLog(debug_logs[1])
     else:
@@ -512,7 +518,7 @@ def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
             stack.enter_context(recompute_ctx)
             function(*r_args, **r_kwargs)
 
-    region = _Region(recompute, rebuild, opts["early_stop"], opts["determinism_check"] == "default")
+    region = _Region(recompute, rebuild, early_stop, opts["determinism_check"] == "default")
     region.debug_logs = debug_logs
     # The anchor requires grad so the input node exists even when no input requires grad.
     anchor = torch.empty(0, requires_grad=True)

@@ -498,3 +498,19 @@ def test_regions_are_freed_after_backward_without_gc(monkeypatch):
         assert len(alive) >= 10 and all(r() is None for r in alive)
     finally:
         gc.enable()
+
+
+def test_torch_global_early_stop_switch_is_honoured(impl):
+    ckpt, _ = impl
+    after_last_save = []
+
+    def fn(t):
+        y = t.exp()
+        after_last_save.append(1)
+        return y * 2.0
+
+    x = torch.randn(3, requires_grad=True)
+    with tuc.set_checkpoint_early_stop(False):
+        out = ckpt(fn, x)
+    out.sum().backward()
+    assert len(after_last_save) == 2
