@@ -27,13 +27,16 @@ _LAZY = {
     "StateError": "llmmem.errors",
     "InternalError": "llmmem.errors",
     "info": "llmmem.diagnostics",
-    # activation checkpointing and the recompute planner (issue 4)
-    "checkpoint": "llmmem.checkpoint",
-    "checkpoint_sequential": "llmmem.checkpoint",
-    "CheckpointError": "llmmem.checkpoint",
+    # activation checkpointing and the recompute planner (issue 4). The module is not named
+    # llmmem/checkpoint.py: importing a submodule sets it as an attribute of the package, which
+    # would replace the function llmmem.checkpoint by a module depending on import order.
+    "checkpoint": "llmmem.checkpointing",
+    "checkpoint_sequential": "llmmem.checkpointing",
+    "CheckpointError": "llmmem.checkpointing",
     "profile_blocks": "llmmem.planner",
     "plan_checkpoints": "llmmem.planner",
     "auto_checkpoint": "llmmem.planner",
+    "selective_context_fn": "llmmem.selective",
     # dynamic loss scaling (issue 3)
     "GradScaler": "llmmem.amp",
     # caching memory pool (issue 5)

@@ -79,7 +79,7 @@ def _features(nat: dict, tor: dict) -> list[tuple[str, bool, str]]:
 
 # Each feature module reports on itself through `feature_status() -> (usable, detail)`.
 _FEATURE_MODULES = (
-    ("activation checkpointing + planner", "llmmem.checkpoint"),
+    ("activation checkpointing + planner", "llmmem.checkpointing"),
     ("GradScaler", "llmmem.amp"),
     ("memory pool", "llmmem.pool"),
     ("tensor parallelism", "llmmem.parallel"),
