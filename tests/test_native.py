@@ -110,3 +110,10 @@ def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         llmmem.nonexistent  # noqa: B018
     assert "GradScaler" in dir(llmmem)
+
+
+def test_every_public_name_resolves():
+    # A name in llmmem.__all__ whose module or attribute went missing would only fail for the user
+    # who first touches it; resolve them all here.
+    for name in llmmem.__all__:
+        assert getattr(llmmem, name) is not None, name
