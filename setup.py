@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -48,8 +49,9 @@ def _find_cuda_home() -> str | None:
 def _cuda_archs() -> list[str]:
     raw = os.environ.get("LLMMEM_CUDA_ARCHS", "80;90")
     archs = [a.strip().replace(".", "") for a in raw.replace(",", ";").split(";") if a.strip()]
-    if not archs or not all(a.isdigit() for a in archs):
-        raise SystemExit(f"LLMMEM_CUDA_ARCHS: expected compute capabilities like '80;90', got {raw!r}")
+    # "90a"/"100a": the architecture-specific feature sets (wgmma, ...), SASS only, no PTX promise
+    if not archs or not all(re.fullmatch(r"[0-9]+a?", a) for a in archs):
+        raise SystemExit(f"LLMMEM_CUDA_ARCHS: expected compute capabilities like '80;90' or '90a', got {raw!r}")
     return archs
 
 
@@ -69,6 +71,8 @@ CU_SOURCES = _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*.cu")))
 # C files that only exist to stand in for the CUDA part in a CPU-only build end in _stub.c.
 if USE_CUDA:
     C_SOURCES = [s for s in C_SOURCES if not s.endswith("_stub.c")]
+HEADERS = _rel(glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
+               + glob.glob(os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True))
 INCLUDE_DIRS = ["csrc/include", "csrc/common"]
 
 c_flags = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-fvisibility=hidden",
@@ -87,9 +91,11 @@ if USE_CUDA:
     macros.append(("LLMMEM_NVCC_VERSION", '"' + release.replace('"', "") + '"'))
     macros.append(("LLMMEM_WITH_CUDA", "1"))
     INCLUDE_DIRS.append(os.path.join(CUDA_HOME, "include"))
-    cudart_dir = next(d for d in (os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib"),
-                                  os.path.join(CUDA_HOME, "targets", "x86_64-linux", "lib"))
-                      if os.path.exists(os.path.join(d, "libcudart_static.a")))
+    lib_dirs = [os.path.join(CUDA_HOME, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
+    cudart_dir = next((d for d in lib_dirs if os.path.exists(os.path.join(d, "libcudart_static.a"))), None)
+    if cudart_dir is None:
+        raise SystemExit(f"nvcc found under {CUDA_HOME}, but not libcudart_static.a (looked in {', '.join(lib_dirs)}); "
+                         "install the CUDA runtime's static library, set CUDA_HOME, or build with LLMMEM_CUDA=0")
     # --exclude-libs keeps the static runtime's symbols out of our dynamic symbol table.
     link_args += [f"-L{cudart_dir}", "-lcudart_static", "-lrt", "-ldl", "-lstdc++", "-Wl,--exclude-libs,ALL"]
 
@@ -117,7 +123,7 @@ class BuildExt(build_ext):
         def compile_one(src: str) -> str:
             obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
             src_path = os.path.join(ROOT, src)
-            deps = [src_path] + glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
+            deps = [src_path] + [os.path.join(ROOT, h) for h in HEADERS]
             if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < max(map(os.path.getmtime, deps)):
                 cmd = [nvcc, "-c", src_path, "-o", obj] + flags
                 print(" ".join(cmd), flush=True)
@@ -138,6 +144,9 @@ setup(
             define_macros=macros,
             extra_compile_args=c_flags,
             extra_link_args=link_args,
+            # setuptools relinks only when a listed file is newer than the module: without these an
+            # edit to a header or a .cu file would leave the old _C in place.
+            depends=HEADERS + (CU_SOURCES if USE_CUDA else []),
         )
     ],
     cmdclass={"build_ext": BuildExt},

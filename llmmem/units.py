@@ -7,6 +7,7 @@ Decimal units (kB, MB, GB, TB) are powers of 1000 and binary units (KiB, MiB, Gi
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 import re
@@ -17,6 +18,8 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+
+_MAX_BYTES = 2**64  # far beyond any machine; keeps every result exact and finite
 
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -44,7 +47,16 @@ def parse_bytes(value, name: str = "size") -> int:
                 f"{name}: cannot parse {value!r} as a size; use an integer number of bytes or a number "
                 "with a unit: B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
             )
-        n = int(round(float(m.group(1)) * _UNITS[unit]))
+        # Decimal, not float: "1e30GB" must not turn into float-rounded digits, nor "1e400" into inf.
+        try:
+            exact = decimal.Decimal(m.group(1)) * _UNITS[unit]
+        except decimal.InvalidOperation:
+            exact = None
+        if exact is None or not exact.is_finite() or exact > _MAX_BYTES:
+            raise ValueError(f"{name}: {value!r} is larger than any memory ({_MAX_BYTES} bytes at most)")
+        if unit in ("", "b") and exact != exact.to_integral_value():
+            raise ValueError(f"{name}: a byte count must be a whole number, got {value!r}")
+        n = int(exact.to_integral_value(rounding=decimal.ROUND_HALF_EVEN))  # "0.3GiB": to the nearest byte
     else:
         raise ValueError(f"{name}: expected a byte count or a string like '4GB', got {type(value).__name__}")
     if n < 0:
