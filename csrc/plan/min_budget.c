@@ -5,7 +5,8 @@
  * Same recursion as the slot DP in solve.c, but it minimises the memory a segment needs instead
  * of the time it takes: need(segment) = min over the first item of the max of that item's own
  * peaks and (what it holds + need(rest)). Ties are broken by time. O(K·L³) (O(K·L²) for
- * identical blocks, where a segment's need depends only on its length).
+ * identical blocks, where a segment's need depends only on its length). Offloaded regions are a
+ * third option at the top level (see plan.h for their model).
  */
 #include <stdlib.h>
 
@@ -67,6 +68,14 @@ static void need_segment(const plan_costs_t *c, int32_t s, int32_t e, uint64_t *
     const uint64_t need = MAXU(fneed, c->x[q] + MAXU(rest, inner));
     const double t = fsum + (top ? timeT[q] : timeR[rowR(c, q, e)]) + timeR[rowR(c, s, q)];
     if (need < best || (need == best && t < best_t)) best = need, best_t = t, best_c = K + (q - s - 1);
+    if (top && plan_offload_ok(c, s)) {
+      /* Offloaded region [s, q): a_s leaves the device after the forward, so the rest runs with
+       * x_s more free bytes; it is back (in the caller's slot) for the region's own backward. */
+      const uint64_t rest_need = c->x[q] + rest > c->x[s] ? c->x[q] + rest - c->x[s] : 0;
+      const uint64_t oneed = MAXU(MAXU(fneed, c->x[q] + inner), rest_need);
+      const double ot = fsum + plan_offload_time(c, s, fsum) + timeT[q] + timeR[rowR(c, s, q)];
+      if (oneed < best || (oneed == best && ot < best_t)) best = oneed, best_t = ot, best_c = K + L + (q - s - 1);
+    }
   }
   *need_out = best;
   *time_out = best_t;

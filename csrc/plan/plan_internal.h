@@ -20,6 +20,8 @@ typedef struct plan_costs_s {
   uint64_t *s;      /* [i*K+k] saved bytes beyond the input */
   uint64_t *ft;     /* [i] forward transient */
   uint64_t *bt;     /* [i*K+k] backward transient */
+  uint8_t *kept;    /* [i] block i's tape keeps a_{i+1} */
+  double bw;        /* host<->device bytes per time unit; 0: no offloading */
   uint8_t nest[LLMMEM_PLAN_MAX_MODES];
   int identical;    /* 1 when every block has the same costs and every a_i the same size */
 } plan_costs_t;
@@ -43,7 +45,23 @@ size_t plan_row_R(const plan_costs_t *c, int32_t s, int32_t e);
 /* Simulates a validated plan given as a mode per block and regions in pre-order. */
 llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *plan, llmmem_plan_prediction_t *pred);
 
-/* A plan choice: a tape mode k (0..K-1) or a region of length r (encoded K - 1 + r). */
+/* A plan choice: a tape mode k (0..K-1), a region of length r (encoded K - 1 + r, r in 1..L), or
+ * an offloaded region of length r (encoded K - 1 + L + r). */
 static inline int plan_choice_is_region(int32_t choice, int32_t K) { return choice >= K; }
+static inline int plan_choice_is_offload(int32_t choice, int32_t K, int32_t L) { return choice >= K + L; }
+static inline int32_t plan_choice_length(int32_t choice, int32_t K, int32_t L) {
+  return plan_choice_is_offload(choice, K, L) ? choice - K - L + 1 : choice - K + 1;
+}
+
+/* May a top-level region starting at block s keep its input in host memory? (plan.h says why not
+ * a_0, and not after a block whose tape keeps its output.) */
+static inline int plan_offload_ok(const plan_costs_t *c, int32_t s) { return c->bw > 0.0 && s >= 1 && !c->kept[s - 1]; }
+
+/* Transfer time charged for offloading the input of region [s, q) whose no-store forward takes
+ * fwd_time: the copy back is on the critical path; the copy out hides behind that forward. */
+static inline double plan_offload_time(const plan_costs_t *c, int32_t s, double fwd_time) {
+  const double one_way = (double)c->x[s] / c->bw;
+  return one_way + (one_way > fwd_time ? one_way - fwd_time : 0.0);
+}
 
 #endif /* LLMMEM_PLAN_INTERNAL_H */

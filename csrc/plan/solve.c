@@ -15,8 +15,10 @@
  * for a region.
  *
  * Identical blocks: R(s, e) depends only on e - s, so one row per length is filled (fast path).
- * Does not: parallelise (the rows of one length are independent: an OpenMP loop would do), or
- * model offloading.
+ * Offloaded regions (plan.h) are one more option of the top-level rows: like a region, except that
+ * the rest runs with x_s more slots free (the caller's slot of a_s), and the transfer time is added.
+ *
+ * Does not: parallelise (the rows of one length are independent: an OpenMP loop would do).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -52,6 +54,35 @@ static inline void tape_needs(const dp_t *dp, int32_t s, int32_t e, int32_t k, i
   const size_t ik = (size_t)s * dp->c->K + k;
   *hold = dp->s[ik] + dp->x[s + 1];
   *lo = max64(max64(*hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
+}
+
+/* Free slots of the rest after offloaded region [s, q) with m free before it: a_s (held by the
+ * caller, so m + x_s never exceeds the budget in a reachable state) leaves, a_q is held. Capped at
+ * M for the unreachable states the table also fills (the table is non-increasing in m anyway). */
+static inline int64_t offload_rest_m(const dp_t *dp, int32_t s, int32_t q, int64_t m) {
+  const int64_t r = m + dp->x[s] - dp->x[q];
+  return r > dp->M ? dp->M : r;
+}
+
+/* The offloaded-region options of top-level row s (plan.h: the model). */
+static void fill_offload(dp_t *dp, int32_t s, float *best) {
+  const plan_costs_t *c = dp->c;
+  const int32_t L = c->L;
+  const int64_t W = dp->M + 1;
+  int64_t fneed = 0;
+  for (int32_t q = s + 1; q <= L - 1; q++) {
+    fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+    const int64_t xq = dp->x[q];
+    const int64_t lo = max64(fneed, xq);
+    const double fsum = dp->fnsum[q] - dp->fnsum[s];
+    const float base = (float)(fsum + plan_offload_time(c, s, fsum));
+    const float *rest = row_of(dp, q, L);
+    const float *inner = row_of(dp, s, q);
+    for (int64_t m = lo; m < W; m++) {
+      const float v = base + rest[offload_rest_m(dp, s, q, m)] + inner[m - xq];
+      best[m] = v < best[m] ? v : best[m];
+    }
+  }
 }
 
 /* Fills one row: segment [s, e) (e == L: the top-level family). Only the costs are stored: the
@@ -97,6 +128,7 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
       best[m] = v < best[m] ? v : best[m]; /* a min the compiler vectorises (no NaN here) */
     }
   }
+  if (top && plan_offload_ok(c, s)) fill_offload(dp, s, best);
 }
 
 /* The choice that gives the DP value of state (s, e, m): evaluates its options exactly as
@@ -126,6 +158,18 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m) {
     const float v = fsum + row_of(dp, q, e)[m - xq] + row_of(dp, s, q)[m - xq];
     if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = K + (q - s - 1);
   }
+  if (top && plan_offload_ok(c, s)) {
+    fneed = 0;
+    for (int32_t q = s + 1; q < e; q++) {
+      fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+      const int64_t xq = dp->x[q];
+      if (m < max64(fneed, xq)) continue;
+      const double fsum = dp->fnsum[q] - dp->fnsum[s];
+      const float v = (float)(fsum + plan_offload_time(c, s, fsum)) + row_of(dp, q, e)[offload_rest_m(dp, s, q, m)] +
+                      row_of(dp, s, q)[m - xq];
+      if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = K + L + (q - s - 1);
+    }
+  }
   return best_choice;
 }
 
@@ -134,11 +178,11 @@ typedef struct walk_s {
   int32_t K;
 } walk_t;
 
-static llmmem_status_t add_region(walk_t *w, int32_t start, int32_t end) {
+static llmmem_status_t add_region(walk_t *w, int32_t start, int32_t end, int32_t offload) {
   if (w->plan->n_regions >= w->plan->regions_capacity)
     return LLMMEM_FAIL(LLMMEM_ERR_INVALID, "plan->regions_capacity (%d) is too small; 2 * n_blocks always suffices",
                        w->plan->regions_capacity);
-  w->plan->regions[w->plan->n_regions++] = (llmmem_plan_region_t){start, end};
+  w->plan->regions[w->plan->n_regions++] = (llmmem_plan_region_t){start, end, offload};
   return LLMMEM_OK;
 }
 
@@ -159,10 +203,11 @@ static llmmem_status_t walk_dp(const dp_t *dp, walk_t *w, int32_t s, int32_t e, 
       m -= dp->s[(size_t)s * K + ch] + dp->x[s + 1];
       s++;
     } else {
-      const int32_t q = s + (ch - K) + 1;
-      LLMMEM_TRY(add_region(w, s, q));
+      const int offload = plan_choice_is_offload(ch, K, L);
+      const int32_t q = s + plan_choice_length(ch, K, L);
+      LLMMEM_TRY(add_region(w, s, q, offload));
       LLMMEM_TRY(walk_dp(dp, w, s, q, m - dp->x[q]));
-      m -= dp->x[q];
+      m = offload ? offload_rest_m(dp, s, q, m) : m - dp->x[q];
       s = q;
     }
   }
@@ -180,8 +225,8 @@ static llmmem_status_t walk_need(const plan_costs_t *c, const int32_t *chT, cons
       w->plan->mode[s] = ch;
       s++;
     } else {
-      const int32_t q = s + (ch - K) + 1;
-      LLMMEM_TRY(add_region(w, s, q));
+      const int32_t q = s + plan_choice_length(ch, K, L);
+      LLMMEM_TRY(add_region(w, s, q, plan_choice_is_offload(ch, K, L)));
       LLMMEM_TRY(walk_need(c, chT, chR, w, s, q));
       s = q;
     }
