@@ -34,26 +34,91 @@ def random_chain(L, K, rnd, identical=False):
             "mode_nestable": [1] + [0] * (K - 1)}
 
 
-def all_plans(L, K, nestable):
-    """Every plan: properly nested regions (no region twice) and a mode per block."""
+def all_plans(L, K, nestable, offloadable=()):
+    """Every plan: properly nested regions (no region twice) and a mode per block; a top-level
+    region starting at a block in ``offloadable`` comes both plain and offloaded ((s, q, 1)).
 
-    def sequences(s, e, depth, is_body):
-        if s == e:
-            yield [], []
-            return
+    Yields (modes, regions) tuples. The plans of each proper sub-segment are listed once and
+    reused (millions of plans at L = 8: a generator per plan would take most of the time)."""
+    memo = {}
+
+    def first_items(s, e, nested, body):
+        """(modes, regions, next start, inner plans) for each choice of the item starting at s."""
         for k in range(K):
-            if depth > 0 and not nestable[k]:
-                continue
-            for modes, regions in sequences(s + 1, e, depth, False):
-                yield [k] + modes, regions
+            if not (nested and not nestable[k]):
+                yield (k,), (), s + 1, [((), ())]
         for q in range(s + 1, e + 1):
-            if is_body and q == e:
+            if body and q == e:
                 continue
-            for inner_modes, inner_regions in sequences(s, q, depth + 1, True):
-                for modes, regions in sequences(q, e, depth, False):
-                    yield inner_modes + modes, [(s, q)] + inner_regions + regions
+            inner = listed(s, q, True, True)
+            kinds = ((s, q), (s, q, 1)) if not nested and s in offloadable else ((s, q),)
+            for region in kinds:
+                yield (), (region,), q, inner
 
-    yield from sequences(0, L, 0, False)
+    def listed(s, e, nested, body):
+        key = (s, e, nested, body)
+        if key not in memo:
+            memo[key] = list(sequences(s, e, nested, body))
+        return memo[key]
+
+    def sequences(s, e, nested, body):
+        if s == e:
+            yield (), ()
+            return
+        for modes, regions, q, inner in first_items(s, e, nested, body):
+            rest = listed(q, e, nested, False)
+            for inner_modes, inner_regions in inner:
+                head_modes, head_regions = modes + inner_modes, regions + inner_regions
+                for rest_modes, rest_regions in rest:
+                    yield head_modes + rest_modes, head_regions + rest_regions
+
+    yield from sequences(0, L, False, False)
+
+
+def with_offload(chain, rnd):
+    """Offloading on: a copy costs about a block's forward (more or less), and about one block in
+    four keeps its own output (so the next input cannot be offloaded). Returns the offloadable
+    region starts, by the rule of csrc/include/llmmem/plan.h."""
+    L = len(chain["fwd_time"])
+    chain["host_bandwidth"] = rnd.choice([0.5, 1.0, 4.0])
+    chain["output_kept"] = [int(rnd.random() < 0.25) for _ in range(L)]
+    return {s for s in range(1, L) if not chain["output_kept"][s - 1]}
+
+
+def brute_force(chain, budgets, offloadable=()):
+    """(least time among the plans that fit each budget, least peak of all plans, plans seen)."""
+    L, K = len(chain["fwd_time"]), len(chain["fwd_time"][0])
+    best = {b: math.inf for b in budgets}
+    least_peak, n_plans = math.inf, 0
+    simulate = _C.plan_simulate
+    for modes, regions in all_plans(L, K, chain["mode_nestable"], offloadable):
+        n_plans += 1
+        sim = simulate(chain, modes, regions)
+        peak, t = sim["peak_bytes"], sim["time"]
+        least_peak = min(least_peak, peak)
+        for b in budgets:
+            if peak <= b and t < best[b]:
+                best[b] = t
+    return best, least_peak, n_plans
+
+
+def check_against_brute_force(chain, rnd, offloadable=(), expect_plans=None):
+    least = _C.plan_min_budget(chain)
+    budgets = sorted({least, least + rnd.randint(0, least), least + rnd.randint(0, 2 * least), 10 * least})
+    best, least_peak, n_plans = brute_force(chain, budgets, offloadable)
+    assert least == least_peak
+    if expect_plans is not None:
+        assert n_plans == expect_plans  # exhaustive
+    offloaded = 0
+    for b in budgets:
+        got = _C.plan_solve(chain, b, b)  # one byte per slot: no rounding
+        assert got["peak_bytes"] <= b
+        assert got["time"] == pytest.approx(best[b], rel=1e-5)
+        regions = [r + (1,) if r in got["offloaded"] else r for r in map(tuple, got["regions"])]
+        again = _C.plan_simulate(chain, got["modes"], regions)
+        assert again["time"] == pytest.approx(got["time"]) and again["peak_bytes"] == got["peak_bytes"]
+        offloaded += len(got["offloaded"])
+    return offloaded
 
 
 def test_dp_is_optimal_against_brute_force():
@@ -61,26 +126,32 @@ def test_dp_is_optimal_against_brute_force():
     for trial in range(8):
         L, K = (6, 2) if trial == 0 else (5, 2) if trial < 3 else (rnd.randint(1, 4), rnd.randint(1, 3))
         chain = random_chain(L, K, rnd)
-        least = _C.plan_min_budget(chain)
-        budgets = sorted({least, least + rnd.randint(0, least), least + rnd.randint(0, 2 * least), 10 * least})
-        best = {b: math.inf for b in budgets}
-        least_peak = math.inf
-        n_plans = 0
-        for modes, regions in all_plans(L, K, chain["mode_nestable"]):
-            n_plans += 1
-            sim = _C.plan_simulate(chain, modes, regions)
-            least_peak = min(least_peak, sim["peak_bytes"])
-            for b in budgets:
-                if sim["peak_bytes"] <= b:
-                    best[b] = min(best[b], sim["time"])
-        assert least == least_peak
-        assert n_plans >= {6: 35000, 5: 4000}.get(L, 1)  # exhaustive: all 35581 resp. 4155 plans
-        for b in budgets:
-            got = _C.plan_solve(chain, b, b)  # one byte per slot: no rounding
-            assert got["peak_bytes"] <= b
-            assert got["time"] == pytest.approx(best[b], rel=1e-5)
-            again = _C.plan_simulate(chain, got["modes"], got["regions"])
-            assert again["time"] == pytest.approx(got["time"]) and again["peak_bytes"] == got["peak_bytes"]
+        check_against_brute_force(chain, rnd, expect_plans={(6, 2): 35581, (5, 2): 4155}.get((L, K)))
+
+
+def test_dp_with_offload_is_optimal_against_brute_force():
+    """Offloaded regions are one more choice per top-level region: still optimal over every plan."""
+    rnd = random.Random(21)
+    offloaded = 0
+    for trial in range(10):
+        L, K = (6, 2) if trial == 0 else (5, 2) if trial < 3 else (rnd.randint(2, 5), rnd.randint(1, 3))
+        chain = random_chain(L, K, rnd, identical=trial % 3 == 1)
+        offloadable = with_offload(chain, rnd)
+        offloaded += check_against_brute_force(chain, rnd, offloadable)
+    assert offloaded > 0  # the optimum did use the option somewhere
+
+
+@pytest.mark.slow
+def test_dp_is_optimal_against_brute_force_7_and_8_blocks():
+    """L = 7 and 8, exhaustively, with fewer modes so that it takes seconds (the C test does L <= 6
+    under the sanitizers): L = 7 with 2 modes (321291 plans), L = 7 with 1 mode and offloading
+    (every region start offloadable: 418454 plans), L = 8 with 1 mode (2190848 plans)."""
+    rnd = random.Random(78)
+    check_against_brute_force(random_chain(7, 2, rnd), rnd, expect_plans=321291)
+    chain = random_chain(7, 1, rnd)
+    chain["host_bandwidth"] = 1.0
+    check_against_brute_force(chain, rnd, offloadable=set(range(1, 7)), expect_plans=418454)
+    check_against_brute_force(random_chain(8, 1, rnd), rnd, expect_plans=2190848)
 
 
 def test_more_budget_never_more_time():
@@ -91,6 +162,52 @@ def test_more_budget_never_more_time():
         times = [_C.plan_solve(chain, b, b)["time"] for b in range(least, 4 * least, max(1, least // 10))]
         assert all(t2 <= t1 * (1 + 1e-6) for t1, t2 in zip(times, times[1:]))
         assert times[-1] < times[0]
+
+
+def test_offload_lowers_the_least_budget_and_time_stays_monotone():
+    rnd = random.Random(31)
+    lowered = 0
+    for trial in range(4):
+        chain = random_chain(10, 2, rnd, identical=trial % 2 == 0)
+        without = _C.plan_min_budget(chain)
+        with_offload(chain, rnd)
+        chain["output_kept"] = [0] * 10
+        least = _C.plan_min_budget(chain)
+        assert least <= without
+        lowered += least < without
+        with pytest.raises(llmmem.InfeasibleError, match=f"smallest feasible budget is {least} bytes"):
+            _C.plan_solve(chain, least - 1, 100)
+        times = []
+        for b in range(least, 4 * without, max(1, least // 10)):
+            got = _C.plan_solve(chain, b, b)
+            assert got["peak_bytes"] <= b
+            assert 0 <= got["transfer_time"] <= got["overhead_time"] + 1e-9
+            assert (got["host_bytes"] > 0) == bool(got["offloaded"])
+            times.append(got["time"])
+        assert all(t2 <= t1 * (1 + 1e-6) for t1, t2 in zip(times, times[1:]))
+        # far above the least budget nothing is worth a transfer
+        assert _C.plan_solve(chain, 10 * without, 1000)["offloaded"] == []
+    assert lowered > 0
+
+
+def test_offload_is_refused_where_the_model_does_not_allow_it():
+    chain = random_chain(5, 1, random.Random(5))
+    with pytest.raises(ValueError, match="host_bandwidth"):
+        _C.plan_simulate(chain, [0] * 5, [(1, 2, 1)])  # offloading is off in this chain
+    chain["host_bandwidth"] = 1.0
+    assert _C.plan_simulate(chain, [0] * 5, [(1, 2, 1)])["host_bytes"] == chain["input_bytes"][1]
+    with pytest.raises(ValueError, match="chain input"):
+        _C.plan_simulate(chain, [0] * 5, [(0, 2, 1)])
+    with pytest.raises(ValueError, match="top-level"):
+        _C.plan_simulate(chain, [0] * 5, [(1, 4), (2, 3, 1)])
+    chain["output_kept"] = [0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match="output_kept"):
+        _C.plan_simulate(chain, [0] * 5, [(2, 3, 1)])
+    for key, value in (("host_bandwidth", -1.0), ("host_bandwidth", float("inf")), ("host_bandwidth", "fast"),
+                       ("output_kept", [0, 2, 0, 0, 0]), ("output_kept", [0, 0])):
+        bad = dict(chain, **{key: value})
+        with pytest.raises(ValueError, match=key):
+            _C.plan_solve(bad, 10**6, 100)
 
 
 def test_identical_blocks_fast_path_equals_general_dp():
