@@ -349,6 +349,87 @@ def test_plan_object_describe_and_infeasible_message(gpt_profile):
             llmmem.plan_checkpoints(None, budget=bad, profile=prof)
 
 
+def _every_layer_peak(prof):
+    chain = prof.to_chain()
+    return _C.plan_simulate(chain, [0] * prof.n_blocks, [(i, i + 1) for i in range(prof.n_blocks)])["peak_bytes"]
+
+
+def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatch):
+    """With offload=True the least budget drops below torch's every-layer checkpointing; the plan
+    at that budget offloads, says so in describe(), and runs with the gradients of no checkpointing.
+    On the CPU the "device" is host memory, so what is checked is where the bytes are accounted:
+    everything kept (device + host) is within 10% of the predicted held + host bytes."""
+    from llmmem import checkpointing
+
+    model, idx, x0, prof = gpt_profile
+    plain = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
+    least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    assert least < plain.min_budget_bytes < _every_layer_peak(prof)
+    plan = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True)
+    assert plan.offloaded and set(plan.offloaded) <= set(plan.regions)
+    assert all(s >= 1 for s, _ in plan.offloaded)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == least
+    assert plan.host_bandwidth == llmmem.planner.DEFAULT_HOST_BANDWIDTH and not plan.host_bandwidth_measured
+    assert plan.predicted_host_bytes == sum(prof.input_bytes[s] for s, _ in plan.offloaded)
+    assert 0 < plan.predicted_transfer_time <= plan.predicted_overhead_time
+    text = plan.describe()
+    assert "offloaded to host" in text and "input on host" in text and "assumed, not measured" in text
+
+    made = []
+    original_init = checkpointing._HostCopies.__init__
+
+    def counting_init(self):
+        original_init(self)
+        made.append(self.previous)
+
+    monkeypatch.setattr(checkpointing._HostCopies, "__init__", counting_init)
+    params = list(model.parameters()) + list(model.buffers())
+    ref_model = copy.deepcopy(model)
+    torch.manual_seed(42)
+    x_ref = x0.clone().requires_grad_()
+    y = x_ref
+    for b in ref_model.blocks:
+        y = b(y)
+    y.square().sum().backward()
+    ref_grads = [p.grad for p in ref_model.blocks.parameters()] + [x_ref.grad]
+
+    runner = AutoCheckpointed(list(model.blocks), plan)
+    model.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(42)
+    with measure_saved_bytes(exclude=params) as measured:
+        y = runner(x)
+    expected = plan.predicted_held_bytes + plan.predicted_host_bytes
+    assert abs(measured.bytes - expected) <= 0.10 * expected
+    # one host-copy set per offloaded region, none chained for prefetch (the model has none)
+    assert len(made) == len(plan.offloaded) and all(prev is None for prev in made)
+    y.square().sum().backward()
+    grads = [p.grad for p in model.blocks.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_offload_arguments_and_bandwidth(gpt_profile):
+    _, _, _, prof = gpt_profile
+    for kwargs, match in (({"offload": "yes"}, "offload"), ({"offload": True, "host_bandwidth": 0}, "host_bandwidth"),
+                          ({"offload": True, "host_bandwidth": float("nan")}, "host_bandwidth"),
+                          ({"offload": True, "host_bandwidth": True}, "host_bandwidth"),
+                          ({"host_bandwidth": 1e9}, "host_bandwidth")):
+        with pytest.raises(ValueError, match=match):
+            llmmem.plan_checkpoints(None, budget=0.5, profile=prof, **kwargs)
+    plain_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof).min_budget_bytes
+    # At one byte per second every copy costs hours: used only where nothing else fits. (10% above
+    # the least budget without offloading: exactly at it, slot rounding can lose the plans that do
+    # not offload, and the fallback is then the least-memory plan, which does.)
+    slow = llmmem.plan_checkpoints(None, budget=int(1.1 * plain_least), profile=prof, offload=True, host_bandwidth=1.0)
+    assert slow.offloaded == [] and slow.predicted_transfer_time == 0.0
+    assert "offloaded to host     none" in slow.describe()
+    least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True, host_bandwidth=1.0).min_budget_bytes
+    forced = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True, host_bandwidth=1.0)
+    assert forced.offloaded and forced.predicted_transfer_time >= prof.input_bytes[1]  # seconds at 1 B/s
+    with pytest.raises(llmmem.InfeasibleError, match="offload=True may lower it"):
+        llmmem.plan_checkpoints(None, budget=least, profile=prof)
+
+
 def test_auto_checkpoint_drops_into_a_model_loop():
     model, idx = _small_gpt(layers=4)
     ref = copy.deepcopy(model)
@@ -414,6 +495,29 @@ def test_heterogeneous_chain_plan_is_honest(fraction):
     t.sum().backward()
     ref = [p.grad for p in params] + [x2.grad]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.cuda
+def test_offload_plan_is_honest_on_cuda():
+    """Below the every-layer minimum, on a GPU: device bytes kept for backward (measured) stay under
+    the budget and within 10% of the prediction; the offloaded inputs are in host memory."""
+    model, idx = _small_gpt(layers=8)
+    model, idx = model.cuda(), idx.cuda()
+    x0 = model.embed(idx).detach()
+    prof = llmmem.profile_blocks(model.blocks, x0, repeats=1, warmup=0)
+    least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    assert least < _every_layer_peak(prof)
+    plan = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True)
+    assert plan.offloaded and plan.host_bandwidth_measured
+    exclude = list(model.parameters()) + list(model.buffers())
+    with measure_saved_bytes(exclude=exclude) as measured:
+        y = AutoCheckpointed(list(model.blocks), plan)(x0.clone().requires_grad_())
+    on_device = sum(v for (dev, _), v in measured.storages.items() if dev.type == "cuda")
+    on_host = sum(v for (dev, _), v in measured.storages.items() if dev.type == "cpu")
+    assert on_device <= plan.budget_bytes
+    assert abs(on_device - plan.predicted_held_bytes) <= 0.10 * plan.predicted_held_bytes
+    assert on_host == plan.predicted_host_bytes
+    y.sum().backward()
 
 
 @pytest.mark.cuda
