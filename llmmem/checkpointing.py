@@ -586,9 +586,14 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
     :param segments: number of segments (``1 <= segments <= len(functions)``), or ``"auto"`` to
         let the C planner choose the region boundaries for ``budget=`` (bytes, ``"6GB"``, or a
         fraction of the activation bytes without checkpointing); see :func:`llmmem.auto_checkpoint`.
+        With ``"auto"`` the functions must be modules, and they are profiled on ``input`` on every
+        call (build ``llmmem.auto_checkpoint`` once instead when calling in a loop); an
+        impossible budget raises :class:`llmmem.InfeasibleError` stating the least one.
     :param input: the input of the first function.
     :param kwargs: options of :func:`checkpoint` (``preserve_rng_state``, ``offload``, ...), and
-        ``budget`` with ``segments="auto"``.
+        ``budget`` with ``segments="auto"``. With ``"auto"``, ``offload=True`` (and
+        ``host_bandwidth=``) let the planner keep some segments' inputs in host memory, as in
+        :func:`llmmem.plan_checkpoints`, instead of offloading every segment.
 
     Memory: the input of each checkpointed segment plus the activations of the largest segment
     (during its backward) and those of the last one.
@@ -601,6 +606,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
     if not functions:
         raise ValueError("checkpoint_sequential: functions is empty")
     budget = kwargs.pop("budget", None)
+    planner_options = {"host_bandwidth": kwargs.pop("host_bandwidth")} if "host_bandwidth" in kwargs else {}
     unknown = set(kwargs) - set(_OPTION_NAMES)
     if unknown:
         raise ValueError(f"checkpoint_sequential: unexpected keyword arguments {sorted(unknown)}")
@@ -611,9 +617,9 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
             raise ValueError("checkpoint_sequential: segments='auto' needs budget= (bytes, '6GB' or a fraction)")
         from llmmem.planner import auto_checkpoint
 
-        return auto_checkpoint(functions, input, budget=budget, **kwargs)(input)
-    if budget is not None:
-        raise ValueError("checkpoint_sequential: budget= is only used with segments='auto'")
+        return auto_checkpoint(functions, input, budget=budget, **planner_options, **kwargs)(input)
+    if budget is not None or planner_options:
+        raise ValueError("checkpoint_sequential: budget= and host_bandwidth= are only used with segments='auto'")
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(functions):
         raise ValueError(f"checkpoint_sequential: segments must be an int in [1, {len(functions)}], got {segments!r}")
 

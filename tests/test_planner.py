@@ -460,6 +460,48 @@ def test_checkpoint_sequential_auto_segments():
         llmmem.checkpoint_sequential(seq, "auto", x)
 
 
+def test_checkpoint_sequential_auto_budgets_and_offload():
+    """segments='auto' takes every budget form, states the least budget when it cannot fit, and runs
+    offload=True plans (same gradients, bitwise on the CPU). Here nested regions already reach the
+    one-block floor, so offloading does not lower the least budget; it lowers the time near it
+    (fewer nested recomputes)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(12)])
+    x = torch.randn(64, 16)
+    prof = llmmem.profile_blocks(list(seq), x, repeats=1, warmup=0)
+    plain_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof).min_budget_bytes
+    offload_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    assert offload_least <= plain_least
+    near = int(1.2 * plain_least)
+    with_offload = llmmem.plan_checkpoints(None, budget=near, profile=prof, offload=True)
+    without = llmmem.plan_checkpoints(None, budget=near, profile=prof)
+    assert with_offload.predicted_time <= without.predicted_time * (1 + 1e-6)
+
+    def grads(**options):
+        seq.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        if options:
+            y = llmmem.checkpoint_sequential(seq, "auto", xi, **options)
+        else:
+            y = seq(xi)
+        y.square().sum().backward()
+        return [p.grad for p in seq.parameters()] + [xi.grad]
+
+    ref = grads()
+    for options in ({"budget": f"{2 * plain_least}B"}, {"budget": plain_least}, {"budget": 0.4},
+                    {"budget": offload_least, "offload": True}, {"budget": near, "offload": True},
+                    {"budget": offload_least, "offload": True, "host_bandwidth": 1e9}):
+        assert all(torch.equal(a, b) for a, b in zip(grads(**options), ref)), options
+    with pytest.raises(llmmem.InfeasibleError, match=f"{offload_least} bytes"):
+        llmmem.checkpoint_sequential(seq, "auto", x, budget=offload_least - 1, offload=True)
+    with pytest.raises(llmmem.InfeasibleError, match="offload=True may lower it"):
+        llmmem.checkpoint_sequential(seq, "auto", x, budget=offload_least - 1)
+    with pytest.raises(ValueError, match="segments"):
+        llmmem.checkpoint_sequential(seq, "best", x, budget=0.5)
+    with pytest.raises(ValueError, match="budget"):
+        llmmem.checkpoint_sequential(seq, 2, x, budget=0.5)
+
+
 def _mixed_chain():
     torch.manual_seed(1)
     widths = [24, 48, 16, 64, 32, 40, 24]
@@ -516,7 +558,7 @@ def test_offload_plan_is_honest_on_cuda():
     on_host = sum(v for (dev, _), v in measured.storages.items() if dev.type == "cpu")
     assert on_device <= plan.budget_bytes
     assert abs(on_device - plan.predicted_held_bytes) <= 0.10 * plan.predicted_held_bytes
-    assert on_host == plan.predicted_host_bytes
+    assert abs(on_host - plan.predicted_host_bytes) <= 0.10 * plan.predicted_host_bytes
     y.sum().backward()
 
 
