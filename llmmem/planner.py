@@ -132,8 +132,9 @@ class ChainProfile:
     fwd_tmp_bytes: list       # [L] (0 on the CPU: no allocator statistics there)
     bwd_tmp_bytes: list       # [L][K]
     device: str = "cpu"
-    # [L] 1 where the block's tape keeps its own output (in some mode): offloading the next block's
-    # input would then free nothing on the device. Empty: unknown, treated as all 0.
+    # [L][K] 1 where the block's tape in that mode keeps its own output (selective keeps a final
+    # matmul's output, tanh keeps its result): offloading the next block's input would then free
+    # nothing on the device. Empty: unknown, treated as all 0.
     output_kept: list = field(default_factory=list)
 
     def to_chain(self, host_bandwidth: float = 0.0) -> dict:
@@ -304,12 +305,12 @@ def profile_blocks(blocks, sample_input, *, modes: Sequence[str] = MODES, repeat
         prof.saved_bytes, prof.fwd_tmp_bytes, prof.bwd_tmp_bytes = [saved] * n, [ftmp] * n, [btmp] * n
         prof.saved_bytes[-1] = [s + o for s, o in zip(saved, kept_out)]
         prof.input_bytes = [prof.input_bytes[0]] * (n + 1)
-        prof.output_kept = [int(any(kept_out))] * n
+        prof.output_kept = [[int(o > 0) for o in kept_out]] * n
         return prof
     for i, block in enumerate(blocks):
         xi = x.clone().requires_grad_(x.is_floating_point())
         fwd, nostore, bwd, saved, ftmp, btmp, kept_out = _profile_one(block, xi, modes, repeats, warmup, device)
-        prof.output_kept.append(int(any(kept_out)))
+        prof.output_kept.append([int(o > 0) for o in kept_out])
         if i == len(blocks) - 1:
             saved = [s + o for s, o in zip(saved, kept_out)]
         prof.fwd_time.append(fwd)

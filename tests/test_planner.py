@@ -34,39 +34,41 @@ def random_chain(L, K, rnd, identical=False):
             "mode_nestable": [1] + [0] * (K - 1)}
 
 
-def all_plans(L, K, nestable, offloadable=()):
+def all_plans(L, K, nestable, offloadable=(), kept=None):
     """Every plan: properly nested regions (no region twice) and a mode per block; a top-level
-    region starting at a block in ``offloadable`` comes both plain and offloaded ((s, q, 1)).
+    region starting at a block in ``offloadable`` comes both plain and offloaded ((s, q, 1)),
+    unless the item before it is a top-level tape that keeps its output (``kept[i][k]``).
 
     Yields (modes, regions) tuples. The plans of each proper sub-segment are listed once and
     reused (millions of plans at L = 8: a generator per plan would take most of the time)."""
     memo = {}
 
-    def first_items(s, e, nested, body):
-        """(modes, regions, next start, inner plans) for each choice of the item starting at s."""
+    def first_items(s, e, nested, body, pinned):
+        """(modes, regions, next start, whether the next input is kept alive, inner plans) for each
+        choice of the item starting at s."""
         for k in range(K):
             if not (nested and not nestable[k]):
-                yield (k,), (), s + 1, [((), ())]
+                yield (k,), (), s + 1, bool(kept and kept[s][k]), [((), ())]
         for q in range(s + 1, e + 1):
             if body and q == e:
                 continue
-            inner = listed(s, q, True, True)
-            kinds = ((s, q), (s, q, 1)) if not nested and s in offloadable else ((s, q),)
+            inner = listed(s, q, True, True, False)
+            kinds = ((s, q), (s, q, 1)) if not nested and not pinned and s in offloadable else ((s, q),)
             for region in kinds:
-                yield (), (region,), q, inner
+                yield (), (region,), q, False, inner
 
-    def listed(s, e, nested, body):
-        key = (s, e, nested, body)
+    def listed(s, e, nested, body, pinned):
+        key = (s, e, nested, body, pinned)
         if key not in memo:
-            memo[key] = list(sequences(s, e, nested, body))
+            memo[key] = list(sequences(s, e, nested, body, pinned))
         return memo[key]
 
-    def sequences(s, e, nested, body):
+    def sequences(s, e, nested, body, pinned=False):
         if s == e:
             yield (), ()
             return
-        for modes, regions, q, inner in first_items(s, e, nested, body):
-            rest = listed(q, e, nested, False)
+        for modes, regions, q, next_pinned, inner in first_items(s, e, nested, body, pinned):
+            rest = listed(q, e, nested, False, next_pinned and not nested)
             for inner_modes, inner_regions in inner:
                 head_modes, head_regions = modes + inner_modes, regions + inner_regions
                 for rest_modes, rest_regions in rest:
@@ -76,13 +78,12 @@ def all_plans(L, K, nestable, offloadable=()):
 
 
 def with_offload(chain, rnd):
-    """Offloading on: a copy costs about a block's forward (more or less), and about one block in
-    four keeps its own output (so the next input cannot be offloaded). Returns the offloadable
-    region starts, by the rule of csrc/include/llmmem/plan.h."""
-    L = len(chain["fwd_time"])
+    """Offloading on: a copy costs about a block's forward (more or less), and about one (block, mode)
+    tape in four keeps the block's output (so the next input cannot be offloaded after it)."""
+    L, K = len(chain["fwd_time"]), len(chain["fwd_time"][0])
     chain["host_bandwidth"] = rnd.choice([0.5, 1.0, 4.0])
-    chain["output_kept"] = [int(rnd.random() < 0.25) for _ in range(L)]
-    return {s for s in range(1, L) if not chain["output_kept"][s - 1]}
+    chain["output_kept"] = [[int(rnd.random() < 0.25) for _ in range(K)] for _ in range(L)]
+    return set(range(1, L))
 
 
 def brute_force(chain, budgets, offloadable=()):
@@ -91,7 +92,7 @@ def brute_force(chain, budgets, offloadable=()):
     best = {b: math.inf for b in budgets}
     least_peak, n_plans = math.inf, 0
     simulate = _C.plan_simulate
-    for modes, regions in all_plans(L, K, chain["mode_nestable"], offloadable):
+    for modes, regions in all_plans(L, K, chain["mode_nestable"], offloadable, chain.get("output_kept")):
         n_plans += 1
         sim = simulate(chain, modes, regions)
         peak, t = sim["peak_bytes"], sim["time"]
@@ -171,7 +172,7 @@ def test_offload_lowers_the_least_budget_and_time_stays_monotone():
         chain = random_chain(10, 2, rnd, identical=trial % 2 == 0)
         without = _C.plan_min_budget(chain)
         with_offload(chain, rnd)
-        chain["output_kept"] = [0] * 10
+        chain["output_kept"] = [[0, 0]] * 10
         least = _C.plan_min_budget(chain)
         assert least <= without
         lowered += least < without
@@ -200,11 +201,12 @@ def test_offload_is_refused_where_the_model_does_not_allow_it():
         _C.plan_simulate(chain, [0] * 5, [(0, 2, 1)])
     with pytest.raises(ValueError, match="top-level"):
         _C.plan_simulate(chain, [0] * 5, [(1, 4), (2, 3, 1)])
-    chain["output_kept"] = [0, 1, 0, 0, 0]
-    with pytest.raises(ValueError, match="output_kept"):
+    chain["output_kept"] = [[0], [1], [0], [0], [0]]
+    with pytest.raises(ValueError, match="output_kept"):  # block 1 as a tape keeps a_2 alive
         _C.plan_simulate(chain, [0] * 5, [(2, 3, 1)])
+    assert _C.plan_simulate(chain, [0] * 5, [(1, 2), (2, 3, 1)])["host_bytes"] > 0  # inside a region it does not
     for key, value in (("host_bandwidth", -1.0), ("host_bandwidth", float("inf")), ("host_bandwidth", "fast"),
-                       ("output_kept", [0, 2, 0, 0, 0]), ("output_kept", [0, 0])):
+                       ("output_kept", [[0], [2], [0], [0], [0]]), ("output_kept", [[0], [0]])):
         bad = dict(chain, **{key: value})
         with pytest.raises(ValueError, match=key):
             _C.plan_solve(bad, 10**6, 100)

@@ -188,8 +188,7 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
                         : c->bw <= 0.0         ? "the chain has no host_bandwidth (offloading is off)"
                         : parent != 0          ? "only top-level regions can be offloaded"
                         : regs[r].start == 0   ? "the chain input a_0 cannot be offloaded"
-                        : c->kept[regs[r].start - 1] ? "the block before it keeps its output (output_kept)"
-                                                     : NULL;
+                                               : NULL;
       if (why) {
         status = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "plan region [%d, %d) cannot be offloaded: %s", regs[r].start,
                              regs[r].end, why);
@@ -211,6 +210,17 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
     if (d > 0 && !c->nest[plan->mode[i]]) {
       status = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "block %d is inside a region but its mode %d cannot be nested", i,
                            plan->mode[i]);
+      goto done;
+    }
+    /* depth[i] now holds how many regions contain block i (read below for offloaded regions) */
+    depth[i] = d;
+  }
+  for (int32_t r = 0; r < R; r++) {
+    const int32_t b = regs[r].start - 1; /* offloaded regions start at >= 1 (checked above) */
+    if (regs[r].offload && depth[b] == 0 && c->kept[(size_t)b * K + plan->mode[b]]) {
+      status = LLMMEM_FAIL(LLMMEM_ERR_INVALID,
+                           "plan region [%d, %d) cannot be offloaded: block %d before it keeps its output in mode %d "
+                           "(output_kept)", regs[r].start, regs[r].end, b, plan->mode[b]);
       goto done;
     }
   }

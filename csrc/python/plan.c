@@ -3,7 +3,7 @@
  *
  * A chain is passed as a dict of lists (see llmmem/planner.py, which builds it):
  *   fwd_time [L][K], bwd_time [L][K], input_bytes [L+1], saved_bytes [L][K] (required);
- *   fwd_nostore_time [L], fwd_tmp_bytes [L], bwd_tmp_bytes [L][K], mode_nestable [K], output_kept [L],
+ *   fwd_nostore_time [L], fwd_tmp_bytes [L], bwd_tmp_bytes [L][K], mode_nestable [K], output_kept [L][K],
  *   host_bandwidth (a number, bytes per time unit; 0 or absent: no offloading) (optional).
  * Regions come back as (start, end) pairs, with the offloaded ones listed again under "offloaded";
  * plan_simulate takes (start, end) or (start, end, offload) tuples.
@@ -173,21 +173,21 @@ static int chain_parse(PyObject *dict, chain_store_t *cs) {
   }
   PyObject *kept = get_key(dict, "output_kept", 0), *bw = get_key(dict, "host_bandwidth", 0);
   if (kept) {
-    uint64_t *tmp = malloc((size_t)L * sizeof *tmp);
-    if (!tmp || !(cs->kept = malloc((size_t)L))) {
+    uint64_t *tmp = malloc(LK * sizeof *tmp);
+    if (!tmp || !(cs->kept = malloc(LK))) {
       free(tmp);
       goto nomem;
     }
-    const int bad = read_numbers(kept, "output_kept", L, 0, 1, tmp);
+    const int bad = read_numbers(kept, "output_kept", L, K, 1, tmp);
     Py_ssize_t at = -1;
-    for (Py_ssize_t i = 0; !bad && i < L && at < 0; i++) {
-      if (tmp[i] > 1) at = i;
+    for (size_t i = 0; !bad && i < LK && at < 0; i++) {
+      if (tmp[i] > 1) at = (Py_ssize_t)i;
       cs->kept[i] = (uint8_t)(tmp[i] != 0);
     }
     free(tmp);
     if (bad < 0) goto fail;
     if (at >= 0) {
-      PyErr_Format(PyExc_ValueError, "plan: chain['output_kept'][%zd] must be 0 or 1", at);
+      PyErr_Format(PyExc_ValueError, "plan: chain['output_kept'][%zd][%zd] must be 0 or 1", at / K, at % K);
       goto fail;
     }
   }

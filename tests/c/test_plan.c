@@ -16,7 +16,7 @@
 typedef struct chain_buf_s {
   double f[MAXL * MAXK], fn[MAXL], b[MAXL * MAXK];
   uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], bt[MAXL * MAXK];
-  uint8_t nest[MAXK], kept[MAXL];
+  uint8_t nest[MAXK], kept[MAXL * MAXK];
   llmmem_plan_chain_t chain;
 } chain_buf_t;
 
@@ -52,10 +52,10 @@ static void random_chain(chain_buf_t *cb, int32_t L, int32_t K, unsigned long lo
 }
 
 /* Turns offloading on: a bandwidth that makes a copy cost about as much as a block's forward
- * (sometimes more, sometimes less), and some blocks whose tape keeps their output. */
+ * (sometimes more, sometimes less), and some (block, mode) tapes that keep the block's output. */
 static void with_offload(chain_buf_t *cb, unsigned long long *rng) {
   static const double bandwidths[] = {0.5, 1.0, 4.0};
-  for (int32_t i = 0; i < cb->chain.n_blocks; i++) cb->kept[i] = th_rand(rng) % 4 == 0;
+  for (int32_t i = 0; i < cb->chain.n_blocks * cb->chain.n_modes; i++) cb->kept[i] = th_rand(rng) % 4 == 0;
   cb->chain.output_kept = cb->kept;
   cb->chain.host_bandwidth = bandwidths[th_rand(rng) % 3];
 }
@@ -64,6 +64,7 @@ static void with_offload(chain_buf_t *cb, unsigned long long *rng) {
 
 typedef struct seg_s {
   int32_t s, e, depth, is_region_body;
+  int32_t after_kept; /* top level: the item before keeps a_s alive (no offloaded region at s) */
 } seg_t;
 
 #define NBUDGETS 4
@@ -96,8 +97,11 @@ static void brute_eval(brute_t *bf) {
 }
 
 static int offload_allowed(const llmmem_plan_chain_t *chain, seg_t seg) {
-  return chain->host_bandwidth > 0 && seg.depth == 0 && seg.s >= 1 &&
-         !(chain->output_kept && chain->output_kept[seg.s - 1]);
+  return chain->host_bandwidth > 0 && seg.depth == 0 && seg.s >= 1 && !seg.after_kept;
+}
+
+static int keeps_output(const llmmem_plan_chain_t *chain, int32_t i, int32_t k) {
+  return chain->output_kept && chain->output_kept[i * chain->n_modes + k];
 }
 
 static void brute_gen(brute_t *bf) {
@@ -113,7 +117,7 @@ static void brute_gen(brute_t *bf) {
     for (int32_t k = 0; k < K; k++) {
       if (seg.depth > 0 && !bf->chain->mode_nestable[k]) continue;
       bf->mode[seg.s] = k;
-      bf->pending[bf->n_pending++] = (seg_t){seg.s + 1, seg.e, seg.depth, 0};
+      bf->pending[bf->n_pending++] = (seg_t){seg.s + 1, seg.e, seg.depth, 0, keeps_output(bf->chain, seg.s, k)};
       brute_gen(bf);
       bf->n_pending--;
     }
@@ -121,8 +125,8 @@ static void brute_gen(brute_t *bf) {
       if (seg.is_region_body && q == seg.e) continue; /* the same region twice */
       for (int32_t off = 0; off <= offload_allowed(bf->chain, seg); off++) {
         bf->regions[bf->n_regions++] = (llmmem_plan_region_t){seg.s, q, off};
-        bf->pending[bf->n_pending++] = (seg_t){q, seg.e, seg.depth, 0};
-        bf->pending[bf->n_pending++] = (seg_t){seg.s, q, seg.depth + 1, 1};
+        bf->pending[bf->n_pending++] = (seg_t){q, seg.e, seg.depth, 0, 0};
+        bf->pending[bf->n_pending++] = (seg_t){seg.s, q, seg.depth + 1, 1, 0};
         brute_gen(bf);
         bf->n_pending -= 2;
         bf->n_regions--;
@@ -137,7 +141,7 @@ static void brute_force(const llmmem_plan_chain_t *chain, const uint64_t *budget
   bf->chain = chain;
   for (int i = 0; i < NBUDGETS; i++) bf->budget[i] = budgets[i], bf->best_time[i] = INFINITY;
   bf->least_peak = UINT64_MAX;
-  bf->pending[bf->n_pending++] = (seg_t){0, chain->n_blocks, 0, 0};
+  bf->pending[bf->n_pending++] = (seg_t){0, chain->n_blocks, 0, 0, 0};
   brute_gen(bf);
 }
 
@@ -455,10 +459,15 @@ int main(void) {
     plan.n_regions = 1;
     CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
     regions[0].offload = 1;
-    cb.kept[1] = 1;
+    memset(cb.kept, 0, sizeof cb.kept);
+    cb.kept[1] = 1; /* block 1 (mode 0) keeps a_2: fine inside a region, not as a top-level tape */
     cb.chain.output_kept = cb.kept;
     CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
     CHECK(strstr(llmmem_last_error(), "output_kept") != NULL);
+    regions[1] = (llmmem_plan_region_t){1, 2, 0};
+    plan.n_regions = 2;
+    CHECK_OK(llmmem_plan_simulate(&cb.chain, &plan, &on));
+    plan.n_regions = 1;
     cb.chain.output_kept = NULL;
     cb.chain.host_bandwidth = 0.0;
     CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);

@@ -24,7 +24,8 @@
  *         x_s / bw  +  max(0, x_s / bw - sum of fwd_nostore_time over [s, q)).
  *     Not offloadable: a_0 (the chain input belongs to the caller), the input of a nested region
  *     (its copy would sit inside a recompute, on the critical path twice), and a_s when block
- *     s - 1's tape keeps its own output (output_kept[s - 1]: the device copy stays alive anyway).
+ *     s - 1 runs at the top level keeping its tape in a mode k that keeps its own output
+ *     (output_kept[s - 1][k]: the device copy stays alive anyway).
  *
  * Memory accounting (bytes): a block run with its tape in mode k holds its input plus
  * saved_bytes[i][k]; a region holds its input. Transients: fwd_tmp[i] while block i runs forward
@@ -69,7 +70,7 @@ typedef struct llmmem_plan_chain_s {
   const uint64_t *fwd_tmp_bytes;   /* [i] transient peak of the forward; NULL: all 0 */
   const uint64_t *bwd_tmp_bytes;   /* [i][k] transient peak of the backward; NULL: all 0 */
   const uint8_t *mode_nestable;    /* [k] 1 if mode k may be used inside a region; NULL: only mode 0 */
-  const uint8_t *output_kept;      /* [i] 1 if block i's tape keeps its output a_{i+1} (in some mode); NULL: none */
+  const uint8_t *output_kept;      /* [i][k] 1 if block i's tape in mode k keeps its output a_{i+1}; NULL: none */
   double host_bandwidth;           /* bytes per time unit of a host<->device copy; 0: no offloading */
 } llmmem_plan_chain_t;
 
