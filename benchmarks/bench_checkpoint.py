@@ -221,11 +221,13 @@ def bench_chain(args, device) -> dict:
     note = (f"{len(plan.offloaded)} inputs on host ({plan.predicted_host_bytes / MiB:.2f} MiB); predicted overhead "
             f"{100 * pred_over:+.1f}% incl. transfers {1e3 * plan.predicted_transfer_time:.2f} ms at "
             f"{plan.host_bandwidth / 1e9:.0f} GB/s ({source})")
-    fits, over, _ = add("min+offload", offload_least, "llmmem/auto+off", "llmmem/auto+off", plan.predicted_peak_bytes, note)
+    fits, over, _ = add("min+offload", offload_least, "llmmem/auto+off", "llmmem/auto+off", plan.predicted_peak_bytes,
+                        note)
     held, alloc = measured["llmmem/auto+off"]
     offload_summary = {"budget_bytes": offload_least, "every_layer_peak_bytes": every_peak,
                        "planner_min_without_offload_bytes": no_ckpt.min_budget_bytes,
-                       "predicted_peak_bytes": plan.predicted_peak_bytes, "predicted_held_bytes": plan.predicted_held_bytes,
+                       "predicted_peak_bytes": plan.predicted_peak_bytes,
+                       "predicted_held_bytes": plan.predicted_held_bytes,
                        "predicted_host_bytes": plan.predicted_host_bytes, "predicted_overhead": pred_over,
                        "predicted_transfer_s": plan.predicted_transfer_time, "host_bandwidth": plan.host_bandwidth,
                        "host_bandwidth_measured": plan.host_bandwidth_measured, "measured_overhead": over,

@@ -409,8 +409,8 @@ class CheckpointPlan:
         if self.host_bandwidth is not None:
             source = "measured" if self.host_bandwidth_measured else "assumed, not measured"
             if self.offloaded:
-                rows += [f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} on the host "
-                         f"after the forward",
+                rows += [f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} "
+                         f"on the host after the forward",
                          f"transfer time         {1e3 * self.predicted_transfer_time:.2f} ms of the step (modelled at "
                          f"{self.host_bandwidth / 1e9:.1f} GB/s, {source}: copy back not prefetched, copy out hidden "
                          f"behind the region's forward)"]

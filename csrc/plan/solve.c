@@ -147,8 +147,9 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
   }
 }
 
-/* The choice that gives the DP value of state (s, e, m): evaluates its options exactly as
- * fill_row did and returns the closest (k for a tape mode, K + q - s - 1 for a region [s, q)). */
+/* The choice that gives the DP value of state (s, e, m) (top level: of the row allow_offload
+ * selects): evaluates its options exactly as fill_row did and returns the closest (k for a tape
+ * mode, K + q - s - 1 for a region [s, q), K + L + q - s - 1 for an offloaded one). */
 static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m, int allow_offload) {
   const plan_costs_t *c = dp->c;
   const int32_t K = c->K, L = c->L;
