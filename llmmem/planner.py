@@ -397,13 +397,15 @@ class CheckpointPlan:
             rows.append(f"{i:>5}  {self.block_label(i):<32} {1e3 * p.fwd_time[i][k]:>8.3f} {1e3 * p.bwd_time[i][k]:>8.3f} "
                         f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}")
         base = self.predicted_time - self.predicted_overhead_time
+        what = "recompute and transfers" if self.offloaded else "recompute"
         rows += ["",
                  f"budget                {format_bytes(self.budget_bytes)}  (least feasible "
                  f"{format_bytes(self.min_budget_bytes)}; no checkpointing needs {format_bytes(self.no_checkpoint_peak_bytes)})",
                  f"predicted peak        {format_bytes(self.predicted_peak_bytes)}",
-                 f"held after forward    {format_bytes(self.predicted_held_bytes)}",
+                 f"held after forward    {format_bytes(self.predicted_held_bytes)}"
+                 + (" on the device" if self.offloaded else ""),
                  f"predicted step time   {1e3 * self.predicted_time:.2f} ms  (+{100 * self.predicted_overhead_time / base:.1f}% "
-                 f"recompute over no checkpointing)" if base > 0 else
+                 f"{what} over no checkpointing)" if base > 0 else
                  f"predicted step time   {1e3 * self.predicted_time:.2f} ms",
                  f"regions               {self.regions if self.regions else 'none'}"]
         if self.host_bandwidth is not None:
