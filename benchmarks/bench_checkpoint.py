@@ -9,8 +9,13 @@ time (median of repeats) of:
   torch/every      torch.utils.checkpoint (non-reentrant) around every block
   torch/uniform    torch checkpoint_sequential with the fewest segments whose held bytes fit
   llmmem/auto      llmmem.auto_checkpoint(blocks, x, budget) (the C planner's plan)
+  llmmem/auto+off  llmmem.auto_checkpoint(..., offload=True) at its own least budget ("min+offload"
+                   row), below torch's every-layer minimum: some region inputs kept in host memory
   llmmem/offload   (CUDA only) llmmem.checkpoint(offload=True) around every block
-Overheads are ratios to "none" measured in the same run.
+Overheads are ratios to "none" measured in the same run. For the offload plan the predicted
+overhead (recompute + modelled transfers) is printed too: on the CPU the "device" is host memory,
+so nothing is copied and the transfer cost (bytes / llmmem.planner.DEFAULT_HOST_BANDWIDTH) is
+modelled, not measured; on CUDA the bandwidth is measured and the step time includes the copies.
 
 Part 2, planner solve time for L = 32, 96, 256 blocks at 500 and 2000 slots (heterogeneous random
 chains and identical blocks; heterogeneous L = 256 runs at 500 slots only, and not with --quick).
@@ -140,8 +145,10 @@ def bench_chain(args, device) -> dict:
     def simulated_peak(regions):
         return _C.plan_simulate(chain, [0] * layers, regions)["peak_bytes"]
 
+    offload_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    offload_plan = llmmem.plan_checkpoints(None, budget=offload_least, profile=prof, offload=True)
     budgets = [("100%", reference), ("75%", int(0.75 * reference)), ("50%", reference // 2),
-               ("33%", reference // 3), ("minimum", no_ckpt.min_budget_bytes)]
+               ("33%", reference // 3), ("minimum", no_ckpt.min_budget_bytes), ("min+offload", offload_least)]
     every_regions = [(i, i + 1) for i in range(layers)]
     uniform_peaks = {seg: simulated_peak(_torch_uniform_regions(layers, seg)) for seg in range(2, layers + 1)}
     uniform_peaks[1] = simulated_peak([])
@@ -158,6 +165,7 @@ def bench_chain(args, device) -> dict:
             continue
         configs[f"llmmem/{name}"] = ("llmmem/auto", AutoCheckpointed(list(blocks), plan))
         chosen[name] = (fitting[0] if fitting else None, plan, "")
+    configs["llmmem/auto+off"] = ("llmmem/auto", AutoCheckpointed(list(blocks), offload_plan))
     if device.type == "cuda":
         configs["llmmem/offload"] = ("llmmem/offload", None)
     measured = {key: _measure(kind, blocks, x0, exclude, device, arg) for key, (kind, arg) in configs.items()}
@@ -206,6 +214,27 @@ def bench_chain(args, device) -> dict:
                         "best_torch_fitting_s": best_torch, "llmmem_s": t,
                         "llmmem_not_slower": None if best_torch is None else t <= 1.03 * best_torch,
                         "held_within_10pct": abs(held - plan.predicted_held_bytes) <= 0.1 * plan.predicted_held_bytes})
+    plan = offload_plan
+    base_pred = plan.predicted_time - plan.predicted_overhead_time
+    pred_over = plan.predicted_overhead_time / base_pred
+    source = "measured" if plan.host_bandwidth_measured else "modelled, not measured on the CPU"
+    note = (f"{len(plan.offloaded)} inputs on host ({plan.predicted_host_bytes / MiB:.2f} MiB); predicted overhead "
+            f"{100 * pred_over:+.1f}% incl. transfers {1e3 * plan.predicted_transfer_time:.2f} ms at "
+            f"{plan.host_bandwidth / 1e9:.0f} GB/s ({source})")
+    fits, over, _ = add("min+offload", offload_least, "llmmem/auto+off", "llmmem/auto+off", plan.predicted_peak_bytes,
+                        note)
+    held, alloc = measured["llmmem/auto+off"]
+    offload_summary = {"budget_bytes": offload_least, "every_layer_peak_bytes": every_peak,
+                       "planner_min_without_offload_bytes": no_ckpt.min_budget_bytes,
+                       "predicted_peak_bytes": plan.predicted_peak_bytes,
+                       "predicted_held_bytes": plan.predicted_held_bytes,
+                       "predicted_host_bytes": plan.predicted_host_bytes, "predicted_overhead": pred_over,
+                       "predicted_transfer_s": plan.predicted_transfer_time, "host_bandwidth": plan.host_bandwidth,
+                       "host_bandwidth_measured": plan.host_bandwidth_measured, "measured_overhead": over,
+                       "offloaded": plan.offloaded, "fits": fits}
+    if alloc is not None:
+        print(f"  min+offload: peak allocated {alloc / MiB:.1f} MiB vs predicted peak "
+              f"{plan.predicted_peak_bytes / MiB:.1f} MiB ({100 * (alloc / plan.predicted_peak_bytes - 1):+.1f}%)")
     if device.type == "cuda":
         add("any", 0, "llmmem/offload", "llmmem/offload", every_peak, "every block, inputs in pinned host memory")
 
@@ -222,11 +251,20 @@ def bench_chain(args, device) -> dict:
               f"{100 * t['torch_every_overhead']:+.1f}% (at most half: {'yes' if half else 'no'}); "
               f"not slower than the best fitting torch strategy (+3%): {t['llmmem_not_slower']}; "
               f"held within 10% of prediction: {t['held_within_10pct']}")
+    o = offload_summary
+    print(f"  below torch's every-layer minimum ({every_peak / MiB:.2f} MiB; planner without offload "
+          f"{no_ckpt.min_budget_bytes / MiB:.2f} MiB): the offload plan fits {o['budget_bytes'] / MiB:.2f} MiB "
+          f"(predicted peak {o['predicted_peak_bytes'] / MiB:.2f} MiB, fits: {o['fits']}), predicted overhead "
+          f"{100 * o['predicted_overhead']:+.1f}% of which transfers {1e3 * o['predicted_transfer_s']:.2f} ms "
+          f"({'bandwidth measured' if o['host_bandwidth_measured'] else 'modelled, not measured'}); "
+          f"measured step overhead {100 * o['measured_overhead']:+.1f}%")
     if device.type != "cuda":
-        print("  offload: on the CPU the inputs already live in host memory, so offload=True changes nothing; "
-              "run with --device cuda for the offload row")
+        print("  offload on the CPU: the inputs already live in host memory, so offload=True copies nothing and frees "
+              "nothing; its held MiB (all host) and step time show the recompute only; the transfer cost is the "
+              "model's (run with --device cuda to measure it)")
     return {"config": vars(cfg), "batch": args.batch, "records": records, "targets": targets,
-            "no_checkpoint_peak_bytes": reference, "min_budget_bytes": no_ckpt.min_budget_bytes}
+            "no_checkpoint_peak_bytes": reference, "min_budget_bytes": no_ckpt.min_budget_bytes,
+            "offload": offload_summary}
 
 
 def _random_chain(L, identical, rnd):

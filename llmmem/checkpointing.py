@@ -38,6 +38,7 @@ import torch.utils._python_dispatch
 import torch.utils.checkpoint as _torch_ckpt
 from torch.utils import _pytree as pytree
 
+from llmmem import selective as _selective
 from llmmem.errors import LlmmemError
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError", "noop_context_fn", "feature_status"]
@@ -407,8 +408,14 @@ class _HostCopies:
         self.entries: list = []                 # what pack returned, in save order
         self.prefetched: dict[int, torch.Tensor] = {}
         self.fetched = False
-        self.previous = getattr(self._local, "last", None)
-        self._local.last = weakref.ref(self)
+        if getattr(self._local, "no_prefetch", False):
+            # The planner's offloaded regions (llmmem.planner): the plan's memory model has each
+            # input back on the device only while its own region runs backward, so these regions
+            # neither prefetch nor get prefetched.
+            self.previous = None
+        else:
+            self.previous = getattr(self._local, "last", None)
+            self._local.last = weakref.ref(self)
 
     @staticmethod
     def _side_stream(device: torch.device):
@@ -418,7 +425,10 @@ class _HostCopies:
         return streams[device]
 
     def pack(self, t: torch.Tensor):
+        # These hooks hide the inputs from any outer saved_tensors_hooks, so tell the byte
+        # observers (llmmem.planner.measure_saved_bytes) what is kept, on the memory it is kept in.
         if t.device.type != "cuda":
+            _selective._notify(t)
             return t  # already in host memory: nothing to move
         side = self._side_stream(t.device)
         host = torch.empty_like(t, device="cpu", pin_memory=True)
@@ -428,6 +438,7 @@ class _HostCopies:
             done = torch.cuda.Event()
             done.record(side)
         t.record_stream(side)  # the allocator must not reuse t's memory before the copy ends
+        _selective._notify(host)
         entry = (len(self.entries), host, t.device, done)
         self.entries.append(entry)
         return entry
@@ -460,6 +471,19 @@ class _HostCopies:
             return
         for entry in self.entries:
             self.prefetched[entry[0]] = self._to_device(entry)
+
+
+@contextlib.contextmanager
+def _offload_without_prefetch():
+    """Inside: offloaded regions copy their inputs back only when backward reaches them (no
+    prefetch), as the planner's model of an offloaded region assumes (csrc/include/llmmem/plan.h)."""
+    local = _HostCopies._local
+    before = getattr(local, "no_prefetch", False)
+    local.no_prefetch = True
+    try:
+        yield
+    finally:
+        local.no_prefetch = before
 
 
 def _save_inputs(anchor: torch.Tensor, tensors: list, offload: bool):
@@ -562,9 +586,14 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
     :param segments: number of segments (``1 <= segments <= len(functions)``), or ``"auto"`` to
         let the C planner choose the region boundaries for ``budget=`` (bytes, ``"6GB"``, or a
         fraction of the activation bytes without checkpointing); see :func:`llmmem.auto_checkpoint`.
+        With ``"auto"`` the functions must be modules, and they are profiled on ``input`` on every
+        call (build ``llmmem.auto_checkpoint`` once instead when calling in a loop); an
+        impossible budget raises :class:`llmmem.InfeasibleError` stating the least one.
     :param input: the input of the first function.
     :param kwargs: options of :func:`checkpoint` (``preserve_rng_state``, ``offload``, ...), and
-        ``budget`` with ``segments="auto"``.
+        ``budget`` with ``segments="auto"``. With ``"auto"``, ``offload=True`` (and
+        ``host_bandwidth=``) let the planner keep some segments' inputs in host memory, as in
+        :func:`llmmem.plan_checkpoints`, instead of offloading every segment.
 
     Memory: the input of each checkpointed segment plus the activations of the largest segment
     (during its backward) and those of the last one.
@@ -577,6 +606,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
     if not functions:
         raise ValueError("checkpoint_sequential: functions is empty")
     budget = kwargs.pop("budget", None)
+    planner_options = {"host_bandwidth": kwargs.pop("host_bandwidth")} if "host_bandwidth" in kwargs else {}
     unknown = set(kwargs) - set(_OPTION_NAMES)
     if unknown:
         raise ValueError(f"checkpoint_sequential: unexpected keyword arguments {sorted(unknown)}")
@@ -587,9 +617,9 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
             raise ValueError("checkpoint_sequential: segments='auto' needs budget= (bytes, '6GB' or a fraction)")
         from llmmem.planner import auto_checkpoint
 
-        return auto_checkpoint(functions, input, budget=budget, **kwargs)(input)
-    if budget is not None:
-        raise ValueError("checkpoint_sequential: budget= is only used with segments='auto'")
+        return auto_checkpoint(functions, input, budget=budget, **planner_options, **kwargs)(input)
+    if budget is not None or planner_options:
+        raise ValueError("checkpoint_sequential: budget= and host_bandwidth= are only used with segments='auto'")
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(functions):
         raise ValueError(f"checkpoint_sequential: segments must be an int in [1, {len(functions)}], got {segments!r}")
 

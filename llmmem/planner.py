@@ -12,10 +12,18 @@ Modes of a block: ``"store-all"`` (autograd keeps its tape), ``"selective"`` (ke
 attention outputs, recomputes the rest: :mod:`llmmem.selective`), and, from regions of one block,
 ``"store-input-only"``. Budgets: bytes (``int``), a string (``"6GB"``, ``"512MiB"``) or a
 fraction (``float`` in (0, 1]) of the activation memory of the chain without checkpointing.
+
+With ``offload=True`` the planner may also keep the input of a top-level region in host memory
+(``llmmem.checkpoint(offload=True)``): zero device bytes for that input between the region's forward
+and its backward, at a transfer cost of ``bytes / host_bandwidth`` for the copy back (on the critical
+path: these regions are not prefetched, so the memory model stays exact) plus whatever part of the
+copy out is not hidden behind the region's own forward. That is what fits budgets below the
+every-layer checkpointing minimum. The model is in csrc/include/llmmem/plan.h.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,16 +34,20 @@ import torch.nn as nn
 
 from llmmem import selective
 from llmmem._native import native
-from llmmem.checkpointing import checkpoint
+from llmmem.checkpointing import _offload_without_prefetch, checkpoint
 from llmmem.errors import InfeasibleError
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["profile_blocks", "plan_checkpoints", "auto_checkpoint", "measure_saved_bytes", "ChainProfile",
-           "CheckpointPlan", "AutoCheckpointed", "MODES"]
+           "CheckpointPlan", "AutoCheckpointed", "MODES", "measure_host_bandwidth", "DEFAULT_HOST_BANDWIDTH"]
 
 MODES = ("store-all", "selective")
 _NESTABLE = {"store-all": 1, "selective": 0}
 DEFAULT_SLOTS = None  # 2000 for identical blocks or short chains (cheap), else 500
+# Bytes per second of a host<->device copy when none is measured: a PCIe 4.0 x16 link moves about
+# 25 GB/s of pinned memory in practice (the theoretical 32 GB/s less protocol overhead). On the CPU
+# there is no link at all (the "device" is host memory), so offload costs there are this model only.
+DEFAULT_HOST_BANDWIDTH = 25e9
 
 
 def _default_slots(profile) -> int:
@@ -54,7 +66,9 @@ class measure_saved_bytes:
 
     Counts the tensors autograd saves at this level (inside a checkpointed region they are
     placeholders, so they do not count, exactly as they take no memory) and the outputs kept by
-    the selective mode. Storages in ``exclude`` (parameters, buffers) are not counted.
+    the selective mode, and the inputs of offloaded regions on the memory they are kept in (the
+    host copy; on the CPU the input itself). Storages in ``exclude`` (parameters, buffers) are not
+    counted; ``storages`` keys carry the device, so device and host bytes can be told apart.
     ``.bytes`` is the total after the block exits; ``.storages`` maps storage key to bytes.
 
     Memory: none beyond weak bookkeeping (it keeps no tensor alive it did not already keep).
@@ -118,13 +132,19 @@ class ChainProfile:
     fwd_tmp_bytes: list       # [L] (0 on the CPU: no allocator statistics there)
     bwd_tmp_bytes: list       # [L][K]
     device: str = "cpu"
+    # [L][K] 1 where the block's tape in that mode keeps its own output (selective keeps a final
+    # matmul's output, tanh keeps its result): offloading the next block's input would then free
+    # nothing on the device. Empty: unknown, treated as all 0.
+    output_kept: list = field(default_factory=list)
 
-    def to_chain(self) -> dict:
-        """The dict the C planner takes (llmmem._C.plan_solve)."""
+    def to_chain(self, host_bandwidth: float = 0.0) -> dict:
+        """The dict the C planner takes (llmmem._C.plan_solve); ``host_bandwidth`` in bytes per
+        second, 0 for no offloading."""
         return {"fwd_time": self.fwd_time, "fwd_nostore_time": self.fwd_nostore_time, "bwd_time": self.bwd_time,
                 "input_bytes": self.input_bytes, "saved_bytes": self.saved_bytes,
                 "fwd_tmp_bytes": self.fwd_tmp_bytes, "bwd_tmp_bytes": self.bwd_tmp_bytes,
-                "mode_nestable": [_NESTABLE[m] for m in self.modes]}
+                "mode_nestable": [_NESTABLE[m] for m in self.modes],
+                "output_kept": self.output_kept or None, "host_bandwidth": float(host_bandwidth)}
 
     @property
     def n_blocks(self) -> int:
@@ -285,10 +305,12 @@ def profile_blocks(blocks, sample_input, *, modes: Sequence[str] = MODES, repeat
         prof.saved_bytes, prof.fwd_tmp_bytes, prof.bwd_tmp_bytes = [saved] * n, [ftmp] * n, [btmp] * n
         prof.saved_bytes[-1] = [s + o for s, o in zip(saved, kept_out)]
         prof.input_bytes = [prof.input_bytes[0]] * (n + 1)
+        prof.output_kept = [[int(o > 0) for o in kept_out]] * n
         return prof
     for i, block in enumerate(blocks):
         xi = x.clone().requires_grad_(x.is_floating_point())
         fwd, nostore, bwd, saved, ftmp, btmp, kept_out = _profile_one(block, xi, modes, repeats, warmup, device)
+        prof.output_kept.append([int(o > 0) for o in kept_out])
         if i == len(blocks) - 1:
             saved = [s + o for s, o in zip(saved, kept_out)]
         prof.fwd_time.append(fwd)
@@ -325,7 +347,11 @@ class CheckpointPlan:
     """The planner's answer for one chain and budget (all byte figures are predictions).
 
     ``modes[i]`` is the mode block ``i`` keeps its tape in (inside a region: during the recompute);
-    ``regions`` are the checkpointed ranges ``[start, end)`` in pre-order (outer before inner).
+    ``regions`` are the checkpointed ranges ``[start, end)`` in pre-order (outer before inner);
+    ``offloaded`` the (top-level) ones among them whose input is kept in host memory. With
+    offloading, ``predicted_time`` includes ``predicted_transfer_time`` (modelled from
+    ``host_bandwidth``, bytes/s), and ``predicted_held_bytes`` counts device bytes only
+    (``predicted_host_bytes`` are on the host).
     """
 
     modes: list
@@ -338,6 +364,11 @@ class CheckpointPlan:
     predicted_overhead_time: float
     no_checkpoint_peak_bytes: int
     profile: ChainProfile = field(repr=False)
+    offloaded: list = field(default_factory=list)
+    predicted_transfer_time: float = 0.0
+    predicted_host_bytes: int = 0
+    host_bandwidth: float | None = None
+    host_bandwidth_measured: bool = False
 
     @property
     def n_blocks(self) -> int:
@@ -351,10 +382,11 @@ class CheckpointPlan:
         inner = [(s, e) for s, e in self.regions if s <= i < e]
         if not inner:
             return self.modes[i]
+        host = ", input on host" if any(s <= i < e for s, e in self.offloaded) else ""
         if len(inner) == 1 and inner[0] == (i, i + 1):
-            return "store-input-only"
+            return "store-input-only" + host
         s, e = min(inner, key=lambda r: r[1] - r[0])
-        return f"recomputed in [{s},{e}) depth {len(inner)}"
+        return f"recomputed in [{s},{e}) depth {len(inner)}{host}"
 
     def describe(self) -> str:
         """A readable table of the plan and its predictions."""
@@ -365,15 +397,27 @@ class CheckpointPlan:
             rows.append(f"{i:>5}  {self.block_label(i):<32} {1e3 * p.fwd_time[i][k]:>8.3f} {1e3 * p.bwd_time[i][k]:>8.3f} "
                         f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}")
         base = self.predicted_time - self.predicted_overhead_time
+        what = "recompute and transfers" if self.offloaded else "recompute"
         rows += ["",
                  f"budget                {format_bytes(self.budget_bytes)}  (least feasible "
                  f"{format_bytes(self.min_budget_bytes)}; no checkpointing needs {format_bytes(self.no_checkpoint_peak_bytes)})",
                  f"predicted peak        {format_bytes(self.predicted_peak_bytes)}",
-                 f"held after forward    {format_bytes(self.predicted_held_bytes)}",
+                 f"held after forward    {format_bytes(self.predicted_held_bytes)}"
+                 + (" on the device" if self.offloaded else ""),
                  f"predicted step time   {1e3 * self.predicted_time:.2f} ms  (+{100 * self.predicted_overhead_time / base:.1f}% "
-                 f"recompute over no checkpointing)" if base > 0 else
+                 f"{what} over no checkpointing)" if base > 0 else
                  f"predicted step time   {1e3 * self.predicted_time:.2f} ms",
                  f"regions               {self.regions if self.regions else 'none'}"]
+        if self.host_bandwidth is not None:
+            source = "measured" if self.host_bandwidth_measured else "assumed, not measured"
+            if self.offloaded:
+                rows += [f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} "
+                         f"on the host after the forward",
+                         f"transfer time         {1e3 * self.predicted_transfer_time:.2f} ms of the step (modelled at "
+                         f"{self.host_bandwidth / 1e9:.1f} GB/s, {source}: copy back not prefetched, copy out hidden "
+                         f"behind the region's forward)"]
+            else:
+                rows.append(f"offloaded to host     none (allowed at {self.host_bandwidth / 1e9:.1f} GB/s, {source})")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -390,8 +434,31 @@ def _resolve_budget(budget, reference_peak: int, who: str) -> int:
     return parse_bytes(budget, name=f"{who}: budget")
 
 
+def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, bool]:
+    """Bytes per second of a copy between pinned host memory and ``device``, and whether it was measured.
+
+    On a CUDA device: the slower direction of ``nbytes`` copies each way (median of ``repeats``).
+    On the CPU there is nothing to copy across, so :data:`DEFAULT_HOST_BANDWIDTH` is returned with
+    ``measured=False``. Memory: ``nbytes`` on the device and pinned on the host, briefly;
+    synchronises the device.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_HOST_BANDWIDTH, False
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        seconds = _median_time(lambda: dst.copy_(src, non_blocking=True), repeats, device)
+        rates.append(nbytes / max(seconds, 1e-9))
+    del host, dev
+    return min(rates), True
+
+
 def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainProfile | None = None,
-                     slots: int = DEFAULT_SLOTS, fast_path: bool = True, **profile_options) -> CheckpointPlan:
+                     slots: int = DEFAULT_SLOTS, fast_path: bool = True, offload: bool = False,
+                     host_bandwidth: float | None = None, **profile_options) -> CheckpointPlan:
     """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``.
 
     :param blocks: the chain (as for :func:`profile_blocks`); may be ``None`` with ``profile=``.
@@ -400,12 +467,25 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
     :param profile: reuse a :class:`ChainProfile` instead of measuring.
     :param slots: memory discretisation of the DP (more: closer to optimal, slower); default 2000
         for identical blocks or chains of at most 32 blocks, else 500.
+    :param offload: also consider keeping the inputs of top-level regions in host memory (see the
+        module docstring for the cost model); the plan says which in ``.offloaded``.
+    :param host_bandwidth: bytes per second of a host<->device copy, for ``offload=True``. Default:
+        measured on a CUDA device (:func:`measure_host_bandwidth`), :data:`DEFAULT_HOST_BANDWIDTH` on the CPU.
     :raises llmmem.InfeasibleError: (a ``ValueError``) when no plan fits; the message states the
         smallest feasible budget, also in ``.min_budget_bytes``.
 
     Memory and time: profiling (see :func:`profile_blocks`), then the C solver (milliseconds for
     identical blocks; O(L³·slots) otherwise), which runs without the GIL.
     """
+    if not isinstance(offload, bool):
+        raise ValueError(f"plan_checkpoints: offload must be True or False, got {offload!r}")
+    if host_bandwidth is not None:
+        if (isinstance(host_bandwidth, bool) or not isinstance(host_bandwidth, (int, float))
+                or not math.isfinite(host_bandwidth) or host_bandwidth <= 0):
+            raise ValueError(f"plan_checkpoints: host_bandwidth must be a finite number of bytes per second > 0, "
+                             f"got {host_bandwidth!r}")
+        if not offload:
+            raise ValueError("plan_checkpoints: host_bandwidth is only used with offload=True")
     if profile is None:
         if blocks is None or sample_input is None:
             raise ValueError("plan_checkpoints: give blocks and sample_input, or profile=")
@@ -416,16 +496,20 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
         slots = _default_slots(profile)
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 100000:
         raise ValueError(f"plan_checkpoints: slots must be an int in 1..100000, got {slots!r}")
-    chain = profile.to_chain()
+    measured = False
+    if offload and host_bandwidth is None:
+        host_bandwidth, measured = measure_host_bandwidth(profile.device)
+    chain = profile.to_chain(host_bandwidth if offload else 0.0)
     reference = native.plan_simulate(chain, [0] * profile.n_blocks, [])["peak_bytes"]
     budget_bytes = _resolve_budget(budget, reference, "plan_checkpoints")
     try:
         result = native.plan_solve(chain, budget_bytes, slots, fast_path=fast_path)
     except InfeasibleError:
         least = native.plan_min_budget(chain)
+        with_offload = " with offloading" if offload else " (offload=True may lower it)"
         err = InfeasibleError(
             f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); the smallest "
-            f"feasible budget for these blocks and this input is {least} bytes ({format_bytes(least)}), "
+            f"feasible budget for these blocks and this input{with_offload} is {least} bytes ({format_bytes(least)}), "
             f"{100 * least / reference:.1f}% of the {format_bytes(reference)} needed without checkpointing")
         err.min_budget_bytes = least
         raise err from None
@@ -434,7 +518,10 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
                           min_budget_bytes=result["min_budget_bytes"], predicted_peak_bytes=result["peak_bytes"],
                           predicted_held_bytes=result["held_bytes"], predicted_time=result["time"],
                           predicted_overhead_time=result["overhead_time"], no_checkpoint_peak_bytes=reference,
-                          profile=profile)
+                          profile=profile, offloaded=[tuple(r) for r in result["offloaded"]],
+                          predicted_transfer_time=result["transfer_time"], predicted_host_bytes=result["host_bytes"],
+                          host_bandwidth=float(host_bandwidth) if offload else None,
+                          host_bandwidth_measured=measured)
 
 
 # --------------------------------------------------------------------------------------------
@@ -469,6 +556,7 @@ class AutoCheckpointed(nn.ModuleList):
             raise ValueError(f"auto_checkpoint: the plan is for {plan.n_blocks} blocks, got {len(self)}")
         self.plan = plan
         self._options = checkpoint_options
+        self._offloaded = set(plan.offloaded)
         self._items = self._build(0, len(self), 0)
 
     def _build(self, s: int, e: int, level: int) -> list:
@@ -498,7 +586,10 @@ class AutoCheckpointed(nn.ModuleList):
             if self.plan.modes[i] == "selective":
                 return checkpoint(self[i], x, context_fn=selective.selective_context_fn, **self._options)
             return self[i](x)
-        _, _, _, inner = item
+        _, start, end, inner = item
+        if (start, end) in self._offloaded:
+            with _offload_without_prefetch():
+                return checkpoint(self._run_items, inner, x, **{**self._options, "offload": True})
         return checkpoint(self._run_items, inner, x, **self._options)
 
     def _run_items(self, items, x):
@@ -517,17 +608,21 @@ class AutoCheckpointed(nn.ModuleList):
 
 
 def auto_checkpoint(blocks, sample_input, budget=0.5, *, slots: int = DEFAULT_SLOTS, profile: ChainProfile | None = None,
-                    **options) -> AutoCheckpointed:
+                    offload: bool = False, host_bandwidth: float | None = None, **options) -> AutoCheckpointed:
     """Profile ``blocks``, plan them for ``budget`` and return a module that runs the plan.
 
     ``model.layers = llmmem.auto_checkpoint(model.layers, x0, budget="6GB")``: the result is an
     ``nn.ModuleList`` of the same blocks (same parameters and state_dict keys). ``budget`` is
     bytes, a string like ``"6GB"``, or a fraction of the activation memory without checkpointing.
-    ``options`` are passed to :func:`llmmem.checkpoint` for every region (``preserve_rng_state``,
-    ``offload``, ...). The plan is in ``.plan`` (``print(module.plan.describe())``).
+    ``offload=True`` lets the planner keep some regions' inputs in host memory (those in
+    ``.plan.offloaded`` run as ``llmmem.checkpoint(offload=True)``); ``host_bandwidth`` as in
+    :func:`plan_checkpoints`. ``options`` are passed to :func:`llmmem.checkpoint` for every region
+    (``preserve_rng_state``, ``determinism_check``, ...). The plan is in ``.plan``
+    (``print(module.plan.describe())``).
 
     Raises :class:`llmmem.InfeasibleError` (a ``ValueError``) stating the smallest feasible budget.
     """
     blocks = _as_block_list(blocks, "auto_checkpoint")
-    plan = plan_checkpoints(blocks, sample_input, budget, slots=slots, profile=profile)
+    plan = plan_checkpoints(blocks, sample_input, budget, slots=slots, profile=profile, offload=offload,
+                            host_bandwidth=host_bandwidth)
     return AutoCheckpointed(blocks, plan, **options)

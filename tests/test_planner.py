@@ -34,26 +34,92 @@ def random_chain(L, K, rnd, identical=False):
             "mode_nestable": [1] + [0] * (K - 1)}
 
 
-def all_plans(L, K, nestable):
-    """Every plan: properly nested regions (no region twice) and a mode per block."""
+def all_plans(L, K, nestable, offloadable=(), kept=None):
+    """Every plan: properly nested regions (no region twice) and a mode per block; a top-level
+    region starting at a block in ``offloadable`` comes both plain and offloaded ((s, q, 1)),
+    unless the item before it is a top-level tape that keeps its output (``kept[i][k]``).
 
-    def sequences(s, e, depth, is_body):
-        if s == e:
-            yield [], []
-            return
+    Yields (modes, regions) tuples. The plans of each proper sub-segment are listed once and
+    reused (millions of plans at L = 8: a generator per plan would take most of the time)."""
+    memo = {}
+
+    def first_items(s, e, nested, body, pinned):
+        """(modes, regions, next start, whether the next input is kept alive, inner plans) for each
+        choice of the item starting at s."""
         for k in range(K):
-            if depth > 0 and not nestable[k]:
-                continue
-            for modes, regions in sequences(s + 1, e, depth, False):
-                yield [k] + modes, regions
+            if not (nested and not nestable[k]):
+                yield (k,), (), s + 1, bool(kept and kept[s][k]), [((), ())]
         for q in range(s + 1, e + 1):
-            if is_body and q == e:
+            if body and q == e:
                 continue
-            for inner_modes, inner_regions in sequences(s, q, depth + 1, True):
-                for modes, regions in sequences(q, e, depth, False):
-                    yield inner_modes + modes, [(s, q)] + inner_regions + regions
+            inner = listed(s, q, True, True, False)
+            kinds = ((s, q), (s, q, 1)) if not nested and not pinned and s in offloadable else ((s, q),)
+            for region in kinds:
+                yield (), (region,), q, False, inner
 
-    yield from sequences(0, L, 0, False)
+    def listed(s, e, nested, body, pinned):
+        key = (s, e, nested, body, pinned)
+        if key not in memo:
+            memo[key] = list(sequences(s, e, nested, body, pinned))
+        return memo[key]
+
+    def sequences(s, e, nested, body, pinned=False):
+        if s == e:
+            yield (), ()
+            return
+        for modes, regions, q, next_pinned, inner in first_items(s, e, nested, body, pinned):
+            rest = listed(q, e, nested, False, next_pinned and not nested)
+            for inner_modes, inner_regions in inner:
+                head_modes, head_regions = modes + inner_modes, regions + inner_regions
+                for rest_modes, rest_regions in rest:
+                    yield head_modes + rest_modes, head_regions + rest_regions
+
+    yield from sequences(0, L, False, False)
+
+
+def with_offload(chain, rnd):
+    """Offloading on: a copy costs about a block's forward (more or less), and about one (block, mode)
+    tape in four keeps the block's output (so the next input cannot be offloaded after it)."""
+    L, K = len(chain["fwd_time"]), len(chain["fwd_time"][0])
+    chain["host_bandwidth"] = rnd.choice([0.5, 1.0, 4.0])
+    chain["output_kept"] = [[int(rnd.random() < 0.25) for _ in range(K)] for _ in range(L)]
+    return set(range(1, L))
+
+
+def brute_force(chain, budgets, offloadable=()):
+    """(least time among the plans that fit each budget, least peak of all plans, plans seen)."""
+    L, K = len(chain["fwd_time"]), len(chain["fwd_time"][0])
+    best = {b: math.inf for b in budgets}
+    least_peak, n_plans = math.inf, 0
+    simulate = _C.plan_simulate
+    for modes, regions in all_plans(L, K, chain["mode_nestable"], offloadable, chain.get("output_kept")):
+        n_plans += 1
+        sim = simulate(chain, modes, regions)
+        peak, t = sim["peak_bytes"], sim["time"]
+        least_peak = min(least_peak, peak)
+        for b in budgets:
+            if peak <= b and t < best[b]:
+                best[b] = t
+    return best, least_peak, n_plans
+
+
+def check_against_brute_force(chain, rnd, offloadable=(), expect_plans=None):
+    least = _C.plan_min_budget(chain)
+    budgets = sorted({least, least + rnd.randint(0, least), least + rnd.randint(0, 2 * least), 10 * least})
+    best, least_peak, n_plans = brute_force(chain, budgets, offloadable)
+    assert least == least_peak
+    if expect_plans is not None:
+        assert n_plans == expect_plans  # exhaustive
+    offloaded = 0
+    for b in budgets:
+        got = _C.plan_solve(chain, b, b)  # one byte per slot: no rounding
+        assert got["peak_bytes"] <= b
+        assert got["time"] == pytest.approx(best[b], rel=1e-5)
+        regions = [r + (1,) if r in got["offloaded"] else r for r in map(tuple, got["regions"])]
+        again = _C.plan_simulate(chain, got["modes"], regions)
+        assert again["time"] == pytest.approx(got["time"]) and again["peak_bytes"] == got["peak_bytes"]
+        offloaded += len(got["offloaded"])
+    return offloaded
 
 
 def test_dp_is_optimal_against_brute_force():
@@ -61,26 +127,32 @@ def test_dp_is_optimal_against_brute_force():
     for trial in range(8):
         L, K = (6, 2) if trial == 0 else (5, 2) if trial < 3 else (rnd.randint(1, 4), rnd.randint(1, 3))
         chain = random_chain(L, K, rnd)
-        least = _C.plan_min_budget(chain)
-        budgets = sorted({least, least + rnd.randint(0, least), least + rnd.randint(0, 2 * least), 10 * least})
-        best = {b: math.inf for b in budgets}
-        least_peak = math.inf
-        n_plans = 0
-        for modes, regions in all_plans(L, K, chain["mode_nestable"]):
-            n_plans += 1
-            sim = _C.plan_simulate(chain, modes, regions)
-            least_peak = min(least_peak, sim["peak_bytes"])
-            for b in budgets:
-                if sim["peak_bytes"] <= b:
-                    best[b] = min(best[b], sim["time"])
-        assert least == least_peak
-        assert n_plans >= {6: 35000, 5: 4000}.get(L, 1)  # exhaustive: all 35581 resp. 4155 plans
-        for b in budgets:
-            got = _C.plan_solve(chain, b, b)  # one byte per slot: no rounding
-            assert got["peak_bytes"] <= b
-            assert got["time"] == pytest.approx(best[b], rel=1e-5)
-            again = _C.plan_simulate(chain, got["modes"], got["regions"])
-            assert again["time"] == pytest.approx(got["time"]) and again["peak_bytes"] == got["peak_bytes"]
+        check_against_brute_force(chain, rnd, expect_plans={(6, 2): 35581, (5, 2): 4155}.get((L, K)))
+
+
+def test_dp_with_offload_is_optimal_against_brute_force():
+    """Offloaded regions are one more choice per top-level region: still optimal over every plan."""
+    rnd = random.Random(21)
+    offloaded = 0
+    for trial in range(10):
+        L, K = (6, 2) if trial == 0 else (5, 2) if trial < 3 else (rnd.randint(2, 5), rnd.randint(1, 3))
+        chain = random_chain(L, K, rnd, identical=trial % 3 == 1)
+        offloadable = with_offload(chain, rnd)
+        offloaded += check_against_brute_force(chain, rnd, offloadable)
+    assert offloaded > 0  # the optimum did use the option somewhere
+
+
+@pytest.mark.slow
+def test_dp_is_optimal_against_brute_force_7_and_8_blocks():
+    """L = 7 and 8, exhaustively, with fewer modes so that it takes seconds (the C test does L <= 6
+    under the sanitizers): L = 7 with 2 modes (321291 plans), L = 7 with 1 mode and offloading
+    (every region start offloadable: 418454 plans), L = 8 with 1 mode (2190848 plans)."""
+    rnd = random.Random(78)
+    check_against_brute_force(random_chain(7, 2, rnd), rnd, expect_plans=321291)
+    chain = random_chain(7, 1, rnd)
+    chain["host_bandwidth"] = 1.0
+    check_against_brute_force(chain, rnd, offloadable=set(range(1, 7)), expect_plans=418454)
+    check_against_brute_force(random_chain(8, 1, rnd), rnd, expect_plans=2190848)
 
 
 def test_more_budget_never_more_time():
@@ -91,6 +163,53 @@ def test_more_budget_never_more_time():
         times = [_C.plan_solve(chain, b, b)["time"] for b in range(least, 4 * least, max(1, least // 10))]
         assert all(t2 <= t1 * (1 + 1e-6) for t1, t2 in zip(times, times[1:]))
         assert times[-1] < times[0]
+
+
+def test_offload_lowers_the_least_budget_and_time_stays_monotone():
+    rnd = random.Random(31)
+    lowered = 0
+    for trial in range(4):
+        chain = random_chain(10, 2, rnd, identical=trial % 2 == 0)
+        without = _C.plan_min_budget(chain)
+        with_offload(chain, rnd)
+        chain["output_kept"] = [[0, 0]] * 10
+        least = _C.plan_min_budget(chain)
+        assert least <= without
+        lowered += least < without
+        with pytest.raises(llmmem.InfeasibleError, match=f"smallest feasible budget is {least} bytes"):
+            _C.plan_solve(chain, least - 1, 100)
+        times = []
+        for b in range(least, 4 * without, max(1, least // 10)):
+            got = _C.plan_solve(chain, b, b)
+            assert got["peak_bytes"] <= b
+            assert 0 <= got["transfer_time"] <= got["overhead_time"] + 1e-9
+            assert (got["host_bytes"] > 0) == bool(got["offloaded"])
+            times.append(got["time"])
+        assert all(t2 <= t1 * (1 + 1e-6) for t1, t2 in zip(times, times[1:]))
+        # far above the least budget nothing is worth a transfer
+        assert _C.plan_solve(chain, 10 * without, 1000)["offloaded"] == []
+    assert lowered > 0
+
+
+def test_offload_is_refused_where_the_model_does_not_allow_it():
+    chain = random_chain(5, 1, random.Random(5))
+    with pytest.raises(ValueError, match="host_bandwidth"):
+        _C.plan_simulate(chain, [0] * 5, [(1, 2, 1)])  # offloading is off in this chain
+    chain["host_bandwidth"] = 1.0
+    assert _C.plan_simulate(chain, [0] * 5, [(1, 2, 1)])["host_bytes"] == chain["input_bytes"][1]
+    with pytest.raises(ValueError, match="chain input"):
+        _C.plan_simulate(chain, [0] * 5, [(0, 2, 1)])
+    with pytest.raises(ValueError, match="top-level"):
+        _C.plan_simulate(chain, [0] * 5, [(1, 4), (2, 3, 1)])
+    chain["output_kept"] = [[0], [1], [0], [0], [0]]
+    with pytest.raises(ValueError, match="output_kept"):  # block 1 as a tape keeps a_2 alive
+        _C.plan_simulate(chain, [0] * 5, [(2, 3, 1)])
+    assert _C.plan_simulate(chain, [0] * 5, [(1, 2), (2, 3, 1)])["host_bytes"] > 0  # inside a region it does not
+    for key, value in (("host_bandwidth", -1.0), ("host_bandwidth", float("inf")), ("host_bandwidth", "fast"),
+                       ("output_kept", [[0], [2], [0], [0], [0]]), ("output_kept", [[0], [0]])):
+        bad = dict(chain, **{key: value})
+        with pytest.raises(ValueError, match=key):
+            _C.plan_solve(bad, 10**6, 100)
 
 
 def test_identical_blocks_fast_path_equals_general_dp():
@@ -232,6 +351,87 @@ def test_plan_object_describe_and_infeasible_message(gpt_profile):
             llmmem.plan_checkpoints(None, budget=bad, profile=prof)
 
 
+def _every_layer_peak(prof):
+    chain = prof.to_chain()
+    return _C.plan_simulate(chain, [0] * prof.n_blocks, [(i, i + 1) for i in range(prof.n_blocks)])["peak_bytes"]
+
+
+def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatch):
+    """With offload=True the least budget drops below torch's every-layer checkpointing; the plan
+    at that budget offloads, says so in describe(), and runs with the gradients of no checkpointing.
+    On the CPU the "device" is host memory, so what is checked is where the bytes are accounted:
+    everything kept (device + host) is within 10% of the predicted held + host bytes."""
+    from llmmem import checkpointing
+
+    model, idx, x0, prof = gpt_profile
+    plain = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
+    least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    assert least < plain.min_budget_bytes < _every_layer_peak(prof)
+    plan = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True)
+    assert plan.offloaded and set(plan.offloaded) <= set(plan.regions)
+    assert all(s >= 1 for s, _ in plan.offloaded)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == least
+    assert plan.host_bandwidth == llmmem.planner.DEFAULT_HOST_BANDWIDTH and not plan.host_bandwidth_measured
+    assert plan.predicted_host_bytes == sum(prof.input_bytes[s] for s, _ in plan.offloaded)
+    assert 0 < plan.predicted_transfer_time <= plan.predicted_overhead_time
+    text = plan.describe()
+    assert "offloaded to host" in text and "input on host" in text and "assumed, not measured" in text
+
+    made = []
+    original_init = checkpointing._HostCopies.__init__
+
+    def counting_init(self):
+        original_init(self)
+        made.append(self.previous)
+
+    monkeypatch.setattr(checkpointing._HostCopies, "__init__", counting_init)
+    params = list(model.parameters()) + list(model.buffers())
+    ref_model = copy.deepcopy(model)
+    torch.manual_seed(42)
+    x_ref = x0.clone().requires_grad_()
+    y = x_ref
+    for b in ref_model.blocks:
+        y = b(y)
+    y.square().sum().backward()
+    ref_grads = [p.grad for p in ref_model.blocks.parameters()] + [x_ref.grad]
+
+    runner = AutoCheckpointed(list(model.blocks), plan)
+    model.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    torch.manual_seed(42)
+    with measure_saved_bytes(exclude=params) as measured:
+        y = runner(x)
+    expected = plan.predicted_held_bytes + plan.predicted_host_bytes
+    assert abs(measured.bytes - expected) <= 0.10 * expected
+    # one host-copy set per offloaded region, none chained for prefetch (the model has none)
+    assert len(made) == len(plan.offloaded) and all(prev is None for prev in made)
+    y.square().sum().backward()
+    grads = [p.grad for p in model.blocks.parameters()] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_offload_arguments_and_bandwidth(gpt_profile):
+    _, _, _, prof = gpt_profile
+    for kwargs, match in (({"offload": "yes"}, "offload"), ({"offload": True, "host_bandwidth": 0}, "host_bandwidth"),
+                          ({"offload": True, "host_bandwidth": float("nan")}, "host_bandwidth"),
+                          ({"offload": True, "host_bandwidth": True}, "host_bandwidth"),
+                          ({"host_bandwidth": 1e9}, "host_bandwidth")):
+        with pytest.raises(ValueError, match=match):
+            llmmem.plan_checkpoints(None, budget=0.5, profile=prof, **kwargs)
+    plain_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof).min_budget_bytes
+    # At one byte per second every copy costs hours: used only where nothing else fits. (10% above
+    # the least budget without offloading: exactly at it, slot rounding can lose the plans that do
+    # not offload, and the fallback is then the least-memory plan, which does.)
+    slow = llmmem.plan_checkpoints(None, budget=int(1.1 * plain_least), profile=prof, offload=True, host_bandwidth=1.0)
+    assert slow.offloaded == [] and slow.predicted_transfer_time == 0.0
+    assert "offloaded to host     none" in slow.describe()
+    least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True, host_bandwidth=1.0).min_budget_bytes
+    forced = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True, host_bandwidth=1.0)
+    assert forced.offloaded and forced.predicted_transfer_time >= prof.input_bytes[1]  # seconds at 1 B/s
+    with pytest.raises(llmmem.InfeasibleError, match="offload=True may lower it"):
+        llmmem.plan_checkpoints(None, budget=least, profile=prof)
+
+
 def test_auto_checkpoint_drops_into_a_model_loop():
     model, idx = _small_gpt(layers=4)
     ref = copy.deepcopy(model)
@@ -260,6 +460,48 @@ def test_checkpoint_sequential_auto_segments():
     assert torch.allclose(g, x.grad)
     with pytest.raises(ValueError, match="budget"):
         llmmem.checkpoint_sequential(seq, "auto", x)
+
+
+def test_checkpoint_sequential_auto_budgets_and_offload():
+    """segments='auto' takes every budget form, states the least budget when it cannot fit, and runs
+    offload=True plans (same gradients, bitwise on the CPU). Here nested regions already reach the
+    one-block floor, so offloading does not lower the least budget; it lowers the time near it
+    (fewer nested recomputes)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(12)])
+    x = torch.randn(64, 16)
+    prof = llmmem.profile_blocks(list(seq), x, repeats=1, warmup=0)
+    plain_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof).min_budget_bytes
+    offload_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    assert offload_least <= plain_least
+    near = int(1.2 * plain_least)
+    with_offload = llmmem.plan_checkpoints(None, budget=near, profile=prof, offload=True)
+    without = llmmem.plan_checkpoints(None, budget=near, profile=prof)
+    assert with_offload.predicted_time <= without.predicted_time * (1 + 1e-6)
+
+    def grads(**options):
+        seq.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        if options:
+            y = llmmem.checkpoint_sequential(seq, "auto", xi, **options)
+        else:
+            y = seq(xi)
+        y.square().sum().backward()
+        return [p.grad for p in seq.parameters()] + [xi.grad]
+
+    ref = grads()
+    for options in ({"budget": f"{2 * plain_least}B"}, {"budget": plain_least}, {"budget": 0.4},
+                    {"budget": offload_least, "offload": True}, {"budget": near, "offload": True},
+                    {"budget": offload_least, "offload": True, "host_bandwidth": 1e9}):
+        assert all(torch.equal(a, b) for a, b in zip(grads(**options), ref)), options
+    with pytest.raises(llmmem.InfeasibleError, match=f"{offload_least} bytes"):
+        llmmem.checkpoint_sequential(seq, "auto", x, budget=offload_least - 1, offload=True)
+    with pytest.raises(llmmem.InfeasibleError, match="offload=True may lower it"):
+        llmmem.checkpoint_sequential(seq, "auto", x, budget=offload_least - 1)
+    with pytest.raises(ValueError, match="segments"):
+        llmmem.checkpoint_sequential(seq, "best", x, budget=0.5)
+    with pytest.raises(ValueError, match="budget"):
+        llmmem.checkpoint_sequential(seq, 2, x, budget=0.5)
 
 
 def _mixed_chain():
@@ -297,6 +539,29 @@ def test_heterogeneous_chain_plan_is_honest(fraction):
     t.sum().backward()
     ref = [p.grad for p in params] + [x2.grad]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.cuda
+def test_offload_plan_is_honest_on_cuda():
+    """Below the every-layer minimum, on a GPU: device bytes kept for backward (measured) stay under
+    the budget and within 10% of the prediction; the offloaded inputs are in host memory."""
+    model, idx = _small_gpt(layers=8)
+    model, idx = model.cuda(), idx.cuda()
+    x0 = model.embed(idx).detach()
+    prof = llmmem.profile_blocks(model.blocks, x0, repeats=1, warmup=0)
+    least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
+    assert least < _every_layer_peak(prof)
+    plan = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True)
+    assert plan.offloaded and plan.host_bandwidth_measured
+    exclude = list(model.parameters()) + list(model.buffers())
+    with measure_saved_bytes(exclude=exclude) as measured:
+        y = AutoCheckpointed(list(model.blocks), plan)(x0.clone().requires_grad_())
+    on_device = sum(v for (dev, _), v in measured.storages.items() if dev.type == "cuda")
+    on_host = sum(v for (dev, _), v in measured.storages.items() if dev.type == "cpu")
+    assert on_device <= plan.budget_bytes
+    assert abs(on_device - plan.predicted_held_bytes) <= 0.10 * plan.predicted_held_bytes
+    assert abs(on_host - plan.predicted_host_bytes) <= 0.10 * plan.predicted_host_bytes
+    y.sum().backward()
 
 
 @pytest.mark.cuda

@@ -20,6 +20,7 @@ void plan_costs_free(plan_costs_t *c) {
   free(c->s);
   free(c->ft);
   free(c->bt);
+  free(c->kept);
   memset(c, 0, sizeof *c);
 }
 
@@ -69,6 +70,14 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
       LLMMEM_CHECK_ARG(chain->mode_nestable[k] <= 1, "mode_nestable[%d] must be 0 or 1, got %u", k,
                        (unsigned)chain->mode_nestable[k]);
 
+  if (chain->output_kept)
+    for (size_t i = 0; i < LK; i++)
+      LLMMEM_CHECK_ARG(chain->output_kept[i] <= 1, "output_kept[%zu] must be 0 or 1, got %u", i,
+                       (unsigned)chain->output_kept[i]);
+  LLMMEM_CHECK_ARG(isfinite(chain->host_bandwidth) && chain->host_bandwidth >= 0.0,
+                   "host_bandwidth must be a finite number of bytes per time unit >= 0 (0: no offloading), got %g",
+                   chain->host_bandwidth);
+
   out->L = L;
   out->K = K;
   out->f = malloc(LK * sizeof(double));
@@ -78,7 +87,8 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->s = malloc(LK * sizeof(uint64_t));
   out->ft = calloc((size_t)L, sizeof(uint64_t));
   out->bt = calloc(LK, sizeof(uint64_t));
-  if (!out->f || !out->fn || !out->b || !out->x || !out->s || !out->ft || !out->bt) {
+  out->kept = calloc(LK, 1);
+  if (!out->f || !out->fn || !out->b || !out->x || !out->s || !out->ft || !out->bt || !out->kept) {
     plan_costs_free(out);
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the planner's copy of a %d-block chain", L);
   }
@@ -89,6 +99,8 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   for (int32_t i = 0; i < L; i++) out->fn[i] = chain->fwd_nostore_time ? chain->fwd_nostore_time[i] : out->f[(size_t)i * K];
   if (chain->fwd_tmp_bytes) memcpy(out->ft, chain->fwd_tmp_bytes, (size_t)L * sizeof(uint64_t));
   if (chain->bwd_tmp_bytes) memcpy(out->bt, chain->bwd_tmp_bytes, LK * sizeof(uint64_t));
+  if (chain->output_kept) memcpy(out->kept, chain->output_kept, LK);
+  out->bw = chain->host_bandwidth;
   for (int32_t k = 0; k < K; k++) out->nest[k] = chain->mode_nestable ? chain->mode_nestable[k] : (uint8_t)(k == 0);
 
   int same_x = 1;
@@ -96,5 +108,6 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->identical = same_x && all_rows_equal_d(out->f, L, K) && all_rows_equal_d(out->fn, L, 1) &&
                    all_rows_equal_d(out->b, L, K) && all_rows_equal_u(out->s, L, K) &&
                    all_rows_equal_u(out->ft, L, 1) && all_rows_equal_u(out->bt, L, K);
+  /* (kept is not part of it: it only matters in the top-level rows, which are per block anyway) */
   return LLMMEM_OK;
 }

@@ -3,7 +3,8 @@
  *
  * The simulation replays one training step the way nested non-reentrant checkpoints run it:
  * forward of the top-level sequence, loss, then backward item by item, where reaching a region
- * recomputes its content (a nested sequence) and differentiates it. It tracks live bytes with
+ * recomputes its content (a nested sequence) and differentiates it; an offloaded region's input
+ * leaves the device after the region's forward and comes back when backward reaches it. It tracks live bytes with
  * explicit allocations and frees, independently of the DP's formulas, so tests can check the DP
  * against it (and brute force over all plans against both).
  */
@@ -13,7 +14,7 @@
 #include "plan_internal.h"
 
 typedef struct node_s {
-  int32_t start, end;
+  int32_t start, end, offload;
   int32_t first_child, next_sibling; /* indices into the node array, -1 if none */
 } node_t;
 
@@ -21,8 +22,9 @@ typedef struct sim_s {
   const plan_costs_t *c;
   const int32_t *mode;
   const node_t *nodes;
-  int64_t live, peak;
-  double time;
+  int64_t live, peak, host;
+  double time, transfer;
+  int64_t *host_at_forward_end;
 } sim_t;
 
 static void touch(sim_t *st, int64_t extra) {
@@ -45,11 +47,20 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
       const node_t *r = &st->nodes[child];
       int last = r->end == e;
       if (!(last && !top)) { /* early stop: the recompute ends once the last region's input is saved */
+        double fwd = 0.0;
         for (int32_t j = r->start; j < r->end; j++) {
           touch(st, (j > r->start ? (int64_t)c->x[j] : 0) + (int64_t)c->x[j + 1] + (int64_t)c->ft[j]);
-          st->time += c->fn[j];
+          fwd += c->fn[j];
         }
+        st->time += fwd;
         st->live += (int64_t)c->x[r->end];
+        if (r->offload) { /* the input's device copy is freed once the region's forward is done */
+          const double t = plan_offload_time(c, r->start, fwd);
+          st->live -= (int64_t)c->x[r->start];
+          st->host += (int64_t)c->x[r->start];
+          st->time += t;
+          st->transfer += t;
+        }
       }
       i = r->end;
       child = r->next_sibling;
@@ -62,6 +73,7 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
     }
   }
   after_forward = st->live;
+  if (top) *st->host_at_forward_end = st->host;
   /* the output a_e: consumed by the loss (top) or dropped (recompute) */
   int32_t last_child = -1;
   for (int32_t ch = st->nodes[n].first_child; ch >= 0; ch = st->nodes[ch].next_sibling) last_child = ch;
@@ -83,6 +95,11 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
   while (i > s) {
     if (nchild > 0 && st->nodes[children[nchild - 1]].end == i) {
       const node_t *r = &st->nodes[children[--nchild]];
+      if (r->offload) { /* copied back (not prefetched) when backward reaches the region */
+        st->live += (int64_t)c->x[r->start];
+        st->host -= (int64_t)c->x[r->start];
+        touch(st, 0);
+      }
       if (run_sequence(st, (int32_t)(r - st->nodes), 0) < 0) {
         if (children != stack_children) free(children);
         return -1;
@@ -150,7 +167,7 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
   }
   qsort(regs, (size_t)R, sizeof *regs, region_order);
   /* node 0 is the whole chain; region r is node r + 1 */
-  nodes[0] = (node_t){0, L, -1, -1};
+  nodes[0] = (node_t){0, L, 0, -1, -1};
   last_child[0] = -1;
   int32_t top = 0;
   stack[0] = 0;
@@ -166,8 +183,20 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
                            nodes[parent].start, nodes[parent].end, regs[r].start, regs[r].end);
       goto done;
     }
+    if (regs[r].offload != 0) {
+      const char *why = regs[r].offload != 1   ? "its offload flag must be 0 or 1"
+                        : c->bw <= 0.0         ? "the chain has no host_bandwidth (offloading is off)"
+                        : parent != 0          ? "only top-level regions can be offloaded"
+                        : regs[r].start == 0   ? "the chain input a_0 cannot be offloaded"
+                                               : NULL;
+      if (why) {
+        status = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "plan region [%d, %d) cannot be offloaded: %s", regs[r].start,
+                             regs[r].end, why);
+        goto done;
+      }
+    }
     const int32_t n = r + 1;
-    nodes[n] = (node_t){regs[r].start, regs[r].end, -1, -1};
+    nodes[n] = (node_t){regs[r].start, regs[r].end, regs[r].offload, -1, -1};
     last_child[n] = -1;
     if (last_child[parent] < 0) nodes[parent].first_child = n;
     else nodes[last_child[parent]].next_sibling = n;
@@ -183,11 +212,24 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
                            plan->mode[i]);
       goto done;
     }
+    /* depth[i] now holds how many regions contain block i (read below for offloaded regions) */
+    depth[i] = d;
+  }
+  for (int32_t r = 0; r < R; r++) {
+    const int32_t b = regs[r].start - 1; /* offloaded regions start at >= 1 (checked above) */
+    if (regs[r].offload && depth[b] == 0 && c->kept[(size_t)b * K + plan->mode[b]]) {
+      status = LLMMEM_FAIL(LLMMEM_ERR_INVALID,
+                           "plan region [%d, %d) cannot be offloaded: block %d before it keeps its output in mode %d "
+                           "(output_kept)", regs[r].start, regs[r].end, b, plan->mode[b]);
+      goto done;
+    }
   }
 
-  sim_t st = {c, plan->mode, nodes, 0, 0, 0.0};
+  sim_t st = {c, plan->mode, nodes, 0, 0, 0, 0.0, 0.0, NULL};
   st.live = (int64_t)c->x[0] + (int64_t)c->x[L]; /* the chain input and the reserved loss gradient */
   st.peak = st.live;
+  int64_t host_after_forward = 0;
+  st.host_at_forward_end = &host_after_forward;
   const int64_t after_forward = run_sequence(&st, 0, 1);
   if (after_forward < 0) {
     status = LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "out of memory while simulating a plan");
@@ -199,6 +241,8 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
   pred->overhead_time = st.time - plain;
   pred->peak_bytes = (uint64_t)st.peak;
   pred->held_bytes = (uint64_t)(after_forward - 2 * (int64_t)c->x[L]);
+  pred->transfer_time = st.transfer;
+  pred->host_bytes = (uint64_t)host_after_forward;
 done:
   if (!small) {
     free(regs);

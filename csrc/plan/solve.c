@@ -15,8 +15,10 @@
  * for a region.
  *
  * Identical blocks: R(s, e) depends only on e - s, so one row per length is filled (fast path).
- * Does not: parallelise (the rows of one length are independent: an OpenMP loop would do), or
- * model offloading.
+ * Offloaded regions (plan.h) are one more option of the top-level rows: like a region, except that
+ * the rest runs with x_s more slots free (the caller's slot of a_s), and the transfer time is added.
+ *
+ * Does not: parallelise (the rows of one length are independent: an OpenMP loop would do).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -35,7 +37,8 @@ typedef struct dp_s {
   /* sizes in slots, rounded up */
   int64_t *x, *s, *ft, *bt;
   double *fnsum;      /* prefix sums of the no-store forward times, [L + 1] */
-  float *R, *T;       /* [row][M + 1] least times */
+  float *R, *T;       /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
+                         then L rows where it may not (after a tape that keeps its output) */
 } dp_t;
 
 static inline int64_t to_slots(uint64_t bytes, uint64_t unit) { return (int64_t)((bytes + unit - 1) / unit); }
@@ -47,11 +50,51 @@ static inline const float *row_of(const dp_t *dp, int32_t s, int32_t e) {
   return e == dp->c->L ? dp->T + (size_t)s * W : dp->R + plan_row_R(dp->c, s, e) * W;
 }
 
+/* Top-level row s: allow_offload = 0 after a tape that keeps a_s alive (plan.h). */
+static inline float *top_row(const dp_t *dp, int32_t s, int allow_offload) {
+  const size_t W = (size_t)dp->M + 1;
+  return dp->T + ((allow_offload ? 0 : (size_t)dp->c->L) + (size_t)s) * W;
+}
+
+/* The rest after block s kept as a tape in mode k, in segment [s, e) (s + 1 < e). */
+static inline const float *tape_rest(const dp_t *dp, int32_t s, int32_t e, int32_t k) {
+  return e == dp->c->L ? top_row(dp, s + 1, !plan_keeps_output(dp->c, s, k)) : row_of(dp, s + 1, e);
+}
+
 /* Tape option of block s in mode k: the least m it needs and its own slot footprint. */
 static inline void tape_needs(const dp_t *dp, int32_t s, int32_t e, int32_t k, int64_t *lo, int64_t *hold) {
   const size_t ik = (size_t)s * dp->c->K + k;
   *hold = dp->s[ik] + dp->x[s + 1];
   *lo = max64(max64(*hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
+}
+
+/* Free slots of the rest after offloaded region [s, q) with m free before it: a_s (held by the
+ * caller, so m + x_s never exceeds the budget in a reachable state) leaves, a_q is held. Capped at
+ * M for the unreachable states the table also fills (the table is non-increasing in m anyway). */
+static inline int64_t offload_rest_m(const dp_t *dp, int32_t s, int32_t q, int64_t m) {
+  const int64_t r = m + dp->x[s] - dp->x[q];
+  return r > dp->M ? dp->M : r;
+}
+
+/* The offloaded-region options of top-level row s (plan.h: the model). */
+static void fill_offload(dp_t *dp, int32_t s, float *best) {
+  const plan_costs_t *c = dp->c;
+  const int32_t L = c->L;
+  const int64_t W = dp->M + 1;
+  int64_t fneed = 0;
+  for (int32_t q = s + 1; q <= L - 1; q++) {
+    fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+    const int64_t xq = dp->x[q];
+    const int64_t lo = max64(fneed, xq);
+    const double fsum = dp->fnsum[q] - dp->fnsum[s];
+    const float base = (float)(fsum + plan_offload_time(c, s, fsum));
+    const float *rest = row_of(dp, q, L);
+    const float *inner = row_of(dp, s, q);
+    for (int64_t m = lo; m < W; m++) {
+      const float v = base + rest[offload_rest_m(dp, s, q, m)] + inner[m - xq];
+      best[m] = v < best[m] ? v : best[m];
+    }
+  }
 }
 
 /* Fills one row: segment [s, e) (e == L: the top-level family). Only the costs are stored: the
@@ -62,7 +105,7 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
   const int32_t K = c->K, L = c->L;
   const int top = e == L;
   const int64_t W = dp->M + 1;
-  float *best = (float *)row_of(dp, s, e);
+  float *best = top ? top_row(dp, s, 0) : (float *)row_of(dp, s, e);
   for (int64_t m = 0; m < W; m++) best[m] = DP_INF;
 
   for (int32_t k = 0; k < K; k++) {
@@ -73,7 +116,7 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
     if (s + 1 == e) {
       for (int64_t m = lo; m < W; m++) best[m] = base < best[m] ? base : best[m];
     } else {
-      const float *rest = row_of(dp, s + 1, e);
+      const float *rest = tape_rest(dp, s, e, k);
       for (int64_t m = lo; m < W; m++) {
         const float v = base + rest[m - hold];
         best[m] = v < best[m] ? v : best[m];
@@ -97,15 +140,21 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
       best[m] = v < best[m] ? v : best[m]; /* a min the compiler vectorises (no NaN here) */
     }
   }
+  if (top) { /* the states that may also offload a_s: the same options plus the offloaded regions */
+    float *allowed = top_row(dp, s, 1);
+    memcpy(allowed, best, (size_t)W * sizeof *best);
+    if (plan_offload_ok(c, s)) fill_offload(dp, s, allowed);
+  }
 }
 
-/* The choice that gives the DP value of state (s, e, m): evaluates its options exactly as
- * fill_row did and returns the closest (k for a tape mode, K + q - s - 1 for a region [s, q)). */
-static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m) {
+/* The choice that gives the DP value of state (s, e, m) (top level: of the row allow_offload
+ * selects): evaluates its options exactly as fill_row did and returns the closest (k for a tape
+ * mode, K + q - s - 1 for a region [s, q), K + L + q - s - 1 for an offloaded one). */
+static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m, int allow_offload) {
   const plan_costs_t *c = dp->c;
   const int32_t K = c->K, L = c->L;
   const int top = e == L;
-  const float target = row_of(dp, s, e)[m];
+  const float target = top ? top_row(dp, s, allow_offload)[m] : row_of(dp, s, e)[m];
   int32_t best_choice = -1;
   float best_gap = INFINITY;
   for (int32_t k = 0; k < K; k++) {
@@ -114,7 +163,7 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m) {
     tape_needs(dp, s, e, k, &lo, &hold);
     if (m < lo) continue;
     const float base = (float)(c->f[(size_t)s * K + k] + c->b[(size_t)s * K + k]);
-    const float v = s + 1 == e ? base : base + row_of(dp, s + 1, e)[m - hold];
+    const float v = s + 1 == e ? base : base + tape_rest(dp, s, e, k)[m - hold];
     if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = k;
   }
   int64_t fneed = 0;
@@ -126,6 +175,18 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m) {
     const float v = fsum + row_of(dp, q, e)[m - xq] + row_of(dp, s, q)[m - xq];
     if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = K + (q - s - 1);
   }
+  if (top && allow_offload && plan_offload_ok(c, s)) {
+    fneed = 0;
+    for (int32_t q = s + 1; q < e; q++) {
+      fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+      const int64_t xq = dp->x[q];
+      if (m < max64(fneed, xq)) continue;
+      const double fsum = dp->fnsum[q] - dp->fnsum[s];
+      const float v = (float)(fsum + plan_offload_time(c, s, fsum)) + row_of(dp, q, e)[offload_rest_m(dp, s, q, m)] +
+                      row_of(dp, s, q)[m - xq];
+      if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = K + L + (q - s - 1);
+    }
+  }
   return best_choice;
 }
 
@@ -134,11 +195,11 @@ typedef struct walk_s {
   int32_t K;
 } walk_t;
 
-static llmmem_status_t add_region(walk_t *w, int32_t start, int32_t end) {
+static llmmem_status_t add_region(walk_t *w, int32_t start, int32_t end, int32_t offload) {
   if (w->plan->n_regions >= w->plan->regions_capacity)
     return LLMMEM_FAIL(LLMMEM_ERR_INVALID, "plan->regions_capacity (%d) is too small; 2 * n_blocks always suffices",
                        w->plan->regions_capacity);
-  w->plan->regions[w->plan->n_regions++] = (llmmem_plan_region_t){start, end};
+  w->plan->regions[w->plan->n_regions++] = (llmmem_plan_region_t){start, end, offload};
   return LLMMEM_OK;
 }
 
@@ -147,22 +208,24 @@ static llmmem_status_t walk_dp(const dp_t *dp, walk_t *w, int32_t s, int32_t e, 
   const plan_costs_t *c = dp->c;
   const int32_t K = c->K, L = c->L;
   const int64_t W = dp->M + 1;
+  int allow_offload = 1; /* a_s of the first item is held by the caller, who never keeps it in a tape */
   while (s < e) {
-    const int top = e == L;
     LLMMEM_ASSERT_INTERNAL(m >= 0 && m < W);
-    (void)top;
     (void)W;
-    const int32_t ch = choose(dp, s, e, m);
+    const int32_t ch = choose(dp, s, e, m, allow_offload);
     if (ch < 0) return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "DP walk found no choice at [%d, %d) (please report)", s, e);
     if (!plan_choice_is_region(ch, K)) {
       w->plan->mode[s] = ch;
       m -= dp->s[(size_t)s * K + ch] + dp->x[s + 1];
+      allow_offload = !plan_keeps_output(c, s, ch);
       s++;
     } else {
-      const int32_t q = s + (ch - K) + 1;
-      LLMMEM_TRY(add_region(w, s, q));
+      allow_offload = 1;
+      const int offload = plan_choice_is_offload(ch, K, L);
+      const int32_t q = s + plan_choice_length(ch, K, L);
+      LLMMEM_TRY(add_region(w, s, q, offload));
       LLMMEM_TRY(walk_dp(dp, w, s, q, m - dp->x[q]));
-      m -= dp->x[q];
+      m = offload ? offload_rest_m(dp, s, q, m) : m - dp->x[q];
       s = q;
     }
   }
@@ -173,15 +236,18 @@ static llmmem_status_t walk_dp(const dp_t *dp, walk_t *w, int32_t s, int32_t e, 
 static llmmem_status_t walk_need(const plan_costs_t *c, const int32_t *chT, const int32_t *chR, walk_t *w, int32_t s,
                                  int32_t e) {
   const int32_t K = c->K, L = c->L;
+  int allow_offload = 1;
   while (s < e) {
-    const int32_t ch = e == L ? chT[s] : chR[plan_row_R(c, s, e)];
+    const int32_t ch = e == L ? chT[(allow_offload ? 0 : L) + s] : chR[plan_row_R(c, s, e)];
     LLMMEM_ASSERT_INTERNAL(ch >= 0);
     if (!plan_choice_is_region(ch, K)) {
       w->plan->mode[s] = ch;
+      allow_offload = !plan_keeps_output(c, s, ch);
       s++;
     } else {
-      const int32_t q = s + (ch - K) + 1;
-      LLMMEM_TRY(add_region(w, s, q));
+      allow_offload = 1;
+      const int32_t q = s + plan_choice_length(ch, K, L);
+      LLMMEM_TRY(add_region(w, s, q, plan_choice_is_offload(ch, K, L)));
       LLMMEM_TRY(walk_need(c, chT, chR, w, s, q));
       s = q;
     }
@@ -211,7 +277,7 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   dp.M = (int64_t)(budget / dp.unit);
   *found = 0;
   const size_t W = (size_t)dp.M + 1, nR = plan_rows_R(c);
-  const double table_bytes = (double)(nR + (size_t)L) * (double)W * sizeof(float);
+  const double table_bytes = (double)(nR + 2 * (size_t)L) * (double)W * sizeof(float);
   if (table_bytes > (double)MAX_TABLE_BYTES)
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "the DP tables for %d blocks and %d slots would need %.1f GiB; use fewer slots",
                        L, slots, table_bytes / (double)(1ULL << 30));
@@ -222,7 +288,7 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   dp.bt = malloc(LK * sizeof(int64_t));
   dp.fnsum = malloc(((size_t)L + 1) * sizeof(double));
   dp.R = malloc((nR ? nR : 1) * W * sizeof(float));
-  dp.T = malloc((size_t)L * W * sizeof(float));
+  dp.T = malloc(2 * (size_t)L * W * sizeof(float));
   if (!dp.x || !dp.s || !dp.ft || !dp.bt || !dp.fnsum || !dp.R || !dp.T) {
     status = LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the DP tables (%.1f MiB) for %d blocks and %d slots",
                          table_bytes / (double)(1 << 20), L, slots);
@@ -277,7 +343,7 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
     }
   }
   const size_t nR = plan_rows_R(&c);
-  int32_t *chT = malloc((size_t)c.L * sizeof *chT);
+  int32_t *chT = malloc(2 * (size_t)c.L * sizeof *chT);
   int32_t *chR = malloc((nR ? nR : 1) * sizeof *chR);
   llmmem_status_t status = LLMMEM_OK;
   uint64_t least = 0;

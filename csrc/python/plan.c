@@ -3,7 +3,10 @@
  *
  * A chain is passed as a dict of lists (see llmmem/planner.py, which builds it):
  *   fwd_time [L][K], bwd_time [L][K], input_bytes [L+1], saved_bytes [L][K] (required);
- *   fwd_nostore_time [L], fwd_tmp_bytes [L], bwd_tmp_bytes [L][K], mode_nestable [K] (optional).
+ *   fwd_nostore_time [L], fwd_tmp_bytes [L], bwd_tmp_bytes [L][K], mode_nestable [K], output_kept [L][K],
+ *   host_bandwidth (a number, bytes per time unit; 0 or absent: no offloading) (optional).
+ * Regions come back as (start, end) pairs, with the offloaded ones listed again under "offloaded";
+ * plan_simulate takes (start, end) or (start, end, offload) tuples.
  * Every number is checked here for type and shape (ValueError naming the key and the index);
  * ranges (finite, >= 0, sizes) are checked by the core, whose InvalidArgumentError is a ValueError.
  * The solver runs with the GIL released.
@@ -19,7 +22,7 @@ typedef struct chain_store_s {
   llmmem_plan_chain_t chain;
   double *f, *fn, *b;
   uint64_t *x, *s, *ft, *bt;
-  uint8_t *nest;
+  uint8_t *nest, *kept;
 } chain_store_t;
 
 static void chain_store_free(chain_store_t *cs) {
@@ -31,6 +34,7 @@ static void chain_store_free(chain_store_t *cs) {
   free(cs->ft);
   free(cs->bt);
   free(cs->nest);
+  free(cs->kept);
   memset(cs, 0, sizeof *cs);
 }
 
@@ -167,7 +171,37 @@ static int chain_parse(PyObject *dict, chain_store_t *cs) {
       cs->nest[k] = (uint8_t)tmp[k];
     }
   }
-  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f, cs->fn, cs->b, cs->x, cs->s, cs->ft, cs->bt, cs->nest};
+  PyObject *kept = get_key(dict, "output_kept", 0), *bw = get_key(dict, "host_bandwidth", 0);
+  if (kept) {
+    uint64_t *tmp = malloc(LK * sizeof *tmp);
+    if (!tmp || !(cs->kept = malloc(LK))) {
+      free(tmp);
+      goto nomem;
+    }
+    const int bad = read_numbers(kept, "output_kept", L, K, 1, tmp);
+    Py_ssize_t at = -1;
+    for (size_t i = 0; !bad && i < LK && at < 0; i++) {
+      if (tmp[i] > 1) at = (Py_ssize_t)i;
+      cs->kept[i] = (uint8_t)(tmp[i] != 0);
+    }
+    free(tmp);
+    if (bad < 0) goto fail;
+    if (at >= 0) {
+      PyErr_Format(PyExc_ValueError, "plan: chain['output_kept'][%zd][%zd] must be 0 or 1", at / K, at % K);
+      goto fail;
+    }
+  }
+  double host_bandwidth = 0.0;
+  if (bw) {
+    host_bandwidth = PyFloat_AsDouble(bw);
+    if (host_bandwidth == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "plan: chain['host_bandwidth'] must be a number, got %s", Py_TYPE(bw)->tp_name);
+      goto fail;
+    }
+  }
+  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,   cs->b,         cs->x,
+                                    cs->s,      cs->ft,     cs->bt, cs->nest, cs->kept, host_bandwidth};
   return 0;
 nomem:
   PyErr_NoMemory();
@@ -177,8 +211,8 @@ fail:
 }
 
 static PyObject *plan_to_dict(const llmmem_plan_t *plan, int32_t L, const llmmem_plan_prediction_t *p, uint64_t least) {
-  PyObject *modes = PyList_New(L), *regions = PyList_New(plan->n_regions);
-  if (!modes || !regions) goto fail;
+  PyObject *modes = PyList_New(L), *regions = PyList_New(plan->n_regions), *offloaded = PyList_New(0);
+  if (!modes || !regions || !offloaded) goto fail;
   for (int32_t i = 0; i < L; i++) {
     PyObject *v = PyLong_FromLong(plan->mode[i]);
     if (!v) goto fail;
@@ -188,15 +222,18 @@ static PyObject *plan_to_dict(const llmmem_plan_t *plan, int32_t L, const llmmem
     PyObject *t = Py_BuildValue("(ii)", plan->regions[r].start, plan->regions[r].end);
     if (!t) goto fail;
     PyList_SET_ITEM(regions, r, t);
+    if (plan->regions[r].offload && PyList_Append(offloaded, t) < 0) goto fail;
   }
-  PyObject *d = Py_BuildValue("{s:N,s:N,s:d,s:d,s:K,s:K,s:K}", "modes", modes, "regions", regions, "time", p->time,
-                              "overhead_time", p->overhead_time, "peak_bytes", (unsigned long long)p->peak_bytes,
-                              "held_bytes", (unsigned long long)p->held_bytes, "min_budget_bytes",
-                              (unsigned long long)least);
+  PyObject *d = Py_BuildValue("{s:N,s:N,s:N,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "modes", modes, "regions", regions,
+                              "offloaded", offloaded, "time", p->time, "overhead_time", p->overhead_time,
+                              "transfer_time", p->transfer_time, "peak_bytes", (unsigned long long)p->peak_bytes,
+                              "held_bytes", (unsigned long long)p->held_bytes, "host_bytes",
+                              (unsigned long long)p->host_bytes, "min_budget_bytes", (unsigned long long)least);
   return d;
 fail:
   Py_XDECREF(modes);
   Py_XDECREF(regions);
+  Py_XDECREF(offloaded);
   return NULL;
 }
 
@@ -281,13 +318,15 @@ static PyObject *py_plan_simulate(PyObject *self, PyObject *args) {
     goto done;
   }
   for (Py_ssize_t r = 0; r < R; r++) {
-    int start, end;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(rseq, r), "ii", &start, &end)) {
+    int start, end, offload = 0;
+    PyObject *item = PySequence_Fast_GET_ITEM(rseq, r);
+    if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "ii|i", &start, &end, &offload)) {
       PyErr_Clear();
-      PyErr_Format(PyExc_ValueError, "plan: regions[%zd] must be a (start, end) pair of ints", r);
+      PyErr_Format(PyExc_ValueError, "plan: regions[%zd] must be a (start, end) or (start, end, offload) tuple of ints",
+                   r);
       goto done;
     }
-    regions[r] = (llmmem_plan_region_t){start, end};
+    regions[r] = (llmmem_plan_region_t){start, end, offload};
   }
   if (R > 2 * (Py_ssize_t)L) {
     PyErr_Format(PyExc_ValueError, "plan: %zd regions for %d blocks cannot be properly nested", R, L);
@@ -300,8 +339,10 @@ static PyObject *py_plan_simulate(PyObject *self, PyObject *args) {
     llmmem_py_raise(st);
     goto done;
   }
-  result = Py_BuildValue("{s:d,s:d,s:K,s:K}", "time", pred.time, "overhead_time", pred.overhead_time, "peak_bytes",
-                         (unsigned long long)pred.peak_bytes, "held_bytes", (unsigned long long)pred.held_bytes);
+  result = Py_BuildValue("{s:d,s:d,s:d,s:K,s:K,s:K}", "time", pred.time, "overhead_time", pred.overhead_time,
+                         "transfer_time", pred.transfer_time, "peak_bytes", (unsigned long long)pred.peak_bytes,
+                         "held_bytes", (unsigned long long)pred.held_bytes, "host_bytes",
+                         (unsigned long long)pred.host_bytes);
 done:
   Py_XDECREF(rseq);
   free(mode);
@@ -328,10 +369,12 @@ static PyObject *py_plan_min_budget(PyObject *self, PyObject *chain_obj) {
 
 PyMethodDef llmmem_py_plan_methods[] = {
     {"plan_solve", (PyCFunction)(void (*)(void))py_plan_solve, METH_VARARGS | METH_KEYWORDS,
-     "plan_solve(chain, budget_bytes, slots, fast_path=True) -> dict(modes, regions, time, overhead_time, "
-     "peak_bytes, held_bytes, min_budget_bytes). Raises InfeasibleError (a ValueError) below the least budget."},
+     "plan_solve(chain, budget_bytes, slots, fast_path=True) -> dict(modes, regions, offloaded, time, overhead_time, "
+     "transfer_time, peak_bytes, held_bytes, host_bytes, min_budget_bytes). Raises InfeasibleError (a ValueError) "
+     "below the least budget."},
     {"plan_simulate", py_plan_simulate, METH_VARARGS,
-     "plan_simulate(chain, modes, regions) -> dict(time, overhead_time, peak_bytes, held_bytes)."},
+     "plan_simulate(chain, modes, regions) -> dict(time, overhead_time, transfer_time, peak_bytes, held_bytes, "
+     "host_bytes); regions are (start, end) or (start, end, offload) tuples."},
     {"plan_min_budget", py_plan_min_budget, METH_O, "plan_min_budget(chain) -> int: the least feasible budget (bytes)."},
     {NULL, NULL, 0, NULL},
 };

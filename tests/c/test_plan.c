@@ -16,7 +16,7 @@
 typedef struct chain_buf_s {
   double f[MAXL * MAXK], fn[MAXL], b[MAXL * MAXK];
   uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], bt[MAXL * MAXK];
-  uint8_t nest[MAXK];
+  uint8_t nest[MAXK], kept[MAXL * MAXK];
   llmmem_plan_chain_t chain;
 } chain_buf_t;
 
@@ -51,10 +51,20 @@ static void random_chain(chain_buf_t *cb, int32_t L, int32_t K, unsigned long lo
   cb->chain = (llmmem_plan_chain_t){L, K, cb->f, cb->fn, cb->b, cb->x, cb->s, cb->ft, cb->bt, cb->nest};
 }
 
+/* Turns offloading on: a bandwidth that makes a copy cost about as much as a block's forward
+ * (sometimes more, sometimes less), and some (block, mode) tapes that keep the block's output. */
+static void with_offload(chain_buf_t *cb, unsigned long long *rng) {
+  static const double bandwidths[] = {0.5, 1.0, 4.0};
+  for (int32_t i = 0; i < cb->chain.n_blocks * cb->chain.n_modes; i++) cb->kept[i] = th_rand(rng) % 4 == 0;
+  cb->chain.output_kept = cb->kept;
+  cb->chain.host_bandwidth = bandwidths[th_rand(rng) % 3];
+}
+
 /* ---- brute force: every plan (laminar regions without duplicates, every allowed mode) ---- */
 
 typedef struct seg_s {
   int32_t s, e, depth, is_region_body;
+  int32_t after_kept; /* top level: the item before keeps a_s alive (no offloaded region at s) */
 } seg_t;
 
 #define NBUDGETS 4
@@ -86,6 +96,14 @@ static void brute_eval(brute_t *bf) {
     if (p.peak_bytes <= bf->budget[i] && p.time < bf->best_time[i]) bf->best_time[i] = p.time;
 }
 
+static int offload_allowed(const llmmem_plan_chain_t *chain, seg_t seg) {
+  return chain->host_bandwidth > 0 && seg.depth == 0 && seg.s >= 1 && !seg.after_kept;
+}
+
+static int keeps_output(const llmmem_plan_chain_t *chain, int32_t i, int32_t k) {
+  return chain->output_kept && chain->output_kept[i * chain->n_modes + k];
+}
+
 static void brute_gen(brute_t *bf) {
   if (bf->n_pending == 0) {
     brute_eval(bf);
@@ -99,18 +117,20 @@ static void brute_gen(brute_t *bf) {
     for (int32_t k = 0; k < K; k++) {
       if (seg.depth > 0 && !bf->chain->mode_nestable[k]) continue;
       bf->mode[seg.s] = k;
-      bf->pending[bf->n_pending++] = (seg_t){seg.s + 1, seg.e, seg.depth, 0};
+      bf->pending[bf->n_pending++] = (seg_t){seg.s + 1, seg.e, seg.depth, 0, keeps_output(bf->chain, seg.s, k)};
       brute_gen(bf);
       bf->n_pending--;
     }
     for (int32_t q = seg.s + 1; q <= seg.e; q++) {
       if (seg.is_region_body && q == seg.e) continue; /* the same region twice */
-      bf->regions[bf->n_regions++] = (llmmem_plan_region_t){seg.s, q};
-      bf->pending[bf->n_pending++] = (seg_t){q, seg.e, seg.depth, 0};
-      bf->pending[bf->n_pending++] = (seg_t){seg.s, q, seg.depth + 1, 1};
-      brute_gen(bf);
-      bf->n_pending -= 2;
-      bf->n_regions--;
+      for (int32_t off = 0; off <= offload_allowed(bf->chain, seg); off++) {
+        bf->regions[bf->n_regions++] = (llmmem_plan_region_t){seg.s, q, off};
+        bf->pending[bf->n_pending++] = (seg_t){q, seg.e, seg.depth, 0, 0};
+        bf->pending[bf->n_pending++] = (seg_t){seg.s, q, seg.depth + 1, 1, 0};
+        brute_gen(bf);
+        bf->n_pending -= 2;
+        bf->n_regions--;
+      }
     }
   }
   bf->pending[bf->n_pending++] = seg;
@@ -121,7 +141,7 @@ static void brute_force(const llmmem_plan_chain_t *chain, const uint64_t *budget
   bf->chain = chain;
   for (int i = 0; i < NBUDGETS; i++) bf->budget[i] = budgets[i], bf->best_time[i] = INFINITY;
   bf->least_peak = UINT64_MAX;
-  bf->pending[bf->n_pending++] = (seg_t){0, chain->n_blocks, 0, 0};
+  bf->pending[bf->n_pending++] = (seg_t){0, chain->n_blocks, 0, 0, 0};
   brute_gen(bf);
 }
 
@@ -346,6 +366,121 @@ int main(void) {
     for (int32_t i = 0; i < 6; i++) held += cb.x[i] + cb.s[i];
     CHECK(p.held_bytes == held);
     CHECK(fabs(p.overhead_time) < 1e-9);
+  }
+
+  TEST("offload: DP equals brute force over every plan including offloaded regions (L <= 5)") {
+    int cases = 0, offloaded_best = 0;
+    for (int32_t trial = 0; trial < 24; trial++) {
+      const int32_t L = 2 + (int32_t)(th_rand(&rng) % 4);
+      const int32_t K = 1 + (int32_t)(th_rand(&rng) % (L <= 4 ? 3 : 2));
+      chain_buf_t cb;
+      random_chain(&cb, L, K, &rng, trial % 4 == 0);
+      with_offload(&cb, &rng);
+      uint64_t least = 0;
+      CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
+      uint64_t budgets[NBUDGETS] = {least, least + th_rand(&rng) % (least + 2), least + th_rand(&rng) % (least + 2),
+                                    4 * least};
+      brute_t bf;
+      brute_force(&cb.chain, budgets, &bf);
+      CHECK(bf.sim_failures == 0);
+      CHECK(least == bf.least_peak);
+      for (int i = 0; i < NBUDGETS; i++) {
+        int32_t mode[MAXL];
+        llmmem_plan_region_t regions[2 * MAXL];
+        llmmem_plan_t plan = {mode, regions, 2 * MAXL, 0};
+        llmmem_plan_prediction_t p;
+        CHECK_OK(llmmem_plan_solve(&cb.chain, budgets[i], (int32_t)budgets[i], 0, &plan, &p, NULL));
+        CHECK(p.peak_bytes <= budgets[i]);
+        if (!close_enough(p.time, bf.best_time[i]))
+          printf("  offload L=%d K=%d budget=%llu: dp %.6f brute %.6f over %ld plans\n", L, K,
+                 (unsigned long long)budgets[i], p.time, bf.best_time[i], bf.plans);
+        CHECK(close_enough(p.time, bf.best_time[i]));
+        for (int32_t r = 0; r < plan.n_regions; r++) offloaded_best += regions[r].offload;
+        cases++;
+      }
+    }
+    CHECK(cases == 24 * NBUDGETS);
+    CHECK(offloaded_best > 0); /* the option was really exercised */
+  }
+
+  TEST("offload makes smaller budgets feasible; more budget never gives more time") {
+    int smaller = 0;
+    for (int32_t trial = 0; trial < 10; trial++) {
+      chain_buf_t cb;
+      random_chain(&cb, 8, 2, &rng, trial % 2);
+      uint64_t without = 0, with = 0;
+      CHECK_OK(llmmem_plan_min_budget(&cb.chain, &without));
+      with_offload(&cb, &rng);
+      memset(cb.kept, 0, sizeof cb.kept);
+      CHECK_OK(llmmem_plan_min_budget(&cb.chain, &with));
+      CHECK(with <= without);
+      smaller += with < without;
+      double prev = INFINITY;
+      for (uint64_t budget = with; budget < 3 * without; budget++) {
+        llmmem_plan_prediction_t p;
+        CHECK_OK(solve(&cb.chain, budget, (int32_t)budget, 0, &p, NULL));
+        CHECK(p.peak_bytes <= budget);
+        CHECK(p.time <= prev + 1e-6);
+        CHECK(p.transfer_time >= 0.0 && p.transfer_time <= p.overhead_time + 1e-9);
+        prev = p.time;
+      }
+    }
+    CHECK(smaller > 0);
+  }
+
+  TEST("offload: simulated accounting and rejected placements") {
+    chain_buf_t cb;
+    random_chain(&cb, 4, 1, &rng, 0);
+    for (int32_t i = 0; i <= 4; i++) cb.x[i] = 8;
+    cb.chain.host_bandwidth = 2.0; /* 4 time units per copy */
+    for (int32_t i = 0; i < 4; i++) cb.fn[i] = 1.0;
+    int32_t mode[4] = {0, 0, 0, 0};
+    llmmem_plan_region_t regions[3] = {{1, 2, 1}, {2, 3, 1}};
+    llmmem_plan_t plan = {mode, regions, 3, 2};
+    llmmem_plan_prediction_t off, on;
+    CHECK_OK(llmmem_plan_simulate(&cb.chain, &plan, &off));
+    regions[0].offload = regions[1].offload = 0;
+    CHECK_OK(llmmem_plan_simulate(&cb.chain, &plan, &on));
+    /* two inputs on the host instead of the device; each copy: 4 back + (4 - 1) out not hidden */
+    CHECK(off.host_bytes == 16 && on.host_bytes == 0);
+    CHECK(off.held_bytes + 16 == on.held_bytes);
+    CHECK(close_enough(off.transfer_time, 2 * (4.0 + 3.0)) && on.transfer_time == 0.0);
+    CHECK(close_enough(off.time, on.time + off.transfer_time));
+    regions[0] = (llmmem_plan_region_t){0, 2, 1};
+    plan.n_regions = 1;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "chain input") != NULL);
+    regions[0] = (llmmem_plan_region_t){1, 3, 0};
+    regions[1] = (llmmem_plan_region_t){1, 2, 1};
+    plan.n_regions = 2;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "top-level") != NULL);
+    regions[0] = (llmmem_plan_region_t){2, 3, 2};
+    plan.n_regions = 1;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    regions[0].offload = 1;
+    memset(cb.kept, 0, sizeof cb.kept);
+    cb.kept[1] = 1; /* block 1 (mode 0) keeps a_2: fine inside a region, not as a top-level tape */
+    cb.chain.output_kept = cb.kept;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "output_kept") != NULL);
+    regions[1] = (llmmem_plan_region_t){1, 2, 0};
+    plan.n_regions = 2;
+    CHECK_OK(llmmem_plan_simulate(&cb.chain, &plan, &on));
+    plan.n_regions = 1;
+    cb.chain.output_kept = NULL;
+    cb.chain.host_bandwidth = 0.0;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "host_bandwidth") != NULL);
+    cb.chain.host_bandwidth = NAN;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    cb.chain.host_bandwidth = -1.0;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    cb.chain.host_bandwidth = 1.0;
+    cb.kept[0] = 2;
+    cb.chain.output_kept = cb.kept;
+    CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "output_kept[0]") != NULL);
   }
 
   return TEST_SUMMARY();
