@@ -353,7 +353,8 @@ def _accelerator_type(tensors) -> str | None:
 
 
 class _RngState:
-    """CPU RNG plus the RNG of the CUDA devices the inputs are on (and the current one)."""
+    """CPU RNG, the RNG of the CUDA devices the inputs are on (and the current one), and the RNG of
+    any other accelerator the inputs are on (XPU, MPS, ...): dropout there must replay too."""
 
     def __init__(self, tensors) -> None:
         self.cpu = torch.get_rng_state()
@@ -366,13 +367,31 @@ class _RngState:
             devs.add(torch.cuda.current_device())
             self.cuda_devices = sorted(devs)
             self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        # Other accelerators go through torch's own per-device-type helpers (first type found, as torch).
+        others = sorted({t.device.type for t in tensors} - {"cpu", "cuda", "meta"})
+        self.other_type = others[0] if others else None
+        self.other_devices: list[int] = []
+        self.other_states: list[torch.Tensor] = []
+        if self.other_type is not None:
+            from torch.utils.checkpoint import get_device_states
+
+            self.other_devices, self.other_states = get_device_states(
+                *[t for t in tensors if t.device.type == self.other_type])
 
     @contextlib.contextmanager
     def restored(self):
-        with torch.random.fork_rng(devices=self.cuda_devices, enabled=True, device_type="cuda"):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices, enabled=True, device_type="cuda"))
+            if self.other_type is not None:
+                stack.enter_context(torch.random.fork_rng(devices=self.other_devices, enabled=True,
+                                                          device_type=self.other_type))
             torch.set_rng_state(self.cpu)
             for d, s in zip(self.cuda_devices, self.cuda_states):
                 torch.cuda.set_rng_state(s, d)
+            if self.other_type is not None:
+                from torch.utils.checkpoint import set_device_states
+
+                set_device_states(self.other_devices, self.other_states, device_type=self.other_type)
             yield
 
 
