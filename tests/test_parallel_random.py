@@ -129,6 +129,45 @@ def test_checkpoint_replays_the_tracker(use_reentrant):
     assert torch.equal(after[0], after[1])
 
 
+@pytest.mark.cuda
+def test_fork_swaps_the_cuda_generator_and_checkpoint_replays_it():
+    """On CUDA: the current device's generator is swapped (dropout on a CUDA tensor draws from the
+    stream), the default CUDA generator is left as it was, and llmmem.checkpoint replays the stream."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tracker = RNGStatesTracker()
+    tracker.add("s", 31)
+    torch.cuda.manual_seed(0)
+    want = torch.rand(16, device=dev)
+    torch.cuda.manual_seed(0)
+    with tracker.fork("s"):
+        a = torch.rand(16, device=dev)
+    assert torch.equal(torch.rand(16, device=dev), want)
+    with tracker.fork("s"):
+        b = torch.rand(16, device=dev)
+    # (CUDA generators advance by a per-kernel offset: compare call for call, not one rand(32))
+    g = torch.Generator(device=dev).manual_seed(31)
+    assert torch.equal(a, torch.rand(16, device=dev, generator=g))
+    assert torch.equal(b, torch.rand(16, device=dev, generator=g))
+
+    w = torch.randn(64, 64, device=dev)
+
+    def region(x):
+        with tracker.fork("s"):
+            return F.dropout(x @ w, p=0.5).tanh()
+
+    grads = []
+    for ckpt in (False, True):
+        tracker.reset()
+        tracker.add("s", 32)
+        x = torch.randn(8, 64, device=dev, generator=torch.Generator(device=dev).manual_seed(1), requires_grad=True)
+        y = llmmem.checkpoint(region, x, use_reentrant=False) if ckpt else region(x)
+        with tracker.fork("s"):
+            torch.rand(10, device=dev)
+        y.square().sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 # --------------------------------------------------------------------------------------------
 # TensorParallelGPT on gloo ranks
 
