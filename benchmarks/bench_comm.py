@@ -4,8 +4,9 @@
 
 CPU: for 2 and 4 local ranks (spawned processes, one thread each) and messages of 4 KiB .. 64 MiB
 of fp32, every rank times ``llmmem.parallel.collectives.all_reduce_`` (shared memory) and
-``torch.distributed.all_reduce`` (gloo) on the same tensor, median of repeats; the table gives the
-ratio gloo / llmmem, the bus bandwidth (2(n-1)/n * bytes / time) and, as the physical reference,
+``torch.distributed.all_reduce`` (gloo) on the same tensor, interleaved (llmmem, gloo, copy, llmmem,
+...), median of repeats; the table gives the ratio gloo / llmmem of the medians and the median of
+the per-repeat ratios, the bus bandwidth (2(n-1)/n * bytes / time) and, as the physical reference,
 the copy bandwidth of this machine measured in the same run (bytes read + written per second).
 
 CUDA (``--device cuda``, for the lent GPU): two processes share GPU 0; the IPC one-shot all-reduce
@@ -29,28 +30,59 @@ MARK = "BENCH_JSON "
 
 
 def _inner_for(nbytes: int) -> int:
-    return max(1, min(100, (256 * 1024) // max(nbytes, 1)))
+    # Calls per sample: at least 4 up to 4 MiB, so a sample measures the collective and not the
+    # skew with which the ranks left the previous call (a gloo call, in the interleaved loop);
+    # the same count for llmmem, gloo and the copy.
+    if nbytes > (4 << 20):
+        return 1
+    return max(4, min(100, (256 * 1024) // max(nbytes, 1)))
 
 
 def _cpu_rank(rank, world, sizes, repeats):
+    import statistics
+    import time
+
     import torch
     import torch.distributed as dist
 
-    from _harness import time_fn
     from llmmem.parallel import collectives
 
     torch.set_num_threads(1)
+
+    def sample(fn, inner):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) / inner
+
     rows = []
     for nbytes in sizes:
         x = torch.zeros(nbytes // 4)  # zeros: the sums stay finite however often we repeat
+        y = torch.empty_like(x)
         collectives.all_reduce_(x)  # engine set-up happens on the first call, not in the timing
         inner = _inner_for(nbytes)
-        reps = repeats if nbytes < (16 << 20) else max(3, repeats // 2)
-        dist.barrier()
-        ours = time_fn(lambda: collectives.all_reduce_(x), repeats=reps, warmup=2, inner=inner)
-        dist.barrier()
-        gloo = time_fn(lambda: dist.all_reduce(x), repeats=reps, warmup=2, inner=inner)
-        rows.append({"bytes": nbytes, "llmmem_s": ours["median_s"], "gloo_s": gloo["median_s"]})
+        # small messages are cheap: more repeats there, where one descheduling skews a sample most
+        reps = repeats * 3 if nbytes <= (1 << 20) else repeats if nbytes < (16 << 20) else max(3, repeats // 2)
+        ours = lambda: collectives.all_reduce_(x)  # noqa: E731
+        gloo = lambda: dist.all_reduce(x)  # noqa: E731
+        # the floor for this size on this machine: one local copy of the message (an all-reduce
+        # through shared memory moves it about four times per rank: copy in, reduce from the
+        # peers' slots, publish, copy the peers' parts out)
+        copy = lambda: y.copy_(x)  # noqa: E731
+        for fn in (ours, gloo, copy, ours, gloo, copy):  # warm-up
+            fn()
+        # Paired samples, interleaved: the machine is shared, and its load changes within seconds,
+        # so each repeat times llmmem, gloo and the copy back to back and the ratio compares like
+        # with like. Every rank runs the same sequence (the collectives must match).
+        s_ours, s_gloo, s_copy = [], [], []
+        for _ in range(reps):
+            dist.barrier()
+            s_ours.append(sample(ours, inner))
+            s_gloo.append(sample(gloo, inner))
+            s_copy.append(sample(copy, inner))
+        rows.append({"bytes": nbytes, "llmmem_s": statistics.median(s_ours), "gloo_s": statistics.median(s_gloo),
+                     "copy_s": statistics.median(s_copy), "repeats": reps,
+                     "paired_speedup_median": statistics.median(g / o for g, o in zip(s_gloo, s_ours))})
     if rank == 0:
         print(MARK + json.dumps(rows), flush=True)
 
@@ -135,10 +167,12 @@ def main(argv=None) -> int:
             for r in rows:
                 bus = 2 * (world - 1) / world * r["bytes"]
                 table.append([_human(r["bytes"]), r["llmmem_s"] * 1e6, r["gloo_s"] * 1e6, r["gloo_s"] / r["llmmem_s"],
-                              bus / r["llmmem_s"] / 1e9, bus / r["gloo_s"] / 1e9])
-            print_table(f"fp32 all-reduce, {world} ranks on one host (copy bandwidth {copy_bw / 1e9:.1f} GB/s; "
-                        f"{time.time() - t0:.0f} s)",
-                        ["size", "llmmem us", "gloo us", "speed-up", "llmmem busbw GB/s", "gloo busbw GB/s"], table)
+                              r["paired_speedup_median"], bus / r["llmmem_s"] / 1e9, bus / r["gloo_s"] / 1e9,
+                              r["copy_s"] * 1e6, r["llmmem_s"] / r["copy_s"]])
+            print_table(f"fp32 all-reduce, {world} ranks on one host (copy bandwidth {copy_bw / 1e9:.1f} GB/s at "
+                        f"64 MiB; {time.time() - t0:.0f} s)",
+                        ["size", "llmmem us", "gloo us", "speed-up", "paired speed-up", "llmmem busbw GB/s",
+                         "gloo busbw GB/s", "1 copy us", "llmmem / copy"], table)
             payload[f"ranks_{world}"] = rows
     else:
         sizes = [4 << 10, 64 << 10, 256 << 10, 512 << 10]

@@ -19,7 +19,9 @@ are live again while the region is differentiated. Time cost: one extra forward 
 (less with early stop).
 
 What is replayed during the recompute: the CPU RNG state and the RNG state of every CUDA device
-the inputs live on (so dropout draws the same mask), the autocast state of CPU and of the inputs'
+the inputs live on (so dropout draws the same mask), the streams of every RNG tracker that
+registered itself (``llmmem.parallel``'s model-parallel tracker, so split-region dropout inside
+a tensor-parallel block draws the same mask too), the autocast state of CPU and of the inputs'
 accelerator (enabled, dtype, cache), and the caller's ``context_fn`` recompute context.
 """
 
@@ -107,7 +109,8 @@ def checkpoint(function: Callable | None = None, *args, use_reentrant: bool | No
     :param use_reentrant: ``True`` delegates to torch's reentrant implementation (no kwargs, no
         ``torch.autograd.grad``, no nested containers; see torch's documentation).
     :param preserve_rng_state: stash the CPU RNG and the RNG of the CUDA devices of the inputs at
-        the call and restore them for the recompute, so dropout gives identical gradients.
+        the call and restore them for the recompute, so dropout gives identical gradients; the
+        streams of ``llmmem.parallel.get_rng_tracker()`` are stashed and replayed too.
     :param context_fn: returns two context managers, one entered around the forward and one around
         the recompute (e.g. ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
     :param determinism_check: ``"default"`` compares shape, dtype and device of every recomputed
@@ -157,6 +160,8 @@ class _Checkpointed:
 
 def _run(function: Callable, args: tuple, kwargs: dict, opts: dict):
     if opts["use_reentrant"]:
+        if opts["preserve_rng_state"] and len(_RNG_TRACKERS):
+            function = _ReplayTrackers(function)
         return _torch_ckpt.checkpoint(function, *args, use_reentrant=True,
                                       preserve_rng_state=opts["preserve_rng_state"], **kwargs)
     if not torch.is_grad_enabled():
@@ -352,12 +357,62 @@ def _accelerator_type(tensors) -> str | None:
     return None
 
 
+# Random streams kept outside the default generators (llmmem.parallel.random.RNGStatesTracker,
+# whose fork() swaps a stream into the default generators for split-region dropout). A region that
+# forks one draws from the stream's state at forward time; the recompute runs later, after the
+# stream has moved on, so the stream's state must be stashed and replayed like the default
+# generators', or the recomputed mask (and so every gradient) differs from the forward's.
+# Objects with get_states() -> states and set_states(states); held weakly.
+_RNG_TRACKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _register_rng_tracker(tracker) -> None:
+    _RNG_TRACKERS.add(tracker)
+
+
+class _ReplayTrackers:
+    """For torch's reentrant checkpoint, which replays only the default generators: the first call
+    (the forward) stashes the registered trackers' streams, later calls (recomputes) replay them."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        self.states = None
+
+    def __call__(self, *args):
+        if self.states is None:
+            self.states = _stash_trackers()
+            return self.function(*args)
+        with _replayed_trackers(self.states):
+            return self.function(*args)
+
+
+def _stash_trackers() -> list:
+    return [(t, t.get_states()) for t in list(_RNG_TRACKERS)]
+
+
+@contextlib.contextmanager
+def _replayed_trackers(stashed: list):
+    """The trackers' streams as stashed, for a recompute; as fork_rng does for the default
+    generators, the streams' current (backward-time) states come back afterwards, so the
+    recompute does not move them on."""
+    current = [(t, t.get_states()) for t, _ in stashed]
+    for t, states in stashed:
+        t.set_states(states)
+    try:
+        yield
+    finally:
+        for t, states in current:
+            t.set_states(states)
+
+
 class _RngState:
-    """CPU RNG, the RNG of the CUDA devices the inputs are on (and the current one), and the RNG of
-    any other accelerator the inputs are on (XPU, MPS, ...): dropout there must replay too."""
+    """CPU RNG, the RNG of the CUDA devices the inputs are on (and the current one), the RNG of any
+    other accelerator the inputs are on (XPU, MPS, ...), and the streams of the registered RNG
+    trackers (tensor-parallel dropout): dropout must replay identically on recompute."""
 
     def __init__(self, tensors) -> None:
         self.cpu = torch.get_rng_state()
+        self.trackers = _stash_trackers()
         self.cuda_was_initialized = torch.cuda.is_initialized()
         self.cuda_devices: list[int] = []
         self.cuda_states: list[torch.Tensor] = []
@@ -392,7 +447,8 @@ class _RngState:
                 from torch.utils.checkpoint import set_device_states
 
                 set_device_states(self.other_devices, self.other_states, device_type=self.other_type)
-            yield
+            with _replayed_trackers(self.trackers):
+                yield
 
 
 def _autocast_state(device_type: str) -> dict:

@@ -2,8 +2,9 @@
  * shm_collectives.c — all-reduce, all-gather and reduce-scatter over the shared segment.
  *
  * Every collective is a sequence of steps ("chunks"), each moving at most one slot per rank:
- *   all-reduce, small chunk  (one-shot): copy in -> my slot; barrier; every rank sums all slots.
- *   all-reduce, large chunk  (two-shot): copy the parts of in that peers reduce -> my slot;
+ *   all-reduce, small message (one-shot): copy in -> my slot; barrier; every rank sums all slots.
+ *   all-reduce, larger message (two-shot, steps of <= 256 KiB): copy the parts of in that peers
+ *       reduce -> my slot;
  *       barrier; rank r sums part r (its own part read straight from `in`, the others' from their
  *       slots) into `out` and into part r of its slot; barrier; every rank copies the other parts
  *       out. Each rank reads the chunk about once instead of world times, which wins once the
@@ -19,8 +20,15 @@
 
 #include "shm_internal.h"
 
-/* Chunks up to this many bytes are reduced one-shot (latency: one barrier, data stays in cache). */
-#define ONE_SHOT_MAX_BYTES (256u * 1024u)
+/* Messages up to this many bytes are reduced one-shot: one barrier instead of two, which is what
+ * counts below a few tens of KiB. Above it two-shot wins: medians on our 2-vCPU machine, 2 ranks,
+ * fp32 (benchmarks/comm_phases.c): 16 KiB 4-9 us one-shot vs 5-7 two-shot; 64 KiB 12-18 vs 8-14;
+ * 128 KiB 23-27 vs 16-23; 256 KiB 39-60 vs 33-37 (one-shot reads world x the data). */
+#define ONE_SHOT_MAX_BYTES (32u * 1024u)
+/* Two-shot steps move at most this many bytes (and at most a slot): each rank's share of a step
+ * (its input, its slot, the peer slots it reads) then stays in its core's L2 (2 MiB here), and
+ * the slots, reused step after step, stay hot. Larger steps spill to L3 for 1 MiB messages. */
+#define TWO_SHOT_STEP_BYTES (256u * 1024u)
 
 static const char *op_name(shm_op_t kind) {
   switch (kind) {
@@ -90,7 +98,11 @@ static void part(size_t n, size_t esize, int world, int r, size_t *lo, size_t *h
 llmmem_status_t llmmem_shm_all_reduce(llmmem_shm_comm_t *c, const void *in, void *out, size_t count,
                                       llmmem_comm_dtype_t dtype) {
   LLMMEM_TRY(check_call(c, in, out, count, dtype, SHM_OP_ALL_REDUCE));
-  const size_t es = llmmem_comm_dtype_size(dtype), per_step = c->slot_bytes / es;
+  const size_t es = llmmem_comm_dtype_size(dtype);
+  /* Every rank decides from (count, dtype, slot size, world), which are equal on all ranks. */
+  const int one_shot = count * es <= ONE_SHOT_MAX_BYTES || c->world_size == 1;
+  const size_t step_bytes = one_shot || c->slot_bytes < TWO_SHOT_STEP_BYTES ? c->slot_bytes : TWO_SHOT_STEP_BYTES;
+  const size_t per_step = step_bytes / es;
   const void *srcs[LLMMEM_SHM_MAX_WORLD];
   c->seq++;
   post_desc(c, SHM_OP_ALL_REDUCE, dtype, count);
@@ -103,7 +115,7 @@ llmmem_status_t llmmem_shm_all_reduce(llmmem_shm_comm_t *c, const void *in, void
     const unsigned char *src = (const unsigned char *)in + off * es;
     unsigned char *dst = (unsigned char *)out + off * es;
     size_t lo, hi;
-    if (n * es <= ONE_SHOT_MAX_BYTES || c->world_size == 1) {
+    if (one_shot) {
       memcpy(mine, src, n * es);
       LLMMEM_TRY(step_barrier(c, SHM_OP_ALL_REDUCE, first));
       for (int q = 0; q < c->world_size; q++) srcs[q] = shm_slot(c, q, step);

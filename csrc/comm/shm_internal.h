@@ -83,9 +83,13 @@ llmmem_status_t _llmmem_shm_barrier(llmmem_shm_comm_t *c, const char *what);
 llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, const char *fmt, ...)
     LLMMEM_PRINTF(3, 4);
 
-/* sum_ref.c */
+/* sum_cpu.c: the reference's sum (sum_ref.c), vectorised for the CPU at hand; _sum2 also writes
+ * the result to out2 (may be NULL) from the same accumulator, saving a re-read. */
 void _llmmem_comm_sum(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype);
 void _llmmem_comm_sum2(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
                        llmmem_comm_dtype_t dtype);
+/* Test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic; levels the
+ * CPU lacks fall back to the best it has. Returns the level that will run. */
+int _llmmem_comm_force_isa(int isa);
 
 #endif /* LLMMEM_COMM_SHM_INTERNAL_H */

@@ -1,5 +1,6 @@
 /*
- * sum_ref.c — the reduction every llmmem collective uses, and the C reference of the CUDA kernel.
+ * sum_ref.c — the reference of the reduction every llmmem collective does: the oracle of the
+ * vectorised CPU sum (sum_cpu.c, used by the shared-memory engine) and of the CUDA kernel.
  *
  * out[i] = ((src0[i] + src1[i]) + src2[i]) + ... accumulated in fp32, rounded once to the
  * element type. The order is fixed (rank 0 first), so any rank that computes an element gets the
@@ -51,22 +52,15 @@ static void store_block(void *dst, size_t off, const float *acc, size_t n, llmme
   }
 }
 
-/* The unchecked workers shared with the shm engine (declared in shm_internal.h). _sum2 writes the
- * result to two places (out2 may be NULL) from the same accumulator, saving a re-read. */
-void _llmmem_comm_sum2(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
-                       llmmem_comm_dtype_t dtype) {
+/* The plain reference: what every faster variant (sum_cpu.c, the CUDA kernel) must reproduce. */
+static void sum_ref(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype) {
   float acc[BLOCK];
   for (size_t off = 0; off < count; off += BLOCK) {
     size_t n = count - off < BLOCK ? count - off : BLOCK;
     load_block(acc, srcs[0], off, n, dtype, 0);
     for (int r = 1; r < nsrc; r++) load_block(acc, srcs[r], off, n, dtype, 1);
     store_block(out, off, acc, n, dtype);
-    if (out2) store_block(out2, off, acc, n, dtype);
   }
-}
-
-void _llmmem_comm_sum(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype) {
-  _llmmem_comm_sum2(srcs, nsrc, out, NULL, count, dtype);
 }
 
 llmmem_status_t llmmem_comm_sum_ref(const void *const *srcs, int nsrc, void *out, size_t count,
@@ -77,6 +71,6 @@ llmmem_status_t llmmem_comm_sum_ref(const void *const *srcs, int nsrc, void *out
   LLMMEM_CHECK_ARG(count == 0 || out != NULL, "llmmem_comm_sum_ref: out must not be NULL");
   for (int r = 0; r < nsrc; r++)
     LLMMEM_CHECK_ARG(count == 0 || srcs[r] != NULL, "llmmem_comm_sum_ref: srcs[%d] must not be NULL", r);
-  _llmmem_comm_sum(srcs, nsrc, out, count, dtype);
+  sum_ref(srcs, nsrc, out, count, dtype);
   return LLMMEM_OK;
 }

@@ -2,8 +2,9 @@
 
 Layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :class:`VocabParallelEmbedding`
 and :func:`vocab_parallel_cross_entropy`. Groups: :func:`init` (TP x DP under torchrun), or any
-``process_group=``. Autograd regions: the ``*_region`` functions. Engines and thresholds:
-:mod:`llmmem.parallel.collectives`.
+``process_group=``. Autograd regions: the ``*_region`` functions. Dropout streams:
+:func:`model_parallel_manual_seed` and :func:`get_rng_tracker` (:mod:`llmmem.parallel.random`).
+Engines and thresholds: :mod:`llmmem.parallel.collectives`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from llmmem.parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from llmmem.parallel.random import (
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -49,6 +57,11 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "model_parallel_manual_seed",
+    "get_cuda_rng_tracker",
+    "model_parallel_cuda_manual_seed",
     "feature_status",
 ]
 

@@ -12,7 +12,8 @@
 
 Every rank must take the same route for the same call, so the choice depends only on things that
 are equal across ranks (size, dtype, device, thresholds, and the outcome of a collective set-up).
-Keep the ``LLMMEM_TP_*`` environment variables equal on all ranks.
+Keep the ``LLMMEM_TP_*`` environment variables equal on all ranks; they are read when this module
+is imported.
 
 Thresholds (bytes of the message one rank contributes) can be set with
 :func:`set_collective_thresholds` or the environment variables ``LLMMEM_TP_SHM_MAX_BYTES`` and
@@ -59,10 +60,23 @@ _thresholds = {
     "cuda_ipc_max_bytes": _env_int("LLMMEM_TP_CUDA_IPC_MAX_BYTES", _DEFAULT_CUDA_IPC_MAX),
 }
 _timeout_s = float(os.environ.get("LLMMEM_TP_TIMEOUT", "300"))
+# Read once, like the thresholds: the routing runs on every collective of every layer, and an
+# environment lookup costs microseconds there (as much as a 64 KiB shared-memory all-reduce).
+_engines_on = {"shm": _env_on("LLMMEM_TP_SHM"), "cuda_ipc": _env_on("LLMMEM_TP_CUDA_IPC")}
 
 # group -> engine object, or None when set-up failed (then torch.distributed is used).
 _shm_comms: dict = {}
 _cuda_comms: dict = {}
+# group -> its size (a group's size never changes; dist.get_world_size costs ~2 us per call).
+_group_sizes: dict = {}
+
+
+def _size_of(group) -> int:
+    key = group if group is not None else dist.group.WORLD
+    size = _group_sizes.get(key)
+    if size is None:
+        size = _group_sizes[key] = dist.get_world_size(key)
+    return size
 
 
 def set_collective_thresholds(*, cpu_shm_max_bytes: int | None = None, cuda_ipc_max_bytes: int | None = None) -> dict:
@@ -105,6 +119,7 @@ def close_all() -> None:
             if comm is not None:
                 comm.close()
         table.clear()
+    _group_sizes.clear()
 
 
 def _warn_fallback(what: str, exc: BaseException) -> None:
@@ -114,11 +129,11 @@ def _warn_fallback(what: str, exc: BaseException) -> None:
 
 def _shm_for(tensor: torch.Tensor, group):
     """The shared-memory engine for this call, or None to use torch.distributed."""
-    if tensor.device.type != "cpu" or tensor.dtype not in _SUPPORTED:
+    if not tensor.is_cpu or tensor.dtype not in _SUPPORTED:
         return None
     if tensor.numel() * tensor.element_size() > _thresholds["cpu_shm_max_bytes"]:
         return None
-    if not _env_on("LLMMEM_TP_SHM"):
+    if not _engines_on["shm"]:
         return None
     key = group if group is not None else dist.group.WORLD
     if key not in _shm_comms:
@@ -134,11 +149,11 @@ def _shm_for(tensor: torch.Tensor, group):
 
 def _cuda_for(tensor: torch.Tensor, group):
     """The CUDA IPC all-reduce engine for this call, or None to use torch.distributed."""
-    if tensor.device.type != "cuda" or tensor.dtype not in _SUPPORTED:
+    if not tensor.is_cuda or tensor.dtype not in _SUPPORTED:
         return None
     if tensor.numel() * tensor.element_size() > _thresholds["cuda_ipc_max_bytes"]:
         return None
-    if not _env_on("LLMMEM_TP_CUDA_IPC"):
+    if not _engines_on["cuda_ipc"]:
         return None
     if torch.cuda.is_current_stream_capturing():
         return None  # the IPC kernel's epochs are host-side: a replayed graph would reuse a stale one
@@ -159,7 +174,7 @@ def _cuda_for(tensor: torch.Tensor, group):
 
 def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group, in place; returns it."""
-    if dist.get_world_size(group) == 1:
+    if _size_of(group) == 1:
         return tensor
     if tensor.is_contiguous():
         comm = _shm_for(tensor, group) or _cuda_for(tensor, group)
@@ -172,7 +187,7 @@ def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
-    w = dist.get_world_size(group)
+    w = _size_of(group)
     if w == 1:
         return tensor
     dim = dim % tensor.dim()
@@ -191,7 +206,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
-    w = dist.get_world_size(group)
+    w = _size_of(group)
     if w == 1:
         return tensor
     dim = dim % tensor.dim()

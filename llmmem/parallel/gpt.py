@@ -8,12 +8,22 @@ so logits are never gathered. LayerNorms and the position embedding are replicat
 hold the same values on every rank (build it with the same seed, or load the same checkpoint).
 
 ``forward(idx, targets=None)`` returns ``(logits, loss)`` like GPT, with ``logits`` this rank's
-vocabulary slice ``(b, s, V/t)``. Dropout inside the split region draws from each rank's own RNG,
-so with dropout > 0 the result is a valid model but not bitwise the single-device one.
+vocabulary slice ``(b, s, V/t)``.
+
+Dropout (see :mod:`llmmem.parallel.random`): the attention-probability dropout acts on this rank's
+heads only, so it draws from the tracker's model-parallel stream (``get_rng_tracker().fork()``),
+different on every TP rank and the same on data-parallel replicas; the embedding, residual and MLP
+dropouts act on replicated activations (after the all-reduce of a row-parallel layer), so they
+draw from the default generators, which must be seeded alike on every TP rank. Training with
+dropout > 0 therefore needs ``llmmem.parallel.model_parallel_manual_seed(seed)`` on every rank
+first (forward raises otherwise). The masks are not the single-device model's (that one draws the
+attention dropout from the default generator), but given the same masks the two compute the same
+thing. Checkpoint blocks with ``llmmem.checkpoint``, which replays the tracker's stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -24,6 +34,7 @@ from llmmem.models.gpt import GPT, GPTConfig
 from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llmmem.parallel.groups import get_tensor_parallel_group
 from llmmem.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from llmmem.parallel.random import get_rng_tracker
 
 
 def _qkv_master_by_rank(w: torch.Tensor, heads: int, t: int) -> torch.Tensor:
@@ -51,13 +62,21 @@ class _TPAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads_local, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        p = self.dropout_p if self.training else 0.0
+        # This rank's heads only: a mask independent of the other ranks' (model-parallel stream).
+        # No dropout, no fork, so eval and dropout=0 need no seeding.
+        split_rng = get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
         if self.use_sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
-                                               is_causal=True)
+            with split_rng:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
             scores = scores.masked_fill(~self.causal_mask[:s, :s], float("-inf"))
-            y = self.attn_dropout(torch.softmax(scores, dim=-1)) @ v
+            probs = torch.softmax(scores, dim=-1)
+            with split_rng:
+                probs = self.attn_dropout(probs)
+            y = probs @ v
+        # after the row-parallel all-reduce the activation is replicated: default generators
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)))
 
 

@@ -85,7 +85,7 @@ class ShmCommunicator:
 
     @staticmethod
     def _check(t: torch.Tensor, what: str) -> int:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in DTYPE_CODES:
+        if not t.is_cpu or not t.is_contiguous() or t.dtype not in DTYPE_CODES:
             raise ValueError(f"llmmem shm {what}: needs a contiguous CPU float32/float16/bfloat16 tensor, got "
                              f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
         return DTYPE_CODES[t.dtype]

@@ -25,6 +25,11 @@
 
 #define MAXW 4
 
+/* sum_cpu.c (not exported; the C tests link the sources) */
+int _llmmem_comm_force_isa(int isa);
+void _llmmem_comm_sum2(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
+                       llmmem_comm_dtype_t dtype);
+
 static int name_counter = 0;
 
 static void make_name(char *out, size_t cap) {
@@ -203,8 +208,53 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Slot size for size index s: 4 KiB and 64 KiB slots split messages into many (one-shot) chunks;
- * 1 MiB slots take the largest sizes whole, which runs the two-shot path (> 256 KiB). */
+/* Raw bits of any float of dtype, special values included: random bit patterns, with one in 8
+ * replaced by inf, NaN, a subnormal, zero or a value near the top of the range. */
+static void fill_bits(void *buf, size_t n, llmmem_comm_dtype_t dt, unsigned long long *s) {
+  for (size_t i = 0; i < n; i++) {
+    unsigned long long r = th_rand(s);
+    uint32_t special[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x00000001u, 0x80000000u, 0x7f7fffffu,
+                          0x00800000u, 0x3f800000u};
+    uint32_t f32 = (r & 7) == 0 ? special[(r >> 3) % 8] : (uint32_t)(r >> 16);
+    if (dt == LLMMEM_COMM_F32) {
+      /* keep most values in a range where sums do not all overflow: exponent 100..154 */
+      if ((r & 7) != 0) f32 = (f32 & 0x807fffffu) | ((uint32_t)(100 + (r >> 40) % 55) << 23);
+      ((uint32_t *)buf)[i] = f32;
+    } else {
+      uint16_t sp16[] = {0x7c00, 0xfc00, 0x7e00, 0x0001, 0x8000, 0x7bff, 0x0400, 0x3c00};
+      uint16_t spb[] = {0x7f80, 0xff80, 0x7fc0, 0x0001, 0x8000, 0x7f7f, 0x0080, 0x3f80};
+      uint16_t h = (r & 7) == 0 ? (dt == LLMMEM_COMM_F16 ? sp16 : spb)[(r >> 3) % 8] : (uint16_t)(r >> 24);
+      ((uint16_t *)buf)[i] = h;
+    }
+  }
+}
+
+static int is_nan_bits(const unsigned char *p, llmmem_comm_dtype_t dt) {
+  if (dt == LLMMEM_COMM_F32) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+  }
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return dt == LLMMEM_COMM_F16 ? (h & 0x7fffu) > 0x7c00u : (h & 0x7fffu) > 0x7f80u;
+}
+
+/* Element-wise: the same bits, or NaN where the reference has NaN (which NaN comes out of NaN + NaN
+ * depends on operand order, which the compiler may swap; no parity promise covers NaN payloads). */
+static size_t count_differences(const unsigned char *got, const unsigned char *want, size_t n,
+                                llmmem_comm_dtype_t dt) {
+  size_t es = llmmem_comm_dtype_size(dt), bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    const unsigned char *g = got + i * es, *w = want + i * es;
+    if (is_nan_bits(w, dt) ? !is_nan_bits(g, dt) : memcmp(g, w, es) != 0) bad++;
+  }
+  return bad;
+}
+
+/* Slot size for size index s: 4 KiB slots split the one-shot sizes (<= 32 KiB) into many steps;
+ * 64 KiB slots split a two-shot message into slot-sized steps, 1 MiB slots into 256 KiB steps
+ * with a partial last one. */
 static size_t slot_for(size_t s) { return s == 2 || s == 3 ? 4096 : s == 4 ? 65536 : (1u << 20); }
 
 int main(void) {
@@ -237,6 +287,39 @@ int main(void) {
     CHECK_STATUS(llmmem_comm_sum_ref(srcs, 1, &out, 1, (llmmem_comm_dtype_t)9), LLMMEM_ERR_INVALID);
   }
 
+  TEST("the vectorised sum gives the reference's bits on every instruction set, aliasing included") {
+    const size_t counts[] = {0, 1, 7, 8, 15, 16, 17, 511, 512, 513, 1031, 4096 + 5};
+    unsigned long long seed = 4242;
+    for (int isa = 0; isa <= 2; isa++) {
+      int level = _llmmem_comm_force_isa(isa);
+      if (level != isa) continue; /* this CPU lacks it: nothing new to test */
+      for (size_t d = 0; d < 3; d++)
+        for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
+          for (int nsrc = 1; nsrc <= MAXW; nsrc++)
+            for (int alias = 0; alias < 3; alias++) { /* 0: none, 1: out == src 0, 2: out == last src */
+              if (alias == 2 && nsrc == 1) continue;
+              size_t n = counts[ci], es = llmmem_comm_dtype_size(dtypes[d]);
+              unsigned char *src[MAXW], *want = malloc(n * es + 1), *out2 = malloc(n * es + 1);
+              for (int r = 0; r < nsrc; r++) {
+                src[r] = malloc(n * es + 1);
+                fill_bits(src[r], n, dtypes[d], &seed);
+              }
+              CHECK_OK(llmmem_comm_sum_ref((const void *const *)src, nsrc, want, n, dtypes[d]));
+              unsigned char *out = alias == 0 ? malloc(n * es + 1) : src[alias == 1 ? 0 : nsrc - 1];
+              _llmmem_comm_sum2((const void *const *)src, nsrc, out, out2, n, dtypes[d]);
+              size_t bad = count_differences(out, want, n, dtypes[d]) + count_differences(out2, want, n, dtypes[d]);
+              if (bad) printf("  isa %d dtype %d n %zu nsrc %d alias %d: %zu differences\n", isa, (int)dtypes[d], n,
+                              nsrc, alias, bad);
+              CHECK(bad == 0);
+              for (int r = 0; r < nsrc; r++) free(src[r]);
+              if (alias == 0) free(out);
+              free(want);
+              free(out2);
+            }
+    }
+    _llmmem_comm_force_isa(-1);
+  }
+
   TEST("open rejects bad arguments") {
     llmmem_shm_comm_t *c = (llmmem_shm_comm_t *)1;
     CHECK_STATUS(llmmem_shm_comm_open("x", 2, 2, 0, 1.0, &c), LLMMEM_ERR_INVALID);
@@ -249,12 +332,15 @@ int main(void) {
     CHECK_OK(llmmem_shm_comm_close(NULL));
   }
 
-  TEST("all-reduce equals the reference, bitwise on every rank, all dtypes and sizes, world 1..4") {
+  TEST("all-reduce equals the reference, bitwise on every rank, all dtypes and sizes, world 1..4, each ISA") {
+    for (int isa = 2; isa >= 0; isa--)
     for (int world = 1; world <= MAXW; world++)
       for (size_t d = 0; d < 3; d++)
         for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
           for (int in_place = 0; in_place < 2; in_place++) {
             if (world == 3 && d > 0 && in_place) continue; /* keep the run short */
+            if (isa != 2 && (world == 3 || in_place)) continue; /* the other levels: a subset */
+            _llmmem_comm_force_isa(isa);
             ar_case_t k = {sizes[s], dtypes[d], in_place, {0}};
             size_t bytes = sizes[s] * llmmem_comm_dtype_size(dtypes[d]) + 1;
             for (int r = 0; r < world; r++) k.results[r] = calloc(1, bytes);
@@ -265,6 +351,7 @@ int main(void) {
             CHECK(!segment_exists(name));
             for (int r = 0; r < world; r++) free(k.results[r]);
           }
+    _llmmem_comm_force_isa(-1);
   }
 
   TEST("all-gather and reduce-scatter equal the reference, chunked and not") {
