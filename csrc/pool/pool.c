@@ -265,6 +265,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_empty_cache(llmmem_pool_t *pool, size_t *
       _llmmem_release_segment(pool, r);
     }
   }
+  total += _llmmem_shrink_top(pool);
   pthread_mutex_unlock(&pool->lock);
   if (released) *released = total;
   return st;

@@ -54,6 +54,7 @@ struct pool_region_s {
   uintptr_t base;
   size_t size;
   pool_block_t *first;            /* lowest-address block */
+  pool_block_t *last;             /* highest-address block (where in-place growth appends) */
   pool_block_t *backing;          /* chunks: the large block holding this chunk; segments: NULL */
   pool_region_t *prev, *next;     /* in the pool's segment list or chunk list */
   uint8_t is_initial;             /* the initial_size segment, kept until destroy */
@@ -88,6 +89,7 @@ struct llmmem_pool_s {
   pool_ptrmap_t live;
   pool_region_t *segments;        /* doubly linked, newest first */
   pool_region_t *chunks;
+  pool_region_t *top;             /* the segment growth extends in place (backend resize), or NULL */
   pool_block_t *pending_head;     /* free blocks with an outstanding event, oldest first */
   pool_block_t *pending_tail;
   pool_block_t *spare_blocks;     /* recycled metadata */
@@ -157,6 +159,7 @@ void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks);
 llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool);
 pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why);
 pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool);
+size_t _llmmem_shrink_top(llmmem_pool_t *pool);
 
 /* slots.c */
 void _llmmem_slots_forget(llmmem_pool_t *pool);

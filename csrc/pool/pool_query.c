@@ -129,6 +129,8 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
           }
         }
         CHECK_INV(cat == c->base + c->size, "chunk %p is not tiled", (void *)c->base);
+        CHECK_INV(c->last && !c->last->next && c->last->addr + c->last->size == cat, "chunk %p: last block wrong",
+                  (void *)c->base);
       } else if (b->is_free) {
         free_large++;
         if (b->event) pending += b->size;
@@ -140,6 +142,8 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
       }
     }
     CHECK_INV(at == seg->base + seg->size, "segment %p is not tiled", (void *)seg->base);
+    CHECK_INV(seg->last && !seg->last->next && seg->last->addr + seg->last->size == at, "segment %p: last block wrong",
+              (void *)seg->base);
   }
   int ok = 1;
   size_t in_large = heap_blocks(&pool->large, 0, &ok), in_small = heap_blocks(&pool->small, 1, &ok);

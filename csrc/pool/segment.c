@@ -44,7 +44,7 @@ llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_in
   }
   r->base = (uintptr_t)ptr;
   r->size = bytes;
-  r->first = b;
+  r->first = r->last = b;
   r->is_initial = (uint8_t)is_initial;
   region_link(&pool->segments, r);
   b->addr = r->base;
@@ -52,6 +52,8 @@ llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_in
   b->region = r;
   b->is_free = 1;
   _llmmem_heap_insert(&pool->large, b);
+  /* The newest segment is the one growth extends: its end is where the address space is free. */
+  if (pool->backend.resize && !pool->options.fixed_segments) pool->top = r;
   pool->st.num_backend_reserves++;
   _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)bytes);
   _llmmem_stat_add(&pool->st.segments, 1);
@@ -65,6 +67,7 @@ void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   _llmmem_block_clear_event(pool, b);
   _llmmem_block_recycle(pool, b);
   region_unlink(&pool->segments, r);
+  if (pool->top == r) pool->top = NULL;  /* the next growth reserves a new one */
   pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
   pool->st.num_backend_releases++;
   _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)r->size);
@@ -193,20 +196,99 @@ static size_t segment_for(size_t need) {
   return best;
 }
 
-/* Growth that does not strand memory: fully free growth segments are given back first and their
- * bytes re-reserved inside the one new segment, so free space that was scattered over segments
- * (which can never merge with each other) becomes contiguous; reserved memory grows only by what
- * the request adds. The release costs a backend free (cudaFree synchronizes the device), but only
- * on the growth path, which already pays for a cudaMalloc; a steady training loop never gets here. */
+/* Grows the top segment in place (backend resize) so that its free end holds `need` bytes: by what
+ * the end lacks, rounded up to 2 MiB (the granularity cudaMalloc/cuMemMap work in; at least
+ * growth_size). Free space then never strands at the end of a segment that cannot merge with the
+ * next one: reserved memory grows only by what requests add. LLMMEM_ERR_NOMEM when max_size is
+ * reached or the address space behind the segment is taken. */
+static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
+  pool_region_t *r = pool->top;
+  pool_block_t *end = r->last;
+  size_t have = end->is_free && !end->event ? end->size : 0;  /* only an event-less end merges */
+  size_t lack = need > have ? need - have : 0;
+  if (!lack) return LLMMEM_OK;  /* fits already (a search skipped it as busy on another stream) */
+  size_t add = _llmmem_round_up(lack, LLMMEM_POOL_CHUNK_SIZE);
+  if (pool->options.growth_size > add) add = pool->options.growth_size;
+  size_t max = pool->options.max_size, reserved = (size_t)pool->st.reserved_bytes.current;
+  if (max) {
+    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
+    if (avail < lack)
+      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
+                         reserved, lack);
+    if (add > avail) add = avail;
+  }
+  if (r->size > SIZE_MAX / 2 - add) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: segment too large to grow");
+  pool_block_t *nb = _llmmem_block_new(pool);
+  if (!nb) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: no host memory for block metadata");
+  llmmem_status_t st = pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size + add);
+  if (st != LLMMEM_OK) {
+    _llmmem_block_recycle(pool, nb);
+    return st;
+  }
+  nb->addr = r->base + r->size;
+  nb->size = add;
+  nb->region = r;
+  nb->is_free = 1;
+  nb->prev = end;
+  end->next = nb;
+  r->last = nb;
+  r->size += add;
+  pool->st.num_backend_reserves++;
+  _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)add);
+  _llmmem_heap_insert(&pool->large, _llmmem_coalesce(pool, nb));
+  return LLMMEM_OK;
+}
+
+/* Gives back the free end of the top segment beyond whole 2 MiB steps (keeping initial_size of
+ * the initial segment). Returns the bytes given back. */
+size_t _llmmem_shrink_top(llmmem_pool_t *pool) {
+  pool_region_t *r = pool->top;
+  if (!r) return 0;
+  pool_block_t *end = r->last;
+  if (!end->is_free || end->event) return 0;
+  size_t keep = r->is_initial ? pool->options.initial_size : 0;
+  size_t cut = end->size / LLMMEM_POOL_CHUNK_SIZE * LLMMEM_POOL_CHUNK_SIZE;
+  if (r->size - cut < keep) cut = (r->size - keep) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY;
+  if (cut == 0 || cut == r->size) return 0;  /* a wholly free segment is released, not shrunk */
+  if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size - cut) != LLMMEM_OK) return 0;
+  _llmmem_heap_remove(&pool->large, end);
+  if (cut == end->size) {
+    r->last = end->prev;
+    end->prev->next = NULL;
+    _llmmem_block_recycle(pool, end);
+  } else {
+    end->size -= cut;
+    _llmmem_heap_insert(&pool->large, end);
+  }
+  r->size -= cut;
+  pool->st.num_backend_releases++;
+  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)cut);
+  return cut;
+}
+
+/* Growth that does not strand memory: fully free growth segments are given back first. With a
+ * resizable backend the top segment then grows in place by what the request lacks. Otherwise
+ * the released bytes are re-reserved inside the one new segment, so free space that was scattered
+ * over segments (which can never merge with each other) becomes contiguous; reserved memory grows
+ * only by what the request adds. The release costs a backend free (cudaFree synchronizes the
+ * device), but only on the growth path, which already pays for a cudaMalloc; a steady training
+ * loop never gets here. */
 static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
   size_t freed = 0;
   _llmmem_release_empty_chunks(pool);
   for (pool_region_t *r = pool->segments, *next; r; r = next) {
     next = r->next;
-    if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) {
+    if (!r->is_initial && r != pool->top && _llmmem_region_empty(r) && !r->first->event) {
       freed += r->size;
       _llmmem_release_segment(pool, r);
     }
+  }
+  if (pool->top) {
+    llmmem_status_t st = grow_in_place(pool, need);
+    if (st != LLMMEM_ERR_NOMEM) return st;
+    /* The address space behind the top is exhausted (or max_size reached, and then so will be a
+     * new segment): a new segment, which becomes the top. */
+    return grow(pool, need);
   }
   size_t want = segment_for(need);
   if (freed > want) want = freed;
@@ -241,7 +323,8 @@ pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream,
       }
       b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
       if (!b) {
-        *why = grow(pool, size);
+        /* events waited for: the top's end may have become mergeable, so it may need less now */
+        *why = pool->top ? grow_consolidating(pool, size) : grow(pool, size);
         if (*why == LLMMEM_OK) b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
       }
     }
@@ -273,7 +356,7 @@ pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool) {
   lb->chunk = c;
   c->base = lb->addr;
   c->size = lb->size;
-  c->first = sb;
+  c->first = c->last = sb;
   c->backing = lb;
   region_link(&pool->chunks, c);
   pool->st.small_chunks++;

@@ -51,13 +51,22 @@ typedef struct llmmem_pool_backend_s {
   void (*event_release)(void *ctx, void *event);               /* the pool no longer needs it */
   /* Frees ctx; called once by llmmem_pool_destroy after every region is released. May be NULL. */
   void (*destroy)(void *ctx);
+  /* Optional (NULL: regions keep the size they were reserved with). Grows or shrinks region `ptr`
+   * from `old_bytes` to `new_bytes` in place, keeping its address (virtual address space reserved
+   * behind it, physical memory committed or given back). LLMMEM_ERR_NOMEM when the region cannot
+   * grow there; the pool then reserves a new region. A shrink gives the tail's memory back. With
+   * it the pool grows one contiguous region by what a request lacks (like PyTorch's expandable
+   * segments), so free space never strands at the ends of separate segments. */
+  llmmem_status_t (*resize)(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes);
 } llmmem_pool_backend_t;
 
 typedef struct llmmem_pool_options_s {
   size_t initial_size;  /* bytes reserved at creation in one segment, kept until destroy (0: none) */
   size_t max_size;      /* cap on reserved bytes; 0 = no cap beyond what the backend gives */
-  size_t growth_size;   /* bytes: growth segments are at least this big (0: just what the request
-                           needs, rounded up to 2 MiB) */
+  size_t growth_size;   /* bytes: growth segments (or in-place growth steps) are at least this big
+                           (0: just what the request lacks, rounded up to 2 MiB) */
+  int fixed_segments;   /* 1: never resize regions even when the backend can (each growth is a new
+                           segment, as with cudaMalloc); for comparisons and tests */
 } llmmem_pool_options_t;
 
 /* A statistic that goes up and down, with its high-water mark since creation or the last reset. */
@@ -154,7 +163,9 @@ LLMMEM_API llmmem_status_t llmmem_pool_device(llmmem_pool_t *pool, const char **
 /* ---- backends ---------------------------------------------------------------------------- */
 
 /* Ordinary host memory (pinned = 0) or page-locked host memory through the CUDA runtime
- * (pinned = 1: LLMMEM_ERR_NOT_BUILT without CUDA, LLMMEM_ERR_NO_DEVICE without a driver). */
+ * (pinned = 1: LLMMEM_ERR_NOT_BUILT without CUDA, LLMMEM_ERR_NO_DEVICE without a driver).
+ * Ordinary memory regions sit in a large reserved virtual address range (mmap PROT_NONE), so they
+ * can grow in place (resize); page-locked ones cannot. */
 LLMMEM_API llmmem_status_t llmmem_pool_backend_host(int pinned, llmmem_pool_backend_t *out);
 
 /* Device memory of CUDA device `device` through cudaMalloc/cudaFree, with cudaEvents for stream
