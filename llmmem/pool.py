@@ -211,7 +211,8 @@ class MemoryPool:
         ``requested_bytes``, ``active_bytes``, ``reserved_bytes``, ``allocation``, ``segment`` (each
         ``.current`` and ``.peak``), counters ``num_allocs``, ``num_frees``, ``num_ooms``,
         ``num_invalid_frees``, ``num_device_alloc``, ``num_device_free``, ``num_sync_events``, and
-        ``free_bytes``, ``largest_free_block``, ``fragmentation`` (1 - largest free / free).
+        ``free_bytes``, ``largest_free_block``, ``fragmentation`` (1 - largest free / free), and
+        ``decommitted_bytes`` (free address space whose memory was given back, not in reserved).
 
         With :func:`use_pool`, llmmem's blocks are PyTorch's *segments*: per-tensor numbers are in
         ``torch.cuda.memory_stats()``. Reads counters under the pool's lock; no GPU sync.

@@ -83,6 +83,23 @@ static llmmem_status_t host_resize(void *ctx, void *ptr, size_t old_bytes, size_
   return LLMMEM_OK;
 }
 
+/* Pages inside a resizable region (page-aligned: the pool works in 2 MiB steps from the region's
+ * page-aligned base). Decommit maps fresh PROT_NONE pages over the range, which drops its memory
+ * and makes any stray access fault instead of reading stale data. */
+static llmmem_status_t host_decommit(void *ctx, void *ptr, size_t bytes) {
+  (void)ctx;
+  if (mmap(ptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+    return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "host: decommitting %zu bytes failed: %s", bytes, strerror(errno));
+  return LLMMEM_OK;
+}
+
+static llmmem_status_t host_commit(void *ctx, void *ptr, size_t bytes) {
+  (void)ctx;
+  if (mprotect(ptr, bytes, PROT_READ | PROT_WRITE) != 0)
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: committing %zu bytes failed: %s", bytes, strerror(errno));
+  return LLMMEM_OK;
+}
+
 /* backend_cuda.cu (or backend_cuda_stub.c): fills a pinned-host backend. */
 llmmem_status_t _llmmem_pool_backend_pinned(llmmem_pool_backend_t *out);
 
@@ -96,6 +113,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_backend_host(int pinned, llmmem_pool_back
   b.reserve = host_reserve;
   b.release = host_release;
   b.resize = host_resize;
+  b.decommit = host_decommit;
+  b.commit = host_commit;
   *out = b;
   return LLMMEM_OK;
 }

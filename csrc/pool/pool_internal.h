@@ -58,6 +58,11 @@ struct pool_region_s {
   pool_block_t *backing;          /* chunks: the large block holding this chunk; segments: NULL */
   pool_region_t *prev, *next;     /* in the pool's segment list or chunk list */
   uint8_t is_initial;             /* the initial_size segment, kept until destroy */
+  /* Segments that can resize: bit p set = the 2 MiB page p (counted from base) is decommitted.
+   * A decommitted page lies wholly inside one free block; reserved_bytes leaves it out. */
+  uint64_t *decommitted;
+  size_t decommitted_words;       /* capacity of the bitmap */
+  size_t decommitted_pages;
 };
 
 typedef struct pool_heap_s {
@@ -160,6 +165,11 @@ llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool);
 pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why);
 pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool);
 size_t _llmmem_shrink_top(llmmem_pool_t *pool);
+/* A large block just handed out: commits the decommitted pages under it. */
+llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b);
+static inline int _llmmem_page_decommitted(const pool_region_t *r, size_t page) {
+  return page / 64 < r->decommitted_words && (r->decommitted[page / 64] >> (page % 64)) & 1;
+}
 
 /* slots.c */
 void _llmmem_slots_forget(llmmem_pool_t *pool);

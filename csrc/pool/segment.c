@@ -6,6 +6,7 @@
  * Runs under the pool's mutex. Backend calls (cudaMalloc/cudaFree, event queries) happen here.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "pool_internal.h"
 
@@ -70,8 +71,9 @@ void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   if (pool->top == r) pool->top = NULL;  /* the next growth reserves a new one */
   pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
   pool->st.num_backend_releases++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)r->size);
+  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)(r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE));
   _llmmem_stat_add(&pool->st.segments, -1);
+  free(r->decommitted);
   free(r);
 }
 
@@ -149,6 +151,79 @@ llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool) {
   }
   _llmmem_poll_events(pool, 0);
   return LLMMEM_OK;
+}
+
+/* ---- decommitted pages --------------------------------------------------------------------- */
+
+#define PAGE LLMMEM_POOL_CHUNK_SIZE /* bytes: the unit pages are decommitted in */
+
+static void page_mark(pool_region_t *r, size_t page, int on) {
+  uint64_t bit = (uint64_t)1 << (page % 64);
+  if (on) r->decommitted[page / 64] |= bit;
+  else r->decommitted[page / 64] &= ~bit;
+}
+
+/* Commits the decommitted pages in [lo, hi) (page indices). With `account` reserved_bytes grows by
+ * them; without, the caller accounts (so that a shrink does not raise the peak on its way). */
+static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_t lo, size_t hi, int account) {
+  size_t p = lo;
+  while (p < hi) {
+    while (p < hi && !_llmmem_page_decommitted(r, p)) p++;
+    size_t q = p;
+    while (q < hi && _llmmem_page_decommitted(r, q)) q++;
+    if (q > p) {
+      LLMMEM_TRY(pool->backend.commit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE));
+      for (size_t k = p; k < q; k++) page_mark(r, k, 0);
+      r->decommitted_pages -= q - p;
+      if (account) _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)((q - p) * PAGE));
+    }
+    p = q;
+  }
+  return LLMMEM_OK;
+}
+
+llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
+  pool_region_t *r = b->region;
+  if (!r->decommitted_pages) return LLMMEM_OK;
+  size_t lo = (b->addr - r->base) / PAGE, hi = (b->addr + b->size - r->base + PAGE - 1) / PAGE;
+  return commit_pages(pool, r, lo, hi, 1);
+}
+
+/* Before the top segment grows: whole pages inside its free holes (event-less free blocks other
+ * than the free end, which the growth extends) are decommitted, so reserved memory counts what
+ * blocks use plus the hole edges, not the holes: a hole too small for the requests that come
+ * (last step's activations when the sequence grows) no longer holds memory while the segment
+ * grows past it. Pages come back when a block over them is handed out. Walks the segment's
+ * blocks: growth path only, which also pays for a backend call; never on a steady loop. Off with
+ * max_size, where committing a page again could fail at the cap after growth took its room. */
+static void decommit_holes(llmmem_pool_t *pool) {
+  pool_region_t *r = pool->top;
+  if (!r || !pool->backend.decommit || pool->options.max_size) return;
+  size_t words = (r->size / PAGE + 63) / 64;
+  if (words > r->decommitted_words) {
+    uint64_t *bits = realloc(r->decommitted, words * sizeof *bits);
+    if (!bits) return;  /* no host memory for the bitmap: just keep the pages */
+    memset(bits + r->decommitted_words, 0, (words - r->decommitted_words) * sizeof *bits);
+    r->decommitted = bits;
+    r->decommitted_words = words;
+  }
+  for (pool_block_t *b = r->first; b; b = b->next) {
+    if (!b->is_free || b->event || !b->next) continue;
+    size_t lo = (b->addr - r->base + PAGE - 1) / PAGE, hi = (b->addr + b->size - r->base) / PAGE;
+    size_t p = lo;
+    while (p < hi) {
+      while (p < hi && _llmmem_page_decommitted(r, p)) p++;
+      size_t q = p;
+      while (q < hi && !_llmmem_page_decommitted(r, q)) q++;
+      if (q > p && pool->backend.decommit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE) == LLMMEM_OK) {
+        for (size_t k = p; k < q; k++) page_mark(r, k, 1);
+        r->decommitted_pages += q - p;
+        pool->st.num_backend_releases++;
+        _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)((q - p) * PAGE));
+      }
+      p = q;
+    }
+  }
 }
 
 /* ---- growth -------------------------------------------------------------------------------- */
@@ -250,7 +325,21 @@ size_t _llmmem_shrink_top(llmmem_pool_t *pool) {
   size_t cut = end->size / LLMMEM_POOL_CHUNK_SIZE * LLMMEM_POOL_CHUNK_SIZE;
   if (r->size - cut < keep) cut = (r->size - keep) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY;
   if (cut == 0 || cut == r->size) return 0;  /* a wholly free segment is released, not shrunk */
-  if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size - cut) != LLMMEM_OK) return 0;
+  /* Decommitted pages of the end are committed first (the cut may not fall on a page boundary);
+   * the stat moves once, by the net change, so the shrink does not raise the peak. */
+  size_t before = r->decommitted_pages;
+  if (before) {
+    size_t lo = (end->addr - r->base) / PAGE, hi = (r->size + PAGE - 1) / PAGE;
+    if (commit_pages(pool, r, lo, hi, 0) != LLMMEM_OK) {
+      _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)((before - r->decommitted_pages) * PAGE));
+      return 0;
+    }
+  }
+  int64_t recommitted = (int64_t)((before - r->decommitted_pages) * PAGE);
+  if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size - cut) != LLMMEM_OK) {
+    _llmmem_stat_add(&pool->st.reserved_bytes, recommitted);
+    return 0;
+  }
   _llmmem_heap_remove(&pool->large, end);
   if (cut == end->size) {
     r->last = end->prev;
@@ -262,8 +351,8 @@ size_t _llmmem_shrink_top(llmmem_pool_t *pool) {
   }
   r->size -= cut;
   pool->st.num_backend_releases++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)cut);
-  return cut;
+  _llmmem_stat_add(&pool->st.reserved_bytes, recommitted - (int64_t)cut);
+  return cut > (size_t)recommitted ? cut - (size_t)recommitted : 0;
 }
 
 /* Growth that does not strand memory: fully free growth segments are given back first. With a
@@ -284,6 +373,7 @@ static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
     }
   }
   if (pool->top) {
+    decommit_holes(pool);
     llmmem_status_t st = grow_in_place(pool, need);
     if (st != LLMMEM_ERR_NOMEM) return st;
     /* The address space behind the top is exhausted (or max_size reached, and then so will be a
@@ -351,6 +441,12 @@ pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool) {
   } else {
     _llmmem_split(pool, lb, lb->size, NULL);
     _llmmem_block_recycle(pool, rest);
+  }
+  if (_llmmem_commit_block(pool, lb) != LLMMEM_OK) {
+    _llmmem_put_back(pool, lb);
+    free(c);
+    _llmmem_block_recycle(pool, sb);
+    return NULL;
   }
   lb->is_free = 0;
   lb->chunk = c;

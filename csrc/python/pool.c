@@ -182,6 +182,7 @@ static PyObject *py_pool_stats(PyObject *self, PyObject *capsule) {
       set_item(d, "num_device_free", PyLong_FromUnsignedLongLong(s.num_backend_releases)) < 0 ||
       set_item(d, "num_sync_events", PyLong_FromUnsignedLongLong(s.num_event_waits)) < 0 ||
       set_item(d, "free_bytes", PyLong_FromSize_t(s.free_bytes)) < 0 ||
+      set_item(d, "decommitted_bytes", PyLong_FromSize_t(s.decommitted_bytes)) < 0 ||
       set_item(d, "largest_free_block", PyLong_FromSize_t(s.largest_free_block)) < 0 ||
       set_item(d, "fragmentation", PyFloat_FromDouble(s.fragmentation)) < 0 ||
       set_item(d, "small_chunks", PyLong_FromSize_t(s.small_chunks)) < 0 ||

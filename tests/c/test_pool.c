@@ -214,7 +214,7 @@ static int random_run(llmmem_pool_t *p, unsigned long long seed, int ops, int ma
           s.allocations.current != n)
         ok = 0;
       if (s.free_bytes + (size_t)s.allocated_bytes.current != (size_t)s.reserved_bytes.current) ok = 0;
-      if (s.largest_free_block > s.free_bytes) ok = 0;
+      if (s.largest_free_block > s.free_bytes + s.decommitted_bytes) ok = 0;
     }
   }
   for (int k = 0; k < n; k++) {
@@ -595,6 +595,65 @@ int main(void) {
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK_OK(llmmem_pool_free(p, c, NULL));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: whole pages of free holes are decommitted while growing, committed when reused") {
+    for (int capped = 0; capped <= 1; capped++) {
+      llmmem_pool_t *p = grow_pool(0, capped ? 64 * MiB : 0, 0);
+      void *a, *b, *c, *d;
+      CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));
+      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b));  /* 10 MiB, 0.5 MiB free end */
+      CHECK_OK(llmmem_pool_free(p, a, NULL));                 /* an 8 MiB hole: four whole pages */
+      CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));     /* does not fit it: grows by 10 MiB */
+      llmmem_pool_stats_t s;
+      CHECK_OK(llmmem_pool_stats(p, &s));
+      /* without a cap the hole's pages are given back while the segment grows past it */
+      CHECK(s.segments.current == 1 && (uintptr_t)c == (uintptr_t)a + 19 * MiB / 2);
+      CHECK(s.reserved_bytes.current == (int64_t)(capped ? 20 * MiB : 12 * MiB));
+      CHECK(s.reserved_bytes.peak == (int64_t)(capped ? 20 * MiB : 12 * MiB));
+      CHECK(s.decommitted_bytes == (capped ? 0 : 8 * MiB) && s.largest_free_block == 8 * MiB);
+      CHECK_OK(_llmmem_pool_check(p));
+      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &d));  /* into the hole: its first two pages come back */
+      CHECK(d == a);
+      memset(d, 0x5a, 3 * MiB);
+      CHECK_OK(llmmem_pool_stats(p, &s));
+      CHECK(s.reserved_bytes.current == (int64_t)(capped ? 20 * MiB : 16 * MiB));
+      CHECK(s.decommitted_bytes == (capped ? 0 : 4 * MiB));
+      CHECK_OK(_llmmem_pool_check(p));
+      CHECK_OK(llmmem_pool_free(p, d, NULL));
+      CHECK_OK(llmmem_pool_free(p, b, NULL));
+      CHECK_OK(llmmem_pool_free(p, c, NULL));
+      CHECK(segments_whole_and_free(p));
+      size_t released = 0;
+      CHECK_OK(llmmem_pool_empty_cache(p, &released));
+      CHECK_OK(llmmem_pool_stats(p, &s));
+      CHECK(s.reserved_bytes.current == 0 && s.segments.current == 0 && s.decommitted_bytes == 0);
+      CHECK_OK(llmmem_pool_destroy(p));
+    }
+    /* the initial segment shrinks over decommitted pages without counting them twice */
+    llmmem_pool_t *p = grow_pool(3 * MiB, 0, 0);
+    void *a, *b, *c;
+    CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &b));
+    CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &c));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));  /* 6 MiB hole */
+    void *d;
+    CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d));  /* grows; the hole's whole pages go back */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.decommitted_bytes > 0);
+    CHECK_OK(llmmem_pool_free(p, d, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));  /* the hole merges into the free end */
+    size_t released = 0;
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(3 * MiB) && s.decommitted_bytes == 0);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &b));
+    memset(b, 1, 3 * MiB);
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_destroy(p));
   }
 

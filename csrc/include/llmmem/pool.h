@@ -58,6 +58,12 @@ typedef struct llmmem_pool_backend_s {
    * it the pool grows one contiguous region by what a request lacks (like PyTorch's expandable
    * segments), so free space never strands at the ends of separate segments. */
   llmmem_status_t (*resize)(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes);
+  /* Optional, both or neither (needs resize): give back the memory under `bytes` at `ptr` inside a
+   * region while keeping the addresses (decommit), and make it usable again (commit). The pool
+   * decommits whole 2 MiB pages inside free holes when it must grow, so memory a hole holds is
+   * not counted twice; it commits them again when a block over them is handed out. */
+  llmmem_status_t (*decommit)(void *ctx, void *ptr, size_t bytes);
+  llmmem_status_t (*commit)(void *ctx, void *ptr, size_t bytes);
 } llmmem_pool_backend_t;
 
 typedef struct llmmem_pool_options_s {
@@ -91,8 +97,12 @@ typedef struct llmmem_pool_stats_s {
   uint64_t num_backend_releases;
   uint64_t num_event_waits;            /* host waits on stream events (OOM path, empty_cache) */
   size_t free_bytes;                   /* reserved - allocated */
+  size_t decommitted_bytes;            /* free address space inside segments whose memory was given
+                                          back (pages of holes, see the backend's decommit); not in
+                                          reserved_bytes, committed again when handed out */
   size_t largest_free_block;           /* the biggest single block a request could get now */
-  double fragmentation;                /* 1 - largest_free_block / free_bytes (0 when nothing is free) */
+  double fragmentation;                /* 1 - largest_free_block / (free_bytes + decommitted_bytes),
+                                          0 when nothing is free */
   size_t small_chunks;                 /* 2 MiB chunks currently carved for small requests */
   size_t initial_size;
   size_t max_size;                     /* 0 = uncapped */
