@@ -164,7 +164,7 @@ void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks);
 llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool);
 pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why);
 pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool);
-size_t _llmmem_shrink_top(llmmem_pool_t *pool);
+size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r);
 /* A large block just handed out: commits the decommitted pages under it. */
 llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b);
 static inline int _llmmem_page_decommitted(const pool_region_t *r, size_t page) {

@@ -199,6 +199,8 @@ llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
 static void decommit_holes(llmmem_pool_t *pool) {
   pool_region_t *r = pool->top;
   if (!r || !pool->backend.decommit || pool->options.max_size) return;
+  /* initial_size is kept until destroy, as promised: only pages beyond it are given back */
+  size_t kept_pages = r->is_initial ? (pool->options.initial_size + PAGE - 1) / PAGE : 0;
   size_t words = (r->size / PAGE + 63) / 64;
   if (words > r->decommitted_words) {
     uint64_t *bits = realloc(r->decommitted, words * sizeof *bits);
@@ -210,6 +212,7 @@ static void decommit_holes(llmmem_pool_t *pool) {
   for (pool_block_t *b = r->first; b; b = b->next) {
     if (!b->is_free || b->event || !b->next) continue;
     size_t lo = (b->addr - r->base + PAGE - 1) / PAGE, hi = (b->addr + b->size - r->base) / PAGE;
+    if (lo < kept_pages) lo = kept_pages;
     size_t p = lo;
     while (p < hi) {
       while (p < hi && _llmmem_page_decommitted(r, p)) p++;
@@ -314,11 +317,11 @@ static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
   return LLMMEM_OK;
 }
 
-/* Gives back the free end of the top segment beyond whole 2 MiB steps (keeping initial_size of
- * the initial segment). Returns the bytes given back. */
-size_t _llmmem_shrink_top(llmmem_pool_t *pool) {
-  pool_region_t *r = pool->top;
-  if (!r) return 0;
+/* Gives back the free end of segment r beyond whole 2 MiB steps (keeping initial_size of the
+ * initial segment), when the pool resizes segments. Any segment may have grown: the top changes
+ * when the address space behind one runs out. Returns the bytes given back. */
+size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
+  if (!pool->backend.resize || pool->options.fixed_segments) return 0;
   pool_block_t *end = r->last;
   if (!end->is_free || end->event) return 0;
   size_t keep = r->is_initial ? pool->options.initial_size : 0;
