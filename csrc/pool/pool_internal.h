@@ -104,6 +104,8 @@ struct llmmem_pool_s {
   int release_when_empty;
   llmmem_pool_stats_t st;         /* counters kept up to date; derived fields filled by stats() */
   size_t pending_bytes;           /* free bytes still waiting for a stream event */
+  int64_t reserved_high;          /* highest reserved_bytes ever (not reset with the peaks): taking
+                                     memory beyond it first gives back idle holes (segment.c) */
 };
 
 /* tlsf.c */
@@ -183,6 +185,11 @@ static inline size_t _llmmem_round_up(size_t n, size_t to) { return (n + to - 1)
 static inline void _llmmem_stat_add(llmmem_pool_stat_t *s, int64_t delta) {
   s->current += delta;
   if (s->current > s->peak) s->peak = s->current;
+}
+
+static inline void _llmmem_reserved_add(llmmem_pool_t *pool, int64_t delta) {
+  _llmmem_stat_add(&pool->st.reserved_bytes, delta);
+  if (pool->st.reserved_bytes.current > pool->reserved_high) pool->reserved_high = pool->st.reserved_bytes.current;
 }
 
 #endif /* LLMMEM_POOL_INTERNAL_H */

@@ -56,7 +56,7 @@ llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_in
   /* The newest segment is the one growth extends: its end is where the address space is free. */
   if (pool->backend.resize && !pool->options.fixed_segments) pool->top = r;
   pool->st.num_backend_reserves++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)bytes);
+  _llmmem_reserved_add(pool, (int64_t)bytes);
   _llmmem_stat_add(&pool->st.segments, 1);
   return LLMMEM_OK;
 }
@@ -71,7 +71,7 @@ void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   if (pool->top == r) pool->top = NULL;  /* the next growth reserves a new one */
   pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
   pool->st.num_backend_releases++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)(r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE));
+  _llmmem_reserved_add(pool, -(int64_t)(r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE));
   _llmmem_stat_add(&pool->st.segments, -1);
   free(r->decommitted);
   free(r);
@@ -175,18 +175,11 @@ static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_
       LLMMEM_TRY(pool->backend.commit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE));
       for (size_t k = p; k < q; k++) page_mark(r, k, 0);
       r->decommitted_pages -= q - p;
-      if (account) _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)((q - p) * PAGE));
+      if (account) _llmmem_reserved_add(pool, (int64_t)((q - p) * PAGE));
     }
     p = q;
   }
   return LLMMEM_OK;
-}
-
-llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
-  pool_region_t *r = b->region;
-  if (!r->decommitted_pages) return LLMMEM_OK;
-  size_t lo = (b->addr - r->base) / PAGE, hi = (b->addr + b->size - r->base + PAGE - 1) / PAGE;
-  return commit_pages(pool, r, lo, hi, 1);
 }
 
 /* Before the top segment grows: whole pages inside its free holes (event-less free blocks other
@@ -222,11 +215,25 @@ static void decommit_holes(llmmem_pool_t *pool) {
         for (size_t k = p; k < q; k++) page_mark(r, k, 1);
         r->decommitted_pages += q - p;
         pool->st.num_backend_releases++;
-        _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)((q - p) * PAGE));
+        _llmmem_reserved_add(pool, -(int64_t)((q - p) * PAGE));
       }
       p = q;
     }
   }
+}
+
+/* A large block just handed out: commits the decommitted pages under it. When that would take
+ * reserved memory beyond its highest mark, idle holes are decommitted first (the block itself is
+ * already marked in use, so it is not one of them): memory beyond what the pool ever held is
+ * taken only once what sits idle is given back, as on growth. */
+llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
+  pool_region_t *r = b->region;
+  if (!r->decommitted_pages) return LLMMEM_OK;
+  size_t lo = (b->addr - r->base) / PAGE, hi = (b->addr + b->size - r->base + PAGE - 1) / PAGE;
+  size_t need = 0;
+  for (size_t p = lo; p < hi; p++) need += _llmmem_page_decommitted(r, p);
+  if (pool->st.reserved_bytes.current + (int64_t)(need * PAGE) > pool->reserved_high) decommit_holes(pool);
+  return commit_pages(pool, r, lo, hi, 1);
 }
 
 /* ---- growth -------------------------------------------------------------------------------- */
@@ -312,7 +319,7 @@ static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
   r->last = nb;
   r->size += add;
   pool->st.num_backend_reserves++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)add);
+  _llmmem_reserved_add(pool, (int64_t)add);
   _llmmem_heap_insert(&pool->large, _llmmem_coalesce(pool, nb));
   return LLMMEM_OK;
 }
@@ -334,13 +341,13 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   if (before) {
     size_t lo = (end->addr - r->base) / PAGE, hi = (r->size + PAGE - 1) / PAGE;
     if (commit_pages(pool, r, lo, hi, 0) != LLMMEM_OK) {
-      _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)((before - r->decommitted_pages) * PAGE));
+      _llmmem_reserved_add(pool, (int64_t)((before - r->decommitted_pages) * PAGE));
       return 0;
     }
   }
   int64_t recommitted = (int64_t)((before - r->decommitted_pages) * PAGE);
   if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size - cut) != LLMMEM_OK) {
-    _llmmem_stat_add(&pool->st.reserved_bytes, recommitted);
+    _llmmem_reserved_add(pool, recommitted);
     return 0;
   }
   _llmmem_heap_remove(&pool->large, end);
@@ -354,7 +361,7 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   }
   r->size -= cut;
   pool->st.num_backend_releases++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, recommitted - (int64_t)cut);
+  _llmmem_reserved_add(pool, recommitted - (int64_t)cut);
   return cut > (size_t)recommitted ? cut - (size_t)recommitted : 0;
 }
 
