@@ -175,6 +175,7 @@ static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_
       LLMMEM_TRY(pool->backend.commit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE));
       for (size_t k = p; k < q; k++) page_mark(r, k, 0);
       r->decommitted_pages -= q - p;
+      pool->st.num_backend_reserves++;  /* a backend call that maps memory, like cuMemMap in PyTorch's count */
       if (account) _llmmem_reserved_add(pool, (int64_t)((q - p) * PAGE));
     }
     p = q;

@@ -93,8 +93,9 @@ typedef struct llmmem_pool_stats_s {
   uint64_t num_frees;                  /* successful frees since creation */
   uint64_t num_ooms;                   /* allocations refused for lack of memory */
   uint64_t num_invalid_frees;          /* double frees and foreign pointers refused */
-  uint64_t num_backend_reserves;       /* calls to the backend's reserve (cudaMalloc, ...) */
-  uint64_t num_backend_releases;
+  uint64_t num_backend_reserves;       /* backend calls that take memory: reserve (cudaMalloc, ...),
+                                          in-place growth, commit of decommitted pages */
+  uint64_t num_backend_releases;       /* ... that give it back: release, shrink, decommit */
   uint64_t num_event_waits;            /* host waits on stream events (OOM path, empty_cache) */
   size_t free_bytes;                   /* reserved - allocated */
   size_t decommitted_bytes;            /* free address space inside segments whose memory was given
