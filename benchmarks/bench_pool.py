@@ -3,8 +3,11 @@ inside PyTorch. ``python benchmarks/run.py --only pool [--device cuda] [--quick]
 
 1. Fragmentation: each trace in benchmarks/traces/ (allocations of training steps of the small
    GPT, recorded by record_traces.py) is replayed through llmmem's pool core and through a
-   simulation of PyTorch's caching-allocator policy (_caching_policy.py). Reported: peak reserved
-   / peak requested for each (1.00 = no waste), and their ratio.
+   simulation of PyTorch's caching-allocator policy (_caching_policy.py), default and with
+   expandable segments. Reported: peak reserved / peak requested for each (1.00 = no waste), and
+   their ratios. llmmem is replayed on host memory twice: growing one segment in place (the host
+   backend's policy) and with fixed segments (the policy of the cudaMalloc backend, which cannot
+   grow a region in place).
 2. Latency (C API, compiled here with the system compiler): alloc+free pairs, median and p99 ns,
    and ns per operation replaying a trace; malloc/free measured in the same run as baseline.
 3. From Python on the CPU: replaying a trace with pool.empty vs torch.empty (the user's view).
