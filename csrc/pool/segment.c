@@ -234,17 +234,22 @@ static void decommit_holes(llmmem_pool_t *pool) {
   }
 }
 
-/* A large block just handed out: commits the decommitted pages under it. When that would take
- * reserved memory beyond its highest mark, idle holes are decommitted first (the block itself is
- * already marked in use, so it is not one of them): memory beyond what the pool ever held is
- * taken only once what sits idle is given back, as on growth. */
+/* A large block being handed out (still flagged free, out of the heap): commits the decommitted
+ * pages under it. When that would take reserved memory beyond its highest mark, idle holes are
+ * decommitted first (not this block: it is flagged in use meanwhile): memory beyond what the pool
+ * ever held is taken only once what sits idle is given back, as on growth. */
 llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
   pool_region_t *r = b->region;
   if (!r->decommitted_pages) return LLMMEM_OK;
   size_t lo = (b->addr - r->base) / PAGE, hi = (b->addr + b->size - r->base + PAGE - 1) / PAGE;
   size_t need = 0;
   for (size_t p = lo; p < hi; p++) need += _llmmem_page_decommitted(r, p);
-  if (pool->st.reserved_bytes.current + (int64_t)(need * PAGE) > pool->reserved_high) decommit_holes(pool);
+  if (pool->st.reserved_bytes.current + (int64_t)(need * PAGE) > pool->reserved_high) {
+    uint8_t was_free = b->is_free;
+    b->is_free = 0;
+    decommit_holes(pool);
+    b->is_free = was_free;
+  }
   return commit_pages(pool, r, lo, hi, 1);
 }
 

@@ -657,6 +657,40 @@ int main(void) {
     CHECK_OK(llmmem_pool_destroy(p));
   }
 
+  TEST("in-place growth: reusing a decommitted hole beyond the highest mark first gives back idle holes") {
+    llmmem_pool_t *p = grow_pool(0, 0, 0);
+    void *a, *b, *x, *y, *c, *d, *z;
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));            /* [0, 8) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b));        /* [8, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &x));            /* [9.5, 15.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &y));        /* [15.5, 17): 18 MiB reserved */
+    CHECK_OK(llmmem_pool_free(p, a, NULL));                       /* hole H1: 8 MiB, idle */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));           /* grows; H1's 4 pages go back */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(20 * MiB) && s.decommitted_bytes == 8 * MiB);
+    CHECK_OK(llmmem_pool_free(p, x, NULL));                       /* hole H2: 6 MiB, committed, idle */
+    /* 7 MiB fits only H1: its 4 pages come back, which would make 28 MiB, beyond the 20 MiB ever
+     * held, so H2's two whole pages go back first: 24 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d));
+    CHECK(d == a);
+    memset(d, 7, 7 * MiB);
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(24 * MiB) && s.reserved_bytes.peak == (int64_t)(24 * MiB));
+    CHECK(s.decommitted_bytes == 4 * MiB);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &z));            /* into H2: its pages come back */
+    CHECK(z == x);
+    memset(z, 6, 6 * MiB);
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(28 * MiB) && s.decommitted_bytes == 0);
+    CHECK_OK(_llmmem_pool_check(p));
+    void *all[] = {b, y, c, d, z};
+    for (int i = 0; i < 5; i++) CHECK_OK(llmmem_pool_free(p, all[i], NULL));
+    CHECK(segments_whole_and_free(p));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
   TEST("in-place growth: a backend that cannot grow further gets a new segment, which grows next") {
     fake_ctx_t f = {0};
     f.capacity = 8 * MiB;
