@@ -170,6 +170,26 @@ def test_growth_up_to_max_size_then_oom():
     p.close()
 
 
+def test_cpu_pool_grows_in_place_and_gives_back_holes_it_grows_past():
+    p = llmmem.MemoryPool(device="cpu")
+    a = p.empty((8 * MiB,), dtype=torch.uint8)
+    b = p.empty((3 * MiB // 2,), dtype=torch.uint8)
+    a_ptr = a.data_ptr()
+    del a  # an 8 MiB hole
+    c = p.empty((10 * MiB,), dtype=torch.uint8)  # does not fit it: the segment grows past it
+    s = p.stats()
+    assert s["segment.current"] == 1 and c.data_ptr() == a_ptr + 8 * MiB + 3 * MiB // 2
+    assert s["decommitted_bytes"] == 8 * MiB and s["reserved_bytes.current"] == 12 * MiB
+    d = p.empty((2 * MiB,), dtype=torch.float32)  # 8 MiB back into the hole, committed again
+    assert d.data_ptr() == a_ptr
+    d.fill_(1.5)
+    assert float(d.sum()) == 1.5 * 2 * MiB
+    assert p.stats()["decommitted_bytes"] == 0
+    del b, c, d
+    assert p.empty_cache() > 0 and p.stats()["reserved_bytes.current"] == 0
+    p.close()
+
+
 # ---- statistics, summary, snapshot ------------------------------------------------------------
 
 def test_statistics_are_consistent_and_peaks_reset():
