@@ -9,6 +9,14 @@ address) within the pool; a block is split when the remainder is >= 512 B (small
 > 1 MiB (large pool); a freed block merges with its free neighbours of the same segment.
 What it leaves out: streams (traces are single-stream), the oversize rules of max_split_size
 (off by default), garbage collection and cache flushes on cudaMalloc failure (no cap here).
+
+``expandable=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (CCA.cpp
+``find_expandable_block`` / ``try_allocate_expandable_block`` / ``map_block``): one segment per
+pool over reserved address space, physical pages mapped at its end on demand, 2 MiB pages for the
+small pool and 20 MiB for the large one; the free block at the mapped end merges with new pages;
+best fit treats that end block as if it extended over the unmapped space, so it is chosen only
+when no other free block fits; every split whose remainder is >= 512 B is made. Pages are never
+unmapped here (PyTorch unmaps only on empty_cache or a failed allocation, and there is no cap).
 """
 
 from __future__ import annotations
@@ -36,12 +44,65 @@ class _Block:
 
 
 class CachingAllocatorSim:
-    def __init__(self) -> None:
+    def __init__(self, expandable: bool = False) -> None:
         self.free_sets = {True: [], False: []}  # small? -> sorted [(size, addr)]
         self.by_addr: dict[int, _Block] = {}
         self.next_addr = 1 << 40
         self.reserved = self.peak_reserved = 0
         self.segments = 0
+        self.expandable = expandable
+        # expandable: per pool, the segment's base and the end of its mapped pages
+        self.es_base = {True: 1 << 44, False: 1 << 45}
+        self.es_end = dict(self.es_base)
+        self.es_last: dict[bool, _Block | None] = {True: None, False: None}  # block ending at es_end
+
+    def _malloc_expandable(self, size: int, small: bool) -> _Block:
+        lst = self.free_sets[small]
+        i = bisect.bisect_left(lst, (size, -1))
+        last = self.es_last[small]
+        tail = last if last is not None and last.free else None
+        # best fit, the mapped end taken only when nothing else fits (its "expandable size" is huge)
+        if i < len(lst) and tail is not None and lst[i][1] == tail.addr:
+            i += 1
+        if i < len(lst):
+            b = self.by_addr[lst.pop(i)[1]]
+        else:
+            page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+            have = tail.size if tail is not None else 0
+            if have < size:
+                grow = _round_up(size - have, page)
+                self.reserved += grow
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+                if tail is None:
+                    tail = _Block(self.es_end[small], 0, small)
+                    tail.prev = last
+                    if last is not None:
+                        last.next = tail
+                    self.by_addr[tail.addr] = tail
+                    self.es_last[small] = tail
+                    if last is None:
+                        self.segments += 1
+                else:
+                    self._remove(tail)
+                tail.size += grow
+                self.es_end[small] += grow
+            else:
+                self._remove(tail)
+            b = tail
+        remaining = b.size - size
+        if remaining >= K_MIN_BLOCK:
+            rest = _Block(b.addr + size, remaining, small)
+            rest.prev, rest.next = b, b.next
+            if b.next:
+                b.next.prev = rest
+            else:
+                self.es_last[small] = rest
+            b.next = rest
+            b.size = size
+            self.by_addr[rest.addr] = rest
+            self._insert(rest)
+        b.free = False
+        return b
 
     def _insert(self, b: _Block) -> None:
         bisect.insort(self.free_sets[b.small], (b.size, b.addr))
@@ -53,6 +114,8 @@ class CachingAllocatorSim:
     def malloc(self, request: int) -> int:
         size = K_MIN_BLOCK if request < K_MIN_BLOCK else _round_up(request, K_MIN_BLOCK)
         small = size <= K_SMALL_SIZE
+        if self.expandable:
+            return self._malloc_expandable(size, small).addr
         lst = self.free_sets[small]
         i = bisect.bisect_left(lst, (size, -1))
         if i < len(lst):
@@ -93,6 +156,8 @@ class CachingAllocatorSim:
                 lo.next = hi.next
                 if hi.next:
                     hi.next.prev = lo
+                elif self.es_last[lo.small] is hi:
+                    self.es_last[lo.small] = lo
                 del self.by_addr[hi.addr]
                 b = lo
         self._insert(b)

@@ -35,6 +35,10 @@ CONFIGS = [
     # recorded after the pool's growth policy was tuned on the four above: held-out checks
     ("gpt_sdpa", dict(layers=6, hidden=320, heads=5, seq_len=192, vocab_size=3000, attention="sdpa"), 10, [192] * 3),
     ("gpt_varlen2", dict(layers=5, hidden=192, heads=6, seq_len=256, vocab_size=5000), 8, [200, 64, 256, 144, 256]),
+    # recorded after in-place growth (backend resize) was measured on the six above: held out
+    ("gpt_varlen3", dict(layers=4, hidden=256, heads=4, seq_len=384, vocab_size=4096), 6, [384, 96, 256, 320, 192]),
+    # recorded after hole decommitting was tuned on the seven above (on varlen2 in particular)
+    ("gpt_varlen4", dict(layers=6, hidden=224, heads=7, seq_len=320, vocab_size=6000), 5, [160, 320, 96, 288, 224]),
 ]
 
 

@@ -124,6 +124,13 @@ class MemoryPool:
     :param growth_size: when the pool must grow, it reserves at least this much (default: only
         what the request needs, rounded up to 2 MiB).
 
+    How it grows: on ``"cpu"`` the pool's memory is one contiguous region over reserved address
+    space that grows in place by what a request lacks, and, when it must hold more than ever
+    before, first gives back the whole 2 MiB pages of its free holes (committed again when
+    reused; never below ``initial_size``, and not with ``max_size``). ``"cuda"`` and ``"pinned"``
+    grow by separate segments (``cudaMalloc``/``cudaHostAlloc`` cannot grow in place), giving
+    fully free ones back when growing.
+
     Creating the pool reserves ``initial_size`` immediately (one ``cudaMalloc`` for CUDA, one
     ``cudaHostAlloc`` for pinned). Memory given back by :meth:`empty_cache` or :meth:`close` is
     returned to the device (``cudaFree``, which synchronizes the device).
@@ -211,7 +218,8 @@ class MemoryPool:
         ``requested_bytes``, ``active_bytes``, ``reserved_bytes``, ``allocation``, ``segment`` (each
         ``.current`` and ``.peak``), counters ``num_allocs``, ``num_frees``, ``num_ooms``,
         ``num_invalid_frees``, ``num_device_alloc``, ``num_device_free``, ``num_sync_events``, and
-        ``free_bytes``, ``largest_free_block``, ``fragmentation`` (1 - largest free / free).
+        ``free_bytes``, ``largest_free_block``, ``fragmentation`` (1 - largest free / free), and
+        ``decommitted_bytes`` (free address space whose memory was given back, not in reserved).
 
         With :func:`use_pool`, llmmem's blocks are PyTorch's *segments*: per-tensor numbers are in
         ``torch.cuda.memory_stats()``. Reads counters under the pool's lock; no GPU sync.

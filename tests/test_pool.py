@@ -159,12 +159,34 @@ def test_growth_up_to_max_size_then_oom():
     a = p.empty((6 * MiB,), dtype=torch.uint8)
     b = p.empty((4 * MiB,), dtype=torch.uint8)
     s = p.stats()
-    assert s["segment.current"] == 2 and s["reserved_bytes.current"] == 10 * MiB
+    # host memory grows in place: one contiguous segment
+    assert s["segment.current"] == 1 and s["reserved_bytes.current"] == 10 * MiB
+    assert b.data_ptr() == a.data_ptr() + 6 * MiB
     with pytest.raises(llmmem.OutOfMemoryError):
         p.empty((1,), dtype=torch.uint8)
     del a, b
-    assert p.empty_cache() == 10 * MiB  # both growth segments were whole again
+    assert p.empty_cache() == 10 * MiB  # the segment was whole again
     assert p.stats()["reserved_bytes.current"] == 0
+    p.close()
+
+
+def test_cpu_pool_grows_in_place_and_gives_back_holes_it_grows_past():
+    p = llmmem.MemoryPool(device="cpu")
+    a = p.empty((8 * MiB,), dtype=torch.uint8)
+    b = p.empty((3 * MiB // 2,), dtype=torch.uint8)
+    a_ptr = a.data_ptr()
+    del a  # an 8 MiB hole
+    c = p.empty((10 * MiB,), dtype=torch.uint8)  # does not fit it: the segment grows past it
+    s = p.stats()
+    assert s["segment.current"] == 1 and c.data_ptr() == a_ptr + 8 * MiB + 3 * MiB // 2
+    assert s["decommitted_bytes"] == 8 * MiB and s["reserved_bytes.current"] == 12 * MiB
+    d = p.empty((2 * MiB,), dtype=torch.float32)  # 8 MiB back into the hole, committed again
+    assert d.data_ptr() == a_ptr
+    d.fill_(1.5)
+    assert float(d.sum()) == 1.5 * 2 * MiB
+    assert p.stats()["decommitted_bytes"] == 0
+    del b, c, d
+    assert p.empty_cache() > 0 and p.stats()["reserved_bytes.current"] == 0
     p.close()
 
 

@@ -114,6 +114,7 @@ static pool_block_t *merge(llmmem_pool_t *pool, pool_block_t *lo, pool_block_t *
   lo->size += hi->size;
   lo->next = hi->next;
   if (hi->next) hi->next->prev = lo;
+  else lo->region->last = lo;
   _llmmem_block_recycle(pool, hi);
   _llmmem_attach_event(pool, lo, keep);
   return lo;
@@ -150,6 +151,7 @@ void _llmmem_split(llmmem_pool_t *pool, pool_block_t *b, size_t size, pool_block
     rest->prev = b;
     rest->next = b->next;
     if (b->next) b->next->prev = rest;
+    else b->region->last = rest;
     b->next = rest;
     b->size = size;
     _llmmem_attach_event(pool, rest, ev);

@@ -90,6 +90,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_destroy(llmmem_pool_t *pool) {
   for (pool_region_t *r = pool->segments, *next; r; r = next) {
     next = r->next;
     pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
+    free(r->decommitted);
     free(r);
   }
   for (pool_slab_t *s = pool->slabs, *next; s; s = next) {
@@ -173,6 +174,15 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
   } else {
     _llmmem_split(pool, b, b->size, NULL);
     _llmmem_block_recycle(pool, rest);
+  }
+  if (!b->small && b->region->decommitted_pages) {
+    llmmem_status_t cst = _llmmem_commit_block(pool, b);
+    if (cst != LLMMEM_OK) {
+      pool->st.num_ooms++;
+      _llmmem_put_back(pool, b);
+      pthread_mutex_unlock(&pool->lock);
+      return cst;
+    }
   }
   if (_llmmem_ptrmap_put(&pool->live, b->addr, b) != LLMMEM_OK) {
     b->is_free = 1;
@@ -263,6 +273,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_empty_cache(llmmem_pool_t *pool, size_t *
     if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) {
       total += r->size;
       _llmmem_release_segment(pool, r);
+    } else {
+      total += _llmmem_shrink_segment(pool, r);
     }
   }
   pthread_mutex_unlock(&pool->lock);

@@ -54,9 +54,15 @@ struct pool_region_s {
   uintptr_t base;
   size_t size;
   pool_block_t *first;            /* lowest-address block */
+  pool_block_t *last;             /* highest-address block (where in-place growth appends) */
   pool_block_t *backing;          /* chunks: the large block holding this chunk; segments: NULL */
   pool_region_t *prev, *next;     /* in the pool's segment list or chunk list */
   uint8_t is_initial;             /* the initial_size segment, kept until destroy */
+  /* Segments that can resize: bit p set = the 2 MiB page p (counted from base) is decommitted.
+   * A decommitted page lies wholly inside one free block; reserved_bytes leaves it out. */
+  uint64_t *decommitted;
+  size_t decommitted_words;       /* capacity of the bitmap */
+  size_t decommitted_pages;
 };
 
 typedef struct pool_heap_s {
@@ -88,6 +94,7 @@ struct llmmem_pool_s {
   pool_ptrmap_t live;
   pool_region_t *segments;        /* doubly linked, newest first */
   pool_region_t *chunks;
+  pool_region_t *top;             /* the segment growth extends in place (backend resize), or NULL */
   pool_block_t *pending_head;     /* free blocks with an outstanding event, oldest first */
   pool_block_t *pending_tail;
   pool_block_t *spare_blocks;     /* recycled metadata */
@@ -97,6 +104,8 @@ struct llmmem_pool_s {
   int release_when_empty;
   llmmem_pool_stats_t st;         /* counters kept up to date; derived fields filled by stats() */
   size_t pending_bytes;           /* free bytes still waiting for a stream event */
+  int64_t reserved_high;          /* highest reserved_bytes ever (not reset with the peaks): taking
+                                     memory beyond it first gives back idle holes (segment.c) */
 };
 
 /* tlsf.c */
@@ -157,6 +166,12 @@ void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks);
 llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool);
 pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream, llmmem_status_t *why);
 pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool);
+size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r);
+/* A large block just handed out: commits the decommitted pages under it. */
+llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b);
+static inline int _llmmem_page_decommitted(const pool_region_t *r, size_t page) {
+  return page / 64 < r->decommitted_words && (r->decommitted[page / 64] >> (page % 64)) & 1;
+}
 
 /* slots.c */
 void _llmmem_slots_forget(llmmem_pool_t *pool);
@@ -170,6 +185,11 @@ static inline size_t _llmmem_round_up(size_t n, size_t to) { return (n + to - 1)
 static inline void _llmmem_stat_add(llmmem_pool_stat_t *s, int64_t delta) {
   s->current += delta;
   if (s->current > s->peak) s->peak = s->current;
+}
+
+static inline void _llmmem_reserved_add(llmmem_pool_t *pool, int64_t delta) {
+  _llmmem_stat_add(&pool->st.reserved_bytes, delta);
+  if (pool->st.reserved_bytes.current > pool->reserved_high) pool->reserved_high = pool->st.reserved_bytes.current;
 }
 
 #endif /* LLMMEM_POOL_INTERNAL_H */

@@ -14,7 +14,11 @@ LLMMEM_API llmmem_status_t llmmem_pool_stats(llmmem_pool_t *pool, llmmem_pool_st
   out->free_bytes = (size_t)(pool->st.reserved_bytes.current - pool->st.allocated_bytes.current);
   size_t a = _llmmem_heap_largest(&pool->large), b = _llmmem_heap_largest(&pool->small);
   out->largest_free_block = a > b ? a : b;
-  out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free_block / (double)out->free_bytes : 0.0;
+  out->decommitted_bytes = 0;
+  for (const pool_region_t *r = pool->segments; r; r = r->next)
+    out->decommitted_bytes += r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE;
+  size_t free_space = out->free_bytes + out->decommitted_bytes;
+  out->fragmentation = free_space ? 1.0 - (double)out->largest_free_block / (double)free_space : 0.0;
   pthread_mutex_unlock(&pool->lock);
   return LLMMEM_OK;
 }
@@ -97,7 +101,11 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
   size_t segments = 0, chunks = 0, empty_chunks = 0;
   for (const pool_region_t *seg = pool->segments; seg; seg = seg->next) {
     segments++;
-    reserved += seg->size;
+    reserved += seg->size - seg->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE;
+    size_t marked = 0;
+    for (size_t w = 0; w < seg->decommitted_words; w++) marked += (size_t)__builtin_popcountll(seg->decommitted[w]);
+    CHECK_INV(marked == seg->decommitted_pages, "segment %p: %zu pages marked decommitted, counter %zu",
+              (void *)seg->base, marked, seg->decommitted_pages);
     uintptr_t at = seg->base;
     for (const pool_block_t *b = seg->first; b; b = b->next) {
       CHECK_INV(b->addr == at, "segment %p: block at %p, expected %p", (void *)seg->base, (void *)b->addr, (void *)at);
@@ -129,6 +137,8 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
           }
         }
         CHECK_INV(cat == c->base + c->size, "chunk %p is not tiled", (void *)c->base);
+        CHECK_INV(c->last && !c->last->next && c->last->addr + c->last->size == cat, "chunk %p: last block wrong",
+                  (void *)c->base);
       } else if (b->is_free) {
         free_large++;
         if (b->event) pending += b->size;
@@ -138,8 +148,16 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
         requested += b->requested;
         CHECK_INV(_llmmem_ptrmap_get(&pool->live, b->addr) == b, "live block %p not in the map", (void *)b->addr);
       }
+      if (!b->is_free || b->event) {  /* only event-less free blocks may hold decommitted pages */
+        size_t P = LLMMEM_POOL_CHUNK_SIZE;
+        for (size_t pg = (b->addr - seg->base) / P; pg * P < b->addr + b->size - seg->base; pg++)
+          CHECK_INV(!_llmmem_page_decommitted(seg, pg), "block %p (in use or waiting) covers a decommitted page",
+                    (void *)b->addr);
+      }
     }
     CHECK_INV(at == seg->base + seg->size, "segment %p is not tiled", (void *)seg->base);
+    CHECK_INV(seg->last && !seg->last->next && seg->last->addr + seg->last->size == at, "segment %p: last block wrong",
+              (void *)seg->base);
   }
   int ok = 1;
   size_t in_large = heap_blocks(&pool->large, 0, &ok), in_small = heap_blocks(&pool->small, 1, &ok);

@@ -3,9 +3,21 @@
  * requests carved from them; growth up to max_size (and when growth folds free segments into a
  * new one); polling and waiting on stream events of free blocks.
  *
+ * Growth, two ways. A backend that can resize regions in place (host memory over reserved
+ * address space; CUDA VMM would be the device counterpart, not built yet) gets one contiguous
+ * "top" segment that grows by what a request lacks, rounded to 2 MiB, merging with its free end
+ * (PyTorch's expandable segments do the same with 20 MiB pages). When it must take memory beyond
+ * what it has held, it first decommits the whole 2 MiB pages inside free holes (a hole too small
+ * for what comes next, such as last step's activations when the sequence grows, then holds no
+ * memory) and commits them again when a block over them is handed out. Measured on the GPT traces
+ * of benchmarks/traces: without this, the waste at the peak was free tails of many segments
+ * (fixed segments) or, in one segment, holes of shorter steps' buffers. A backend that cannot
+ * resize (cudaMalloc) gets separate segments, with fully free ones folded into the new one.
+ *
  * Runs under the pool's mutex. Backend calls (cudaMalloc/cudaFree, event queries) happen here.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "pool_internal.h"
 
@@ -44,7 +56,7 @@ llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_in
   }
   r->base = (uintptr_t)ptr;
   r->size = bytes;
-  r->first = b;
+  r->first = r->last = b;
   r->is_initial = (uint8_t)is_initial;
   region_link(&pool->segments, r);
   b->addr = r->base;
@@ -52,8 +64,10 @@ llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_in
   b->region = r;
   b->is_free = 1;
   _llmmem_heap_insert(&pool->large, b);
+  /* The newest segment is the one growth extends: its end is where the address space is free. */
+  if (pool->backend.resize && !pool->options.fixed_segments) pool->top = r;
   pool->st.num_backend_reserves++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, (int64_t)bytes);
+  _llmmem_reserved_add(pool, (int64_t)bytes);
   _llmmem_stat_add(&pool->st.segments, 1);
   return LLMMEM_OK;
 }
@@ -65,10 +79,12 @@ void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   _llmmem_block_clear_event(pool, b);
   _llmmem_block_recycle(pool, b);
   region_unlink(&pool->segments, r);
+  if (pool->top == r) pool->top = NULL;  /* the next growth reserves a new one */
   pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
   pool->st.num_backend_releases++;
-  _llmmem_stat_add(&pool->st.reserved_bytes, -(int64_t)r->size);
+  _llmmem_reserved_add(pool, -(int64_t)(r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE));
   _llmmem_stat_add(&pool->st.segments, -1);
+  free(r->decommitted);
   free(r);
 }
 
@@ -148,6 +164,95 @@ llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool) {
   return LLMMEM_OK;
 }
 
+/* ---- decommitted pages --------------------------------------------------------------------- */
+
+#define PAGE LLMMEM_POOL_CHUNK_SIZE /* bytes: the unit pages are decommitted in */
+
+static void page_mark(pool_region_t *r, size_t page, int on) {
+  uint64_t bit = (uint64_t)1 << (page % 64);
+  if (on) r->decommitted[page / 64] |= bit;
+  else r->decommitted[page / 64] &= ~bit;
+}
+
+/* Commits the decommitted pages in [lo, hi) (page indices). With `account` reserved_bytes grows by
+ * them; without, the caller accounts (so that a shrink does not raise the peak on its way). */
+static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_t lo, size_t hi, int account) {
+  size_t p = lo;
+  while (p < hi) {
+    while (p < hi && !_llmmem_page_decommitted(r, p)) p++;
+    size_t q = p;
+    while (q < hi && _llmmem_page_decommitted(r, q)) q++;
+    if (q > p) {
+      LLMMEM_TRY(pool->backend.commit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE));
+      for (size_t k = p; k < q; k++) page_mark(r, k, 0);
+      r->decommitted_pages -= q - p;
+      pool->st.num_backend_reserves++;  /* a backend call that maps memory, like cuMemMap in PyTorch's count */
+      if (account) _llmmem_reserved_add(pool, (int64_t)((q - p) * PAGE));
+    }
+    p = q;
+  }
+  return LLMMEM_OK;
+}
+
+/* Before the top segment grows: whole pages inside its free holes (event-less free blocks other
+ * than the free end, which the growth extends) are decommitted, so reserved memory counts what
+ * blocks use plus the hole edges, not the holes: a hole too small for the requests that come
+ * (last step's activations when the sequence grows) no longer holds memory while the segment
+ * grows past it. Pages come back when a block over them is handed out. Walks the segment's
+ * blocks: growth path only, which also pays for a backend call; never on a steady loop. Off with
+ * max_size, where committing a page again could fail at the cap after growth took its room. */
+static void decommit_holes(llmmem_pool_t *pool) {
+  pool_region_t *r = pool->top;
+  if (!r || !pool->backend.decommit || pool->options.max_size) return;
+  /* initial_size is kept until destroy, as promised: only pages beyond it are given back */
+  size_t kept_pages = r->is_initial ? (pool->options.initial_size + PAGE - 1) / PAGE : 0;
+  size_t words = (r->size / PAGE + 63) / 64;
+  if (words > r->decommitted_words) {
+    uint64_t *bits = realloc(r->decommitted, words * sizeof *bits);
+    if (!bits) return;  /* no host memory for the bitmap: just keep the pages */
+    memset(bits + r->decommitted_words, 0, (words - r->decommitted_words) * sizeof *bits);
+    r->decommitted = bits;
+    r->decommitted_words = words;
+  }
+  for (pool_block_t *b = r->first; b; b = b->next) {
+    if (!b->is_free || b->event || !b->next) continue;
+    size_t lo = (b->addr - r->base + PAGE - 1) / PAGE, hi = (b->addr + b->size - r->base) / PAGE;
+    if (lo < kept_pages) lo = kept_pages;
+    size_t p = lo;
+    while (p < hi) {
+      while (p < hi && _llmmem_page_decommitted(r, p)) p++;
+      size_t q = p;
+      while (q < hi && !_llmmem_page_decommitted(r, q)) q++;
+      if (q > p && pool->backend.decommit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE) == LLMMEM_OK) {
+        for (size_t k = p; k < q; k++) page_mark(r, k, 1);
+        r->decommitted_pages += q - p;
+        pool->st.num_backend_releases++;
+        _llmmem_reserved_add(pool, -(int64_t)((q - p) * PAGE));
+      }
+      p = q;
+    }
+  }
+}
+
+/* A large block being handed out (still flagged free, out of the heap): commits the decommitted
+ * pages under it. When that would take reserved memory beyond its highest mark, idle holes are
+ * decommitted first (not this block: it is flagged in use meanwhile): memory beyond what the pool
+ * ever held is taken only once what sits idle is given back, as on growth. */
+llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
+  pool_region_t *r = b->region;
+  if (!r->decommitted_pages) return LLMMEM_OK;
+  size_t lo = (b->addr - r->base) / PAGE, hi = (b->addr + b->size - r->base + PAGE - 1) / PAGE;
+  size_t need = 0;
+  for (size_t p = lo; p < hi; p++) need += _llmmem_page_decommitted(r, p);
+  if (pool->st.reserved_bytes.current + (int64_t)(need * PAGE) > pool->reserved_high) {
+    uint8_t was_free = b->is_free;
+    b->is_free = 0;
+    decommit_holes(pool);
+    b->is_free = was_free;
+  }
+  return commit_pages(pool, r, lo, hi, 1);
+}
+
 /* ---- growth -------------------------------------------------------------------------------- */
 
 static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
@@ -193,20 +298,114 @@ static size_t segment_for(size_t need) {
   return best;
 }
 
-/* Growth that does not strand memory: fully free growth segments are given back first and their
- * bytes re-reserved inside the one new segment, so free space that was scattered over segments
- * (which can never merge with each other) becomes contiguous; reserved memory grows only by what
- * the request adds. The release costs a backend free (cudaFree synchronizes the device), but only
- * on the growth path, which already pays for a cudaMalloc; a steady training loop never gets here. */
+/* Grows the top segment in place (backend resize) so that its free end holds `need` bytes: by what
+ * the end lacks, rounded up to 2 MiB (the granularity cudaMalloc/cuMemMap work in; at least
+ * growth_size). Free space then never strands at the end of a segment that cannot merge with the
+ * next one: reserved memory grows only by what requests add. LLMMEM_ERR_NOMEM when max_size is
+ * reached or the address space behind the segment is taken. */
+static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
+  pool_region_t *r = pool->top;
+  pool_block_t *end = r->last;
+  size_t have = end->is_free && !end->event ? end->size : 0;  /* only an event-less end merges */
+  size_t lack = need > have ? need - have : 0;
+  if (!lack) return LLMMEM_OK;  /* fits already (a search skipped it as busy on another stream) */
+  size_t add = _llmmem_round_up(lack, LLMMEM_POOL_CHUNK_SIZE);
+  if (pool->options.growth_size > add) add = pool->options.growth_size;
+  size_t max = pool->options.max_size, reserved = (size_t)pool->st.reserved_bytes.current;
+  if (max) {
+    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
+    if (avail < lack)
+      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
+                         reserved, lack);
+    if (add > avail) add = avail;
+  }
+  if (r->size > SIZE_MAX / 2 - add) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: segment too large to grow");
+  pool_block_t *nb = _llmmem_block_new(pool);
+  if (!nb) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: no host memory for block metadata");
+  llmmem_status_t st = pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size + add);
+  if (st != LLMMEM_OK) {
+    _llmmem_block_recycle(pool, nb);
+    return st;
+  }
+  nb->addr = r->base + r->size;
+  nb->size = add;
+  nb->region = r;
+  nb->is_free = 1;
+  nb->prev = end;
+  end->next = nb;
+  r->last = nb;
+  r->size += add;
+  pool->st.num_backend_reserves++;
+  _llmmem_reserved_add(pool, (int64_t)add);
+  _llmmem_heap_insert(&pool->large, _llmmem_coalesce(pool, nb));
+  return LLMMEM_OK;
+}
+
+/* Gives back the free end of segment r beyond whole 2 MiB steps (keeping initial_size of the
+ * initial segment), when the pool resizes segments. Any segment may have grown: the top changes
+ * when the address space behind one runs out. Returns the bytes given back. */
+size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
+  if (!pool->backend.resize || pool->options.fixed_segments) return 0;
+  pool_block_t *end = r->last;
+  if (!end->is_free || end->event) return 0;
+  size_t keep = r->is_initial ? pool->options.initial_size : 0;
+  size_t cut = end->size / LLMMEM_POOL_CHUNK_SIZE * LLMMEM_POOL_CHUNK_SIZE;
+  if (r->size - cut < keep) cut = (r->size - keep) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY;
+  if (cut == 0 || cut == r->size) return 0;  /* a wholly free segment is released, not shrunk */
+  /* Decommitted pages of the end are committed first (the cut may not fall on a page boundary);
+   * the stat moves once, by the net change, so the shrink does not raise the peak. */
+  size_t before = r->decommitted_pages;
+  if (before) {
+    size_t lo = (end->addr - r->base) / PAGE, hi = (r->size + PAGE - 1) / PAGE;
+    if (commit_pages(pool, r, lo, hi, 0) != LLMMEM_OK) {
+      _llmmem_reserved_add(pool, (int64_t)((before - r->decommitted_pages) * PAGE));
+      return 0;
+    }
+  }
+  int64_t recommitted = (int64_t)((before - r->decommitted_pages) * PAGE);
+  if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size - cut) != LLMMEM_OK) {
+    _llmmem_reserved_add(pool, recommitted);
+    return 0;
+  }
+  _llmmem_heap_remove(&pool->large, end);
+  if (cut == end->size) {
+    r->last = end->prev;
+    end->prev->next = NULL;
+    _llmmem_block_recycle(pool, end);
+  } else {
+    end->size -= cut;
+    _llmmem_heap_insert(&pool->large, end);
+  }
+  r->size -= cut;
+  pool->st.num_backend_releases++;
+  _llmmem_reserved_add(pool, recommitted - (int64_t)cut);
+  return cut > (size_t)recommitted ? cut - (size_t)recommitted : 0;
+}
+
+/* Growth that does not strand memory: fully free growth segments are given back first. With a
+ * resizable backend the top segment then grows in place by what the request lacks. Otherwise
+ * the released bytes are re-reserved inside the one new segment, so free space that was scattered
+ * over segments (which can never merge with each other) becomes contiguous; reserved memory grows
+ * only by what the request adds. The release costs a backend free (cudaFree synchronizes the
+ * device), but only on the growth path, which already pays for a cudaMalloc; a steady training
+ * loop never gets here. */
 static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
   size_t freed = 0;
   _llmmem_release_empty_chunks(pool);
   for (pool_region_t *r = pool->segments, *next; r; r = next) {
     next = r->next;
-    if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) {
+    if (!r->is_initial && r != pool->top && _llmmem_region_empty(r) && !r->first->event) {
       freed += r->size;
       _llmmem_release_segment(pool, r);
     }
+  }
+  if (pool->top) {
+    decommit_holes(pool);
+    llmmem_status_t st = grow_in_place(pool, need);
+    if (st != LLMMEM_ERR_NOMEM) return st;
+    /* The address space behind the top is exhausted (or max_size reached, and then so will be a
+     * new segment): a new segment, which becomes the top. */
+    return grow(pool, need);
   }
   size_t want = segment_for(need);
   if (freed > want) want = freed;
@@ -241,7 +440,8 @@ pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream,
       }
       b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
       if (!b) {
-        *why = grow(pool, size);
+        /* events waited for: the top's end may have become mergeable, so it may need less now */
+        *why = pool->top ? grow_consolidating(pool, size) : grow(pool, size);
         if (*why == LLMMEM_OK) b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
       }
     }
@@ -269,11 +469,17 @@ pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool) {
     _llmmem_split(pool, lb, lb->size, NULL);
     _llmmem_block_recycle(pool, rest);
   }
+  if (_llmmem_commit_block(pool, lb) != LLMMEM_OK) {
+    _llmmem_put_back(pool, lb);
+    free(c);
+    _llmmem_block_recycle(pool, sb);
+    return NULL;
+  }
   lb->is_free = 0;
   lb->chunk = c;
   c->base = lb->addr;
   c->size = lb->size;
-  c->first = sb;
+  c->first = c->last = sb;
   c->backing = lb;
   region_link(&pool->chunks, c);
   pool->st.small_chunks++;

@@ -40,13 +40,15 @@ static llmmem_pool_t *get_pool(PyObject *capsule) {
 
 static PyObject *raise_status(llmmem_status_t st) { return llmmem_py_raise(st); }
 
-/* pool_create(kind, device, initial_size, max_size, growth_size) -> capsule */
+/* pool_create(kind, device, initial_size, max_size, growth_size[, fixed_segments]) -> capsule.
+ * fixed_segments (default False) turns in-place growth off: for benchmarks comparing policies. */
 static PyObject *py_pool_create(PyObject *self, PyObject *args) {
   (void)self;
   const char *kind;
   int device;
   unsigned long long initial, max, growth;
-  if (!PyArg_ParseTuple(args, "siKKK", &kind, &device, &initial, &max, &growth)) return NULL;
+  int fixed_segments = 0;
+  if (!PyArg_ParseTuple(args, "siKKK|p", &kind, &device, &initial, &max, &growth, &fixed_segments)) return NULL;
   llmmem_pool_backend_t backend;
   llmmem_status_t st;
   if (strcmp(kind, "cpu") == 0) st = llmmem_pool_backend_host(0, &backend);
@@ -57,7 +59,7 @@ static PyObject *py_pool_create(PyObject *self, PyObject *args) {
     return NULL;
   }
   if (st != LLMMEM_OK) return raise_status(st);
-  llmmem_pool_options_t opt = {(size_t)initial, (size_t)max, (size_t)growth};
+  llmmem_pool_options_t opt = {(size_t)initial, (size_t)max, (size_t)growth, fixed_segments};
   llmmem_pool_t *pool = NULL;
   Py_BEGIN_ALLOW_THREADS
   st = llmmem_pool_create(&backend, &opt, &pool);
@@ -180,6 +182,7 @@ static PyObject *py_pool_stats(PyObject *self, PyObject *capsule) {
       set_item(d, "num_device_free", PyLong_FromUnsignedLongLong(s.num_backend_releases)) < 0 ||
       set_item(d, "num_sync_events", PyLong_FromUnsignedLongLong(s.num_event_waits)) < 0 ||
       set_item(d, "free_bytes", PyLong_FromSize_t(s.free_bytes)) < 0 ||
+      set_item(d, "decommitted_bytes", PyLong_FromSize_t(s.decommitted_bytes)) < 0 ||
       set_item(d, "largest_free_block", PyLong_FromSize_t(s.largest_free_block)) < 0 ||
       set_item(d, "fragmentation", PyFloat_FromDouble(s.fragmentation)) < 0 ||
       set_item(d, "small_chunks", PyLong_FromSize_t(s.small_chunks)) < 0 ||
@@ -411,7 +414,8 @@ static PyObject *py_pool_info(PyObject *self, PyObject *capsule) {
 
 PyMethodDef llmmem_py_pool_methods[] = {
     {"pool_create", py_pool_create, METH_VARARGS,
-     "pool_create(kind, device, initial_size, max_size, growth_size) -> pool capsule. kind: cpu|pinned|cuda."},
+     "pool_create(kind, device, initial_size, max_size, growth_size[, fixed_segments]) -> pool capsule. "
+     "kind: cpu|pinned|cuda."},
     {"pool_close", py_pool_close, METH_O, "pool_close(pool): destroy now (StateError while blocks are out)."},
     {"pool_alloc", py_pool_alloc, METH_VARARGS, "pool_alloc(pool, size, stream=0) -> address."},
     {"pool_free", py_pool_free, METH_VARARGS, "pool_free(pool, address, stream=0)."},

@@ -29,6 +29,7 @@ typedef struct {
   int n_events;
   int fail_reserve;        /* reserve returns NOMEM while set */
   size_t reserved;         /* bytes currently held */
+  size_t capacity;         /* > 0: regions can grow in place (resize) up to this many bytes */
   int destroyed;
 } fake_ctx_t;
 
@@ -36,7 +37,8 @@ static llmmem_status_t fake_reserve(void *ctx, size_t bytes, void **out) {
   fake_ctx_t *f = ctx;
   if (f->fail_reserve) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fake: reserve refused");
   void *p = NULL;
-  if (posix_memalign(&p, 4096, bytes) != 0) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fake: no memory");
+  size_t room = f->capacity > bytes ? f->capacity : bytes;  /* the "address space" behind the region */
+  if (posix_memalign(&p, 4096, room) != 0) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fake: no memory");
   f->reserved += bytes;
   *out = p;
   return LLMMEM_OK;
@@ -44,6 +46,13 @@ static llmmem_status_t fake_reserve(void *ctx, size_t bytes, void **out) {
 static void fake_release(void *ctx, void *ptr, size_t bytes) {
   ((fake_ctx_t *)ctx)->reserved -= bytes;
   free(ptr);
+}
+static llmmem_status_t fake_resize(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes) {
+  fake_ctx_t *f = ctx;
+  (void)ptr;
+  if (new_bytes > f->capacity || f->fail_reserve) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fake: cannot grow in place");
+  f->reserved = f->reserved - old_bytes + new_bytes;
+  return LLMMEM_OK;
 }
 static llmmem_status_t fake_record(void *ctx, void *stream, void **out) {
   fake_ctx_t *f = ctx;
@@ -95,6 +104,7 @@ static llmmem_pool_backend_t fake_backend(fake_ctx_t *f, int with_events) {
   b.ctx = f;
   b.reserve = fake_reserve;
   b.release = fake_release;
+  if (f->capacity) b.resize = fake_resize;
   if (with_events) {
     b.event_record = fake_record;
     b.event_done = fake_done;
@@ -105,13 +115,21 @@ static llmmem_pool_backend_t fake_backend(fake_ctx_t *f, int with_events) {
   return b;
 }
 
-static llmmem_pool_t *host_pool(size_t initial, size_t max, size_t growth) {
+/* fixed = 1: every growth is a separate segment (the policy with cudaMalloc, which cannot grow a
+ * region in place); fixed = 0: the host backend's in-place growth. */
+static llmmem_pool_t *host_pool_policy(size_t initial, size_t max, size_t growth, int fixed) {
   llmmem_pool_backend_t b;
-  llmmem_pool_options_t o = {initial, max, growth};
+  llmmem_pool_options_t o = {initial, max, growth, fixed};
   llmmem_pool_t *p = NULL;
   if (llmmem_pool_backend_host(0, &b) != LLMMEM_OK) return NULL;
   if (llmmem_pool_create(&b, &o, &p) != LLMMEM_OK) return NULL;
   return p;
+}
+static llmmem_pool_t *host_pool(size_t initial, size_t max, size_t growth) {
+  return host_pool_policy(initial, max, growth, 1);
+}
+static llmmem_pool_t *grow_pool(size_t initial, size_t max, size_t growth) {
+  return host_pool_policy(initial, max, growth, 0);
 }
 
 /* Every block of the snapshot: free or not, all in one piece per segment? */
@@ -196,7 +214,7 @@ static int random_run(llmmem_pool_t *p, unsigned long long seed, int ops, int ma
           s.allocations.current != n)
         ok = 0;
       if (s.free_bytes + (size_t)s.allocated_bytes.current != (size_t)s.reserved_bytes.current) ok = 0;
-      if (s.largest_free_block > s.free_bytes) ok = 0;
+      if (s.largest_free_block > s.free_bytes + s.decommitted_bytes) ok = 0;
     }
   }
   for (int k = 0; k < n; k++) {
@@ -492,6 +510,247 @@ int main(void) {
     CHECK_OK(llmmem_pool_destroy(p));
   }
 
+  TEST("in-place growth: one segment grows by what a request lacks, rounded to 2 MiB") {
+    llmmem_pool_t *p = grow_pool(0, 0, 0);
+    void *a, *b, *c;
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &a));  /* 4 MiB, 1 MiB free at the end */
+    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB, NULL, &b));  /* lacks 4 MiB: the free end merges with the growth */
+    CHECK_OK(llmmem_pool_alloc(p, 100 * 1024, NULL, &c));  /* a 2 MiB chunk: +2 MiB */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.segments.current == 1 && s.reserved_bytes.current == (int64_t)(10 * MiB) && s.num_backend_reserves == 3);
+    CHECK((uintptr_t)b == (uintptr_t)a + 3 * MiB);
+    CHECK_OK(_llmmem_pool_check(p));
+    memset(b, 0xab, 5 * MiB);  /* the grown memory is there */
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));
+    /* 3 MiB free at the start does not fit 4 MiB; the empty chunk at the end is given back and
+     * merges with the growth: +2 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &a));
+    CHECK((uintptr_t)a == (uintptr_t)b + 5 * MiB);
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK(segments_whole_and_free(p));
+    size_t released = 0;
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(released == 12 * MiB && s.reserved_bytes.current == 0 && s.segments.current == 0);
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: empty_cache gives back the free end in 2 MiB steps, never below initial_size") {
+    llmmem_pool_t *p = grow_pool(3 * MiB, 0, 0);
+    void *a, *b;
+    CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB, NULL, &b));  /* lacks 8 MiB: 11 MiB */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.segments.current == 1 && s.reserved_bytes.current == (int64_t)(11 * MiB));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    size_t released = 0;
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));  /* 9 MiB free end: 8 MiB go */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(released == 8 * MiB && s.reserved_bytes.current == (int64_t)(3 * MiB));
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(released == 0 && s.reserved_bytes.current == (int64_t)(3 * MiB));  /* initial_size stays */
+    CHECK(segments_whole_and_free(p));
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &a));  /* and grows again after a shrink */
+    CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &b));
+    CHECK((uintptr_t)b == (uintptr_t)a + 3 * MiB);
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: exact OOM at max_size") {
+    llmmem_pool_t *p = grow_pool(0, 10 * MiB, 0);
+    void *a, *b, *c;
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &b));
+    CHECK_STATUS(llmmem_pool_alloc(p, 1, NULL, &c), LLMMEM_ERR_NOMEM);
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(10 * MiB) && s.segments.current == 1);
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_STATUS(llmmem_pool_alloc(p, 7 * MiB, NULL, &c), LLMMEM_ERR_NOMEM);  /* 6 MiB free, 4 live */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &c));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    /* 4 MiB free at the end, 6 live: a 5 MiB request may grow by 1 MiB... rounded to 2, capped at max */
+    CHECK_STATUS(llmmem_pool_alloc(p, 5 * MiB, NULL, &a), LLMMEM_ERR_NOMEM);
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &a));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_destroy(p));
+
+    p = grow_pool(0, 11 * MiB, 0);
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &b));  /* lacks 3 MiB, rounded to 4: 10 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &c));  /* 1 MiB free end + 1 MiB, capped at 11 MiB */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(11 * MiB) && s.segments.current == 1 && s.free_bytes == 0);
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: whole pages of free holes are decommitted while growing, committed when reused") {
+    for (int capped = 0; capped <= 1; capped++) {
+      llmmem_pool_t *p = grow_pool(0, capped ? 64 * MiB : 0, 0);
+      void *a, *b, *c, *d;
+      CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));
+      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b));  /* 10 MiB, 0.5 MiB free end */
+      CHECK_OK(llmmem_pool_free(p, a, NULL));                 /* an 8 MiB hole: four whole pages */
+      CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));     /* does not fit it: grows by 10 MiB */
+      llmmem_pool_stats_t s;
+      CHECK_OK(llmmem_pool_stats(p, &s));
+      /* without a cap the hole's pages are given back while the segment grows past it */
+      CHECK(s.segments.current == 1 && (uintptr_t)c == (uintptr_t)a + 19 * MiB / 2);
+      CHECK(s.reserved_bytes.current == (int64_t)(capped ? 20 * MiB : 12 * MiB));
+      CHECK(s.reserved_bytes.peak == (int64_t)(capped ? 20 * MiB : 12 * MiB));
+      CHECK(s.decommitted_bytes == (capped ? 0 : 8 * MiB) && s.largest_free_block == 8 * MiB);
+      CHECK_OK(_llmmem_pool_check(p));
+      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &d));  /* into the hole: its first two pages come back */
+      CHECK(d == a);
+      memset(d, 0x5a, 3 * MiB);
+      CHECK_OK(llmmem_pool_stats(p, &s));
+      CHECK(s.reserved_bytes.current == (int64_t)(capped ? 20 * MiB : 16 * MiB));
+      CHECK(s.decommitted_bytes == (capped ? 0 : 4 * MiB));
+      CHECK_OK(_llmmem_pool_check(p));
+      CHECK_OK(llmmem_pool_free(p, d, NULL));
+      CHECK_OK(llmmem_pool_free(p, b, NULL));
+      CHECK_OK(llmmem_pool_free(p, c, NULL));
+      CHECK(segments_whole_and_free(p));
+      size_t released = 0;
+      CHECK_OK(llmmem_pool_empty_cache(p, &released));
+      CHECK_OK(llmmem_pool_stats(p, &s));
+      CHECK(s.reserved_bytes.current == 0 && s.segments.current == 0 && s.decommitted_bytes == 0);
+      CHECK_OK(llmmem_pool_destroy(p));
+    }
+    /* the initial segment shrinks over decommitted pages without counting them twice */
+    llmmem_pool_t *p = grow_pool(3 * MiB, 0, 0);
+    void *a, *b, *c;
+    CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &b));
+    CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &c));
+    CHECK_OK(llmmem_pool_free(p, b, NULL));  /* 6 MiB hole */
+    void *d;
+    CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d));  /* grows; the hole's whole pages go back */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.decommitted_bytes > 0);
+    CHECK_OK(llmmem_pool_free(p, d, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));  /* the hole merges into the free end */
+    size_t released = 0;
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(3 * MiB) && s.decommitted_bytes == 0);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &b));
+    memset(b, 1, 3 * MiB);
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: reusing a decommitted hole beyond the highest mark first gives back idle holes") {
+    llmmem_pool_t *p = grow_pool(0, 0, 0);
+    void *a, *b, *x, *y, *c, *d, *z;
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));            /* [0, 8) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b));        /* [8, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &x));            /* [9.5, 15.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &y));        /* [15.5, 17): 18 MiB reserved */
+    CHECK_OK(llmmem_pool_free(p, a, NULL));                       /* hole H1: 8 MiB, idle */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));           /* grows; H1's 4 pages go back */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(20 * MiB) && s.decommitted_bytes == 8 * MiB);
+    CHECK_OK(llmmem_pool_free(p, x, NULL));                       /* hole H2: 6 MiB, committed, idle */
+    /* 7 MiB fits only H1: its 4 pages come back, which would make 28 MiB, beyond the 20 MiB ever
+     * held, so H2's two whole pages go back first: 24 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d));
+    CHECK(d == a);
+    memset(d, 7, 7 * MiB);
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(24 * MiB) && s.reserved_bytes.peak == (int64_t)(24 * MiB));
+    CHECK(s.decommitted_bytes == 4 * MiB);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &z));            /* into H2: its pages come back */
+    CHECK(z == x);
+    memset(z, 6, 6 * MiB);
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(28 * MiB) && s.decommitted_bytes == 0);
+    CHECK_OK(_llmmem_pool_check(p));
+    void *all[] = {b, y, c, d, z};
+    for (int i = 0; i < 5; i++) CHECK_OK(llmmem_pool_free(p, all[i], NULL));
+    CHECK(segments_whole_and_free(p));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: a backend that cannot grow further gets a new segment, which grows next") {
+    fake_ctx_t f = {0};
+    f.capacity = 8 * MiB;
+    llmmem_pool_backend_t b = fake_backend(&f, 0);
+    llmmem_pool_options_t o = {0, 0, 0};
+    llmmem_pool_t *p = NULL;
+    CHECK_OK(llmmem_pool_create(&b, &o, &p));
+    void *x, *y, *z;
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &x));
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &y));  /* grows the first to its 8 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &z));  /* no room behind it: a second segment */
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.segments.current == 2 && s.reserved_bytes.current == (int64_t)(12 * MiB) && f.reserved == 12 * MiB);
+    CHECK((uintptr_t)y == (uintptr_t)x + 4 * MiB);
+    void *w;
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &w));  /* the second grows in place: 1 MiB free end + 2 */
+    CHECK((uintptr_t)w == (uintptr_t)z + 3 * MiB);
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.segments.current == 2 && s.reserved_bytes.current == (int64_t)(14 * MiB) && f.reserved == 14 * MiB);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_free(p, x, NULL));
+    CHECK_OK(llmmem_pool_free(p, y, NULL));
+    CHECK_OK(llmmem_pool_free(p, z, NULL));
+    CHECK_OK(llmmem_pool_free(p, w, NULL));
+    CHECK_OK(llmmem_pool_empty_cache(p, NULL));
+    CHECK(f.reserved == 0);
+    CHECK_OK(llmmem_pool_destroy(p));
+    CHECK(f.destroyed && f.reserved == 0);
+  }
+
+  TEST("in-place growth with streams: a free end waiting on another stream's event is not merged") {
+    fake_ctx_t f = {0};
+    f.capacity = 64 * MiB;
+    llmmem_pool_backend_t b = fake_backend(&f, 1);
+    llmmem_pool_options_t o = {0, 0, 0};
+    llmmem_pool_t *p = NULL;
+    CHECK_OK(llmmem_pool_create(&b, &o, &p));
+    void *S1 = (void *)0x100, *S2 = (void *)0x200, *x, *y, *z;
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &x));
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &y));
+    CHECK_OK(llmmem_pool_free(p, y, S1));  /* the free end waits on S1's event */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, S2, &z));  /* must not touch it: grows by 6 MiB after it */
+    CHECK((uintptr_t)z == (uintptr_t)x + 8 * MiB);
+    llmmem_pool_stats_t s;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.segments.current == 1 && s.reserved_bytes.current == (int64_t)(14 * MiB));
+    CHECK_OK(_llmmem_pool_check(p));
+    fake_complete(&f, S1);
+    CHECK_OK(llmmem_pool_free(p, x, S1));
+    CHECK_OK(llmmem_pool_free(p, z, S2));
+    fake_complete(&f, S2);
+    CHECK_OK(llmmem_pool_empty_cache(p, NULL));
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == 0 && f.reserved == 0);
+    CHECK_OK(llmmem_pool_destroy(p));
+    CHECK(fake_all_released_once(&f));
+    fake_free_events(&f);
+  }
+
   TEST("stream-ordered reuse: same stream at once, other streams after the free's event") {
     fake_ctx_t f = {0};
     llmmem_pool_backend_t b = fake_backend(&f, 1);
@@ -558,6 +817,7 @@ int main(void) {
 
   TEST("streams: random multi-stream sequences keep every invariant") {
     fake_ctx_t f = {0};
+    f.capacity = 48 * MiB;  /* growth in place up to 48 MiB, then further segments */
     llmmem_pool_backend_t b = fake_backend(&f, 1);
     llmmem_pool_options_t o = {0, 0, 0};
     llmmem_pool_t *p = NULL;
@@ -608,8 +868,9 @@ int main(void) {
   }
 
   TEST("10^5 seeded random allocations and frees, 1 B to 256 MiB, checked against a model") {
-    for (unsigned long long seed = 1; seed <= 2; seed++) {
-      llmmem_pool_t *p = host_pool(seed == 1 ? 64 * MiB : 0, 0, 0);
+    for (unsigned long long seed = 1; seed <= 4; seed++) {
+      /* seeds 1, 2: separate segments; 3, 4: one segment growing in place */
+      llmmem_pool_t *p = host_pool_policy(seed % 2 == 1 ? 64 * MiB : 0, 0, 0, seed <= 2);
       CHECK(random_run(p, seed, 100000, 48, 997));
       CHECK_OK(_llmmem_pool_check(p));
       /* Complete coalescing: once the kept empty chunk is returned, every segment is one free
@@ -620,13 +881,13 @@ int main(void) {
       CHECK_OK(llmmem_pool_empty_cache(p, NULL));
       CHECK(segments_whole_and_free(p));
       CHECK_OK(llmmem_pool_stats(p, &s));
-      CHECK(s.reserved_bytes.current == (int64_t)(seed == 1 ? 64 * MiB : 0));
+      CHECK(s.reserved_bytes.current == (int64_t)(seed % 2 == 1 ? 64 * MiB : 0));
       CHECK_OK(llmmem_pool_destroy(p));
     }
   }
 
   TEST("four threads at once on one pool") {
-    llmmem_pool_t *p = host_pool(32 * MiB, 0, 0);
+    llmmem_pool_t *p = grow_pool(32 * MiB, 0, 0);
     pthread_t th[4];
     thread_arg_t args[4];
     for (int i = 0; i < 4; i++) {

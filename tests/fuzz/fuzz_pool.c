@@ -3,7 +3,9 @@
  *
  * Each input is a program: every byte pair is an operation (alloc of a size class on one of three
  * fake streams, free, double free, foreign/interior free, completing a stream's events,
- * empty_cache, reset_peak, stats) on a pool with a 64 MiB cap and fake stream events. After each
+ * empty_cache, reset_peak, stats) on a pool with fake stream events: with a 64 MiB cap and
+ * separate segments, growing in place with the cap, or growing in place uncapped (where free
+ * holes are decommitted on growth; the backend's room per region is 96 MiB). After each
  * step the invariants are checked; any violation — or memory handed to another stream before the
  * free's event completed — traps, and ASan/UBSan catch the rest.
  */
@@ -30,10 +32,12 @@ typedef struct {
 static ev_t events[MAX_EVENTS];
 static int n_events;
 
+#define ROOM ((size_t)96 << 20) /* bytes behind each region a resizable backend can grow into */
+
 static llmmem_status_t f_reserve(void *ctx, size_t bytes, void **out) {
   (void)ctx;
   void *p = NULL;
-  if (posix_memalign(&p, 4096, bytes) != 0) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fuzz: no memory");
+  if (posix_memalign(&p, 4096, bytes > ROOM ? bytes : ROOM) != 0) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fuzz: no memory");
   *out = p;
   return LLMMEM_OK;
 }
@@ -41,6 +45,19 @@ static void f_release(void *ctx, void *ptr, size_t bytes) {
   (void)ctx;
   (void)bytes;
   free(ptr);
+}
+static llmmem_status_t f_resize(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes) {
+  (void)ctx;
+  (void)ptr;
+  (void)old_bytes;
+  return new_bytes <= ROOM ? LLMMEM_OK : LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fuzz: no room to grow");
+}
+/* The memory stays (it is ordinary heap memory); the pool's checker verifies that no live or
+ * waiting block covers a decommitted page, and writes into new blocks run under ASan. */
+static llmmem_status_t f_commit(void *ctx, void *ptr, size_t bytes) {
+  (void)ctx;
+  memset(ptr, 0, bytes < 64 ? bytes : 64);
+  return LLMMEM_OK;
 }
 static llmmem_status_t f_record(void *ctx, void *stream, void **out) {
   (void)ctx;
@@ -81,8 +98,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
   b.event_done = f_done;
   b.event_wait = f_wait;
   b.event_release = f_event_release;
+  int mode = (int)(len % 3);  /* 0: fixed segments, 1: in place with the cap, 2: in place, uncapped */
+  if (mode) {
+    b.resize = f_resize;
+    b.decommit = f_commit;
+    b.commit = f_commit;
+  }
+  size_t cap = mode == 2 ? 0 : 64 * MiB;
   n_events = 0;
-  llmmem_pool_options_t o = {len % 2 ? 4 * MiB : 0, 64 * MiB, len % 3 == 0 ? 8 * MiB : 0};
+  llmmem_pool_options_t o = {len % 2 ? 4 * MiB : 0, cap, len % 5 == 0 ? 8 * MiB : 0};
   llmmem_pool_t *p = NULL;
   if (llmmem_pool_create(&b, &o, &p) != LLMMEM_OK) __builtin_trap();
   void *live[MAX_LIVE];
@@ -153,7 +177,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
           llmmem_pool_stats_t s;
           if (llmmem_pool_stats(p, &s) != LLMMEM_OK) __builtin_trap();
           if (s.free_bytes + (size_t)s.allocated_bytes.current != (size_t)s.reserved_bytes.current) __builtin_trap();
-          if (s.reserved_bytes.current > (int64_t)(64 * MiB) || s.allocations.current != n) __builtin_trap();
+          if ((cap && s.reserved_bytes.current > (int64_t)cap) || s.allocations.current != n) __builtin_trap();
+          if (s.largest_free_block > s.free_bytes + s.decommitted_bytes) __builtin_trap();
         }
         break;
     }

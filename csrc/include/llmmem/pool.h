@@ -51,13 +51,28 @@ typedef struct llmmem_pool_backend_s {
   void (*event_release)(void *ctx, void *event);               /* the pool no longer needs it */
   /* Frees ctx; called once by llmmem_pool_destroy after every region is released. May be NULL. */
   void (*destroy)(void *ctx);
+  /* Optional (NULL: regions keep the size they were reserved with). Grows or shrinks region `ptr`
+   * from `old_bytes` to `new_bytes` in place, keeping its address (virtual address space reserved
+   * behind it, physical memory committed or given back). LLMMEM_ERR_NOMEM when the region cannot
+   * grow there; the pool then reserves a new region. A shrink gives the tail's memory back. With
+   * it the pool grows one contiguous region by what a request lacks (like PyTorch's expandable
+   * segments), so free space never strands at the ends of separate segments. */
+  llmmem_status_t (*resize)(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes);
+  /* Optional, both or neither (needs resize): give back the memory under `bytes` at `ptr` inside a
+   * region while keeping the addresses (decommit), and make it usable again (commit). The pool
+   * decommits whole 2 MiB pages inside free holes when it must grow, so memory a hole holds is
+   * not counted twice; it commits them again when a block over them is handed out. */
+  llmmem_status_t (*decommit)(void *ctx, void *ptr, size_t bytes);
+  llmmem_status_t (*commit)(void *ctx, void *ptr, size_t bytes);
 } llmmem_pool_backend_t;
 
 typedef struct llmmem_pool_options_s {
   size_t initial_size;  /* bytes reserved at creation in one segment, kept until destroy (0: none) */
   size_t max_size;      /* cap on reserved bytes; 0 = no cap beyond what the backend gives */
-  size_t growth_size;   /* bytes: growth segments are at least this big (0: just what the request
-                           needs, rounded up to 2 MiB) */
+  size_t growth_size;   /* bytes: growth segments (or in-place growth steps) are at least this big
+                           (0: just what the request lacks, rounded up to 2 MiB) */
+  int fixed_segments;   /* 1: never resize regions even when the backend can (each growth is a new
+                           segment, as with cudaMalloc); for comparisons and tests */
 } llmmem_pool_options_t;
 
 /* A statistic that goes up and down, with its high-water mark since creation or the last reset. */
@@ -78,12 +93,17 @@ typedef struct llmmem_pool_stats_s {
   uint64_t num_frees;                  /* successful frees since creation */
   uint64_t num_ooms;                   /* allocations refused for lack of memory */
   uint64_t num_invalid_frees;          /* double frees and foreign pointers refused */
-  uint64_t num_backend_reserves;       /* calls to the backend's reserve (cudaMalloc, ...) */
-  uint64_t num_backend_releases;
+  uint64_t num_backend_reserves;       /* backend calls that take memory: reserve (cudaMalloc, ...),
+                                          in-place growth, commit of decommitted pages */
+  uint64_t num_backend_releases;       /* ... that give it back: release, shrink, decommit */
   uint64_t num_event_waits;            /* host waits on stream events (OOM path, empty_cache) */
   size_t free_bytes;                   /* reserved - allocated */
+  size_t decommitted_bytes;            /* free address space inside segments whose memory was given
+                                          back (pages of holes, see the backend's decommit); not in
+                                          reserved_bytes, committed again when handed out */
   size_t largest_free_block;           /* the biggest single block a request could get now */
-  double fragmentation;                /* 1 - largest_free_block / free_bytes (0 when nothing is free) */
+  double fragmentation;                /* 1 - largest_free_block / (free_bytes + decommitted_bytes),
+                                          0 when nothing is free */
   size_t small_chunks;                 /* 2 MiB chunks currently carved for small requests */
   size_t initial_size;
   size_t max_size;                     /* 0 = uncapped */
@@ -154,7 +174,9 @@ LLMMEM_API llmmem_status_t llmmem_pool_device(llmmem_pool_t *pool, const char **
 /* ---- backends ---------------------------------------------------------------------------- */
 
 /* Ordinary host memory (pinned = 0) or page-locked host memory through the CUDA runtime
- * (pinned = 1: LLMMEM_ERR_NOT_BUILT without CUDA, LLMMEM_ERR_NO_DEVICE without a driver). */
+ * (pinned = 1: LLMMEM_ERR_NOT_BUILT without CUDA, LLMMEM_ERR_NO_DEVICE without a driver).
+ * Ordinary memory regions sit in a large reserved virtual address range (mmap PROT_NONE), so they
+ * can grow in place (resize); page-locked ones cannot. */
 LLMMEM_API llmmem_status_t llmmem_pool_backend_host(int pinned, llmmem_pool_backend_t *out);
 
 /* Device memory of CUDA device `device` through cudaMalloc/cudaFree, with cudaEvents for stream
