@@ -196,3 +196,23 @@ def test_cuda_entry_checks_arguments():
     found = torch.zeros((), device="cuda")
     with pytest.raises(llmmem.InvalidArgumentError, match="device"):
         native.scaler_unscale_check_cuda([found.data_ptr()], [1], [0], 0, False, found.data_ptr(), 0, 0, -1, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernels_restore_the_callers_current_device():
+    # The kernels switch to the gradients' device; the caller's current device must come back
+    # afterwards, or the caller's later work would land on the scaler's device.
+    torch.cuda.set_device(0)
+    g = torch.ones(8, device="cuda:1")
+    found = torch.zeros((), device="cuda:1")
+    scale = torch.full((), 4.0, device="cuda:1")
+    stream = torch.cuda.current_stream(1).cuda_stream
+    native.scaler_unscale_check_cuda([g.data_ptr()], [8], [0], scale.data_ptr(), False, found.data_ptr(), 0, 0, 1,
+                                     stream)
+    assert torch.cuda.current_device() == 0
+    growth = torch.zeros((), dtype=torch.int32, device="cuda:1")
+    native.scaler_update(scale.data_ptr(), growth.data_ptr(), 0, 0, [found.data_ptr()], 2.0, 0.5, 10, 1, 0.0, 1,
+                         stream)
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    assert g.cpu().tolist() == [0.25] * 8 and scale.item() == 4.0
