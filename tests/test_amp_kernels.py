@@ -311,6 +311,12 @@ def test_feature_status_and_binding_argument_checks():
         native.scaler_unscale_check([found.data_ptr()], [1], [9], 0, False, found.data_ptr(), 0, 0, 1)
     with pytest.raises(llmmem.InvalidArgumentError, match="found_inf"):
         native.scaler_unscale_check([], [], [], 0, False, 0, 0, 0, 1)
+    # A code past int32 must not wrap to a valid one (2**32 + 1 would become 1, fp16).
+    g = torch.ones(4)
+    for code in (2**32 + 1, -(2**32) + 1, 2**40):
+        with pytest.raises(ValueError, match=r"dtypes\[0\] = -?\d+ is not a dtype code"):
+            native.scaler_unscale_check([g.data_ptr()], [4], [code], 0, False, found.data_ptr(), 0, 0, 1)
+    assert g.tolist() == [1.0] * 4 and found.item() == 0.0
     with pytest.raises(ValueError, match="n_flags"):
         native.scaler_unscale_check([], [], [], 0, False, found.data_ptr(), 0, -1, 1)
     with pytest.raises(llmmem.InvalidArgumentError, match="growth_interval"):
