@@ -6,7 +6,9 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
 - CPU tensors go to the threaded C kernel (the GIL is released while it runs).
 - CUDA tensors go to the CUDA kernels when llmmem was built with CUDA: queued on the current
   stream, no host synchronisation.
-- Any other device, or CUDA with a CPU-only build of llmmem, falls back to torch's own ops
+- Any other device, CUDA with a CPU-only build of llmmem, or a GPU the build's kernels cannot run
+  on (no usable driver for llmmem's CUDA runtime, or an architecture missing from the build;
+  probed once per device), falls back to torch's own ops
   (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
 """
 
@@ -34,11 +36,68 @@ def cuda_kernels_built() -> bool:
     return _cuda_built
 
 
+def _archs_cover(cuda_archs: str, capability: tuple[int, int]) -> bool:
+    """Whether a build for ``cuda_archs`` (build_info()'s "sm_80,sm_90,compute_90") runs on a GPU of
+    compute ``capability``: SASS for the same major version and a minor one not above it (sm_80
+    code runs on sm_86/sm_89; SASS never crosses majors), or PTX for an arch not above it, which
+    the driver compiles at load time."""
+    cc = capability[0] * 10 + capability[1]
+    for name in (a.strip() for a in cuda_archs.split(",")):
+        kind, _, num = name.partition("_")
+        if not num.isdigit():  # e.g. sm_90a: arch-specific code runs on that exact GPU only
+            if kind == "sm" and num.rstrip("af").isdigit() and int(num.rstrip("af")) == cc:
+                return True
+            continue
+        arch = int(num)
+        if kind == "sm" and arch // 10 == cc // 10 and arch <= cc:
+            return True
+        if kind == "compute" and arch <= cc:
+            return True
+    return False
+
+
+_cuda_support: dict = {}  # device index -> None (usable) or why not, probed once per device
+
+
+def _cuda_unsupported_reason(index: int) -> Optional[str]:
+    """None when llmmem's CUDA kernels can run on GPU ``index``, else why not. A build with CUDA can
+    still be unable to: its static CUDA runtime may not talk to the installed driver, or the GPU's
+    architecture may be missing from the build (a kernel launch would then fail on every step)."""
+    if index in _cuda_support:
+        return _cuda_support[index]
+    why = None
+    try:
+        count = native.cuda_device_count()
+    except Exception as e:  # noqa: BLE001 - any failure of the probe means: use torch's ops
+        why = f"llmmem's CUDA runtime cannot use the GPUs ({type(e).__name__}: {e})"
+    else:
+        if index >= count:
+            why = f"llmmem's CUDA runtime sees {count} GPU(s), not cuda:{index}"
+        else:
+            archs = str(native.build_info().get("cuda_archs") or "")
+            major, minor = torch.cuda.get_device_capability(index)
+            if not _archs_cover(archs, (major, minor)):
+                why = (f"llmmem's CUDA kernels were built for {archs or 'no architecture'}, which does not "
+                       f"cover cuda:{index} (sm_{major}{minor}); rebuild with LLMMEM_CUDA_ARCHS including {major}{minor}")
+    _cuda_support[index] = why
+    return why
+
+
+def _kernel_unsupported_reason(device: torch.device) -> Optional[str]:
+    """None when gradients on ``device`` go to llmmem's own kernels, else why they go to torch's ops."""
+    if not available():
+        return "llmmem's C core is not loaded"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda" or not cuda_kernels_built():
+        return "llmmem's kernels do not cover this device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_unsupported_reason(index)
+
+
 def uses_llmmem_kernels(device: torch.device) -> bool:
     """Whether gradients on ``device`` are handled by llmmem's own kernels (else torch's ops)."""
-    if not available():
-        return False
-    return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_built())
+    return _kernel_unsupported_reason(device) is None
 
 
 def _dense_span(t: torch.Tensor) -> bool:
@@ -87,7 +146,8 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
                 tmp = g.contiguous()
                 work.append(tmp)
                 copies.append((g, tmp))
-    if uses_llmmem_kernels(device):
+    why_not = _kernel_unsupported_reason(device)
+    if why_not is None:
         ptrs = [t.data_ptr() for t in work]
         numels = [t.numel() for t in work]
         if codes is None:
@@ -104,8 +164,7 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
             native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
                                              flags_ptr, n_flags, index, stream)
     else:
-        _warn_fallback(device, "llmmem's kernels do not cover this device" if available() else
-                       "llmmem's C core is not loaded")
+        _warn_fallback(device, why_not)
         _torch_unscale_check_(work, found_inf, flags, scale, scale_is_inverse)
     for g, tmp in copies:
         g.copy_(tmp)
@@ -140,7 +199,8 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
     device = scale.device
     if len(found_infs) > 16:  # the C entry takes at most 16 flags: fold the rest first
         found_infs = [torch.stack(list(found_infs)).sum()]
-    if uses_llmmem_kernels(device):
+    why_not = _kernel_unsupported_reason(device)
+    if why_not is None:
         ptrs = [f.data_ptr() for f in found_infs]
         args = (scale.data_ptr(), growth_tracker.data_ptr(), hysteresis_tracker.data_ptr(), stats.data_ptr(), ptrs,
                 float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale))
@@ -150,6 +210,7 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
             index = device.index if device.index is not None else torch.cuda.current_device()
             native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream)
         return
+    _warn_fallback(device, why_not)
     _torch_update_(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
                    growth_interval, hysteresis, min_scale)
 

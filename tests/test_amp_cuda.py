@@ -216,3 +216,10 @@ def test_kernels_restore_the_callers_current_device():
     assert torch.cuda.current_device() == 0
     torch.cuda.synchronize(1)
     assert g.cpu().tolist() == [0.25] * 8 and scale.item() == 4.0
+
+
+def test_build_covers_this_gpu_and_the_probe_says_so():
+    # The probe that routes unsupported GPUs to torch's ops must not route a covered one there.
+    cc = torch.cuda.get_device_capability(0)
+    assert K._archs_cover(native.build_info()["cuda_archs"], cc)
+    assert K.uses_llmmem_kernels(torch.device("cuda", 0))
