@@ -10,6 +10,9 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
   on (no usable driver for llmmem's CUDA runtime, or an architecture missing from the build;
   probed once per device), falls back to torch's own ops
   (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
+
+Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
+``llmmem._C.scaler_*`` trust the addresses they get.
 """
 
 from __future__ import annotations
@@ -122,11 +125,27 @@ def _warn_fallback(device: torch.device, why: str) -> None:
                       "(no per-parameter overflow flags there)", RuntimeWarning, stacklevel=4)
 
 
+def _check_scalar(t: torch.Tensor, name: str, dtype: torch.dtype, kind: str, device: torch.device,
+                  numel: int = 1) -> None:
+    """The checks torch's ops make (same messages), done before the C core gets a raw pointer:
+    it would read a float64 scale as float32, or write past a tensor that is too small."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise RuntimeError(f"{name} must be {kind} tensor.")
+    if t.numel() != numel:
+        raise RuntimeError(f"{name} must be a {numel}-element tensor.")
+    if t.device != device:
+        raise RuntimeError(f"{name} must be on {device} (where the work runs), got {t.device}.")
+    if numel > 1 and not t.is_contiguous():
+        raise RuntimeError(f"{name} must be contiguous.")
+
+
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
                    scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
                    codes: Optional[Sequence[int]] = None) -> None:
     """In place on ``grads`` (all on one device): multiply by the inverse scale and set
-    ``found_inf`` (a 0-dim float32 tensor on that device) to 1 if any element is inf/NaN.
+    ``found_inf`` (a 1-element float32 tensor on that device) to 1 if any element is inf/NaN.
 
     ``scale`` None means check only. ``flags`` (uint8, one per grad, same device) gets a 1 for
     each grad holding a non-finite value. Gradients must be strided tensors of a supported dtype;
@@ -136,6 +155,15 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
     if not grads:
         return
     device = grads[0].device
+    if scale is not None and not scale_is_inverse and scale.dtype != torch.float32:
+        # torch inverts any floating scale in fp64 (scale.double().reciprocal().float()); the kernels
+        # read fp32, so hand them that inverse instead of a pointer to a wider value.
+        scale, scale_is_inverse = scale.double().reciprocal().float(), True
+    _check_scalar(found_inf, "found_inf", torch.float32, "a float", device)
+    if scale is not None:
+        _check_scalar(scale, "inv_scale", torch.float32, "a float", device)
+    if flags is not None:
+        _check_scalar(flags, "flags", torch.uint8, "a uint8", device, numel=len(grads))
     work, copies = grads, []
     if not all([g.is_contiguous() for g in grads]):
         work = []
@@ -197,6 +225,13 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
     """One scale update in place (torch's rule when hysteresis == 1 and min_scale == 0); all
     tensors on the scale's device. No host synchronisation on CUDA."""
     device = scale.device
+    # torch's _amp_update_scale_ checks (same messages), before the C core gets raw pointers.
+    _check_scalar(scale, "current_scale", torch.float32, "a float", device)
+    _check_scalar(growth_tracker, "growth_tracker", torch.int32, "an int", device)
+    _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, "an int", device)
+    _check_scalar(stats, "stats", torch.int64, "an int64", device, numel=4)
+    for f in found_infs:
+        _check_scalar(f, "found_inf", torch.float32, "a float", device)
     if len(found_infs) > 16:  # the C entry takes at most 16 flags: fold the rest first
         found_infs = [torch.stack(list(found_infs)).sum()]
     why_not = _kernel_unsupported_reason(device)

@@ -67,3 +67,66 @@ def test_cuda_kernels_are_probed_once_per_device(monkeypatch, fake, cc, usable, 
         assert reason is None
     else:
         assert reason is not None and re.search(why, reason), reason
+
+
+# ------------------------------------------------------------------ wrong state tensors
+
+
+def test_float64_scale_unscales_like_torch_then_update_raises_torchs_error():
+    results = []
+    for impl in (torch.amp.GradScaler, llmmem.GradScaler):
+        s = impl("cpu", growth_interval=1)
+        s._scale = torch.tensor(1024.0, dtype=torch.float64)
+        s._growth_tracker = torch.tensor(0, dtype=torch.int32)
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.ones(2)
+        s.step(torch.optim.SGD([p], lr=0.1))
+        with pytest.raises(RuntimeError, match="^current_scale must be a float tensor.$"):
+            s.update()
+        results.append(p.grad.clone())
+    assert torch.equal(results[0], results[1])  # 1/1024, not a float64 read as float32
+
+
+def test_int64_growth_tracker_raises_torchs_error():
+    s = llmmem.GradScaler("cpu", growth_interval=3)
+    s.scale(torch.ones(()))
+    s._growth_tracker = torch.tensor(2**40, dtype=torch.int64)
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    s.step(torch.optim.SGD([p], lr=0.1))
+    with pytest.raises(RuntimeError, match="^growth_tracker must be an int tensor.$"):
+        s.update()
+    assert s._growth_tracker.item() == 2**40
+
+
+def test_kernel_wrappers_check_tensors_before_taking_pointers():
+    g = torch.ones(4)
+    found = torch.zeros(())
+    flags = torch.zeros(1, dtype=torch.uint8)
+    scale = torch.tensor(2.0)
+    bad = [
+        (dict(found_inf=torch.zeros((), dtype=torch.float64)), "found_inf must be a float tensor."),
+        (dict(found_inf=torch.zeros(2)), "found_inf must be a 1-element tensor."),
+        (dict(found_inf=torch.zeros((), device="meta")), "found_inf must be on cpu"),
+        (dict(flags=torch.zeros(1, dtype=torch.int32)), "flags must be a uint8 tensor."),
+        (dict(flags=torch.zeros(0, dtype=torch.uint8)), "flags must be a 1-element tensor."),
+        (dict(scale=torch.tensor([2.0, 2.0])), "inv_scale must be a 1-element tensor."),
+        (dict(scale=torch.tensor(0.5, dtype=torch.float64), scale_is_inverse=True), "inv_scale must be a float"),
+    ]
+    for override, msg in bad:
+        kw = dict(found_inf=found, flags=flags, scale=scale, scale_is_inverse=False) | override
+        with pytest.raises(RuntimeError, match=msg):
+            K.unscale_check_([g], **kw)
+    assert g.tolist() == [1.0] * 4 and found.item() == 0.0
+    st = (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32),
+          torch.zeros(4, dtype=torch.int64))
+    cases = [
+        ((st[0], st[1], st[2], torch.zeros(3, dtype=torch.int64)), [found], "stats must be a 4-element tensor."),
+        ((st[0], st[1], st[2].long(), st[3]), [found], "hysteresis_tracker must be an int tensor."),
+        (st, [found.double()], "found_inf must be a float tensor."),
+        ((st[0], torch.zeros(2, dtype=torch.int32), st[2], st[3]), [found], "growth_tracker must be a 1-element"),
+    ]
+    for state, founds, msg in cases:
+        with pytest.raises(RuntimeError, match=msg):
+            K.update_scale_(*state, founds, 2.0, 0.5, 10, 1, 0.0)
+    assert st[0].item() == 8.0 and st[3].tolist() == [0, 0, 0, 0]
