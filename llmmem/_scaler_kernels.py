@@ -149,8 +149,9 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
 
     ``scale`` None means check only. ``flags`` (uint8, one per grad, same device) gets a 1 for
     each grad holding a non-finite value. Gradients must be strided tensors of a supported dtype;
-    strided views that are not dense are copied, processed and copied back. ``codes``: the
-    dtype codes of ``grads`` when the caller already has them.
+    strided views that are not dense, and views not aligned to their element size, are copied,
+    processed and copied back. ``codes``: the dtype codes of ``grads`` when the caller already
+    has them.
     """
     if not grads:
         return
@@ -164,20 +165,24 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
         _check_scalar(scale, "inv_scale", torch.float32, "a float", device)
     if flags is not None:
         _check_scalar(flags, "flags", torch.uint8, "a uint8", device, numel=len(grads))
-    work, copies = grads, []
-    if not all([g.is_contiguous() for g in grads]):
-        work = []
-        for g in grads:
-            if _dense_span(g):
-                work.append(g)
-            else:
-                tmp = g.contiguous()
-                work.append(tmp)
-                copies.append((g, tmp))
     why_not = _kernel_unsupported_reason(device)
     if why_not is None:
+        work = list(grads)
         ptrs = [t.data_ptr() for t in work]
         numels = [t.numel() for t in work]
+        copies = []
+        for k, t in enumerate(work):
+            p = ptrs[k]
+            if numels[k] == 0:
+                continue
+            # Not dense, or not aligned to its elements (torch.frombuffer(..., offset=1)): the kernels
+            # need a flat, aligned array, so work on an aligned copy and copy back. (`p & 7` first:
+            # most addresses are 8-aligned, which settles alignment without element_size().)
+            if not (t.is_contiguous() or _dense_span(t)) or (p & 7 and p % t.element_size()):
+                tmp = t.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+                work[k] = tmp
+                ptrs[k] = tmp.data_ptr()
+                copies.append((t, tmp))
         if codes is None:
             codes = [DTYPE_CODES[t.dtype] for t in work]
         flags_ptr = flags.data_ptr() if flags is not None else 0
@@ -191,24 +196,27 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
             stream = torch.cuda.current_stream(index).cuda_stream
             native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
                                              flags_ptr, n_flags, index, stream)
+        for g, tmp in copies:
+            g.copy_(tmp)
     else:
         _warn_fallback(device, why_not)
-        _torch_unscale_check_(work, found_inf, flags, scale, scale_is_inverse)
-    for g, tmp in copies:
-        g.copy_(tmp)
+        _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse)
+
+
+def _inverse(scale, scale_is_inverse, device):
+    if scale is None:
+        return torch.ones((), dtype=torch.float32, device=device)
+    return scale if scale_is_inverse else scale.double().reciprocal().float()
 
 
 def _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse):
     """The same operation with torch's ops (per tensor, so flags can be filled)."""
-    if scale is None:
-        inv = torch.ones((), dtype=torch.float32, device=found_inf.device)
-    elif scale_is_inverse:
-        inv = scale
-    else:
-        inv = scale.double().reciprocal().float()
+    inv = _inverse(scale, scale_is_inverse, found_inf.device)
     per_tensor = torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device)
     for i, g in enumerate(grads):
         target = g
+        if not (g.is_contiguous() or _dense_span(g)):
+            target = g.contiguous()
         if g.dtype == torch.bfloat16 and g.device.type == "cuda":  # torch's CUDA op rejects bf16
             target = g.float()
         torch._amp_foreach_non_finite_check_and_unscale_([target], per_tensor[i], inv)

@@ -130,3 +130,33 @@ def test_kernel_wrappers_check_tensors_before_taking_pointers():
         with pytest.raises(RuntimeError, match=msg):
             K.update_scale_(*state, founds, 2.0, 0.5, 10, 1, 0.0)
     assert st[0].item() == 8.0 and st[3].tolist() == [0, 0, 0, 0]
+
+
+# ------------------------------------------------------------------ misaligned gradients
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_misaligned_gradient_is_processed_in_place_like_torch(poison):
+    out = []
+    for impl in (torch.amp.GradScaler, llmmem.GradScaler):
+        buf = bytearray(4 * 9)
+        g = torch.frombuffer(buf, dtype=torch.float32, offset=1, count=8)
+        assert g.data_ptr() % 4 != 0
+        g.copy_(torch.arange(8, dtype=torch.float32))
+        if poison:
+            g[5] = float("inf")
+        p = torch.nn.Parameter(torch.zeros(8))
+        p.grad = g
+        q = torch.nn.Parameter(torch.zeros(2))
+        q.grad = torch.ones(2)
+        opt = torch.optim.SGD([q, p], lr=1.0)
+        s = impl("cpu", init_scale=4.0)
+        s.scale(torch.ones(()))
+        s.unscale_(opt)
+        assert p.grad is g  # the caller's tensor (and buffer) holds the result
+        out.append(torch.frombuffer(bytearray(buf), dtype=torch.float32, offset=1, count=8))
+        s.step(opt)
+        s.update()
+        if impl is llmmem.GradScaler:
+            assert s.overflowed_params() == ([(0, 1)] if poison else [])
+    assert torch.equal(out[0].nan_to_num(), out[1].nan_to_num())
