@@ -10,6 +10,7 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
   on (no usable driver for llmmem's CUDA runtime, or an architecture missing from the build;
   probed once per device), falls back to torch's own ops
   (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
+- Gradients that are tensor subclasses (DTensor) always go to torch's op, which handles them.
 
 Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
 ``llmmem._C.scaler_*`` trust the addresses they get.
@@ -141,6 +142,18 @@ def _check_scalar(t: torch.Tensor, name: str, dtype: torch.dtype, kind: str, dev
         raise RuntimeError(f"{name} must be contiguous.")
 
 
+def _address(t: torch.Tensor) -> int:
+    """``t.data_ptr()``, or 0 where there is no address to hand the C core: tensor subclasses
+    (``type(t) is torch.Tensor`` is false for DTensor & co., whose data_ptr() is 0 or not their
+    data's) and tensors without storage (functional or fake tensors, whose data_ptr() raises)."""
+    if type(t) is not torch.Tensor:
+        return 0
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
                    scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
                    codes: Optional[Sequence[int]] = None) -> None:
@@ -150,8 +163,11 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
     ``scale`` None means check only. ``flags`` (uint8, one per grad, same device) gets a 1 for
     each grad holding a non-finite value. Gradients must be strided tensors of a supported dtype;
     strided views that are not dense, and views not aligned to their element size, are copied,
-    processed and copied back. ``codes``: the dtype codes of ``grads`` when the caller already
-    has them.
+    processed and copied back. Tensor subclasses (DTensor of FSDP2 or tensor parallelism) and
+    tensors without storage go to torch's op, one call per dtype (as torch's scaler): it handles
+    them, including DTensor's reduction of ``found_inf`` over the mesh; their flags are set per
+    dtype group (every such gradient of a group that overflowed is flagged). ``codes``: the dtype
+    codes of ``grads`` when the caller already has them.
     """
     if not grads:
         return
@@ -166,14 +182,19 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
     if flags is not None:
         _check_scalar(flags, "flags", torch.uint8, "a uint8", device, numel=len(grads))
     why_not = _kernel_unsupported_reason(device)
+    special = []  # positions that go to torch's op
     if why_not is None:
         work = list(grads)
-        ptrs = [t.data_ptr() for t in work]
+        ptrs = [_address(t) for t in work]
         numels = [t.numel() for t in work]
         copies = []
         for k, t in enumerate(work):
             p = ptrs[k]
             if numels[k] == 0:
+                continue
+            if p == 0:  # a subclass, or a tensor without storage (functional, fake): no address
+                numels[k] = 0  # the kernel skips it; its flag slot stays aligned with `grads`
+                special.append(k)
                 continue
             # Not dense, or not aligned to its elements (torch.frombuffer(..., offset=1)): the kernels
             # need a flat, aligned array, so work on an aligned copy and copy back. (`p & 7` first:
@@ -200,7 +221,11 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
             g.copy_(tmp)
     else:
         _warn_fallback(device, why_not)
-        _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse)
+        special = [k for k, g in enumerate(grads) if type(g) is not torch.Tensor]
+        plain = [None if type(g) is not torch.Tensor else g for g in grads]
+        _torch_unscale_check_(plain, found_inf, flags, scale, scale_is_inverse)
+    if special:
+        _torch_group_unscale_check_(grads, special, found_inf, flags, scale, scale_is_inverse)
 
 
 def _inverse(scale, scale_is_inverse, device):
@@ -210,10 +235,13 @@ def _inverse(scale, scale_is_inverse, device):
 
 
 def _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse):
-    """The same operation with torch's ops (per tensor, so flags can be filled)."""
+    """The same operation with torch's ops (per tensor, so flags can be filled). ``None`` entries
+    of ``grads`` are skipped (their flags stay 0)."""
     inv = _inverse(scale, scale_is_inverse, found_inf.device)
     per_tensor = torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device)
     for i, g in enumerate(grads):
+        if g is None:
+            continue
         target = g
         if not (g.is_contiguous() or _dense_span(g)):
             target = g.contiguous()
@@ -225,6 +253,30 @@ def _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse):
     if flags is not None:
         flags.copy_((per_tensor > 0).to(flags.dtype))
     found_inf.copy_(torch.maximum(found_inf, per_tensor.max()))
+
+
+def _torch_group_unscale_check_(grads, positions, found_inf, flags, scale, scale_is_inverse):
+    """``grads[k]`` for ``k`` in ``positions`` (tensor subclasses such as DTensor) through torch's
+    op, one call per dtype as torch's scaler makes them: per-tensor calls would cost DTensor one
+    found_inf all-reduce per gradient. Each group's result goes to the flags of all its members."""
+    inv = _inverse(scale, scale_is_inverse, found_inf.device)
+    by_dtype: dict = {}
+    for k in positions:
+        by_dtype.setdefault(grads[k].dtype, []).append(k)
+    for dtype, ks in by_dtype.items():
+        group = [grads[k] for k in ks]
+        targets = group
+        if dtype == torch.bfloat16 and found_inf.device.type == "cuda":  # torch's CUDA op rejects bf16
+            targets = [g.float() for g in group]
+        group_found = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(targets, group_found, inv)
+        if targets is not group:
+            for g, t in zip(group, targets):
+                g.copy_(t)
+        found_inf.copy_(torch.maximum(found_inf, group_found))
+        if flags is not None:
+            index = torch.tensor(ks, dtype=torch.long).to(flags.device, non_blocking=True)
+            flags.index_put_((index,), (group_found > 0).to(flags.dtype))
 
 
 def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_tracker: torch.Tensor,

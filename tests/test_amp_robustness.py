@@ -12,6 +12,68 @@ import llmmem
 from llmmem import _scaler_kernels as K
 
 
+# ------------------------------------------------------------------ DTensor gradients
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # One rank, in this process: a FileStore needs no port and no spawned workers.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor_run(impl, mesh, poison=None, with_plain=False):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    plain = torch.nn.Parameter(torch.full((3,), 2.0))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+    opt = torch.optim.SGD([plain, sharded] if with_plain else [sharded], lr=0.1)
+    s = impl("cpu", init_scale=4.0)
+    if with_plain:  # a separate loss: DTensor and plain tensors do not mix in one expression
+        s.scale((plain * plain).sum()).backward()
+    s.scale((sharded * sharded).sum()).backward()
+    if poison == "sharded":
+        sharded.grad.to_local()[1, 2] = float("inf")
+    elif poison == "plain":
+        plain.grad[0] = float("nan")
+    s.step(opt)
+    s.update()
+    return s, opt, plain.detach().clone(), sharded.full_tensor().detach().clone()
+
+
+@pytest.mark.parametrize("poison", [None, "sharded"])
+def test_dtensor_gradients_match_torch(mesh, poison):
+    t_s, _, _, t_sharded = _dtensor_run(torch.amp.GradScaler, mesh, poison)
+    l_s, opt, _, l_sharded = _dtensor_run(llmmem.GradScaler, mesh, poison)
+    assert torch.equal(l_sharded, t_sharded)
+    assert l_s.get_scale() == t_s.get_scale() == (4.0 if poison is None else 2.0)
+    assert l_s.overflowed_params(optimizer=opt) == ([(0, 0)] if poison else [])
+    assert l_s.last_step_skipped() == (poison is not None)
+
+
+@pytest.mark.parametrize("poison", [None, "sharded", "plain"])
+def test_dtensor_and_plain_gradients_in_one_optimizer(mesh, poison):
+    # torch's scaler hands both kinds to one torch op call, which DTensor rejects; here the plain
+    # gradient goes to llmmem's kernel and the DTensor one to torch's op.
+    s, opt, plain, sharded = _dtensor_run(llmmem.GradScaler, mesh, poison, with_plain=True)
+    if poison is None:  # grads 2 * 2 and 2 * 1, unscaled exactly, one SGD step of lr 0.1
+        assert plain.tolist() == pytest.approx([1.6] * 3) and sharded.flatten().tolist() == pytest.approx([0.8] * 16)
+    else:
+        assert plain.tolist() == [2.0] * 3 and sharded.flatten().tolist() == [1.0] * 16
+    # Each overflow is pinned on its own parameter: the kernel's flag slots and the DTensor
+    # group's flags do not overwrite each other.
+    assert s.overflowed_params(optimizer=opt) == {None: [], "sharded": [(0, 1)], "plain": [(0, 0)]}[poison]
+    assert s.get_scale() == (4.0 if poison is None else 2.0)
+
+
 # ------------------------------------------------------------------ GPUs the build cannot run on
 
 
