@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import abc, defaultdict
 from typing import Any, Iterable, Optional, Union
 
@@ -61,6 +62,15 @@ class _InverseOf:
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
+
+
+def _weak(obj: Any) -> Any:
+    """A weak reference to ``obj``, or a strong one (a callable returning it) for the rare object
+    that does not support weak references."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _where(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> str:
@@ -163,8 +173,9 @@ class GradScaler(_ScalerVisibility):
             self._stats: Optional[torch.Tensor] = None  # int64 [updates, skipped, last_skipped, min_scale_hits]
             self._init_stats = [0, 0, 0, 0]
             self._min_scale_warned = False
-            # id(optimizer) -> (its param_groups, params whose grads were checked, {device: (flags, positions)})
-            self._overflow: dict[int, tuple[list, list, dict]] = {}
+            # id(optimizer) -> (weak reference to it, flat param_groups positions of the checked grads,
+            # {device: (flags, positions)}): nothing here keeps the optimizer or its tensors alive
+            self._overflow: dict[int, tuple[Any, list, dict]] = {}
             self._overflow_stale = False
 
     # ------------------------------------------------------------------ lazy state
@@ -249,9 +260,13 @@ class GradScaler(_ScalerVisibility):
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
         # then run over whole lists.
-        owners, grads = [], []
+        # `slots`: each checked gradient's position in the flattened param_groups, kept (not the
+        # parameters) so the overflow record does not keep a deleted model's tensors alive.
+        owners, grads, slots = [], [], []
+        slot = -1
         for group in optimizer.param_groups:
             for param in group["params"]:
+                slot += 1
                 # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
                 if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
@@ -259,6 +274,7 @@ class GradScaler(_ScalerVisibility):
                 if grad is not None:
                     grads.append(grad)
                     owners.append(param)
+                    slots.append(slot)
         flags_per_device = {}
         with torch.no_grad():
             dtypes = [g.dtype for g in grads]
@@ -301,7 +317,7 @@ class GradScaler(_ScalerVisibility):
         if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
             self._overflow.clear()
             self._overflow_stale = False
-        self._overflow[id(optimizer)] = (optimizer.param_groups, owners, flags_per_device)
+        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
         return per_device_found_inf._per_device_tensors
 
     @staticmethod

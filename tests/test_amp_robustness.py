@@ -3,7 +3,9 @@ subclasses, GPUs the build cannot run on, wrong state tensors, ...). CPU only.""
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -222,3 +224,22 @@ def test_misaligned_gradient_is_processed_in_place_like_torch(poison):
         if impl is llmmem.GradScaler:
             assert s.overflowed_params() == ([(0, 1)] if poison else [])
     assert torch.equal(out[0].nan_to_num(), out[1].nan_to_num())
+
+
+# ------------------------------------------------------------------ lifetime
+
+
+def test_scaler_does_not_keep_a_deleted_model_alive():
+    s = llmmem.GradScaler("cpu")
+    m = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    s.scale(m(torch.randn(2, 64)).sum()).backward()
+    m.weight.grad[0, 0] = float("inf")
+    s.step(opt)
+    s.update()
+    assert s.overflowed_params(m) == ["weight"]  # the record still works while the model lives
+    w, wg = weakref.ref(m.weight), weakref.ref(m.weight.grad)
+    del m, opt
+    gc.collect()
+    assert w() is None and wg() is None
+    assert s.overflowed_params() == []  # the deleted optimizer's record is simply gone
