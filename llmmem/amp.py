@@ -349,9 +349,14 @@ class GradScaler(_ScalerVisibility):
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        # The kernels take 1 / scale in fp64 themselves, exactly torch's scale.double().reciprocal().float().
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, _InverseOf(self._scale),
-                                                                       found_inf, False)
+        if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
+            # The kernels take 1 / scale in fp64 themselves, exactly torch's
+            # scale.double().reciprocal().float(), saving those three small ops.
+            inv_scale: Union[torch.Tensor, _InverseOf] = _InverseOf(self._scale)
+        else:
+            # An override follows torch's contract: it gets the inverse scale as a tensor.
+            inv_scale = self._scale.double().reciprocal().float()
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,

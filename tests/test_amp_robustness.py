@@ -133,6 +133,36 @@ def test_cuda_kernels_are_probed_once_per_device(monkeypatch, fake, cc, usable, 
         assert reason is not None and re.search(why, reason), reason
 
 
+# ------------------------------------------------------------------ subclasses of GradScaler
+
+
+def test_torch_style_unscale_grads_override_gets_the_inverse_scale_tensor():
+    from torch.amp.grad_scaler import _MultiDeviceReplicator
+
+    seen = []
+
+    class TorchStyle(llmmem.GradScaler):  # written against torch's _unscale_grads_ contract
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            seen.append(inv_scale)
+            inv, fi = _MultiDeviceReplicator(inv_scale), _MultiDeviceReplicator(found_inf)
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, fi.get(grads[0].device), inv.get(grads[0].device))
+            return fi._per_device_tensors
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.full((3,), 4.0)
+    opt = torch.optim.SGD([p], lr=1.0)
+    s = TorchStyle("cpu", init_scale=3.0)
+    s.scale(torch.ones(()))
+    s.unscale_(opt)
+    assert type(seen[0]) is torch.Tensor and seen[0].dtype == torch.float32
+    assert seen[0].item() == torch.tensor(3.0).double().reciprocal().float().item()
+    assert torch.equal(p.grad, torch.full((3,), 4.0) * seen[0])
+    s.step(opt)
+    s.update()
+    assert s.get_scale() == 3.0
+
+
 # ------------------------------------------------------------------ wrong state tensors
 
 
