@@ -110,8 +110,18 @@ class GradScaler(_ScalerVisibility):
         enabled (bool): ``False`` makes every method a no-op (``step`` just calls ``optimizer.step()``).
 
     Keyword args:
-        hysteresis (int): back off only after this many consecutive overflowing steps (any clean
-            step refills the budget, as apex and DeepSpeed's ``consecutive_hysteresis``). Default 1: torch's rule.
+        hysteresis (int): back off only after this many consecutive overflowing steps. Default 1:
+            torch's rule (back off on every overflow). This is the *consecutive* variant (apex's
+            ``update_scale_hysteresis``, DeepSpeed with ``consecutive_hysteresis=True``): a budget
+            starts at ``hysteresis``; each overflowing step spends one and backs off once it is
+            spent, and every overflowing step after that backs off too, until a clean step; *any*
+            clean step refills the budget. Megatron-LM's ``DynamicGradScaler`` and DeepSpeed's
+            default (``consecutive_hysteresis=False``) refill the budget only when the scale
+            *grows* (after ``growth_interval`` clean steps), so there overflows separated by
+            clean steps still add up within a growth interval. Example with ``hysteresis=2``,
+            steps overflow / clean / overflow (``growth_interval`` > 1): here no backoff (the clean step refilled the
+            budget); in Megatron/DeepSpeed's default the scale backs off at the second overflow.
+            The budget is in :meth:`state_dict` (``"_hysteresis_tracker"``).
         min_scale (float or None): never back off below this scale (a warning is issued, once, the
             first time it is hit: right away on the CPU; on GPUs an update or two later, from a copy of
             the counters that is read only once it has arrived, so no update waits for the GPU).

@@ -9,8 +9,9 @@
  * keeps counting, and so does this one).
  *
  * Hysteresis follows the "consecutive" variant (apex's update_scale_hysteresis, DeepSpeed's
- * consecutive_hysteresis): back off only after `hysteresis` non-finite steps in a row; any finite
- * step refills the budget.
+ * consecutive_hysteresis=True): back off only after `hysteresis` non-finite steps in a row; any
+ * finite step refills the budget. (Megatron-LM and DeepSpeed's default refill it only when the
+ * scale grows, so non-consecutive overflows add up there; see GradScaler's docstring.)
  */
 #ifndef LLMMEM_SCALER_UPDATE_RULE_H
 #define LLMMEM_SCALER_UPDATE_RULE_H
