@@ -281,9 +281,11 @@ def _torch_group_unscale_check_(grads, positions, found_inf, flags, scale, scale
 
 def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_tracker: torch.Tensor,
                   stats: torch.Tensor, found_infs: Sequence[torch.Tensor], growth_factor: float,
-                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float) -> None:
+                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float,
+                  hysteresis_on_growth: bool = False) -> None:
     """One scale update in place (torch's rule when hysteresis == 1 and min_scale == 0); all
-    tensors on the scale's device. No host synchronisation on CUDA."""
+    tensors on the scale's device. No host synchronisation on CUDA. ``hysteresis_on_growth``: only
+    a growth of the scale refills the hysteresis budget (else any clean step does)."""
     device = scale.device
     # torch's _amp_update_scale_ checks (same messages), before the C core gets raw pointers.
     _check_scalar(scale, "current_scale", torch.float32, "a float", device)
@@ -300,18 +302,18 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
         args = (scale.data_ptr(), growth_tracker.data_ptr(), hysteresis_tracker.data_ptr(), stats.data_ptr(), ptrs,
                 float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale))
         if device.type == "cpu":
-            native.scaler_update(*args)
+            native.scaler_update(*args, -1, 0, bool(hysteresis_on_growth))
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream)
+            native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream, bool(hysteresis_on_growth))
         return
     _warn_fallback(device, why_not)
     _torch_update_(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
-                   growth_interval, hysteresis, min_scale)
+                   growth_interval, hysteresis, min_scale, hysteresis_on_growth)
 
 
 def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backoff_factor, growth_interval,
-                   hysteresis, min_scale):
+                   hysteresis, min_scale, hysteresis_on_growth=False):
     """update_scale_ with torch ops only (devices without llmmem kernels); same rule, no sync."""
     found = torch.stack([f.reshape(()) for f in found_infs]).ne(0).any()
     left = torch.clamp(hyst - 1, min=0)
@@ -326,7 +328,8 @@ def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backof
     grown = (scale.double() * growth_factor).float()
     new_scale = torch.where(back, backed, torch.where(grow & torch.isfinite(grown), grown, scale))
     new_growth = torch.where(found | grow, torch.zeros_like(growth), successful)
-    new_hyst = torch.where(found, left, torch.full_like(hyst, hysteresis))
+    refill = grow if hysteresis_on_growth else ~found
+    new_hyst = torch.where(found, left, torch.where(refill, torch.full_like(hyst, hysteresis), hyst))
     scale.copy_(new_scale)
     growth.copy_(new_growth)
     hyst.copy_(new_hyst)

@@ -11,8 +11,9 @@ other unchanged. What differs is underneath and on top:
 - the same pass records which gradient overflowed, so after a skipped step
   :meth:`GradScaler.overflowed_params` names the culprits, and counters say how many steps were
   skipped (:meth:`GradScaler.skipped_steps`, :meth:`GradScaler.last_step_skipped`);
-- two options that torch lacks, off by default: ``hysteresis`` (back off only after N
-  consecutive overflows) and ``min_scale`` (a floor for the scale, with a warning when hit).
+- options that torch lacks, off by default: ``hysteresis`` (back off only after N overflows:
+  consecutive ones, or with ``hysteresis_mode="on_growth"`` Megatron's rule) and ``min_scale``
+  (a floor for the scale, with a warning when hit).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch.amp.grad_scaler import OptState  # the same enum, so `stage is OptSta
 from llmmem import _scaler_kernels as _k
 from llmmem._native import available, load_error
 from llmmem._scaler_args import (ScaleInputError, ScalerArgumentError, _check_backoff_factor,
-                                 _check_growth_factor, _check_growth_interval, _check_number)
+                                 _check_growth_factor, _check_growth_interval, _check_hysteresis_mode,
+                                 _check_number)
 from llmmem._scaler_visibility import _ScalerVisibility
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
@@ -122,6 +124,9 @@ class GradScaler(_ScalerVisibility):
             steps overflow / clean / overflow (``growth_interval`` > 1): here no backoff (the clean step refilled the
             budget); in Megatron/DeepSpeed's default the scale backs off at the second overflow.
             The budget is in :meth:`state_dict` (``"_hysteresis_tracker"``).
+        hysteresis_mode (str): ``"consecutive"`` (default: the rule above) or ``"on_growth"``:
+            Megatron-LM's and DeepSpeed's default rule, where only a growth of the scale refills
+            the budget. No effect when ``hysteresis`` is 1.
         min_scale (float or None): never back off below this scale (a warning is issued, once, the
             first time it is hit: right away on the CPU; on GPUs an update or two later, from a copy of
             the counters that is read only once it has arrived, so no update waits for the GPU).
@@ -146,7 +151,8 @@ class GradScaler(_ScalerVisibility):
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 1, min_scale: Optional[float] = None) -> None:
+                 hysteresis: int = 1, min_scale: Optional[float] = None,
+                 hysteresis_mode: str = "consecutive") -> None:
         self._device = device
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
@@ -163,6 +169,7 @@ class GradScaler(_ScalerVisibility):
             _check_number("hysteresis", hysteresis, integer=True)
             if hysteresis < 1:
                 raise ScalerArgumentError(f"llmmem.GradScaler: hysteresis must be >= 1, got {hysteresis}")
+            _check_hysteresis_mode(hysteresis_mode)
             if min_scale is not None:
                 _check_number("min_scale", min_scale)
                 if not 0 < min_scale <= init_scale:
@@ -177,6 +184,7 @@ class GradScaler(_ScalerVisibility):
             self._growth_tracker: Optional[torch.Tensor] = None
             self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
             self._hysteresis = int(hysteresis)
+            self._hysteresis_mode = hysteresis_mode
             self._min_scale = min_scale
             self._init_hysteresis_tracker = int(hysteresis)
             self._hysteresis_tracker: Optional[torch.Tensor] = None
@@ -434,9 +442,9 @@ class GradScaler(_ScalerVisibility):
 
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """Updates the scale: times ``backoff_factor`` if any optimizer found inf/NaN this
-        iteration (after ``hysteresis`` such iterations in a row, never below ``min_scale``), times
-        ``growth_factor`` after ``growth_interval`` clean iterations in a row. ``new_scale`` (a float
-        or a 1-element tensor) sets the scale instead.
+        iteration (once the ``hysteresis`` budget is spent, see ``hysteresis_mode``; never below
+        ``min_scale``), times ``growth_factor`` after ``growth_interval`` clean iterations in a row.
+        ``new_scale`` (a float or a 1-element tensor) sets the scale instead.
 
         Call once per iteration, after :meth:`step` for every optimizer. No synchronisation
         (on CUDA the update is one tiny kernel on the current stream).
@@ -468,7 +476,8 @@ class GradScaler(_ScalerVisibility):
             self._ensure_extras(_scale.device)
             _k.update_scale_(_scale, _growth_tracker, self._hysteresis_tracker, self._stats, found_infs,
                              self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
-                             float(self._min_scale or 0.0))
+                             float(self._min_scale or 0.0),
+                             getattr(self, "_hysteresis_mode", "consecutive") == "on_growth")
             if _scale.device.type == "cpu":  # free to read on the host
                 self._warn_if_min_scale_hit()
             elif self._min_scale is not None and not self._min_scale_warned:
@@ -532,7 +541,8 @@ class GradScaler(_ScalerVisibility):
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: ``"scale"``, ``"growth_factor"``, ``"backoff_factor"``,
         ``"growth_interval"``, ``"_growth_tracker"`` (torch's keys, so torch's scaler loads it), plus
-        ``"hysteresis"``, ``"_hysteresis_tracker"`` and ``"min_scale"`` when those options are used.
+        ``"hysteresis"``, ``"_hysteresis_tracker"``, ``"min_scale"`` and ``"hysteresis_mode"`` when
+        those options are used.
         ``{}`` when disabled. Call it after :meth:`update`.
 
         .. warning:: synchronises with the GPU.
@@ -542,10 +552,12 @@ class GradScaler(_ScalerVisibility):
         sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
               "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
               "_growth_tracker": self._get_growth_tracker()}
-        if self._hysteresis != 1 or self._min_scale is not None:
+        mode = getattr(self, "_hysteresis_mode", "consecutive")  # absent from older pickles
+        if self._hysteresis != 1 or self._min_scale is not None or mode != "consecutive":
             sd["hysteresis"] = self._hysteresis
             sd["_hysteresis_tracker"] = self._get_hysteresis_tracker()
             sd["min_scale"] = self._min_scale
+            sd["hysteresis_mode"] = mode
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -568,6 +580,9 @@ class GradScaler(_ScalerVisibility):
         if "hysteresis" in state_dict:
             self._hysteresis = int(state_dict["hysteresis"])
             self._min_scale = state_dict.get("min_scale")
+            mode = state_dict.get("hysteresis_mode", "consecutive")  # states saved before the option
+            _check_hysteresis_mode(mode)
+            self._hysteresis_mode = mode
         # A torch state has no hysteresis tracker: start with a full budget.
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
         if self._hysteresis_tracker is not None:

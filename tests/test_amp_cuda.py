@@ -91,16 +91,17 @@ def test_check_only_writes_nothing():
     assert found.item() == 1.0 and torch.equal(g.view(torch.int16), before.view(torch.int16))
 
 
-@pytest.mark.parametrize("hysteresis,min_scale", [(1, 0.0), (3, 2.0)])
-def test_device_update_follows_host_rule(hysteresis, min_scale):
+@pytest.mark.parametrize("hysteresis,min_scale,on_growth", [(1, 0.0, False), (3, 2.0, False), (3, 2.0, True)])
+def test_device_update_follows_host_rule(hysteresis, min_scale, on_growth):
     rng = random.Random(hysteresis)
     host = [torch.full((), 512.0), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
             torch.zeros(4, dtype=torch.int64)]
     dev = [t.cuda() for t in host]
     for _ in range(300):
         flags = [float(rng.random() < 0.4), 0.0]
-        K.update_scale_(*host, [torch.full((), f) for f in flags], 2.0, 0.5, 3, hysteresis, min_scale)
-        K.update_scale_(*dev, [torch.full((), f, device="cuda") for f in flags], 2.0, 0.5, 3, hysteresis, min_scale)
+        K.update_scale_(*host, [torch.full((), f) for f in flags], 2.0, 0.5, 3, hysteresis, min_scale, on_growth)
+        K.update_scale_(*dev, [torch.full((), f, device="cuda") for f in flags], 2.0, 0.5, 3, hysteresis, min_scale,
+                        on_growth)
     for h, d in zip(host, dev):
         assert torch.equal(h, d.cpu())
 

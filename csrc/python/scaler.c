@@ -151,21 +151,23 @@ static int parse_found(PyObject *seq, const float **out, size_t cap, size_t *n) 
 }
 
 /* update(scale_ptr, growth_ptr, hyst_ptr, stats_ptr, found_inf_ptrs, growth_factor, backoff_factor,
- *        growth_interval, hysteresis, min_scale[, device, stream]): with device >= 0 the CUDA kernel. */
+ *        growth_interval, hysteresis, min_scale[, device, stream, hysteresis_on_growth]): device >= 0: CUDA. */
 static PyObject *py_update(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long scale_ptr, growth_ptr, hyst_ptr, stats_ptr, stream = 0;
   PyObject *found_seq;
   llmmem_scaler_config_t cfg;
   long long interval;
-  int hysteresis, device = -1;
+  int hysteresis, device = -1, on_growth = 0;
   float min_scale;
-  if (!PyArg_ParseTuple(args, "KKKKOddLif|iK", &scale_ptr, &growth_ptr, &hyst_ptr, &stats_ptr, &found_seq,
-                        &cfg.growth_factor, &cfg.backoff_factor, &interval, &hysteresis, &min_scale, &device, &stream))
+  if (!PyArg_ParseTuple(args, "KKKKOddLif|iKp", &scale_ptr, &growth_ptr, &hyst_ptr, &stats_ptr, &found_seq,
+                        &cfg.growth_factor, &cfg.backoff_factor, &interval, &hysteresis, &min_scale, &device, &stream,
+                        &on_growth))
     return NULL;
   cfg.growth_interval = interval;
   cfg.hysteresis = hysteresis;
   cfg.min_scale = min_scale;
+  cfg.hysteresis_on_growth = on_growth;
   const float *found[LLMMEM_SCALER_CUDA_MAX_FOUND];
   size_t n_found = 0;
   if (parse_found(found_seq, found, LLMMEM_SCALER_CUDA_MAX_FOUND, &n_found) < 0) return NULL;
@@ -193,6 +195,7 @@ static PyObject *py_check_config(PyObject *self, PyObject *args) {
   cfg.growth_interval = interval;
   cfg.hysteresis = hysteresis;
   cfg.min_scale = min_scale;
+  cfg.hysteresis_on_growth = 0;
   llmmem_status_t st = llmmem_scaler_config_check(&cfg);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
@@ -221,7 +224,8 @@ PyMethodDef llmmem_py_scaler_methods[] = {
      "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
     {"scaler_update", py_update, METH_VARARGS,
      "scaler_update(scale_ptr, growth_ptr, hyst_ptr, stats_ptr, found_inf_ptrs, growth_factor, backoff_factor, "
-     "growth_interval, hysteresis, min_scale[, device, stream]): one scale update (device >= 0: on the GPU). "
+     "growth_interval, hysteresis, min_scale[, device, stream, hysteresis_on_growth]): one scale update "
+     "(device >= 0: on the GPU; -1: on the host). "
      "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
     {"scaler_check_config", py_check_config, METH_VARARGS,
      "scaler_check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale): raises on a bad "

@@ -150,11 +150,11 @@ struct FoundList {
 
 __global__ void update_kernel(float *scale, int32_t *growth, int32_t *hyst, int64_t *stats, FoundList found,
                               double growth_factor, double backoff_factor, int64_t growth_interval,
-                              int32_t hysteresis, float min_scale) {
+                              int32_t hysteresis, float min_scale, int on_growth) {
   int any = 0;
   for (int i = 0; i < found.n; i++) any |= *found.ptr[i] != 0.0f;
   llmmem_scaler_apply_rule(scale, growth, hyst, stats, any, growth_factor, backoff_factor, growth_interval,
-                           hysteresis, min_scale);
+                           hysteresis, min_scale, on_growth);
 }
 
 // Makes `device` current for the scope and restores the caller's device afterwards (as
@@ -244,7 +244,7 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_update_cuda(float *scale, in
   LLMMEM_CUDA_TRY(guard.err);
   update_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       scale, growth_tracker, hysteresis_tracker, stats, found, cfg->growth_factor, cfg->backoff_factor,
-      cfg->growth_interval, cfg->hysteresis, cfg->min_scale);
+      cfg->growth_interval, cfg->hysteresis, cfg->min_scale, cfg->hysteresis_on_growth);
   LLMMEM_CUDA_TRY(cudaGetLastError());
   return LLMMEM_OK;
 }
