@@ -2,7 +2,7 @@
 
 Environment:
   LLMMEM_CUDA=1|0        force the CUDA part on (fail if nvcc is missing) or off; default: on if nvcc is found
-  LLMMEM_CUDA_ARCHS      compute capabilities, default "80;90" (each as SASS, the last also as PTX)
+  LLMMEM_CUDA_ARCHS      compute capabilities, default "75;80;90" (each as SASS, the last also as PTX)
   LLMMEM_WERROR=1        treat C warnings as errors (CI sets it)
   LLMMEM_DEBUG=0..3      internal checks in the C core (0 = release)
   CUDA_HOME              toolkit root, default: from nvcc on PATH, else /usr/local/cuda
@@ -47,7 +47,7 @@ def _find_cuda_home() -> str | None:
 
 
 def _cuda_archs() -> list[str]:
-    raw = os.environ.get("LLMMEM_CUDA_ARCHS", "80;90")
+    raw = os.environ.get("LLMMEM_CUDA_ARCHS", "75;80;90")
     archs = [a.strip().replace(".", "") for a in raw.replace(",", ";").split(";") if a.strip()]
     # "90a"/"100a": the architecture-specific feature sets (wgmma, ...), SASS only, no PTX promise
     if not archs or not all(re.fullmatch(r"[0-9]+a?", a) for a in archs):

@@ -45,3 +45,14 @@ def _check_growth_interval(value: Any) -> None:
     _check_number("growth_interval", value, integer=True)
     if value < 1:
         raise ScalerArgumentError(f"llmmem.GradScaler: growth_interval must be >= 1, got {value}")
+
+
+HYSTERESIS_MODES = ("consecutive", "on_growth")
+
+
+def _check_hysteresis_mode(value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"llmmem.GradScaler: hysteresis_mode must be a str, got {type(value).__name__}")
+    if value not in HYSTERESIS_MODES:
+        raise ScalerArgumentError(f"llmmem.GradScaler: hysteresis_mode must be one of {HYSTERESIS_MODES}, "
+                                  f"got {value!r}")

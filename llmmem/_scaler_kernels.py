@@ -6,8 +6,14 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
 - CPU tensors go to the threaded C kernel (the GIL is released while it runs).
 - CUDA tensors go to the CUDA kernels when llmmem was built with CUDA: queued on the current
   stream, no host synchronisation.
-- Any other device, or CUDA with a CPU-only build of llmmem, falls back to torch's own ops
+- Any other device, CUDA with a CPU-only build of llmmem, or a GPU the build's kernels cannot run
+  on (no usable driver for llmmem's CUDA runtime, or an architecture missing from the build;
+  probed once per device), falls back to torch's own ops
   (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
+- Gradients that are tensor subclasses (DTensor) always go to torch's op, which handles them.
+
+Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
+``llmmem._C.scaler_*`` trust the addresses they get.
 """
 
 from __future__ import annotations
@@ -34,11 +40,68 @@ def cuda_kernels_built() -> bool:
     return _cuda_built
 
 
+def _archs_cover(cuda_archs: str, capability: tuple[int, int]) -> bool:
+    """Whether a build for ``cuda_archs`` (build_info()'s "sm_80,sm_90,compute_90") runs on a GPU of
+    compute ``capability``: SASS for the same major version and a minor one not above it (sm_80
+    code runs on sm_86/sm_89; SASS never crosses majors), or PTX for an arch not above it, which
+    the driver compiles at load time."""
+    cc = capability[0] * 10 + capability[1]
+    for name in (a.strip() for a in cuda_archs.split(",")):
+        kind, _, num = name.partition("_")
+        if not num.isdigit():  # e.g. sm_90a: arch-specific code runs on that exact GPU only
+            if kind == "sm" and num.rstrip("af").isdigit() and int(num.rstrip("af")) == cc:
+                return True
+            continue
+        arch = int(num)
+        if kind == "sm" and arch // 10 == cc // 10 and arch <= cc:
+            return True
+        if kind == "compute" and arch <= cc:
+            return True
+    return False
+
+
+_cuda_support: dict = {}  # device index -> None (usable) or why not, probed once per device
+
+
+def _cuda_unsupported_reason(index: int) -> Optional[str]:
+    """None when llmmem's CUDA kernels can run on GPU ``index``, else why not. A build with CUDA can
+    still be unable to: its static CUDA runtime may not talk to the installed driver, or the GPU's
+    architecture may be missing from the build (a kernel launch would then fail on every step)."""
+    if index in _cuda_support:
+        return _cuda_support[index]
+    why = None
+    try:
+        count = native.cuda_device_count()
+    except Exception as e:  # noqa: BLE001 - any failure of the probe means: use torch's ops
+        why = f"llmmem's CUDA runtime cannot use the GPUs ({type(e).__name__}: {e})"
+    else:
+        if index >= count:
+            why = f"llmmem's CUDA runtime sees {count} GPU(s), not cuda:{index}"
+        else:
+            archs = str(native.build_info().get("cuda_archs") or "")
+            major, minor = torch.cuda.get_device_capability(index)
+            if not _archs_cover(archs, (major, minor)):
+                why = (f"llmmem's CUDA kernels were built for {archs or 'no architecture'}, which does not "
+                       f"cover cuda:{index} (sm_{major}{minor}); rebuild with LLMMEM_CUDA_ARCHS including {major}{minor}")
+    _cuda_support[index] = why
+    return why
+
+
+def _kernel_unsupported_reason(device: torch.device) -> Optional[str]:
+    """None when gradients on ``device`` go to llmmem's own kernels, else why they go to torch's ops."""
+    if not available():
+        return "llmmem's C core is not loaded"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda" or not cuda_kernels_built():
+        return "llmmem's kernels do not cover this device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_unsupported_reason(index)
+
+
 def uses_llmmem_kernels(device: torch.device) -> bool:
     """Whether gradients on ``device`` are handled by llmmem's own kernels (else torch's ops)."""
-    if not available():
-        return False
-    return device.type == "cpu" or (device.type == "cuda" and cuda_kernels_built())
+    return _kernel_unsupported_reason(device) is None
 
 
 def _dense_span(t: torch.Tensor) -> bool:
@@ -63,33 +126,84 @@ def _warn_fallback(device: torch.device, why: str) -> None:
                       "(no per-parameter overflow flags there)", RuntimeWarning, stacklevel=4)
 
 
+def _check_scalar(t: torch.Tensor, name: str, dtype: torch.dtype, kind: str, device: torch.device,
+                  numel: int = 1) -> None:
+    """The checks torch's ops make (same messages), done before the C core gets a raw pointer:
+    it would read a float64 scale as float32, or write past a tensor that is too small."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise RuntimeError(f"{name} must be {kind} tensor.")
+    if t.numel() != numel:
+        raise RuntimeError(f"{name} must be a {numel}-element tensor.")
+    if t.device != device:
+        raise RuntimeError(f"{name} must be on {device} (where the work runs), got {t.device}.")
+    if numel > 1 and not t.is_contiguous():
+        raise RuntimeError(f"{name} must be contiguous.")
+
+
+def _address(t: torch.Tensor) -> int:
+    """``t.data_ptr()``, or 0 where there is no address to hand the C core: tensor subclasses
+    (``type(t) is torch.Tensor`` is false for DTensor & co., whose data_ptr() is 0 or not their
+    data's) and tensors without storage (functional or fake tensors, whose data_ptr() raises)."""
+    if type(t) is not torch.Tensor:
+        return 0
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
+
+
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
                    scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
                    codes: Optional[Sequence[int]] = None) -> None:
     """In place on ``grads`` (all on one device): multiply by the inverse scale and set
-    ``found_inf`` (a 0-dim float32 tensor on that device) to 1 if any element is inf/NaN.
+    ``found_inf`` (a 1-element float32 tensor on that device) to 1 if any element is inf/NaN.
 
     ``scale`` None means check only. ``flags`` (uint8, one per grad, same device) gets a 1 for
     each grad holding a non-finite value. Gradients must be strided tensors of a supported dtype;
-    strided views that are not dense are copied, processed and copied back. ``codes``: the
-    dtype codes of ``grads`` when the caller already has them.
+    strided views that are not dense, and views not aligned to their element size, are copied,
+    processed and copied back. Tensor subclasses (DTensor of FSDP2 or tensor parallelism) and
+    tensors without storage go to torch's op, one call per dtype (as torch's scaler): it handles
+    them, including DTensor's reduction of ``found_inf`` over the mesh; their flags are set per
+    dtype group (every such gradient of a group that overflowed is flagged). ``codes``: the dtype
+    codes of ``grads`` when the caller already has them.
     """
     if not grads:
         return
     device = grads[0].device
-    work, copies = grads, []
-    if not all([g.is_contiguous() for g in grads]):
-        work = []
-        for g in grads:
-            if _dense_span(g):
-                work.append(g)
-            else:
-                tmp = g.contiguous()
-                work.append(tmp)
-                copies.append((g, tmp))
-    if uses_llmmem_kernels(device):
-        ptrs = [t.data_ptr() for t in work]
+    if scale is not None and not scale_is_inverse and scale.dtype != torch.float32:
+        # torch inverts any floating scale in fp64 (scale.double().reciprocal().float()); the kernels
+        # read fp32, so hand them that inverse instead of a pointer to a wider value.
+        scale, scale_is_inverse = scale.double().reciprocal().float(), True
+    _check_scalar(found_inf, "found_inf", torch.float32, "a float", device)
+    if scale is not None:
+        _check_scalar(scale, "inv_scale", torch.float32, "a float", device)
+    if flags is not None:
+        _check_scalar(flags, "flags", torch.uint8, "a uint8", device, numel=len(grads))
+    why_not = _kernel_unsupported_reason(device)
+    special = []  # positions that go to torch's op
+    if why_not is None:
+        work = list(grads)
+        ptrs = [_address(t) for t in work]
         numels = [t.numel() for t in work]
+        copies = []
+        for k, t in enumerate(work):
+            p = ptrs[k]
+            if numels[k] == 0:
+                continue
+            if p == 0:  # a subclass, or a tensor without storage (functional, fake): no address
+                numels[k] = 0  # the kernel skips it; its flag slot stays aligned with `grads`
+                special.append(k)
+                continue
+            # Not dense, or not aligned to its elements (torch.frombuffer(..., offset=1)): the kernels
+            # need a flat, aligned array, so work on an aligned copy and copy back. (`p & 7` first:
+            # most addresses are 8-aligned, which settles alignment without element_size().)
+            if not (t.is_contiguous() or _dense_span(t)) or (p & 7 and p % t.element_size()):
+                tmp = t.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+                work[k] = tmp
+                ptrs[k] = tmp.data_ptr()
+                copies.append((t, tmp))
         if codes is None:
             codes = [DTYPE_CODES[t.dtype] for t in work]
         flags_ptr = flags.data_ptr() if flags is not None else 0
@@ -103,25 +217,34 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
             stream = torch.cuda.current_stream(index).cuda_stream
             native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
                                              flags_ptr, n_flags, index, stream)
+        for g, tmp in copies:
+            g.copy_(tmp)
     else:
-        _warn_fallback(device, "llmmem's kernels do not cover this device" if available() else
-                       "llmmem's C core is not loaded")
-        _torch_unscale_check_(work, found_inf, flags, scale, scale_is_inverse)
-    for g, tmp in copies:
-        g.copy_(tmp)
+        _warn_fallback(device, why_not)
+        special = [k for k, g in enumerate(grads) if type(g) is not torch.Tensor]
+        plain = [None if type(g) is not torch.Tensor else g for g in grads]
+        _torch_unscale_check_(plain, found_inf, flags, scale, scale_is_inverse)
+    if special:
+        _torch_group_unscale_check_(grads, special, found_inf, flags, scale, scale_is_inverse)
+
+
+def _inverse(scale, scale_is_inverse, device):
+    if scale is None:
+        return torch.ones((), dtype=torch.float32, device=device)
+    return scale if scale_is_inverse else scale.double().reciprocal().float()
 
 
 def _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse):
-    """The same operation with torch's ops (per tensor, so flags can be filled)."""
-    if scale is None:
-        inv = torch.ones((), dtype=torch.float32, device=found_inf.device)
-    elif scale_is_inverse:
-        inv = scale
-    else:
-        inv = scale.double().reciprocal().float()
+    """The same operation with torch's ops (per tensor, so flags can be filled). ``None`` entries
+    of ``grads`` are skipped (their flags stay 0)."""
+    inv = _inverse(scale, scale_is_inverse, found_inf.device)
     per_tensor = torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device)
     for i, g in enumerate(grads):
+        if g is None:
+            continue
         target = g
+        if not (g.is_contiguous() or _dense_span(g)):
+            target = g.contiguous()
         if g.dtype == torch.bfloat16 and g.device.type == "cuda":  # torch's CUDA op rejects bf16
             target = g.float()
         torch._amp_foreach_non_finite_check_and_unscale_([target], per_tensor[i], inv)
@@ -132,30 +255,65 @@ def _torch_unscale_check_(grads, found_inf, flags, scale, scale_is_inverse):
     found_inf.copy_(torch.maximum(found_inf, per_tensor.max()))
 
 
+def _torch_group_unscale_check_(grads, positions, found_inf, flags, scale, scale_is_inverse):
+    """``grads[k]`` for ``k`` in ``positions`` (tensor subclasses such as DTensor) through torch's
+    op, one call per dtype as torch's scaler makes them: per-tensor calls would cost DTensor one
+    found_inf all-reduce per gradient. Each group's result goes to the flags of all its members."""
+    inv = _inverse(scale, scale_is_inverse, found_inf.device)
+    by_dtype: dict = {}
+    for k in positions:
+        by_dtype.setdefault(grads[k].dtype, []).append(k)
+    for dtype, ks in by_dtype.items():
+        group = [grads[k] for k in ks]
+        targets = group
+        if dtype == torch.bfloat16 and found_inf.device.type == "cuda":  # torch's CUDA op rejects bf16
+            targets = [g.float() for g in group]
+        group_found = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(targets, group_found, inv)
+        if targets is not group:
+            for g, t in zip(group, targets):
+                g.copy_(t)
+        found_inf.copy_(torch.maximum(found_inf, group_found))
+        if flags is not None:
+            index = torch.tensor(ks, dtype=torch.long).to(flags.device, non_blocking=True)
+            flags.index_put_((index,), (group_found > 0).to(flags.dtype))
+
+
 def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_tracker: torch.Tensor,
                   stats: torch.Tensor, found_infs: Sequence[torch.Tensor], growth_factor: float,
-                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float) -> None:
+                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float,
+                  hysteresis_on_growth: bool = False) -> None:
     """One scale update in place (torch's rule when hysteresis == 1 and min_scale == 0); all
-    tensors on the scale's device. No host synchronisation on CUDA."""
+    tensors on the scale's device. No host synchronisation on CUDA. ``hysteresis_on_growth``: only
+    a growth of the scale refills the hysteresis budget (else any clean step does)."""
     device = scale.device
+    # torch's _amp_update_scale_ checks (same messages), before the C core gets raw pointers.
+    _check_scalar(scale, "current_scale", torch.float32, "a float", device)
+    _check_scalar(growth_tracker, "growth_tracker", torch.int32, "an int", device)
+    _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, "an int", device)
+    _check_scalar(stats, "stats", torch.int64, "an int64", device, numel=4)
+    for f in found_infs:
+        _check_scalar(f, "found_inf", torch.float32, "a float", device)
     if len(found_infs) > 16:  # the C entry takes at most 16 flags: fold the rest first
         found_infs = [torch.stack(list(found_infs)).sum()]
-    if uses_llmmem_kernels(device):
+    why_not = _kernel_unsupported_reason(device)
+    if why_not is None:
         ptrs = [f.data_ptr() for f in found_infs]
         args = (scale.data_ptr(), growth_tracker.data_ptr(), hysteresis_tracker.data_ptr(), stats.data_ptr(), ptrs,
                 float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale))
         if device.type == "cpu":
-            native.scaler_update(*args)
+            native.scaler_update(*args, -1, 0, bool(hysteresis_on_growth))
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream)
+            native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream, bool(hysteresis_on_growth))
         return
+    _warn_fallback(device, why_not)
     _torch_update_(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
-                   growth_interval, hysteresis, min_scale)
+                   growth_interval, hysteresis, min_scale, hysteresis_on_growth)
 
 
 def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backoff_factor, growth_interval,
-                   hysteresis, min_scale):
+                   hysteresis, min_scale, hysteresis_on_growth=False):
     """update_scale_ with torch ops only (devices without llmmem kernels); same rule, no sync."""
     found = torch.stack([f.reshape(()) for f in found_infs]).ne(0).any()
     left = torch.clamp(hyst - 1, min=0)
@@ -170,7 +328,8 @@ def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backof
     grown = (scale.double() * growth_factor).float()
     new_scale = torch.where(back, backed, torch.where(grow & torch.isfinite(grown), grown, scale))
     new_growth = torch.where(found | grow, torch.zeros_like(growth), successful)
-    new_hyst = torch.where(found, left, torch.full_like(hyst, hysteresis))
+    refill = grow if hysteresis_on_growth else ~found
+    new_hyst = torch.where(found, left, torch.where(refill, torch.full_like(hyst, hysteresis), hyst))
     scale.copy_(new_scale)
     growth.copy_(new_growth)
     hyst.copy_(new_hyst)

@@ -3,7 +3,8 @@ skipped steps, the last-step-skipped flag, which parameters overflowed, and the 
 
 A mixin over GradScaler's state: ``_enabled``, ``_stats`` (int64 [updates, skipped, last_skipped,
 min_scale_hits] on the scale's device), ``_init_stats``, ``_min_scale``, ``_min_scale_warned`` and ``_overflow``
-(id(optimizer) -> (param_groups, params whose grads were checked, {device: (flags, positions)})).
+(id(optimizer) -> (weak reference to the optimizer, flat param_groups positions of the checked
+grads, {device: (flags, positions)})): weak, so a deleted model and optimizer are freed.
 """
 
 from __future__ import annotations
@@ -101,14 +102,19 @@ class _ScalerVisibility:
         for _, info in items:
             if info is None:
                 continue
-            param_groups, owners, per_device = info
+            opt_ref, slots, per_device = info
+            opt = opt_ref()
+            if opt is None:  # the optimizer was deleted: its parameters are gone too
+                continue
             hit = set()
             for flags, pos in per_device.values():
                 for j, f in enumerate(flags.tolist()):
                     if f:
                         hit.add(pos[j])
-            index = {id(p): (gi, pi) for gi, g in enumerate(param_groups) for pi, p in enumerate(g["params"])}
+            flat = [(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])]
             for k in sorted(hit):
-                param = owners[k]
-                out.append(names.get(id(param), index.get(id(param))))
+                if slots[k] >= len(flat):  # param_groups shrank since the check
+                    continue
+                gi, pi, param = flat[slots[k]]
+                out.append(names.get(id(param), (gi, pi)))
         return out

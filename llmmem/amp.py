@@ -11,14 +11,16 @@ other unchanged. What differs is underneath and on top:
 - the same pass records which gradient overflowed, so after a skipped step
   :meth:`GradScaler.overflowed_params` names the culprits, and counters say how many steps were
   skipped (:meth:`GradScaler.skipped_steps`, :meth:`GradScaler.last_step_skipped`);
-- two options that torch lacks, off by default: ``hysteresis`` (back off only after N
-  consecutive overflows) and ``min_scale`` (a floor for the scale, with a warning when hit).
+- options that torch lacks, off by default: ``hysteresis`` (back off only after N overflows:
+  consecutive ones, or with ``hysteresis_mode="on_growth"`` Megatron's rule) and ``min_scale``
+  (a floor for the scale, with a warning when hit).
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import abc, defaultdict
 from typing import Any, Iterable, Optional, Union
 
@@ -28,7 +30,8 @@ from torch.amp.grad_scaler import OptState  # the same enum, so `stage is OptSta
 from llmmem import _scaler_kernels as _k
 from llmmem._native import available, load_error
 from llmmem._scaler_args import (ScaleInputError, ScalerArgumentError, _check_backoff_factor,
-                                 _check_growth_factor, _check_growth_interval, _check_number)
+                                 _check_growth_factor, _check_growth_interval, _check_hysteresis_mode,
+                                 _check_number)
 from llmmem._scaler_visibility import _ScalerVisibility
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
@@ -61,6 +64,15 @@ class _InverseOf:
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
+
+
+def _weak(obj: Any) -> Any:
+    """A weak reference to ``obj``, or a strong one (a callable returning it) for the rare object
+    that does not support weak references."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _where(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> str:
@@ -100,8 +112,21 @@ class GradScaler(_ScalerVisibility):
         enabled (bool): ``False`` makes every method a no-op (``step`` just calls ``optimizer.step()``).
 
     Keyword args:
-        hysteresis (int): back off only after this many consecutive overflowing steps (any clean
-            step refills the budget, as apex and DeepSpeed's ``consecutive_hysteresis``). Default 1: torch's rule.
+        hysteresis (int): back off only after this many consecutive overflowing steps. Default 1:
+            torch's rule (back off on every overflow). This is the *consecutive* variant (apex's
+            ``update_scale_hysteresis``, DeepSpeed with ``consecutive_hysteresis=True``): a budget
+            starts at ``hysteresis``; each overflowing step spends one and backs off once it is
+            spent, and every overflowing step after that backs off too, until a clean step; *any*
+            clean step refills the budget. Megatron-LM's ``DynamicGradScaler`` and DeepSpeed's
+            default (``consecutive_hysteresis=False``) refill the budget only when the scale
+            *grows* (after ``growth_interval`` clean steps), so there overflows separated by
+            clean steps still add up within a growth interval. Example with ``hysteresis=2``,
+            steps overflow / clean / overflow (``growth_interval`` > 1): here no backoff (the clean step refilled the
+            budget); in Megatron/DeepSpeed's default the scale backs off at the second overflow.
+            The budget is in :meth:`state_dict` (``"_hysteresis_tracker"``).
+        hysteresis_mode (str): ``"consecutive"`` (default: the rule above) or ``"on_growth"``:
+            Megatron-LM's and DeepSpeed's default rule, where only a growth of the scale refills
+            the budget. No effect when ``hysteresis`` is 1.
         min_scale (float or None): never back off below this scale (a warning is issued, once, the
             first time it is hit: right away on the CPU; on GPUs an update or two later, from a copy of
             the counters that is read only once it has arrived, so no update waits for the GPU).
@@ -126,7 +151,8 @@ class GradScaler(_ScalerVisibility):
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 1, min_scale: Optional[float] = None) -> None:
+                 hysteresis: int = 1, min_scale: Optional[float] = None,
+                 hysteresis_mode: str = "consecutive") -> None:
         self._device = device
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
@@ -143,6 +169,7 @@ class GradScaler(_ScalerVisibility):
             _check_number("hysteresis", hysteresis, integer=True)
             if hysteresis < 1:
                 raise ScalerArgumentError(f"llmmem.GradScaler: hysteresis must be >= 1, got {hysteresis}")
+            _check_hysteresis_mode(hysteresis_mode)
             if min_scale is not None:
                 _check_number("min_scale", min_scale)
                 if not 0 < min_scale <= init_scale:
@@ -157,14 +184,16 @@ class GradScaler(_ScalerVisibility):
             self._growth_tracker: Optional[torch.Tensor] = None
             self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
             self._hysteresis = int(hysteresis)
+            self._hysteresis_mode = hysteresis_mode
             self._min_scale = min_scale
             self._init_hysteresis_tracker = int(hysteresis)
             self._hysteresis_tracker: Optional[torch.Tensor] = None
             self._stats: Optional[torch.Tensor] = None  # int64 [updates, skipped, last_skipped, min_scale_hits]
             self._init_stats = [0, 0, 0, 0]
             self._min_scale_warned = False
-            # id(optimizer) -> (its param_groups, params whose grads were checked, {device: (flags, positions)})
-            self._overflow: dict[int, tuple[list, list, dict]] = {}
+            # id(optimizer) -> (weak reference to it, flat param_groups positions of the checked grads,
+            # {device: (flags, positions)}): nothing here keeps the optimizer or its tensors alive
+            self._overflow: dict[int, tuple[Any, list, dict]] = {}
             self._overflow_stale = False
 
     # ------------------------------------------------------------------ lazy state
@@ -249,9 +278,13 @@ class GradScaler(_ScalerVisibility):
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
         # then run over whole lists.
-        owners, grads = [], []
+        # `slots`: each checked gradient's position in the flattened param_groups, kept (not the
+        # parameters) so the overflow record does not keep a deleted model's tensors alive.
+        owners, grads, slots = [], [], []
+        slot = -1
         for group in optimizer.param_groups:
             for param in group["params"]:
+                slot += 1
                 # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
                 if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
@@ -259,6 +292,7 @@ class GradScaler(_ScalerVisibility):
                 if grad is not None:
                     grads.append(grad)
                     owners.append(param)
+                    slots.append(slot)
         flags_per_device = {}
         with torch.no_grad():
             dtypes = [g.dtype for g in grads]
@@ -301,7 +335,7 @@ class GradScaler(_ScalerVisibility):
         if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
             self._overflow.clear()
             self._overflow_stale = False
-        self._overflow[id(optimizer)] = (optimizer.param_groups, owners, flags_per_device)
+        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
         return per_device_found_inf._per_device_tensors
 
     @staticmethod
@@ -333,9 +367,14 @@ class GradScaler(_ScalerVisibility):
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        # The kernels take 1 / scale in fp64 themselves, exactly torch's scale.double().reciprocal().float().
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, _InverseOf(self._scale),
-                                                                       found_inf, False)
+        if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
+            # The kernels take 1 / scale in fp64 themselves, exactly torch's
+            # scale.double().reciprocal().float(), saving those three small ops.
+            inv_scale: Union[torch.Tensor, _InverseOf] = _InverseOf(self._scale)
+        else:
+            # An override follows torch's contract: it gets the inverse scale as a tensor.
+            inv_scale = self._scale.double().reciprocal().float()
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
@@ -403,9 +442,9 @@ class GradScaler(_ScalerVisibility):
 
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """Updates the scale: times ``backoff_factor`` if any optimizer found inf/NaN this
-        iteration (after ``hysteresis`` such iterations in a row, never below ``min_scale``), times
-        ``growth_factor`` after ``growth_interval`` clean iterations in a row. ``new_scale`` (a float
-        or a 1-element tensor) sets the scale instead.
+        iteration (once the ``hysteresis`` budget is spent, see ``hysteresis_mode``; never below
+        ``min_scale``), times ``growth_factor`` after ``growth_interval`` clean iterations in a row.
+        ``new_scale`` (a float or a 1-element tensor) sets the scale instead.
 
         Call once per iteration, after :meth:`step` for every optimizer. No synchronisation
         (on CUDA the update is one tiny kernel on the current stream).
@@ -437,7 +476,8 @@ class GradScaler(_ScalerVisibility):
             self._ensure_extras(_scale.device)
             _k.update_scale_(_scale, _growth_tracker, self._hysteresis_tracker, self._stats, found_infs,
                              self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
-                             float(self._min_scale or 0.0))
+                             float(self._min_scale or 0.0),
+                             getattr(self, "_hysteresis_mode", "consecutive") == "on_growth")
             if _scale.device.type == "cpu":  # free to read on the host
                 self._warn_if_min_scale_hit()
             elif self._min_scale is not None and not self._min_scale_warned:
@@ -501,7 +541,8 @@ class GradScaler(_ScalerVisibility):
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: ``"scale"``, ``"growth_factor"``, ``"backoff_factor"``,
         ``"growth_interval"``, ``"_growth_tracker"`` (torch's keys, so torch's scaler loads it), plus
-        ``"hysteresis"``, ``"_hysteresis_tracker"`` and ``"min_scale"`` when those options are used.
+        ``"hysteresis"``, ``"_hysteresis_tracker"``, ``"min_scale"`` and ``"hysteresis_mode"`` when
+        those options are used.
         ``{}`` when disabled. Call it after :meth:`update`.
 
         .. warning:: synchronises with the GPU.
@@ -511,10 +552,12 @@ class GradScaler(_ScalerVisibility):
         sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
               "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
               "_growth_tracker": self._get_growth_tracker()}
-        if self._hysteresis != 1 or self._min_scale is not None:
+        mode = getattr(self, "_hysteresis_mode", "consecutive")  # absent from older pickles
+        if self._hysteresis != 1 or self._min_scale is not None or mode != "consecutive":
             sd["hysteresis"] = self._hysteresis
             sd["_hysteresis_tracker"] = self._get_hysteresis_tracker()
             sd["min_scale"] = self._min_scale
+            sd["hysteresis_mode"] = mode
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -537,6 +580,9 @@ class GradScaler(_ScalerVisibility):
         if "hysteresis" in state_dict:
             self._hysteresis = int(state_dict["hysteresis"])
             self._min_scale = state_dict.get("min_scale")
+            mode = state_dict.get("hysteresis_mode", "consecutive")  # states saved before the option
+            _check_hysteresis_mode(mode)
+            self._hysteresis_mode = mode
         # A torch state has no hysteresis tracker: start with a full budget.
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
         if self._hysteresis_tracker is not None:

@@ -91,16 +91,17 @@ def test_check_only_writes_nothing():
     assert found.item() == 1.0 and torch.equal(g.view(torch.int16), before.view(torch.int16))
 
 
-@pytest.mark.parametrize("hysteresis,min_scale", [(1, 0.0), (3, 2.0)])
-def test_device_update_follows_host_rule(hysteresis, min_scale):
+@pytest.mark.parametrize("hysteresis,min_scale,on_growth", [(1, 0.0, False), (3, 2.0, False), (3, 2.0, True)])
+def test_device_update_follows_host_rule(hysteresis, min_scale, on_growth):
     rng = random.Random(hysteresis)
     host = [torch.full((), 512.0), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
             torch.zeros(4, dtype=torch.int64)]
     dev = [t.cuda() for t in host]
     for _ in range(300):
         flags = [float(rng.random() < 0.4), 0.0]
-        K.update_scale_(*host, [torch.full((), f) for f in flags], 2.0, 0.5, 3, hysteresis, min_scale)
-        K.update_scale_(*dev, [torch.full((), f, device="cuda") for f in flags], 2.0, 0.5, 3, hysteresis, min_scale)
+        K.update_scale_(*host, [torch.full((), f) for f in flags], 2.0, 0.5, 3, hysteresis, min_scale, on_growth)
+        K.update_scale_(*dev, [torch.full((), f, device="cuda") for f in flags], 2.0, 0.5, 3, hysteresis, min_scale,
+                        on_growth)
     for h, d in zip(host, dev):
         assert torch.equal(h, d.cpu())
 
@@ -196,3 +197,30 @@ def test_cuda_entry_checks_arguments():
     found = torch.zeros((), device="cuda")
     with pytest.raises(llmmem.InvalidArgumentError, match="device"):
         native.scaler_unscale_check_cuda([found.data_ptr()], [1], [0], 0, False, found.data_ptr(), 0, 0, -1, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernels_restore_the_callers_current_device():
+    # The kernels switch to the gradients' device; the caller's current device must come back
+    # afterwards, or the caller's later work would land on the scaler's device.
+    torch.cuda.set_device(0)
+    g = torch.ones(8, device="cuda:1")
+    found = torch.zeros((), device="cuda:1")
+    scale = torch.full((), 4.0, device="cuda:1")
+    stream = torch.cuda.current_stream(1).cuda_stream
+    native.scaler_unscale_check_cuda([g.data_ptr()], [8], [0], scale.data_ptr(), False, found.data_ptr(), 0, 0, 1,
+                                     stream)
+    assert torch.cuda.current_device() == 0
+    growth = torch.zeros((), dtype=torch.int32, device="cuda:1")
+    native.scaler_update(scale.data_ptr(), growth.data_ptr(), 0, 0, [found.data_ptr()], 2.0, 0.5, 10, 1, 0.0, 1,
+                         stream)
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    assert g.cpu().tolist() == [0.25] * 8 and scale.item() == 4.0
+
+
+def test_build_covers_this_gpu_and_the_probe_says_so():
+    # The probe that routes unsupported GPUs to torch's ops must not route a covered one there.
+    cc = torch.cuda.get_device_capability(0)
+    assert K._archs_cover(native.build_info()["cuda_archs"], cc)
+    assert K.uses_llmmem_kernels(torch.device("cuda", 0))

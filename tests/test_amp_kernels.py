@@ -197,18 +197,72 @@ def test_update_matches_torch_with_awkward_factors():
     assert stats.tolist()[:2] == [3000, skipped]
 
 
+@pytest.mark.parametrize("on_growth", [False, True])
 @pytest.mark.parametrize("hysteresis,min_scale", [(1, 0.0), (3, 0.0), (2, 4.0), (1, 1e-3)])
-def test_torch_ops_fallback_update_follows_the_c_rule(hysteresis, min_scale):
+def test_torch_ops_fallback_update_follows_the_c_rule(hysteresis, min_scale, on_growth):
     rng = random.Random(hysteresis)
     a = [torch.full((), 64.0), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
          torch.zeros(4, dtype=torch.int64)]
     b = [t.clone() for t in a]
     for _ in range(400):
         found = [torch.full((), float(rng.random() < 0.45)), torch.zeros(())]
-        K.update_scale_(*a, found, 2.0, 0.5, 4, hysteresis, min_scale)
-        K._torch_update_(*b, found, 2.0, 0.5, 4, hysteresis, min_scale)
+        K.update_scale_(*a, found, 2.0, 0.5, 4, hysteresis, min_scale, on_growth)
+        K._torch_update_(*b, found, 2.0, 0.5, 4, hysteresis, min_scale, on_growth)
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+def _megatron_rule(found_seq, scale, growth_interval, hysteresis, on_growth):
+    """Megatron-LM's DynamicGradScaler.update (on_growth) / apex's consecutive rule, in Python:
+    the reference the C rule is checked against (scales stay powers of two, so floats are exact)."""
+    growth, hyst, out = 0, hysteresis, []
+    for found in found_seq:
+        if found:
+            growth = 0
+            hyst -= 1
+            if hyst <= 0:
+                hyst = 0
+                scale *= 0.5
+        else:
+            if not on_growth:
+                hyst = hysteresis
+            growth += 1
+            if growth == growth_interval:
+                growth = 0
+                scale *= 2.0
+                if on_growth:
+                    hyst = hysteresis
+        out.append((scale, growth, hyst))
+    return out
+
+
+@pytest.mark.parametrize("on_growth", [False, True])
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_update_rule_matches_megatron_and_apex(hysteresis, on_growth):
+    rng = random.Random(hysteresis * 2 + on_growth)
+    seq = [rng.random() < 0.4 for _ in range(500)]
+    want = _megatron_rule(seq, 2.0**20, 4, hysteresis, on_growth)
+    st = [torch.full((), 2.0**20), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
+          torch.zeros(4, dtype=torch.int64)]
+    for found, (scale, growth, hyst) in zip(seq, want):
+        K.update_scale_(*st, [torch.full((), float(found))], 2.0, 0.5, 4, hysteresis, 0.0, on_growth)
+        assert (st[0].item(), st[1].item(), st[2].item()) == (scale, growth, hyst)
+
+
+@pytest.mark.parametrize("mode,backed_off", [("consecutive", False), ("on_growth", True)])
+def test_hysteresis_mode_overflow_clean_overflow(mode, backed_off):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    s = llmmem.GradScaler("cpu", init_scale=64.0, hysteresis=2, growth_interval=100, hysteresis_mode=mode)
+    train(s, model, opt, 1, poison_at=(0,))
+    train(s, model, opt, 1)
+    train(s, model, opt, 1, poison_at=(0,))
+    assert s.get_scale() == (32.0 if backed_off else 64.0)
+    sd = s.state_dict()
+    assert sd["hysteresis_mode"] == mode
+    s2 = llmmem.GradScaler("cpu")
+    s2.load_state_dict(sd)
+    assert s2.state_dict() == sd
 
 
 def test_torch_ops_fallback_unscale_matches():
@@ -311,6 +365,12 @@ def test_feature_status_and_binding_argument_checks():
         native.scaler_unscale_check([found.data_ptr()], [1], [9], 0, False, found.data_ptr(), 0, 0, 1)
     with pytest.raises(llmmem.InvalidArgumentError, match="found_inf"):
         native.scaler_unscale_check([], [], [], 0, False, 0, 0, 0, 1)
+    # A code past int32 must not wrap to a valid one (2**32 + 1 would become 1, fp16).
+    g = torch.ones(4)
+    for code in (2**32 + 1, -(2**32) + 1, 2**40):
+        with pytest.raises(ValueError, match=r"dtypes\[0\] = -?\d+ is not a dtype code"):
+            native.scaler_unscale_check([g.data_ptr()], [4], [code], 0, False, found.data_ptr(), 0, 0, 1)
+    assert g.tolist() == [1.0] * 4 and found.item() == 0.0
     with pytest.raises(ValueError, match="n_flags"):
         native.scaler_unscale_check([], [], [], 0, False, found.data_ptr(), 0, -1, 1)
     with pytest.raises(llmmem.InvalidArgumentError, match="growth_interval"):

@@ -100,7 +100,7 @@ def test_bad_factors_raise_assertion_error_like_torch(impl, kw):
 @pytest.mark.parametrize("kw", [{"growth_factor": 1.0}, {"backoff_factor": 1.0}, {"backoff_factor": 0.0},
                                 {"backoff_factor": -0.5}, {"init_scale": 0.0}, {"init_scale": -1.0},
                                 {"init_scale": float("inf")}, {"growth_interval": 0}, {"hysteresis": 0},
-                                {"min_scale": 0.0}, {"min_scale": 2.0**20}])
+                                {"min_scale": 0.0}, {"min_scale": 2.0**20}, {"hysteresis_mode": "megatron"}])
 def test_bad_settings_raise_value_error_naming_the_argument(kw):
     (name,) = kw
     with pytest.raises(ValueError, match=name):
@@ -108,7 +108,7 @@ def test_bad_settings_raise_value_error_naming_the_argument(kw):
 
 
 @pytest.mark.parametrize("kw", [{"growth_interval": 2.5}, {"hysteresis": "2"}, {"init_scale": "big"},
-                                {"growth_factor": None}])
+                                {"growth_factor": None}, {"hysteresis_mode": 1}])
 def test_wrong_types_raise_type_error(kw):
     (name,) = kw
     with pytest.raises(TypeError, match=name):

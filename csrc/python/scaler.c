@@ -5,6 +5,12 @@
  * objects: the core stays free of torch. Tensor i reports to tensor_flags[i]. The CPU unscale
  * releases the GIL for its whole run; the CUDA calls only queue work on the given stream.
  * Argument errors raise llmmem.InvalidArgumentError (a ValueError) naming the argument.
+ *
+ * PRIVATE AND UNSAFE: the _C.scaler_* functions take raw addresses and trust them. They can check
+ * only what they see (lengths, codes, NULLs), not that an address points at memory of the right
+ * dtype, size, device or alignment; a wrong address corrupts memory or crashes the process. All
+ * validation of tensors (dtype, device, element counts, alignment) lives in the Python wrapper
+ * llmmem/_scaler_kernels.py, the only supported caller.
  */
 #include "binding.h" /* first: Python.h must precede the system headers */
 
@@ -43,8 +49,15 @@ static int parse_tensors(PyObject *ptrs, PyObject *numels, PyObject *dtypes, llm
   for (Py_ssize_t i = 0; i < n; i++) {
     t[i].data = PyLong_AsVoidPtr(ip[i]);
     t[i].numel = PyLong_AsLongLong(in[i]);
-    long dt = PyLong_AsLong(id[i]);
+    long long dt = PyLong_AsLongLong(id[i]);
     if (PyErr_Occurred()) {
+      PyMem_Free(t);
+      goto done;
+    }
+    /* Range-check before narrowing: (int32_t)(2**32 + 1) would be 1, a valid code (fp16), and the
+     * core would then read fp32 data as fp16. Codes that fit are checked by the core itself. */
+    if (dt < INT32_MIN || dt > INT32_MAX) {
+      PyErr_Format(PyExc_ValueError, "dtypes[%zd] = %lld is not a dtype code", i, dt);
       PyMem_Free(t);
       goto done;
     }
@@ -138,21 +151,23 @@ static int parse_found(PyObject *seq, const float **out, size_t cap, size_t *n) 
 }
 
 /* update(scale_ptr, growth_ptr, hyst_ptr, stats_ptr, found_inf_ptrs, growth_factor, backoff_factor,
- *        growth_interval, hysteresis, min_scale[, device, stream]): with device >= 0 the CUDA kernel. */
+ *        growth_interval, hysteresis, min_scale[, device, stream, hysteresis_on_growth]): device >= 0: CUDA. */
 static PyObject *py_update(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long scale_ptr, growth_ptr, hyst_ptr, stats_ptr, stream = 0;
   PyObject *found_seq;
   llmmem_scaler_config_t cfg;
   long long interval;
-  int hysteresis, device = -1;
+  int hysteresis, device = -1, on_growth = 0;
   float min_scale;
-  if (!PyArg_ParseTuple(args, "KKKKOddLif|iK", &scale_ptr, &growth_ptr, &hyst_ptr, &stats_ptr, &found_seq,
-                        &cfg.growth_factor, &cfg.backoff_factor, &interval, &hysteresis, &min_scale, &device, &stream))
+  if (!PyArg_ParseTuple(args, "KKKKOddLif|iKp", &scale_ptr, &growth_ptr, &hyst_ptr, &stats_ptr, &found_seq,
+                        &cfg.growth_factor, &cfg.backoff_factor, &interval, &hysteresis, &min_scale, &device, &stream,
+                        &on_growth))
     return NULL;
   cfg.growth_interval = interval;
   cfg.hysteresis = hysteresis;
   cfg.min_scale = min_scale;
+  cfg.hysteresis_on_growth = on_growth;
   const float *found[LLMMEM_SCALER_CUDA_MAX_FOUND];
   size_t n_found = 0;
   if (parse_found(found_seq, found, LLMMEM_SCALER_CUDA_MAX_FOUND, &n_found) < 0) return NULL;
@@ -180,6 +195,7 @@ static PyObject *py_check_config(PyObject *self, PyObject *args) {
   cfg.growth_interval = interval;
   cfg.hysteresis = hysteresis;
   cfg.min_scale = min_scale;
+  cfg.hysteresis_on_growth = 0;
   llmmem_status_t st = llmmem_scaler_config_check(&cfg);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
@@ -199,14 +215,18 @@ PyMethodDef llmmem_py_scaler_methods[] = {
     {"scaler_unscale_check", (PyCFunction)(void (*)(void))py_unscale_check, METH_VARARGS | METH_KEYWORDS,
      "scaler_unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
      "num_threads, "
-     "reference=False): CPU unscale + non-finite check in place (scale_ptr 0 = check only). Releases the GIL."},
+     "reference=False): CPU unscale + non-finite check in place (scale_ptr 0 = check only). Releases the GIL. "
+     "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
     {"scaler_unscale_check_cuda", py_unscale_check_cuda, METH_VARARGS,
      "scaler_unscale_check_cuda(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
      "device, stream): "
-     "queues the CUDA unscale + check on `stream`; no host synchronisation."},
+     "queues the CUDA unscale + check on `stream`; no host synchronisation. "
+     "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
     {"scaler_update", py_update, METH_VARARGS,
      "scaler_update(scale_ptr, growth_ptr, hyst_ptr, stats_ptr, found_inf_ptrs, growth_factor, backoff_factor, "
-     "growth_interval, hysteresis, min_scale[, device, stream]): one scale update (device >= 0: on the GPU)."},
+     "growth_interval, hysteresis, min_scale[, device, stream, hysteresis_on_growth]): one scale update "
+     "(device >= 0: on the GPU; -1: on the host). "
+     "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
     {"scaler_check_config", py_check_config, METH_VARARGS,
      "scaler_check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale): raises on a bad "
      "value."},

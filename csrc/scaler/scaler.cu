@@ -150,12 +150,33 @@ struct FoundList {
 
 __global__ void update_kernel(float *scale, int32_t *growth, int32_t *hyst, int64_t *stats, FoundList found,
                               double growth_factor, double backoff_factor, int64_t growth_interval,
-                              int32_t hysteresis, float min_scale) {
+                              int32_t hysteresis, float min_scale, int on_growth) {
   int any = 0;
   for (int i = 0; i < found.n; i++) any |= *found.ptr[i] != 0.0f;
   llmmem_scaler_apply_rule(scale, growth, hyst, stats, any, growth_factor, backoff_factor, growth_interval,
-                           hysteresis, min_scale);
+                           hysteresis, min_scale, on_growth);
 }
+
+// Makes `device` current for the scope and restores the caller's device afterwards (as
+// csrc/pool/backend_cuda.cu does): callers (torch included) keep their own notion of the current
+// device, and a scaler call on cuda:1 must not leave later work of theirs on cuda:1.
+struct DeviceGuard {
+  int prev = -1;
+  bool changed = false;
+  cudaError_t err = cudaSuccess;
+  explicit DeviceGuard(int device) {
+    err = cudaGetDevice(&prev);
+    if (err == cudaSuccess && prev != device) {
+      err = cudaSetDevice(device);
+      changed = err == cudaSuccess;
+    }
+  }
+  ~DeviceGuard() {
+    if (changed) (void)cudaSetDevice(prev);
+  }
+  DeviceGuard(const DeviceGuard &) = delete;
+  DeviceGuard &operator=(const DeviceGuard &) = delete;
+};
 
 }  // namespace
 
@@ -169,7 +190,8 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llm
                                           tensor_flags, n_flags, &total_bytes));
   LLMMEM_CHECK_ARG(device >= 0, "llmmem_scaler_unscale_check_cuda: device must be >= 0, got %d", device);
   if (count == 0 || total_bytes == 0) return LLMMEM_OK;
-  LLMMEM_CUDA_TRY(cudaSetDevice(device));
+  DeviceGuard guard(device);  // restores the caller's device on every return below
+  LLMMEM_CUDA_TRY(guard.err);
   // 24 KB: kept off the caller's stack; one per thread so concurrent callers do not share it.
   static thread_local TensorTable tab;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -218,10 +240,11 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_update_cuda(float *scale, in
     LLMMEM_CHECK_ARG(found_infs[i] != NULL, "llmmem_scaler_update_cuda: found_infs[%zu] is NULL", i);
     found.ptr[i] = found_infs[i];
   }
-  LLMMEM_CUDA_TRY(cudaSetDevice(device));
+  DeviceGuard guard(device);  // restores the caller's device on return
+  LLMMEM_CUDA_TRY(guard.err);
   update_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       scale, growth_tracker, hysteresis_tracker, stats, found, cfg->growth_factor, cfg->backoff_factor,
-      cfg->growth_interval, cfg->hysteresis, cfg->min_scale);
+      cfg->growth_interval, cfg->hysteresis, cfg->min_scale, cfg->hysteresis_on_growth);
   LLMMEM_CUDA_TRY(cudaGetLastError());
   return LLMMEM_OK;
 }

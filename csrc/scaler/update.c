@@ -16,6 +16,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_config_check(const llmmem_scaler_config
   LLMMEM_CHECK_ARG(cfg->growth_interval >= 1, "growth_interval must be >= 1, got %lld",
                    (long long)cfg->growth_interval);
   LLMMEM_CHECK_ARG(cfg->hysteresis >= 1, "hysteresis must be >= 1, got %d", (int)cfg->hysteresis);
+  LLMMEM_CHECK_ARG(cfg->hysteresis_on_growth == 0 || cfg->hysteresis_on_growth == 1,
+                   "hysteresis_on_growth must be 0 or 1, got %d", (int)cfg->hysteresis_on_growth);
   LLMMEM_CHECK_ARG(cfg->min_scale >= 0.0f && isfinite(cfg->min_scale),
                    "min_scale must be a finite number >= 0 (0 = no floor), got %g", (double)cfg->min_scale);
   return LLMMEM_OK;
@@ -37,6 +39,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_update(float *scale, int32_t *growth_tr
     found |= found_infs[i][0] != 0.0f;
   }
   llmmem_scaler_apply_rule(scale, growth_tracker, hysteresis_tracker, stats, found, cfg->growth_factor,
-                           cfg->backoff_factor, cfg->growth_interval, cfg->hysteresis, cfg->min_scale);
+                           cfg->backoff_factor, cfg->growth_interval, cfg->hysteresis, cfg->min_scale,
+                           cfg->hysteresis_on_growth);
   return LLMMEM_OK;
 }

@@ -9,8 +9,10 @@
  * keeps counting, and so does this one).
  *
  * Hysteresis follows the "consecutive" variant (apex's update_scale_hysteresis, DeepSpeed's
- * consecutive_hysteresis): back off only after `hysteresis` non-finite steps in a row; any finite
- * step refills the budget.
+ * consecutive_hysteresis=True): back off only after `hysteresis` non-finite steps in a row; any
+ * finite step refills the budget. (Megatron-LM and DeepSpeed's default refill it only when the
+ * scale grows, so non-consecutive overflows add up there; see GradScaler's docstring.) With
+ * `on_growth` set the rule is theirs: only a growth step (growth_interval clean steps) refills.
  */
 #ifndef LLMMEM_SCALER_UPDATE_RULE_H
 #define LLMMEM_SCALER_UPDATE_RULE_H
@@ -29,7 +31,8 @@
 /* Applies one update in place. `stats` may be NULL. `hyst` may be NULL when cfg hysteresis is 1. */
 static inline LLMMEM_HD void llmmem_scaler_apply_rule(float *scale, int32_t *growth, int32_t *hyst, int64_t *stats,
                                                       int found, double growth_factor, double backoff_factor,
-                                                      int64_t growth_interval, int32_t hysteresis, float min_scale) {
+                                                      int64_t growth_interval, int32_t hysteresis, float min_scale,
+                                                      int on_growth) {
   int min_hit = 0;
   if (found) {
     int32_t left = hyst ? *hyst - 1 : 0;
@@ -45,12 +48,13 @@ static inline LLMMEM_HD void llmmem_scaler_apply_rule(float *scale, int32_t *gro
       *scale = backed;
     }
   } else {
-    if (hyst) *hyst = hysteresis;
+    if (hyst && !on_growth) *hyst = hysteresis;
     int64_t successful = (int64_t)*growth + 1; /* int64 so a tracker at INT32_MAX cannot overflow */
     if (successful == growth_interval) {
       float grown = (float)((double)*scale * growth_factor);
       if (LLMMEM_ISFINITE_F(grown)) *scale = grown;
       *growth = 0;
+      if (hyst && on_growth) *hyst = hysteresis;
     } else {
       *growth = (int32_t)successful;
     }

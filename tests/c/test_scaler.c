@@ -396,6 +396,22 @@ int main(void) {
     CHECK_STATUS(llmmem_scaler_update(&scale, &growth, NULL, NULL, dirty, 1, &cfg), LLMMEM_ERR_INVALID);
   }
 
+  TEST("update: hysteresis_on_growth refills the budget only when the scale grows (Megatron, DeepSpeed default)") {
+    float scale = 1024.0f, zero = 0.0f, one = 1.0f;
+    int32_t growth = 0, hyst = 2;
+    const float *clean[1] = {&zero}, *dirty[1] = {&one};
+    llmmem_scaler_config_t cfg = {2.0, 0.5, 3, 2, 0.0f, 1};
+    CHECK_OK(llmmem_scaler_update(&scale, &growth, &hyst, NULL, dirty, 1, &cfg));
+    CHECK_OK(llmmem_scaler_update(&scale, &growth, &hyst, NULL, clean, 1, &cfg));
+    CHECK(scale == 1024.0f && hyst == 1 && growth == 1); /* the clean step did not refill */
+    CHECK_OK(llmmem_scaler_update(&scale, &growth, &hyst, NULL, dirty, 1, &cfg));
+    CHECK(scale == 512.0f && hyst == 0 && growth == 0); /* second overflow, not consecutive: back off */
+    for (int i = 0; i < 3; i++) CHECK_OK(llmmem_scaler_update(&scale, &growth, &hyst, NULL, clean, 1, &cfg));
+    CHECK(scale == 1024.0f && hyst == 2 && growth == 0); /* the growth refilled it */
+    cfg.hysteresis_on_growth = 2;
+    CHECK_STATUS(llmmem_scaler_update(&scale, &growth, &hyst, NULL, clean, 1, &cfg), LLMMEM_ERR_INVALID);
+  }
+
   TEST("update: min_scale floors the backoff and counts the hits") {
     float scale = 4.0f, one = 1.0f;
     int32_t growth = 0;

@@ -75,6 +75,9 @@ typedef struct llmmem_scaler_config_s {
   int64_t growth_interval; /* >= 1: consecutive finite steps before the scale grows */
   int32_t hysteresis;      /* >= 1: back off only after this many consecutive non-finite steps */
   float min_scale;         /* >= 0; 0 = no floor. The scale never backs off below it. */
+  int32_t hysteresis_on_growth; /* 0: any finite step refills the hysteresis budget ("consecutive",
+                                   apex); 1: only a growth of the scale does (Megatron-LM, DeepSpeed's
+                                   default). Last, so initialisers without it mean 0. */
 } llmmem_scaler_config_t;
 
 /* Counters kept next to the scale (int64 each), in this order. */
@@ -90,9 +93,10 @@ enum {
  * One scale update on host memory. found = any(found_infs[i][0] != 0).
  *   found:     hysteresis_tracker -= 1 (not below 0); growth_tracker = 0; if the hysteresis tracker
  *              reached 0: scale = (float)(scale * backoff_factor), raised to min_scale if below it.
- *   not found: hysteresis_tracker = hysteresis; successful = growth_tracker + 1; if successful ==
- *              growth_interval: scale = (float)(scale * growth_factor) if that is finite, tracker = 0;
- *              else growth_tracker = successful.
+ *   not found: hysteresis_tracker = hysteresis (unless cfg->hysteresis_on_growth); successful =
+ *              growth_tracker + 1; if successful == growth_interval: scale = (float)(scale *
+ *              growth_factor) if that is finite, tracker = 0, and with cfg->hysteresis_on_growth
+ *              hysteresis_tracker = hysteresis; else growth_tracker = successful.
  * `hysteresis_tracker` and `stats` (LLMMEM_SCALER_STAT_COUNT int64) may be NULL when
  * cfg->hysteresis == 1 / when counters are not wanted.
  */
