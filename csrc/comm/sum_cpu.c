@@ -17,12 +17,7 @@
 #include "internal.h"
 #include "shm_internal.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define LLMMEM_HAVE_X86_DISPATCH 1
-#else
-#define LLMMEM_HAVE_X86_DISPATCH 0
-#endif
+#include "cpu_isa.h"
 
 enum { SUM_BLOCK = 512 }; /* elements per block: 2 KiB of fp32 accumulator, stays in L1 */
 
@@ -59,32 +54,14 @@ enum { SUM_BLOCK = 512 }; /* elements per block: 2 KiB of fp32 accumulator, stay
 /* -1: pick by CPU; else the level the tests force (see _llmmem_comm_force_isa). */
 static _Atomic int forced_isa = -1;
 
-static int best_isa(void) {
-#if LLMMEM_HAVE_X86_DISPATCH
-  __builtin_cpu_init();
-#if defined(__clang__) /* older clang cannot query f16c; every AVX2 CPU has it (since Ivy Bridge) */
-  int avx2 = __builtin_cpu_supports("avx2");
-#else
-  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-#endif
-  int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
-  return avx512 ? 2 : avx2 ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
 int _llmmem_comm_force_isa(int isa) {
   forced_isa = isa;
-  int best = best_isa();
-  return isa < 0 || isa > best ? best : isa;
+  return _llmmem_cpu_isa_pick(isa);
 }
 
 void _llmmem_comm_sum2(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
                        llmmem_comm_dtype_t dtype) {
-  int best = best_isa(), forced = forced_isa;
-  int isa = forced < 0 || forced > best ? best : forced;
+  int isa = _llmmem_cpu_isa_pick(forced_isa);
 #if LLMMEM_HAVE_X86_DISPATCH
   if (isa == 2) {
     sum_avx512(srcs, nsrc, out, out2, count, dtype);

@@ -23,12 +23,7 @@
 #include "half.h"
 #include "internal.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define LLMMEM_HAVE_X86_DISPATCH 1
-#else
-#define LLMMEM_HAVE_X86_DISPATCH 0
-#endif
+#include "cpu_isa.h"
 
 /* Below this many bytes per thread a new thread costs more (tens of microseconds) than it saves. */
 #define MIN_BYTES_PER_THREAD ((size_t)1 << 19)
@@ -78,31 +73,13 @@ static int forced_isa = -1;
  * CPU lacks fall back to the best it has. Returns the level that will run. */
 int _llmmem_scaler_force_isa(int isa);
 
-static int best_isa(void) {
-#if LLMMEM_HAVE_X86_DISPATCH
-  __builtin_cpu_init();
-#if defined(__clang__) /* older clang cannot query f16c; every AVX2 CPU has it (since Ivy Bridge) */
-  int avx2 = __builtin_cpu_supports("avx2");
-#else
-  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-#endif
-  int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
-  return avx512 ? 2 : avx2 ? 1 : 0;
-#else
-  return 0;
-#endif
-}
-
 int _llmmem_scaler_force_isa(int isa) {
   forced_isa = isa;
-  int best = best_isa();
-  return isa < 0 || isa > best ? best : isa;
+  return _llmmem_cpu_isa_pick(isa);
 }
 
 static run_range_fn pick_run_range(void) {
-  int best = best_isa();
-  int isa = forced_isa < 0 || forced_isa > best ? best : forced_isa;
+  int isa = _llmmem_cpu_isa_pick(forced_isa);
 #if LLMMEM_HAVE_X86_DISPATCH
   if (isa == 2) return run_range_avx512;
   if (isa == 1) return run_range_avx2;
