@@ -387,6 +387,12 @@ def test_checkpoint_sequential_even_split_matches_plain():
             llmmem.checkpoint_sequential(seq, bad, x)
     with pytest.raises(ValueError, match="unexpected keyword"):
         llmmem.checkpoint_sequential(seq, 2, x, foo=1)
+    # the blocks of a model usually live in an nn.ModuleList, which torch's version accepts too
+    y_list, g_list = _run(lambda t: llmmem.checkpoint_sequential(nn.ModuleList(seq), 3, t), seq, x)
+    assert torch.equal(y_list, y_ref)
+    _assert_bitwise(g_list, g_ref)
+    with pytest.raises(TypeError, match="functions must be"):
+        llmmem.checkpoint_sequential({"a": seq}, 2, x)
 
 
 def test_checkpoint_sequential_saves_segment_inputs_only():
