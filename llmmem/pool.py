@@ -200,6 +200,8 @@ class MemoryPool:
         dtype = torch.float32 if dtype is None else dtype
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):  # frombuffer crashes on use
+            raise TypeError(f"dtype: quantized dtypes such as {dtype} are not supported by MemoryPool.empty")
         shape = _parse_shape(shape)
         if self._kind == "cuda":
             with use_pool(self):

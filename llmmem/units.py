@@ -19,7 +19,7 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 
-_MAX_BYTES = 2**64  # far beyond any machine; keeps every result exact and finite
+_MAX_BYTES = 2**63  # far beyond any machine, and within the C core's 64-bit sizes
 
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -61,6 +61,8 @@ def parse_bytes(value, name: str = "size") -> int:
         raise ValueError(f"{name}: expected a byte count or a string like '4GB', got {type(value).__name__}")
     if n < 0:
         raise ValueError(f"{name}: must be >= 0 bytes, got {value!r}")
+    if n > _MAX_BYTES:  # the C core holds sizes in 64 bits: larger values would wrap around silently
+        raise ValueError(f"{name}: {value!r} is larger than any memory ({_MAX_BYTES} bytes at most)")
     return n
 
 

@@ -91,3 +91,23 @@ def test_thresholds_and_timeout_validation():
             collectives._env_int("LLMMEM_TEST_BYTES", 0)
     finally:
         del os.environ["LLMMEM_TEST_BYTES"]
+
+
+def test_collective_argument_errors_without_a_group(monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from llmmem.parallel import collectives
+
+    with pytest.raises(ValueError, match="0-dim"):
+        collectives._check_dim(torch.tensor(1.0), 0)
+    with pytest.raises(ValueError, match="out of range"):
+        collectives._check_dim(torch.ones(2, 3), 2)
+    assert collectives._check_dim(torch.ones(2, 3), -1) == 1
+    # a bad timeout names the variable instead of failing inside float()
+    proc = subprocess.run([sys.executable, "-c", "import llmmem.parallel.collectives"], capture_output=True,
+                          text=True, timeout=120, cwd=tempfile.gettempdir(),
+                          env={**os.environ, "LLMMEM_TP_TIMEOUT": "abc"})
+    assert proc.returncode != 0 and "LLMMEM_TP_TIMEOUT" in proc.stderr

@@ -471,3 +471,51 @@ def test_install_allocator_after_cuda_was_used_says_to_call_it_first(monkeypatch
         llmmem.install_allocator(p)
     assert "use_pool" in str(info.value)
     assert pool_mod._installed is None
+
+
+def test_close_racing_other_threads_never_crashes():
+    # A pool closed on one thread while another allocates from it used to free the pool under the
+    # other thread's feet (segfault). Run in a subprocess so a crash fails the test instead of pytest.
+    import subprocess
+    import sys
+    import tempfile
+
+    code = (
+        "import threading\n"
+        "from llmmem._native import native\n"
+        "stop = False\n"
+        "def worker(box):\n"
+        "    while not stop:\n"
+        "        p = box[0]\n"
+        "        try:\n"
+        "            native.pool_free(p, native.pool_alloc(p, 4096))\n"
+        "        except (ValueError, RuntimeError):\n"
+        "            pass\n"
+        "box = [native.pool_create('cpu', -1, 1 << 20, 0, 0)]\n"
+        "t = threading.Thread(target=worker, args=(box,)); t.start()\n"
+        "for _ in range(3000):\n"
+        "    old, box[0] = box[0], native.pool_create('cpu', -1, 1 << 20, 0, 0)\n"
+        "    try:\n"
+        "        native.pool_close(old)\n"
+        "    except RuntimeError:\n"
+        "        pass  # StateError: the worker still holds a block of it\n"
+        "stop = True; t.join(); print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tempfile.gettempdir())
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+
+
+def test_sizes_beyond_64_bits_are_refused_not_wrapped():
+    for bad in (2**64 + 4096, 2**70):
+        with pytest.raises(ValueError, match="initial_size"):
+            llmmem.MemoryPool(bad, device="cpu")
+        with pytest.raises(ValueError, match="max_size"):
+            llmmem.MemoryPool(0, max_size=bad, device="cpu")
+
+
+def test_quantized_dtypes_are_refused():
+    pool = llmmem.MemoryPool("1MiB", device="cpu")
+    with pytest.raises(TypeError, match="quantized"):
+        pool.empty((3,), torch.qint8)
+    pool.close()

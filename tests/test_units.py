@@ -32,3 +32,9 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(80 * 2**30) == "80.00 GiB"
     assert format_bytes(-2048) == "-2.00 KiB"
+
+
+def test_parse_bytes_refuses_integers_beyond_64_bits():
+    assert parse_bytes(2**63) == 2**63
+    with pytest.raises(ValueError, match="larger than any memory"):
+        parse_bytes(2**64 + 1, "max_size")

@@ -27,7 +27,12 @@ static void capsule_destructor(PyObject *capsule) {
   PyMem_Free(h);
 }
 
-/* The open pool in `capsule`, or NULL with an exception set. */
+/* The open pool in `capsule`, or NULL with an exception set.
+ *
+ * Calls on an open pool keep the GIL: pool operations take tens of nanoseconds (less than giving
+ * the GIL up and back), and holding it is what keeps MemoryPool.close() on one thread from
+ * destroying a pool another Python thread is inside. Only pool_create, which touches no shared
+ * pool, releases it. */
 static llmmem_pool_t *get_pool(PyObject *capsule) {
   pool_holder_t *h = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
   if (!h) return NULL;
@@ -86,9 +91,7 @@ static PyObject *py_pool_close(PyObject *self, PyObject *capsule) {
   if (!h) return NULL;
   if (h->pool) {
     llmmem_status_t st;
-    Py_BEGIN_ALLOW_THREADS
     st = llmmem_pool_destroy(h->pool);
-    Py_END_ALLOW_THREADS
     if (st != LLMMEM_OK) return raise_status(st);
     h->pool = NULL;
   }
@@ -121,9 +124,7 @@ static PyObject *py_pool_alloc(PyObject *self, PyObject *args) {
   }
   void *ptr = NULL;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
   st = llmmem_pool_alloc(pool, (size_t)size, stream, &ptr);
-  Py_END_ALLOW_THREADS
   if (st != LLMMEM_OK) return raise_status(st);
   return PyLong_FromVoidPtr(ptr);
 }
@@ -139,9 +140,7 @@ static PyObject *py_pool_free(PyObject *self, PyObject *args) {
   void *ptr = PyLong_AsVoidPtr(addr_obj);
   if (!ptr && PyErr_Occurred()) return NULL;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
   st = llmmem_pool_free(pool, ptr, stream);
-  Py_END_ALLOW_THREADS
   if (st != LLMMEM_OK) return raise_status(st);
   Py_RETURN_NONE;
 }
@@ -237,9 +236,7 @@ static PyObject *py_pool_empty_cache(PyObject *self, PyObject *capsule) {
   if (!pool) return NULL;
   size_t released = 0;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
   st = llmmem_pool_empty_cache(pool, &released);
-  Py_END_ALLOW_THREADS
   if (st != LLMMEM_OK) return raise_status(st);
   return PyLong_FromSize_t(released);
 }
@@ -284,9 +281,7 @@ static PyObject *py_pool_slot_alloc(PyObject *self, PyObject *args) {
     return NULL;
   }
   void *p;
-  Py_BEGIN_ALLOW_THREADS
   p = llmmem_pool_slot_alloc(slot, (size_t)size, device, NULL);
-  Py_END_ALLOW_THREADS
   return PyLong_FromVoidPtr(p);
 }
 
@@ -298,9 +293,7 @@ static PyObject *py_pool_slot_free(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "iOni", &slot, &addr_obj, &size, &device)) return NULL;
   void *ptr = PyLong_AsVoidPtr(addr_obj);
   if (!ptr && PyErr_Occurred()) return NULL;
-  Py_BEGIN_ALLOW_THREADS
   llmmem_pool_slot_free(slot, ptr, (size_t)size, device, NULL);
-  Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
 
@@ -385,9 +378,7 @@ static PyObject *py_pool_buffer(PyObject *self, PyObject *args) {
   }
   void *ptr = NULL;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
   st = llmmem_pool_alloc(pool, (size_t)nbytes, NULL, &ptr);
-  Py_END_ALLOW_THREADS
   if (st != LLMMEM_OK) return raise_status(st);
   pool_buffer_t *b = PyObject_New(pool_buffer_t, (PyTypeObject *)buffer_type);
   if (!b) {

@@ -59,7 +59,20 @@ _thresholds = {
     "cpu_shm_max_bytes": _env_int("LLMMEM_TP_SHM_MAX_BYTES", _DEFAULT_SHM_MAX),
     "cuda_ipc_max_bytes": _env_int("LLMMEM_TP_CUDA_IPC_MAX_BYTES", _DEFAULT_CUDA_IPC_MAX),
 }
-_timeout_s = float(os.environ.get("LLMMEM_TP_TIMEOUT", "300"))
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"llmmem: environment variable {name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+_timeout_s = _env_seconds("LLMMEM_TP_TIMEOUT", 300.0)
 # Read once, like the thresholds: the routing runs on every collective of every layer, and an
 # environment lookup costs microseconds there (as much as a 64 KiB shared-memory all-reduce).
 _engines_on = {"shm": _env_on("LLMMEM_TP_SHM"), "cuda_ipc": _env_on("LLMMEM_TP_CUDA_IPC")}
@@ -185,12 +198,21 @@ def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
+def _check_dim(tensor: torch.Tensor, dim: int) -> int:
+    if tensor.dim() == 0:
+        raise ValueError("llmmem.parallel: a 0-dim tensor has no dimension to gather or scatter along")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"llmmem.parallel: dim {dim} is out of range for a tensor of {tensor.dim()} dimensions")
+    return dim % tensor.dim()
+
+
 def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
     w = _size_of(group)
     if w == 1:
         return tensor
-    dim = dim % tensor.dim()
+    dim = _check_dim(tensor, dim)
+    tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
     tensor = tensor.contiguous()
     stacked = torch.empty((w * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     comm = _shm_for(tensor, group)
@@ -209,7 +231,8 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     w = _size_of(group)
     if w == 1:
         return tensor
-    dim = dim % tensor.dim()
+    dim = _check_dim(tensor, dim)
+    tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
     if tensor.shape[dim] % w != 0:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible by the "
                          f"group size {w}")
