@@ -49,7 +49,7 @@ import numbers
 from dataclasses import dataclass
 
 from llmmem import model_configs
-from llmmem.model_configs import ModelConfig
+from llmmem.model_configs import ModelConfig, _choice, _positive_int
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["estimate", "Estimate", "Recommendation", "ModelConfig", "layer_activation_terms",
@@ -87,19 +87,6 @@ MAX_DEVICES = 4096
 # =================================================================================================
 # input validation
 # =================================================================================================
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _choice(value, name: str, choices) -> str:
-    key = value.strip().lower() if isinstance(value, str) else None
-    if key not in choices:
-        raise ValueError(f"{name}: unknown value {value!r}; choose one of {', '.join(choices)}")
-    return key
-
-
 def _parse_checkpointing(value) -> str:
     """``"none" | "selective" | "full" | "every-K"`` from a string or an int ``K`` (``K = 1`` is full)."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
