@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llmmem._native import available, native
-from llmmem.parallel.shm import DTYPE_CODES, SetupError, host_identity
+from llmmem.parallel.shm import DTYPE_CODES, SetupError, agree_or_raise, host_identity
 
 __all__ = ["CudaIpcCommunicator", "SetupError"]
 
@@ -59,10 +59,8 @@ class CudaIpcCommunicator:
                 native.cuda_ar_connect(handle, b"".join(h for _, h, _ in info))
             except Exception as exc:  # noqa: BLE001
                 error = f"rank {rank}: {exc}"
-            outcomes = [None] * world
-            dist.all_gather_object(outcomes, error, group=group)
-            failures = [e for e in outcomes if e]
-        if failures:
+            agree_or_raise(error, world, group, handle, native.cuda_ar_close)
+        else:
             if handle is not None:
                 native.cuda_ar_close(handle)
             raise SetupError("; ".join(failures))

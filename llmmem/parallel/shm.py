@@ -24,6 +24,19 @@ class SetupError(RuntimeError):
     """The engine cannot be used for this group (the caller falls back to torch.distributed)."""
 
 
+def agree_or_raise(error, world: int, group, handle, close) -> None:
+    """Every rank learns every rank's set-up outcome, so all of them fall back together: one rank
+    left on our engine while the others use torch.distributed would deadlock the next collective.
+    ``error`` is this rank's failure (or None); on any failure ``handle`` is closed and SetupError raised."""
+    outcomes = [None] * world
+    dist.all_gather_object(outcomes, error, group=group)
+    failures = [e for e in outcomes if e]
+    if failures:
+        if handle is not None:
+            close(handle)
+        raise SetupError("; ".join(failures))
+
+
 def host_identity() -> str:
     """Equal on two processes only if they run on the same machine (and so can share /dev/shm)."""
     try:
@@ -66,13 +79,7 @@ class ShmCommunicator:
             handle = native.shm_comm_open(name, rank, world, _slot_bytes(), float(timeout))
         except Exception as exc:  # noqa: BLE001 - any failure means: fall back, on every rank
             error = f"rank {rank}: {exc}"
-        outcomes = [None] * world
-        dist.all_gather_object(outcomes, error, group=group)
-        failures = [e for e in outcomes if e]
-        if failures:
-            if handle is not None:
-                native.shm_comm_close(handle)
-            raise SetupError("; ".join(failures))
+        agree_or_raise(error, world, group, handle, native.shm_comm_close)
         return cls(handle, rank, world)
 
     def set_timeout(self, seconds: float) -> None:
