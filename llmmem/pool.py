@@ -220,8 +220,10 @@ class MemoryPool:
         ``requested_bytes``, ``active_bytes``, ``reserved_bytes``, ``allocation``, ``segment`` (each
         ``.current`` and ``.peak``), counters ``num_allocs``, ``num_frees``, ``num_ooms``,
         ``num_invalid_frees``, ``num_device_alloc``, ``num_device_free``, ``num_sync_events``, and
-        ``free_bytes``, ``largest_free_block``, ``fragmentation`` (1 - largest free / free), and
-        ``decommitted_bytes`` (free address space whose memory was given back, not in reserved).
+        ``free_bytes`` (reserved - allocated), ``largest_free_block`` (the longest free stretch of
+        reserved memory, never more than ``free_bytes``), ``fragmentation`` (1 - largest free /
+        free), and ``decommitted_bytes`` (free address space inside segments whose memory was given
+        back: not in reserved, nor in free; a request may still be served there, committing it).
 
         With :func:`use_pool`, llmmem's blocks are PyTorch's *segments*: per-tensor numbers are in
         ``torch.cuda.memory_stats()``. Reads counters under the pool's lock; no GPU sync.
@@ -276,6 +278,7 @@ class MemoryPool:
                   f" Free in reserved        {format_bytes(s['free_bytes']):>20}   largest block "
                   f"{format_bytes(s['largest_free_block'])}",
                   f" Fragmentation           {100 * s['fragmentation']:>19.1f}%   (1 - largest free / free)",
+                  f" Decommitted (not held)  {format_bytes(s['decommitted_bytes']):>20}",
                   f" Small-request chunks    {s['small_chunks']:>20}",
                   f" Allocs / frees          {s['num_allocs']:>20} / {s['num_frees']}",
                   f" OOMs / invalid frees    {s['num_ooms']:>20} / {s['num_invalid_frees']}",

@@ -190,6 +190,27 @@ def test_cpu_pool_grows_in_place_and_gives_back_holes_it_grows_past():
     p.close()
 
 
+def test_empty_cache_reports_memory_not_address_space_over_decommitted_pages():
+    """A growth segment whose hole pages were decommitted gives back what it held, and the
+    statistics never call more memory free than the pool holds."""
+    p = llmmem.MemoryPool(device="cpu")
+    a = p.empty((3 * MiB // 2,), dtype=torch.uint8)
+    b = p.empty((8 * MiB,), dtype=torch.uint8)
+    c = p.empty((3 * MiB // 2,), dtype=torch.uint8)
+    del b  # a hole whose whole pages [2, 8) MiB are decommitted when the pool grows past it
+    d = p.empty((10 * MiB,), dtype=torch.uint8)
+    s = p.stats()
+    assert s["decommitted_bytes"] == 6 * MiB and s["reserved_bytes.current"] == 16 * MiB
+    assert s["largest_free_block"] <= s["free_bytes"] == 3 * MiB
+    del a, c, d
+    s = p.stats()
+    assert s["free_bytes"] == 16 * MiB and s["largest_free_block"] == 14 * MiB  # [8, 22) MiB is committed
+    assert s["fragmentation"] == pytest.approx(1 - 14 / 16)
+    assert p.empty_cache() == 16 * MiB  # not the segment's 22 MiB of address space
+    assert p.stats()["reserved_bytes.current"] == 0
+    p.close()
+
+
 # ---- statistics, summary, snapshot ------------------------------------------------------------
 
 def test_statistics_are_consistent_and_peaks_reset():

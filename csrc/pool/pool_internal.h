@@ -159,7 +159,7 @@ void _llmmem_split(llmmem_pool_t *pool, pool_block_t *b, size_t size, pool_block
 
 /* segment.c: segments, chunks, growth, event polling */
 llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_initial);
-void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r);
+size_t _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r);
 void _llmmem_release_empty_chunks(llmmem_pool_t *pool);
 void _llmmem_put_back(llmmem_pool_t *pool, pool_block_t *b);
 void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks);

@@ -7,18 +7,50 @@
 
 #include "pool_internal.h"
 
+/* The longest stretch of free block b whose memory is committed: b less its decommitted pages. */
+static size_t committed_run(const pool_region_t *r, const pool_block_t *b) {
+  const size_t page = LLMMEM_POOL_CHUNK_SIZE;
+  uintptr_t end = b->addr + b->size, run_start = b->addr;
+  size_t best = 0;
+  /* pages wholly inside b: only these can be decommitted */
+  for (size_t p = (b->addr - r->base + page - 1) / page; r->base + (p + 1) * page <= end; p++) {
+    if (!_llmmem_page_decommitted(r, p)) continue;
+    uintptr_t lo = r->base + p * page;
+    if (lo - run_start > best) best = lo - run_start;
+    run_start = lo + page;
+  }
+  if (end - run_start > best) best = end - run_start;
+  return best;
+}
+
+/* The biggest free block's committed bytes. Without decommitted pages that is the top TLSF
+ * class's biggest block; with them a free block may be mostly address space, so the blocks of
+ * those segments are walked (stats are not on the hot path). */
+static size_t largest_committed_free(llmmem_pool_t *pool) {
+  size_t small = _llmmem_heap_largest(&pool->small), best = 0;
+  int any = 0;
+  for (const pool_region_t *r = pool->segments; r; r = r->next) any |= r->decommitted_pages != 0;
+  if (!any) best = _llmmem_heap_largest(&pool->large);
+  else
+    for (const pool_region_t *r = pool->segments; r; r = r->next)
+      for (const pool_block_t *b = r->first; b; b = b->next) {
+        if (!b->is_free) continue;
+        size_t run = r->decommitted_pages ? committed_run(r, b) : b->size;
+        if (run > best) best = run;
+      }
+  return best > small ? best : small;
+}
+
 LLMMEM_API llmmem_status_t llmmem_pool_stats(llmmem_pool_t *pool, llmmem_pool_stats_t *out) {
   LLMMEM_CHECK_ARG(pool != NULL && out != NULL, "llmmem_pool_stats: pool and out must not be NULL");
   pthread_mutex_lock(&pool->lock);
   *out = pool->st;
   out->free_bytes = (size_t)(pool->st.reserved_bytes.current - pool->st.allocated_bytes.current);
-  size_t a = _llmmem_heap_largest(&pool->large), b = _llmmem_heap_largest(&pool->small);
-  out->largest_free_block = a > b ? a : b;
+  out->largest_free_block = largest_committed_free(pool);
   out->decommitted_bytes = 0;
   for (const pool_region_t *r = pool->segments; r; r = r->next)
     out->decommitted_bytes += r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE;
-  size_t free_space = out->free_bytes + out->decommitted_bytes;
-  out->fragmentation = free_space ? 1.0 - (double)out->largest_free_block / (double)free_space : 0.0;
+  out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free_block / (double)out->free_bytes : 0.0;
   pthread_mutex_unlock(&pool->lock);
   return LLMMEM_OK;
 }

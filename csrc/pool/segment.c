@@ -72,8 +72,9 @@ llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_in
   return LLMMEM_OK;
 }
 
-/* Gives a fully free, event-free segment back to the backend. */
-void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
+/* Gives a fully free, event-free segment back to the backend. Returns the bytes of memory that
+ * came back: its size less the pages decommitted before (not in reserved_bytes any more). */
+size_t _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   pool_block_t *b = r->first;
   _llmmem_heap_remove(&pool->large, b);
   _llmmem_block_clear_event(pool, b);
@@ -82,10 +83,12 @@ void _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   if (pool->top == r) pool->top = NULL;  /* the next growth reserves a new one */
   pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
   pool->st.num_backend_releases++;
-  _llmmem_reserved_add(pool, -(int64_t)(r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE));
+  size_t held = r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE;
+  _llmmem_reserved_add(pool, -(int64_t)held);
   _llmmem_stat_add(&pool->st.segments, -1);
   free(r->decommitted);
   free(r);
+  return held;
 }
 
 /* Frees large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away and
@@ -174,9 +177,8 @@ static void page_mark(pool_region_t *r, size_t page, int on) {
   else r->decommitted[page / 64] &= ~bit;
 }
 
-/* Commits the decommitted pages in [lo, hi) (page indices). With `account` reserved_bytes grows by
- * them; without, the caller accounts (so that a shrink does not raise the peak on its way). */
-static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_t lo, size_t hi, int account) {
+/* Commits the decommitted pages in [lo, hi) (page indices); reserved_bytes grows by them. */
+static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_t lo, size_t hi) {
   size_t p = lo;
   while (p < hi) {
     while (p < hi && !_llmmem_page_decommitted(r, p)) p++;
@@ -187,7 +189,7 @@ static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_
       for (size_t k = p; k < q; k++) page_mark(r, k, 0);
       r->decommitted_pages -= q - p;
       pool->st.num_backend_reserves++;  /* a backend call that maps memory, like cuMemMap in PyTorch's count */
-      if (account) _llmmem_reserved_add(pool, (int64_t)((q - p) * PAGE));
+      _llmmem_reserved_add(pool, (int64_t)((q - p) * PAGE));
     }
     p = q;
   }
@@ -250,7 +252,7 @@ llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
     decommit_holes(pool);
     b->is_free = was_free;
   }
-  return commit_pages(pool, r, lo, hi, 1);
+  return commit_pages(pool, r, lo, hi);
 }
 
 /* ---- growth -------------------------------------------------------------------------------- */
@@ -343,7 +345,13 @@ static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
 
 /* Gives back the free end of segment r beyond whole 2 MiB steps (keeping initial_size of the
  * initial segment), when the pool resizes segments. Any segment may have grown: the top changes
- * when the address space behind one runs out. Returns the bytes given back. */
+ * when the address space behind one runs out. Returns the bytes of memory given back: what
+ * reserved_bytes drops by, which leaves out pages of the cut that were decommitted already.
+ *
+ * Never commits memory (empty_cache must not take any): when the new end would fall inside a
+ * decommitted page, the cut stops at that page's upper boundary instead, so the page stays whole
+ * inside the region and stays decommitted. Decommitted pages inside the cut are forgotten (the
+ * backend's resize gives back what is still committed there). */
 size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   if (!pool->backend.resize || pool->options.fixed_segments) return 0;
   pool_block_t *end = r->last;
@@ -352,21 +360,19 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   size_t cut = end->size / LLMMEM_POOL_CHUNK_SIZE * LLMMEM_POOL_CHUNK_SIZE;
   if (r->size - cut < keep) cut = (r->size - keep) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY;
   if (cut == 0 || cut == r->size) return 0;  /* a wholly free segment is released, not shrunk */
-  /* Decommitted pages of the end are committed first (the cut may not fall on a page boundary);
-   * the stat moves once, by the net change, so the shrink does not raise the peak. */
-  size_t before = r->decommitted_pages;
-  if (before) {
-    size_t lo = (end->addr - r->base) / PAGE, hi = (r->size + PAGE - 1) / PAGE;
-    if (commit_pages(pool, r, lo, hi, 0) != LLMMEM_OK) {
-      _llmmem_reserved_add(pool, (int64_t)((before - r->decommitted_pages) * PAGE));
-      return 0;
-    }
+  size_t new_size = r->size - cut;
+  if (new_size % PAGE && _llmmem_page_decommitted(r, new_size / PAGE)) {
+    /* A decommitted page lies wholly inside a free block, so its end is inside the region. */
+    new_size = (new_size / PAGE + 1) * PAGE;
+    cut = r->size - new_size;
+    if (cut == 0) return 0;
   }
-  int64_t recommitted = (int64_t)((before - r->decommitted_pages) * PAGE);
-  if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, r->size - cut) != LLMMEM_OK) {
-    _llmmem_reserved_add(pool, recommitted);
-    return 0;
-  }
+  size_t dropped = 0;  /* decommitted pages wholly inside the cut */
+  for (size_t p = (new_size + PAGE - 1) / PAGE; (p + 1) * PAGE <= r->size; p++) dropped += _llmmem_page_decommitted(r, p);
+  if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, new_size) != LLMMEM_OK) return 0;
+  for (size_t p = (new_size + PAGE - 1) / PAGE; (p + 1) * PAGE <= r->size; p++)
+    if (_llmmem_page_decommitted(r, p)) page_mark(r, p, 0);
+  r->decommitted_pages -= dropped;
   _llmmem_heap_remove(&pool->large, end);
   if (cut == end->size) {
     r->last = end->prev;
@@ -376,10 +382,11 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
     end->size -= cut;
     _llmmem_heap_insert(&pool->large, end);
   }
-  r->size -= cut;
+  r->size = new_size;
   pool->st.num_backend_releases++;
-  _llmmem_reserved_add(pool, recommitted - (int64_t)cut);
-  return cut > (size_t)recommitted ? cut - (size_t)recommitted : 0;
+  size_t released = cut - dropped * PAGE;
+  _llmmem_reserved_add(pool, -(int64_t)released);
+  return released;
 }
 
 /* Growth that does not strand memory: fully free growth segments are given back first. With a
@@ -395,8 +402,7 @@ static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
   for (pool_region_t *r = pool->segments, *next; r; r = next) {
     next = r->next;
     if (!r->is_initial && r != pool->top && _llmmem_region_empty(r) && !r->first->event) {
-      freed += r->size;
-      _llmmem_release_segment(pool, r);
+      freed += _llmmem_release_segment(pool, r);
     }
   }
   if (pool->top) {

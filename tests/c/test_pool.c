@@ -214,7 +214,7 @@ static int random_run(llmmem_pool_t *p, unsigned long long seed, int ops, int ma
           s.allocations.current != n)
         ok = 0;
       if (s.free_bytes + (size_t)s.allocated_bytes.current != (size_t)s.reserved_bytes.current) ok = 0;
-      if (s.largest_free_block > s.free_bytes + s.decommitted_bytes) ok = 0;
+      if (s.largest_free_block > s.free_bytes) ok = 0;
     }
   }
   for (int k = 0; k < n; k++) {
@@ -531,10 +531,14 @@ int main(void) {
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK(segments_whole_and_free(p));
+    /* the growth to 12 MiB gave back the whole page [0, 2) of the 3 MiB hole at the start */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.reserved_bytes.current == (int64_t)(10 * MiB) && s.decommitted_bytes == 2 * MiB);
     size_t released = 0;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(released == 12 * MiB && s.reserved_bytes.current == 0 && s.segments.current == 0);
+    /* memory given back, not the segment's 12 MiB of address space */
+    CHECK(released == 10 * MiB && s.reserved_bytes.current == 0 && s.segments.current == 0);
     CHECK_OK(llmmem_pool_destroy(p));
   }
 
@@ -612,7 +616,9 @@ int main(void) {
       CHECK(s.segments.current == 1 && (uintptr_t)c == (uintptr_t)a + 19 * MiB / 2);
       CHECK(s.reserved_bytes.current == (int64_t)(capped ? 20 * MiB : 12 * MiB));
       CHECK(s.reserved_bytes.peak == (int64_t)(capped ? 20 * MiB : 12 * MiB));
-      CHECK(s.decommitted_bytes == (capped ? 0 : 8 * MiB) && s.largest_free_block == 8 * MiB);
+      CHECK(s.decommitted_bytes == (capped ? 0 : 8 * MiB));
+      /* largest_free_block counts committed memory: the decommitted hole holds none, the free end 0.5 MiB */
+      CHECK(s.largest_free_block == (capped ? 8 * MiB : MiB / 2) && s.largest_free_block <= s.free_bytes);
       CHECK_OK(_llmmem_pool_check(p));
       CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &d));  /* into the hole: its first two pages come back */
       CHECK(d == a);
@@ -654,6 +660,95 @@ int main(void) {
     memset(b, 1, 3 * MiB);
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_destroy(p));
+  }
+
+  TEST("in-place growth: empty_cache reports what reserved_bytes drops by, never commits, over decommitted pages") {
+    /* a growth segment released whole while 6 of its 20 MiB were decommitted */
+    llmmem_pool_t *p = grow_pool(0, 0, 0);
+    void *a, *b, *c, *d;
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a));   /* [0, 1.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));       /* [1.5, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c));   /* [9.5, 11): 12 MiB reserved */
+    CHECK_OK(llmmem_pool_free(p, b, NULL));                  /* hole [1.5, 9.5): pages 1..3 whole */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));      /* grows; 3 pages (6 MiB) decommitted */
+    llmmem_pool_stats_t s, s2;
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.decommitted_bytes == 6 * MiB && s.reserved_bytes.current == (int64_t)(16 * MiB));
+    /* committed free: hole edges [1.5, 2) and [8, 9.5), free end [21, 22) */
+    CHECK(s.largest_free_block == 3 * MiB / 2 && s.free_bytes == 3 * MiB);
+    CHECK_OK(llmmem_pool_free(p, d, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    /* one free block of 22 MiB address space, 6 MiB of it decommitted: the longest committed
+     * stretch is its tail after page 3, [8, 22) */
+    CHECK(s.free_bytes == 16 * MiB && s.decommitted_bytes == 6 * MiB);
+    CHECK(s.largest_free_block == 14 * MiB && s.largest_free_block <= s.free_bytes);
+    CHECK(s.fragmentation > 0.124 && s.fragmentation < 0.126);  /* 1 - 14/16 */
+    size_t released = 0;
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s2));
+    CHECK(released == 16 * MiB && s2.reserved_bytes.current == 0);  /* not the 22 MiB of address space */
+    CHECK(s2.reserved_bytes.peak == s.reserved_bytes.peak);
+    CHECK_OK(llmmem_pool_destroy(p));
+
+    /* a segment that keeps initial_size shrinks over decommitted pages: it gives back only what it
+     * held, and the cut stops short of a decommitted page rather than commit it again */
+    p = grow_pool(3 * MiB, 0, 0);
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a));   /* [0, 1.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));       /* [1.5, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c));   /* [9.5, 11) */
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));      /* pages 2..3 decommitted (page 1 is initial_size) */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    int64_t peak = s.reserved_bytes.peak;
+    size_t decommitted = s.decommitted_bytes;
+    CHECK(decommitted == 4 * MiB);
+    CHECK_OK(llmmem_pool_free(p, d, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));                  /* free end [1.5, size) over the decommitted pages */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    int64_t before = s.reserved_bytes.current;
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s2));
+    CHECK((int64_t)released == before - s2.reserved_bytes.current);
+    CHECK(s2.reserved_bytes.current >= (int64_t)(3 * MiB) && s2.reserved_bytes.peak == peak);
+    CHECK(s2.largest_free_block <= s2.free_bytes);
+    CHECK(s2.num_backend_reserves == s.num_backend_reserves);  /* nothing was committed */
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 20 * MiB, NULL, &b));      /* the rest still works */
+    memset(b, 3, 20 * MiB);
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));
+    CHECK_OK(llmmem_pool_stats(p, &s2));
+    CHECK(s2.reserved_bytes.current == (int64_t)(3 * MiB));
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_destroy(p));
+
+    /* the new end would fall inside a decommitted page: the cut stops at that page's end */
+    p = grow_pool(MiB / 2, 0, 0);
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a));   /* grows to 2.5: [0, 1.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));       /* 10.5: [1.5, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c));   /* 12.5: [9.5, 11) */
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));      /* 22.5; pages 1..3, [2, 8), decommitted */
+    CHECK_OK(llmmem_pool_stats(p, &s));
+    CHECK(s.decommitted_bytes == 6 * MiB && s.reserved_bytes.current == (int64_t)(33 * MiB / 2));
+    CHECK_OK(llmmem_pool_free(p, d, NULL));
+    CHECK_OK(llmmem_pool_free(p, c, NULL));                  /* free end [1.5, 22.5): 21 MiB */
+    CHECK_OK(llmmem_pool_empty_cache(p, &released));         /* a 20 MiB cut would end at 2.5, in page 1 */
+    CHECK_OK(llmmem_pool_stats(p, &s2));
+    CHECK(released == 29 * MiB / 2 && s2.reserved_bytes.current == (int64_t)(2 * MiB));
+    CHECK(s2.decommitted_bytes == 2 * MiB && s2.num_backend_reserves == s.num_backend_reserves);
+    CHECK(s2.largest_free_block == MiB / 2 && s2.free_bytes == MiB / 2);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB / 2, NULL, &b));   /* over the decommitted page: committed again */
+    CHECK(b == (char *)a + 3 * MiB / 2);
+    memset(b, 4, 5 * MiB / 2);
+    CHECK_OK(llmmem_pool_free(p, b, NULL));
+    CHECK_OK(llmmem_pool_free(p, a, NULL));
+    CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_destroy(p));
   }
 

@@ -101,9 +101,11 @@ typedef struct llmmem_pool_stats_s {
   size_t decommitted_bytes;            /* free address space inside segments whose memory was given
                                           back (pages of holes, see the backend's decommit); not in
                                           reserved_bytes, committed again when handed out */
-  size_t largest_free_block;           /* the biggest single block a request could get now */
-  double fragmentation;                /* 1 - largest_free_block / (free_bytes + decommitted_bytes),
-                                          0 when nothing is free */
+  size_t largest_free_block;           /* the longest free stretch of reserved (committed) memory:
+                                          decommitted pages inside a free block break it, so it is
+                                          never more than free_bytes (a request may still get a
+                                          bigger block by committing those pages again) */
+  double fragmentation;                /* 1 - largest_free_block / free_bytes, 0 when nothing is free */
   size_t small_chunks;                 /* 2 MiB chunks currently carved for small requests */
   size_t initial_size;
   size_t max_size;                     /* 0 = uncapped */
@@ -154,8 +156,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void
 /* Size asked for of a live block `ptr` (LLMMEM_ERR_INVALID when not live). */
 LLMMEM_API llmmem_status_t llmmem_pool_block_size(llmmem_pool_t *pool, const void *ptr, size_t *requested);
 
-/* Gives fully free growth segments back to the backend (the initial segment stays). Waits for
- * the pending stream events of those segments first. *released (may be NULL) = bytes released. */
+/* Gives fully free growth segments back to the backend (the initial segment stays), and, where
+ * the backend resizes, the free end of the others in 2 MiB steps. Waits for pending stream events
+ * first. Never commits memory. *released (may be NULL) = bytes of memory given back, which is what
+ * reserved_bytes drops by (pages decommitted earlier are not counted again). */
 LLMMEM_API llmmem_status_t llmmem_pool_empty_cache(llmmem_pool_t *pool, size_t *released);
 
 LLMMEM_API llmmem_status_t llmmem_pool_stats(llmmem_pool_t *pool, llmmem_pool_stats_t *out);
