@@ -313,10 +313,11 @@ class MemoryPool:
 
             gc.collect()
             torch.cuda.empty_cache()
+        # The C destroy unbinds the pool's slot itself, after waiting for calls PyTorch may be
+        # making through it on other threads (unbinding here, after it, could hit a slot another
+        # pool has taken since).
         native.pool_close(self._capsule)
-        if self._slot is not None:
-            native.pool_unbind_slot(self._slot)
-            self._slot = None
+        self._slot = None
         self._capsule = None
 
     # ---- PyTorch integration --------------------------------------------------------------

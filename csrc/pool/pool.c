@@ -72,12 +72,21 @@ LLMMEM_API llmmem_status_t llmmem_pool_create(const llmmem_pool_backend_t *backe
 LLMMEM_API llmmem_status_t llmmem_pool_destroy(llmmem_pool_t *pool) {
   LLMMEM_CHECK_ARG(pool != NULL, "llmmem_pool_destroy: pool must not be NULL");
   pthread_mutex_lock(&pool->lock);
+  if (pool->closing) {
+    /* The last free of a pool whose owner is gone can race another last free (a block allocated
+     * and freed in between): one of them destroys it. */
+    pthread_mutex_unlock(&pool->lock);
+    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_destroy: the pool is already being destroyed");
+  }
   if (pool->st.allocations.current > 0) {
     int64_t n = pool->st.allocations.current;
     pthread_mutex_unlock(&pool->lock);
     return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_destroy: %lld blocks are still allocated", (long long)n);
   }
+  /* Checked with the count under one lock: no allocation can slip in between. */
+  pool->closing = 1;
   pthread_mutex_unlock(&pool->lock);
+  /* PyTorch may be inside a slot call on another thread: unbind, and wait for it to leave. */
   _llmmem_slots_forget(pool);
   /* Memory may still be read by queued work on a stream: wait before handing it back. */
   for (pool_block_t *b = pool->pending_head; b; b = b->pend_next)
@@ -127,6 +136,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
   }
   size_t rsize = _llmmem_round_up(size, LLMMEM_POOL_GRANULARITY);
   pthread_mutex_lock(&pool->lock);
+  if (pool->closing) {
+    pthread_mutex_unlock(&pool->lock);
+    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_alloc: the pool is being closed");
+  }
   pool_block_t *rest = _llmmem_block_new(pool);
   if (!rest) {
     pthread_mutex_unlock(&pool->lock);

@@ -102,6 +102,7 @@ struct llmmem_pool_s {
   size_t empty_chunks;            /* chunks that are entirely free (at most one is kept) */
   uint64_t event_seq;
   int release_when_empty;
+  int closing;                    /* destroy is under way: allocations are refused */
   llmmem_pool_stats_t st;         /* counters kept up to date; derived fields filled by stats() */
   size_t pending_bytes;           /* free bytes still waiting for a stream event */
   int64_t reserved_high;          /* highest reserved_bytes ever (not reset with the peaks): taking

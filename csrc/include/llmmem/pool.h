@@ -135,7 +135,9 @@ LLMMEM_API llmmem_status_t llmmem_pool_create(const llmmem_pool_backend_t *backe
                                               const llmmem_pool_options_t *options, llmmem_pool_t **out);
 
 /* Releases every segment and frees the pool. LLMMEM_ERR_STATE (and nothing done) while blocks are
- * still allocated. */
+ * still allocated, or while another thread is already destroying it. Safe against concurrent
+ * calls through the pool's pluggable slots (see llmmem_pool_bind_slot); other concurrent calls on
+ * the pool itself are the caller's bug, as with free(). */
 LLMMEM_API llmmem_status_t llmmem_pool_destroy(llmmem_pool_t *pool);
 
 /* For owners that go away while blocks are still out (a Python object collected while PyTorch
@@ -196,7 +198,13 @@ LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda(int device, llmmem_pool_back
  * An alloc that fails returns NULL (PyTorch's caching allocator then raises its OOM error). */
 #define LLMMEM_POOL_SLOTS 16
 
-/* Binds `pool` to a free slot. LLMMEM_ERR_STATE when all slots are taken. */
+/* Binds `pool` to a free slot. LLMMEM_ERR_STATE when all slots are taken.
+ *
+ * Slot calls may run on any thread at any time, concurrently with llmmem_pool_destroy (PyTorch
+ * holds no lock of ours): destroy first refuses new allocations, unbinds the pool and waits for
+ * the calls already inside it, so a call either completes on the live pool or fails cleanly (alloc
+ * NULL, free ignored, the reason in llmmem_last_error()). unbind_slot also waits for the calls
+ * running through that slot. */
 LLMMEM_API llmmem_status_t llmmem_pool_bind_slot(llmmem_pool_t *pool, int *slot);
 LLMMEM_API llmmem_status_t llmmem_pool_unbind_slot(int slot);
 /* Calls through slot `slot` exactly as PyTorch does (for tests and for languages without dlsym). */
