@@ -211,6 +211,51 @@ def test_empty_cache_reports_memory_not_address_space_over_decommitted_pages():
     p.close()
 
 
+def test_expandable_selects_how_a_pool_grows():
+    p = llmmem.MemoryPool(device="cpu")
+    assert p.expandable and p.backend == "host" and p.stats()["expandable"] is True
+    q = llmmem.MemoryPool(device="cpu", expandable=False)  # by separate segments, as cudaMalloc
+    assert not q.expandable and q.backend == "host"
+    a = q.empty((3 * MiB,), dtype=torch.uint8)
+    b = q.empty((5 * MiB,), dtype=torch.uint8)
+    assert q.stats()["segment.current"] == 2  # the first segment could not grow
+    assert "grows by segments" in q.memory_summary() and "grows in place" in p.memory_summary()
+    del a, b
+    with pytest.raises(ValueError, match="pinned"):
+        llmmem.MemoryPool(device="pinned", expandable=True)
+    with pytest.raises(TypeError, match="expandable"):
+        llmmem.MemoryPool(device="cpu", expandable="yes")
+    p.close()
+    q.close()
+
+
+def test_expandable_cuda_falls_back_to_cudamalloc_with_a_warning_when_the_driver_lacks_vmm():
+    """The fallback logic, with a stand-in for the C module (no GPU needed)."""
+    from llmmem.errors import NoDeviceError
+    from llmmem.pool import _create_cuda_vmm
+
+    class FakeNative:
+        def __init__(self, vmm_error):
+            self.vmm_error = vmm_error
+            self.kinds = []
+
+        def pool_create(self, kind, *args):
+            self.kinds.append(kind)
+            if kind == "cuda_vmm" and self.vmm_error:
+                raise self.vmm_error
+            return kind
+
+    nat = FakeNative(NoDeviceError("cuda vmm: cuda:0 does not support virtual memory management"))
+    with pytest.warns(RuntimeWarning, match="virtual memory management.*cudaMalloc"):
+        assert _create_cuda_vmm(nat, 0, 0, 0, 0) == "cuda"
+    assert nat.kinds == ["cuda_vmm", "cuda"]
+    nat = FakeNative(None)
+    assert _create_cuda_vmm(nat, 0, 0, 0, 0) == "cuda_vmm" and nat.kinds == ["cuda_vmm"]
+    nat = FakeNative(MemoryError("out of device memory"))  # not a missing capability: no fallback
+    with pytest.raises(MemoryError):
+        _create_cuda_vmm(nat, 0, 0, 0, 0)
+
+
 # ---- statistics, summary, snapshot ------------------------------------------------------------
 
 def test_statistics_are_consistent_and_peaks_reset():

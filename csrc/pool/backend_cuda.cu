@@ -15,57 +15,15 @@
 #include <stdexcept>
 #include <vector>
 
+#include "backend_cuda_internal.h"
 #include "cuda_check.h"
-#include "pool_internal.h"
 
-namespace {
+using llmmem_cuda::cuda_ctx;
+using llmmem_cuda::device_guard;
 
-struct cuda_ctx {
-  int device;
-  std::vector<cudaEvent_t> spare_events;  // recycled: creating events is far slower than recording them
-};
+namespace llmmem_cuda {
 
-/* Makes `device` current for the scope, restoring the previous one. */
-struct device_guard {
-  int prev = -1;
-  bool changed = false;
-  cudaError_t err = cudaSuccess;
-  explicit device_guard(int device) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != device) {
-      err = cudaSetDevice(device);
-      changed = err == cudaSuccess;
-    }
-  }
-  ~device_guard() {
-    if (changed) (void)cudaSetDevice(prev);
-  }
-};
-
-llmmem_status_t cuda_reserve(void *vctx, size_t bytes, void **out) {
-  cuda_ctx *ctx = static_cast<cuda_ctx *>(vctx);
-  device_guard g(ctx->device);
-  LLMMEM_CUDA_TRY(g.err);
-  void *p = nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cudaMalloc of %zu bytes on cuda:%d: out of device memory", bytes,
-                       ctx->device);
-  }
-  LLMMEM_CUDA_TRY(err);
-  *out = p;
-  return LLMMEM_OK;
-}
-
-void cuda_release(void *vctx, void *ptr, size_t bytes) {
-  (void)bytes;
-  cuda_ctx *ctx = static_cast<cuda_ctx *>(vctx);
-  device_guard g(ctx->device);
-  if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
-}
-
-llmmem_status_t cuda_event_record(void *vctx, void *stream, void **out) {
+llmmem_status_t event_record(void *vctx, void *stream, void **out) {
   cuda_ctx *ctx = static_cast<cuda_ctx *>(vctx);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -92,7 +50,7 @@ llmmem_status_t cuda_event_record(void *vctx, void *stream, void **out) {
   return LLMMEM_OK;
 }
 
-int cuda_event_done(void *vctx, void *event) {
+int event_done(void *vctx, void *event) {
   (void)vctx;
   cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
   if (err == cudaSuccess) return 1;
@@ -101,22 +59,52 @@ int cuda_event_done(void *vctx, void *event) {
   return 0;
 }
 
-llmmem_status_t cuda_event_wait(void *vctx, void *event) {
+llmmem_status_t event_wait(void *vctx, void *event) {
   (void)vctx;
   LLMMEM_CUDA_TRY(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
   return LLMMEM_OK;
 }
 
-void cuda_event_release(void *vctx, void *event) {
+void event_release(void *vctx, void *event) {
   static_cast<cuda_ctx *>(vctx)->spare_events.push_back(static_cast<cudaEvent_t>(event));
+}
+
+void destroy_events(cuda_ctx *ctx) {
+  device_guard g(ctx->device);
+  for (cudaEvent_t ev : ctx->spare_events) (void)cudaEventDestroy(ev);
+  ctx->spare_events.clear();
+}
+
+}  // namespace llmmem_cuda
+
+namespace {
+
+llmmem_status_t cuda_reserve(void *vctx, size_t bytes, void **out) {
+  cuda_ctx *ctx = static_cast<cuda_ctx *>(vctx);
+  device_guard g(ctx->device);
+  LLMMEM_CUDA_TRY(g.err);
+  void *p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cudaMalloc of %zu bytes on cuda:%d: out of device memory", bytes,
+                       ctx->device);
+  }
+  LLMMEM_CUDA_TRY(err);
+  *out = p;
+  return LLMMEM_OK;
+}
+
+void cuda_release(void *vctx, void *ptr, size_t bytes) {
+  (void)bytes;
+  cuda_ctx *ctx = static_cast<cuda_ctx *>(vctx);
+  device_guard g(ctx->device);
+  if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
 }
 
 void cuda_destroy(void *vctx) {
   cuda_ctx *ctx = static_cast<cuda_ctx *>(vctx);
-  {
-    device_guard g(ctx->device);
-    for (cudaEvent_t ev : ctx->spare_events) (void)cudaEventDestroy(ev);
-  }
+  llmmem_cuda::destroy_events(ctx);
   delete ctx;
 }
 
@@ -167,10 +155,10 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda(int device, llmme
   b.ctx = ctx;
   b.reserve = cuda_reserve;
   b.release = cuda_release;
-  b.event_record = cuda_event_record;
-  b.event_done = cuda_event_done;
-  b.event_wait = cuda_event_wait;
-  b.event_release = cuda_event_release;
+  b.event_record = llmmem_cuda::event_record;
+  b.event_done = llmmem_cuda::event_done;
+  b.event_wait = llmmem_cuda::event_wait;
+  b.event_release = llmmem_cuda::event_release;
   b.destroy = cuda_destroy;
   *out = b;
   return LLMMEM_OK;

@@ -16,3 +16,9 @@ LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda(int device, llmmem_pool_back
   LLMMEM_CHECK_ARG(device >= 0, "llmmem_pool_backend_cuda: device must be >= 0, got %d", device);
   return LLMMEM_FAIL(LLMMEM_ERR_NOT_BUILT, "CUDA device memory: " NOT_BUILT_MSG);
 }
+
+LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda_vmm(int device, llmmem_pool_backend_t *out) {
+  LLMMEM_CHECK_ARG(out != NULL, "llmmem_pool_backend_cuda_vmm: out must not be NULL");
+  LLMMEM_CHECK_ARG(device >= 0, "llmmem_pool_backend_cuda_vmm: device must be >= 0, got %d", device);
+  return LLMMEM_FAIL(LLMMEM_ERR_NOT_BUILT, "CUDA device memory: " NOT_BUILT_MSG);
+}

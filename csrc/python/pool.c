@@ -59,8 +59,10 @@ static PyObject *py_pool_create(PyObject *self, PyObject *args) {
   if (strcmp(kind, "cpu") == 0) st = llmmem_pool_backend_host(0, &backend);
   else if (strcmp(kind, "pinned") == 0) st = llmmem_pool_backend_host(1, &backend);
   else if (strcmp(kind, "cuda") == 0) st = llmmem_pool_backend_cuda(device, &backend);
+  else if (strcmp(kind, "cuda_vmm") == 0) st = llmmem_pool_backend_cuda_vmm(device, &backend);
   else {
-    PyErr_Format(PyExc_ValueError, "device: expected 'cpu', 'pinned' or 'cuda', got %R", PyTuple_GET_ITEM(args, 0));
+    PyErr_Format(PyExc_ValueError, "device: expected 'cpu', 'pinned', 'cuda' or 'cuda_vmm', got %R",
+                 PyTuple_GET_ITEM(args, 0));
     return NULL;
   }
   if (st != LLMMEM_OK) return raise_status(st);
@@ -406,7 +408,7 @@ static PyObject *py_pool_info(PyObject *self, PyObject *capsule) {
 PyMethodDef llmmem_py_pool_methods[] = {
     {"pool_create", py_pool_create, METH_VARARGS,
      "pool_create(kind, device, initial_size, max_size, growth_size[, fixed_segments]) -> pool capsule. "
-     "kind: cpu|pinned|cuda."},
+     "kind: cpu|pinned|cuda|cuda_vmm (cuda_vmm: NoDeviceError when the driver lacks virtual memory management)."},
     {"pool_close", py_pool_close, METH_O, "pool_close(pool): destroy now (StateError while blocks are out)."},
     {"pool_alloc", py_pool_alloc, METH_VARARGS, "pool_alloc(pool, size, stream=0) -> address."},
     {"pool_free", py_pool_free, METH_VARARGS, "pool_free(pool, address, stream=0)."},

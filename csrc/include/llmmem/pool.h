@@ -186,8 +186,19 @@ LLMMEM_API llmmem_status_t llmmem_pool_device(llmmem_pool_t *pool, const char **
 LLMMEM_API llmmem_status_t llmmem_pool_backend_host(int pinned, llmmem_pool_backend_t *out);
 
 /* Device memory of CUDA device `device` through cudaMalloc/cudaFree, with cudaEvents for stream
- * ordering. LLMMEM_ERR_NOT_BUILT in a CPU-only build. */
+ * ordering. Regions cannot grow in place: the pool grows by separate segments. LLMMEM_ERR_NOT_BUILT
+ * in a CPU-only build. */
 LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda(int device, llmmem_pool_backend_t *out);
+
+/* Device memory that grows in place (name "cuda_vmm"): each region reserves virtual address space
+ * as large as the device (cuMemAddressReserve) and maps physical memory into it in allocation
+ * granules (cuMemCreate + cuMemMap + cuMemSetAccess), so it has resize, decommit and commit like
+ * the host backend. cudaEvents for stream ordering. Physical memory is mapped in whole granules
+ * (2 MiB on current GPUs): a region whose size is not a multiple of it maps up to one granule more
+ * than reserved_bytes counts, as cudaMalloc rounds too. LLMMEM_ERR_NO_DEVICE (the reason in the
+ * detail) when the driver or device lacks virtual memory management: use llmmem_pool_backend_cuda
+ * then. LLMMEM_ERR_NOT_BUILT in a CPU-only build. Not yet validated on a GPU. */
+LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda_vmm(int device, llmmem_pool_backend_t *out);
 
 /* ---- PyTorch's pluggable-allocator entry points ------------------------------------------ */
 
