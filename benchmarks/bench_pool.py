@@ -5,9 +5,14 @@ inside PyTorch. ``python benchmarks/run.py --only pool [--device cuda] [--quick]
    GPT, recorded by record_traces.py) is replayed through llmmem's pool core and through a
    simulation of PyTorch's caching-allocator policy (_caching_policy.py), default and with
    expandable segments. Reported: peak reserved / peak requested for each (1.00 = no waste), and
-   their ratios. llmmem is replayed on host memory twice: growing one segment in place (the host
-   backend's policy) and with fixed segments (the policy of the cudaMalloc backend, which cannot
-   grow a region in place).
+   their ratios. llmmem is replayed on host memory twice, once per growth policy, which is the
+   same C code whichever backend runs it:
+     "in place"  one region grown in place, idle hole pages decommitted: the policy of the host
+                 backend (device="cpu") and of the CUDA VMM backend (device="cuda",
+                 expandable=True, backend "cuda_vmm");
+     "fixed segs" every growth a separate segment: the policy of the cudaMalloc backend
+                 (device="cuda", the default, backend "cuda") and of pinned memory.
+   On a GPU (--device cuda) the traces are also replayed through both CUDA backends for real.
 2. Latency (C API, compiled here with the system compiler): alloc+free pairs, median and p99 ns,
    and ns per operation replaying a trace; malloc/free measured in the same run as baseline.
 3. From Python on the CPU: replaying a trace with pool.empty vs torch.empty (the user's view).
@@ -195,6 +200,32 @@ def gpu_part(traces: dict, quick: bool) -> dict:
             torch.cuda.caching_allocator_delete(p)
         real[name] = peak / peak_requested(events)
     out["torch_real_ratio"] = real
+    # llmmem's two CUDA backends on the same traces, on the device
+    from llmmem._native import native
+    from llmmem.errors import NoDeviceError
+
+    backends = {}
+    for kind in ("cuda", "cuda_vmm"):
+        ratios = {}
+        for name, events in list(traces.items())[: 1 if quick else None]:
+            try:
+                cap = native.pool_create(kind, torch.cuda.current_device(), 0, 0, 0)
+            except NoDeviceError as exc:
+                ratios = f"unavailable: {exc}"
+                break
+            live = {}
+            for op, i, size in events:
+                if op:
+                    live[i] = native.pool_alloc(cap, size)
+                elif i in live:
+                    native.pool_free(cap, live.pop(i))
+            ratios[name] = native.pool_stats(cap)["reserved_bytes.peak"] / peak_requested(events)
+            for addr in live.values():
+                native.pool_free(cap, addr)
+            torch.cuda.synchronize()
+            native.pool_close(cap)
+        backends[kind] = ratios
+    out["llmmem_cuda_backends_ratio"] = backends
     # the largest GPT batch under a fixed cap, each allocator in a fresh process
     cap = "4"
     for mode in ("native", "llmmem"):
@@ -226,9 +257,12 @@ def main(argv=None) -> int:
 
     rows = fragmentation(traces)
     result["fragmentation"] = rows
+    result["policy_of_backend"] = {"llmmem_ratio": ["host (device='cpu')", "cuda_vmm (device='cuda', expandable=True)"],
+                                   "llmmem_fixed_segments_ratio": ["cuda (device='cuda', cudaMalloc, default)",
+                                                                   "pinned"]}
     print_table("Fragmentation by trace replay: peak reserved / peak requested (lower is better; 1.00 = none)",
-                ["trace", "allocs", "peak req MiB", "PyTorch", "PyTorch ES", "llmmem", "llmmem/PyTorch",
-                 "llmmem/ES", "llmmem fixed segs", "llmmem prealloc", "segs PyTorch", "segs llmmem"],
+                ["trace", "allocs", "peak req MiB", "PyTorch", "PyTorch ES", "llmmem in place", "in place/PyTorch",
+                 "in place/ES", "llmmem fixed segs", "llmmem prealloc", "segs PyTorch", "segs llmmem"],
                 [[r["trace"] + (" (held out)" if r["held_out"] else ""), r["allocs"], r["peak_requested"] / MiB,
                   f"{r['torch_policy_ratio']:.3f}", f"{r['torch_expandable_ratio']:.3f}", f"{r['llmmem_ratio']:.3f}",
                   f"{r['llmmem_ratio'] / r['torch_policy_ratio']:.3f}",
@@ -237,9 +271,10 @@ def main(argv=None) -> int:
                   r["torch_policy_segments"], r["llmmem_segments"]]
                  for r in rows])
     print("  PyTorch: simulated caching-allocator policy, default settings; PyTorch ES: the same with\n"
-          "  expandable_segments:True. llmmem: initial_size=0, growing one segment in place (host backend);\n"
-          "  fixed segs: every growth a separate segment (the cudaMalloc backend's policy); prealloc:\n"
-          "  initial_size = peak requested.")
+          "  expandable_segments:True. llmmem: initial_size=0, one region grown in place = the policy of\n"
+          "  device='cpu' (host backend) and of device='cuda', expandable=True (cuda_vmm backend, opt-in);\n"
+          "  fixed segs: every growth a separate segment = the policy of device='cuda' by default\n"
+          "  (cudaMalloc backend) and of 'pinned'; prealloc: in place with initial_size = peak requested.")
 
     first = next(iter(traces.values()))
     lat = c_latency(first, 50_000 if args.quick else 200_000)
@@ -272,6 +307,15 @@ def main(argv=None) -> int:
                     ["trace", "real", "simulated"],
                     [[k, v, next(r["torch_policy_ratio"] for r in rows if r["trace"] == k)]
                      for k, v in g["torch_real_ratio"].items()])
+        b = g["llmmem_cuda_backends_ratio"]
+        if isinstance(b["cuda"], dict):
+            vmm = b["cuda_vmm"]
+            print_table("GPU: llmmem's CUDA backends on the traces (peak reserved / peak requested)",
+                        ["trace", "cuda (cudaMalloc)", "replayed fixed segs", "cuda_vmm", "replayed in place"],
+                        [[k, v, next(r["llmmem_fixed_segments_ratio"] for r in rows if r["trace"] == k),
+                          vmm.get(k, "-") if isinstance(vmm, dict) else vmm,
+                          next(r["llmmem_ratio"] for r in rows if r["trace"] == k)]
+                         for k, v in b["cuda"].items()])
         print_table(f"GPU: largest GPT batch under a {g['max_batch_cap_gib']:.0f} GiB cap",
                     ["allocator", "max batch"],
                     [["PyTorch default", g["max_batch_native"]], ["llmmem install_allocator", g["max_batch_llmmem"]]])

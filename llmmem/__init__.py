@@ -43,6 +43,7 @@ _LAZY = {
     "MemoryPool": "llmmem.pool",
     "use_pool": "llmmem.pool",
     "install_allocator": "llmmem.pool",
+    "torch_oom_errors": "llmmem.pool",
     # tensor parallelism (issue 6)
     "ColumnParallelLinear": "llmmem.parallel",
     "RowParallelLinear": "llmmem.parallel",

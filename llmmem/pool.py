@@ -30,7 +30,7 @@ import threading
 from llmmem._native import available, load_error, native
 from llmmem.units import format_bytes, parse_bytes
 
-__all__ = ["MemoryPool", "use_pool", "install_allocator", "current_pool", "feature_status"]
+__all__ = ["MemoryPool", "use_pool", "install_allocator", "torch_oom_errors", "current_pool", "feature_status"]
 
 # The torch release that introduced torch.cuda.MemPool / use_mem_pool with a custom allocator.
 _MEMPOOL_MIN_TORCH = "2.5"
@@ -467,9 +467,18 @@ def install_allocator(pool: MemoryPool) -> None:
     time; PyTorch tells the allocator no other stream, so ``Tensor.record_stream`` has no effect).
     It must be called before the process makes its first CUDA allocation, and cannot be undone.
     Costs of this mode (PyTorch's, not llmmem's): ``torch.cuda.memory_stats()`` and
-    ``memory_snapshot()`` stop working (use ``pool.stats()``), ``cudnn.benchmark`` is unsupported,
-    and an exhausted pool raises ``RuntimeError("CUDA out of memory (llmmem pool ...")`` rather than
-    ``torch.OutOfMemoryError`` because PyTorch's pluggable-allocator C interface cannot raise it.
+    ``memory_snapshot()`` stop working (use ``pool.stats()``), ``cudnn.benchmark`` is unsupported.
+
+    **Out of memory.** An allocation the pool cannot serve raises a plain ``RuntimeError`` (not
+    ``torch.OutOfMemoryError``) whose message starts with ``"CUDA out of memory (llmmem pool, slot
+    k): out of memory allocating N bytes"`` and carries the pool's state (allocated, reserved, free,
+    largest free block, segments, ``max_size``). PyTorch turns only its own C++ exception type,
+    ``c10::OutOfMemoryError``, into ``torch.OutOfMemoryError``, and a pluggable allocator has no
+    way to raise that type without being built against one torch release's C++ ABI, which llmmem
+    is not. Catch it with ``except RuntimeError`` (which also catches ``torch.OutOfMemoryError``,
+    a subclass), or run the step inside :func:`torch_oom_errors`, which re-raises it as
+    ``torch.OutOfMemoryError`` with the same message. Under :func:`use_pool` the OOM already is a
+    ``torch.OutOfMemoryError`` (PyTorch's caching allocator raises it when the pool returns NULL).
     Prefer :func:`use_pool` unless you need llmmem to do all the caching.
     """
     global _installed
@@ -501,6 +510,32 @@ def install_allocator(pool: MemoryPool) -> None:
             ) from exc
         raise
     _installed = pool
+
+
+# The start of the message of an installed pool's out-of-memory (backend_cuda.cu, alloc_or_throw).
+_INSTALLED_OOM_PREFIX = "CUDA out of memory (llmmem pool, slot "
+
+
+@contextlib.contextmanager
+def torch_oom_errors():
+    """Inside the block (or a function decorated with it), an out-of-memory of a pool installed
+    with :func:`install_allocator`, which PyTorch raises as a plain ``RuntimeError``, is re-raised
+    as ``torch.OutOfMemoryError`` with the same message (the pool's summary), the original as its
+    ``__cause__``. Any other exception passes unchanged. Costs nothing unless an exception leaves
+    the block.
+
+    Example::
+
+        with llmmem.torch_oom_errors():
+            loss = model(batch).sum(); loss.backward()
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        torch = _torch()
+        if not isinstance(exc, torch.OutOfMemoryError) and _INSTALLED_OOM_PREFIX in str(exc):
+            raise torch.OutOfMemoryError(str(exc)) from exc
+        raise
 
 
 def feature_status() -> tuple[bool, str]:

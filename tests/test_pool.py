@@ -256,6 +256,38 @@ def test_expandable_cuda_falls_back_to_cudamalloc_with_a_warning_when_the_driver
         _create_cuda_vmm(nat, 0, 0, 0, 0)
 
 
+def test_torch_oom_errors_converts_only_an_installed_pools_oom():
+    msg = ("CUDA out of memory (llmmem pool, slot 0): out of memory allocating 134217728 bytes (134217728 "
+           "rounded): 0 bytes allocated, 67108864 reserved (67108864 free, largest free block 67108864) in 1 "
+           "segments, max_size 67108864; ...")
+    with pytest.raises(torch.OutOfMemoryError, match="llmmem pool, slot 0") as info:
+        with llmmem.torch_oom_errors():
+            raise RuntimeError(msg)  # what PyTorch raises from install_allocator's entry point
+    assert type(info.value.__cause__) is RuntimeError and str(info.value) == msg
+
+    @llmmem.torch_oom_errors()
+    def step():
+        raise RuntimeError("some other failure")
+
+    with pytest.raises(RuntimeError, match="some other failure") as info:
+        step()
+    assert not isinstance(info.value, torch.OutOfMemoryError)
+    with pytest.raises(torch.OutOfMemoryError, match="^torch's own$"):
+        with llmmem.torch_oom_errors():
+            raise torch.OutOfMemoryError("torch's own")
+    with llmmem.torch_oom_errors():
+        pass
+
+
+def test_out_of_memory_message_carries_the_pools_state():
+    p = llmmem.MemoryPool(initial_size="4MiB", max_size="4MiB", device="cpu")
+    with pytest.raises(llmmem.OutOfMemoryError) as info:
+        p.empty((5 * MiB,), dtype=torch.uint8)
+    text = str(info.value)
+    assert "reserved" in text and "largest free block 4194304" in text and "max_size 4194304" in text
+    p.close()
+
+
 # ---- statistics, summary, snapshot ------------------------------------------------------------
 
 def test_statistics_are_consistent_and_peaks_reset():

@@ -141,8 +141,16 @@ def test_install_allocator_in_a_subprocess():
             torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
         except RuntimeError as exc:
             assert "out of memory" in str(exc), str(exc)
+            assert "largest free block" in str(exc) and "max_size" in str(exc), str(exc)  # the pool's summary
         else:
             raise SystemExit("no OOM")
+        try:
+            with llmmem.torch_oom_errors():
+                torch.empty(128 * 2**20, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as exc:
+            assert "llmmem pool" in str(exc), str(exc)
+        else:
+            raise SystemExit("torch_oom_errors did not convert the OOM")
         del x, y
         torch.cuda.synchronize()
         print("OK", pool.stats()["num_ooms"])

@@ -3,8 +3,12 @@
  * cudaEvents for stream-ordered reuse) and page-locked host memory (cudaHostAlloc).
  *
  * Also the "throwing" pluggable entry points used by install_allocator: there PyTorch does not
- * check the pointer alloc returns, so an exhausted pool must not return NULL; it throws a C++
- * exception, which PyTorch turns into a Python RuntimeError carrying our message.
+ * check the pointer alloc returns (torch 2.11's CUDAPluggableAllocator::malloc stores whatever
+ * comes back), so an exhausted pool must not return NULL; it throws a C++ exception, which
+ * PyTorch's Python bindings turn into a plain Python RuntimeError carrying our message. They map
+ * only c10::OutOfMemoryError to torch.OutOfMemoryError, and throwing that type would tie this
+ * library to one torch build's C++ ABI (its class layout and constructors): the Python layer
+ * offers llmmem.torch_oom_errors() to convert instead.
  *
  * Every CUDA call runs on the pool's device and restores the caller's current device.
  */
@@ -173,6 +177,7 @@ static void *alloc_or_throw(int slot, size_t size, int device, void *stream) {
      * and exported from llmmem._C, where only llmmem's ABI belongs. */
     char msg[1024];
     snprintf(msg, sizeof msg, "CUDA out of memory (llmmem pool, slot %d): %s", slot, llmmem_last_error());
+    /* The prefix above is what llmmem.torch_oom_errors() recognises: keep the two in step. */
     throw std::runtime_error(msg);
   }
   return p;

@@ -170,7 +170,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
     pool->st.num_ooms++;
     _llmmem_block_recycle(pool, rest);
     size_t reserved = (size_t)pool->st.reserved_bytes.current, allocated = (size_t)pool->st.allocated_bytes.current;
-    size_t max = pool->options.max_size;
+    size_t max = pool->options.max_size, largest = _llmmem_largest_free(pool);
+    int64_t segments = pool->st.segments.current;
     char detail[256];
     snprintf(detail, sizeof detail, "%s", llmmem_last_error());
     pthread_mutex_unlock(&pool->lock);
@@ -178,9 +179,13 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
     char cap[64];
     if (max) snprintf(cap, sizeof cap, "max_size %zu", max);
     else snprintf(cap, sizeof cap, "no max_size");
+    /* The pool's summary in one line: what the OOM report of any caller (install_allocator's
+     * exception, use_pool's torch.OutOfMemoryError, MemoryPool.empty) carries. */
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM,
-                       "out of memory allocating %zu bytes (%zu rounded): %zu bytes allocated, %zu reserved, %s; %s",
-                       size, rsize, allocated, reserved, cap, detail);
+                       "out of memory allocating %zu bytes (%zu rounded): %zu bytes allocated, %zu reserved "
+                       "(%zu free, largest free block %zu) in %lld segments, %s; %s",
+                       size, rsize, allocated, reserved, reserved - allocated, largest, (long long)segments, cap,
+                       detail);
   }
   if (b->size - rsize >= LLMMEM_POOL_GRANULARITY) {
     _llmmem_split(pool, b, rsize, rest);

@@ -174,6 +174,9 @@ static inline int _llmmem_page_decommitted(const pool_region_t *r, size_t page) 
   return page / 64 < r->decommitted_words && (r->decommitted[page / 64] >> (page % 64)) & 1;
 }
 
+/* pool_query.c: the longest free stretch of committed memory (stats' largest_free_block). Lock held. */
+size_t _llmmem_largest_free(llmmem_pool_t *pool);
+
 /* slots.c */
 void _llmmem_slots_forget(llmmem_pool_t *pool);
 

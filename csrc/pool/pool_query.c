@@ -26,7 +26,7 @@ static size_t committed_run(const pool_region_t *r, const pool_block_t *b) {
 /* The biggest free block's committed bytes. Without decommitted pages that is the top TLSF
  * class's biggest block; with them a free block may be mostly address space, so the blocks of
  * those segments are walked (stats are not on the hot path). */
-static size_t largest_committed_free(llmmem_pool_t *pool) {
+size_t _llmmem_largest_free(llmmem_pool_t *pool) {
   size_t small = _llmmem_heap_largest(&pool->small), best = 0;
   int any = 0;
   for (const pool_region_t *r = pool->segments; r; r = r->next) any |= r->decommitted_pages != 0;
@@ -46,7 +46,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_stats(llmmem_pool_t *pool, llmmem_pool_st
   pthread_mutex_lock(&pool->lock);
   *out = pool->st;
   out->free_bytes = (size_t)(pool->st.reserved_bytes.current - pool->st.allocated_bytes.current);
-  out->largest_free_block = largest_committed_free(pool);
+  out->largest_free_block = _llmmem_largest_free(pool);
   out->decommitted_bytes = 0;
   for (const pool_region_t *r = pool->segments; r; r = r->next)
     out->decommitted_bytes += r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE;

@@ -1072,6 +1072,10 @@ int main(void) {
     llmmem_status_t st = llmmem_pool_backend_cuda(0, &b);
     CHECK(st == LLMMEM_ERR_NOT_BUILT || st == LLMMEM_ERR_NO_DEVICE || st == LLMMEM_OK);
     CHECK_STATUS(llmmem_pool_backend_cuda(-1, &b), LLMMEM_ERR_INVALID);
+    st = llmmem_pool_backend_cuda_vmm(0, &b);
+    CHECK(st == LLMMEM_ERR_NOT_BUILT || st == LLMMEM_ERR_NO_DEVICE || st == LLMMEM_OK);
+    if (st == LLMMEM_OK && b.destroy) b.destroy(b.ctx);
+    CHECK_STATUS(llmmem_pool_backend_cuda_vmm(-1, &b), LLMMEM_ERR_INVALID);
     st = llmmem_pool_backend_host(1, &b);
     CHECK(st == LLMMEM_ERR_NOT_BUILT || st == LLMMEM_ERR_NO_DEVICE || st == LLMMEM_OK);
   }
