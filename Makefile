@@ -38,6 +38,23 @@ demo: env
 test: env
 	$(LLMMEM_VENV)/bin/pytest
 
+# The CUDA VMM backend is also tested without a GPU: compiled as host C++ against the CUDA headers
+# (types only) and driven over a simulated driver (tests/c/test_pool_vmm.cc). Needs cuda.h.
+CXX ?= c++
+CUDA_INC ?= $(or $(CUDA_HOME),/usr/local/cuda)/include
+CTEST_CXXFLAGS := $(subst -std=c11,-std=c++17,$(CTEST_CFLAGS)) -I$(CUDA_INC)
+ifneq ($(wildcard $(CUDA_INC)/cuda.h),)
+CTEST_BIN += build/ctests/test_pool_vmm
+endif
+VMM_TEST_CORE := $(filter-out csrc/pool/backend_cuda_stub.c,$(CORE_SRC))
+
+build/ctests/test_pool_vmm: tests/c/test_pool_vmm.cc csrc/pool/backend_cuda_vmm.cu csrc/pool/backend_cuda_internal.h $(VMM_TEST_CORE) $(CORE_HDR)
+	@mkdir -p build/ctests/vmm-core
+	@set -e; for f in $(VMM_TEST_CORE); do \
+	  $(CC) $(CTEST_CFLAGS) -c $$f -o build/ctests/vmm-core/$$(echo $$f | tr / _).o; done
+	$(CXX) $(CTEST_CXXFLAGS) -o $@ tests/c/test_pool_vmm.cc -x c++ csrc/pool/backend_cuda_vmm.cu -x none \
+	  $(addprefix build/ctests/vmm-core/,$(addsuffix .o,$(subst /,_,$(VMM_TEST_CORE)))) -lm
+
 c-tests: $(CTEST_BIN)
 
 build/ctests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)

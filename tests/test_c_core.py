@@ -6,6 +6,7 @@ reports no failure, and its sanitizers stay silent.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shutil
@@ -15,6 +16,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 C_TESTS = sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.c"))
+# C++ harnesses of CUDA code run without a GPU (a simulated driver); they need the CUDA headers,
+# found where the Makefile looks (CUDA_INC, else $CUDA_HOME/include, else /usr/local/cuda/include).
+_CUDA_INC = pathlib.Path(os.environ.get("CUDA_INC") or
+                         os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "include"))
+if (_CUDA_INC / "cuda.h").exists():
+    C_TESTS += sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.cc"))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,10 @@
 
 #include "internal.h"
 
+#ifdef __cplusplus
+extern "C" { /* the CUDA backends (.cu) include this header too */
+#endif
+
 /* TLSF index: sizes are counted in 512-byte units u; first level = floor(log2 u), split into
  * 2^SL_BITS linear second-level classes. Sizes below 2^SL_BITS units map linearly into fl 0. */
 #define POOL_SL_BITS 4
@@ -195,5 +199,9 @@ static inline void _llmmem_reserved_add(llmmem_pool_t *pool, int64_t delta) {
   _llmmem_stat_add(&pool->st.reserved_bytes, delta);
   if (pool->st.reserved_bytes.current > pool->reserved_high) pool->reserved_high = pool->st.reserved_bytes.current;
 }
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* LLMMEM_POOL_INTERNAL_H */
