@@ -138,9 +138,10 @@ class MemoryPool:
     growing. In the trace replays of ``benchmarks/bench_pool.py`` growing in place wastes less
     (peak reserved / peak requested 1.003-1.044 vs 1.010-1.133 by segments on the CPU replays).
 
-    ``expandable=True`` on CUDA is **opt-in and not yet validated on a GPU**: the backend builds
-    and its tests (``tests/test_pool_cuda.py``) are written, but have not run on hardware yet.
-    CUDA keeps ``cudaMalloc`` segments by default until they have.
+    ``expandable=True`` on CUDA is **opt-in and not yet validated on a GPU**: the backend builds,
+    its bookkeeping is tested over a simulated driver, and its GPU tests
+    (``tests/test_pool_cuda_vmm.py``) are written but have not run on hardware yet. CUDA keeps
+    ``cudaMalloc`` segments by default until they have.
 
     Creating the pool reserves ``initial_size`` immediately (one ``cudaMalloc`` for CUDA, one
     ``cudaHostAlloc`` for pinned). Memory given back by :meth:`empty_cache` or :meth:`close` is

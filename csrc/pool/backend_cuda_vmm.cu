@@ -19,7 +19,9 @@
  * (cudaGetDriverEntryPoint before CUDA 12.5). A driver or device without virtual memory
  * management gets LLMMEM_ERR_NO_DEVICE with the reason, and callers fall back to cudaMalloc.
  *
- * Not yet run on a GPU (written and built without one): tests/test_pool_cuda.py holds the checks.
+ * Not yet run on a GPU (written and built without one). tests/c/test_pool_vmm.cc drives it, as
+ * host C++, over a simulated driver (bookkeeping, rollback, nothing leaked or mapped twice);
+ * tests/test_pool_cuda_vmm.py holds the checks that need the real device.
  */
 #include <cuda.h> /* types and enums only: every driver call goes through a pointer below */
 #include <cuda_runtime_api.h>
