@@ -257,9 +257,10 @@ def main(argv=None) -> int:
 
     rows = fragmentation(traces)
     result["fragmentation"] = rows
-    result["policy_of_backend"] = {"llmmem_ratio": ["host (device='cpu')", "cuda_vmm (device='cuda', expandable=True)"],
-                                   "llmmem_fixed_segments_ratio": ["cuda (device='cuda', cudaMalloc, default)",
-                                                                   "pinned"]}
+    result["policy_of_backend"] = {
+        "llmmem_ratio": ["host (device='cpu')", "cuda_vmm (device='cuda', expandable=True)"],
+        "llmmem_fixed_segments_ratio": ["cuda (device='cuda', cudaMalloc, default)", "pinned"],
+    }
     print_table("Fragmentation by trace replay: peak reserved / peak requested (lower is better; 1.00 = none)",
                 ["trace", "allocs", "peak req MiB", "PyTorch", "PyTorch ES", "llmmem in place", "in place/PyTorch",
                  "in place/ES", "llmmem fixed segs", "llmmem prealloc", "segs PyTorch", "segs llmmem"],
