@@ -112,11 +112,14 @@ LLMMEM_API llmmem_status_t llmmem_cuda_ar_close(llmmem_cuda_ar_t *ar);
 
 /* Sum all-reduce of `count` elements (count * size <= max_bytes) of device memory, ordered on
  * `stream` (a cudaStream_t; NULL = legacy default stream). Asynchronous: a peer that never arrives
- * is detected by the kernel's bounded wait and reported by llmmem_cuda_ar_check. */
+ * (timeout) or that called with another count or dtype (LLMMEM_ERR_INVALID) makes the kernels of
+ * every rank stop, set `out` to NaN where they gave up, and record the failure, which
+ * llmmem_cuda_ar_check reports; a call after a recorded failure fails at once (no launch). */
 LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t *ar, const void *in, void *out, size_t count,
                                                      llmmem_comm_dtype_t dtype, void *stream);
 
-/* Waits for `stream` and reports LLMMEM_ERR_STATE if a kernel timed out waiting for a peer. */
+/* Waits for `stream` and reports a recorded failure: LLMMEM_ERR_STATE (this rank timed out, or
+ * stopped because a peer failed) or LLMMEM_ERR_INVALID (the ranks disagreed on count or dtype). */
 LLMMEM_API llmmem_status_t llmmem_cuda_ar_check(llmmem_cuda_ar_t *ar, void *stream);
 
 #ifdef __cplusplus
