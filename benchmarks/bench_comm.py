@@ -50,6 +50,11 @@ def _cpu_rank(rank, world, sizes, repeats):
     torch.set_num_threads(1)
 
     def sample(fn, inner):
+        # One untimed call first: the ranks leave a collective at different times (gloo's skew is
+        # tens of microseconds), and without it that skew, left by the previous engine in the
+        # interleaved loop, would be charged to this one. Each engine is timed from the ranks as
+        # its own collective leaves them, as in a run of back-to-back collectives.
+        fn()
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()

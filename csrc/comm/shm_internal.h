@@ -95,6 +95,10 @@ int _llmmem_shm_poll_says_stop(void);
 /* Seconds between two looks at the poll and at the liveness of awaited processes while waiting. */
 #define LLMMEM_SHM_CHECK_PERIOD_S 0.05
 
+/* shm_collectives.c, for probes (benchmarks/comm_chunks.c): the two-shot chunk size in bytes
+ * (0 = automatic); every rank must set the same. Not exported. */
+size_t _llmmem_shm_force_chunk_bytes(size_t bytes);
+
 /* sum_cpu.c: the reference's sum (sum_ref.c), vectorised for the CPU at hand; _sum2 also writes
  * the result to out2 (may be NULL) from the same accumulator, saving a re-read. */
 void _llmmem_comm_sum(const void *const *srcs, int nsrc, void *out, size_t count, llmmem_comm_dtype_t dtype);
