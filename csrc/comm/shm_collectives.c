@@ -28,7 +28,7 @@
 #define ONE_SHOT_MAX_BYTES (32u * 1024u)
 /* Two-shot chunks move at most this many bytes (and at most a slot). With the chunks pipelined
  * (one barrier each), smaller chunks won: fp32 medians of 201 interleaved samples in one run
- * (benchmarks/comm_chunks.c, 2 vCPUs shared with other jobs): 2 ranks, 1 MiB: 64 KiB chunks 252 us,
+ * (benchmarks/comm_tune.c, 2 vCPUs shared with other jobs; spinning 128 pauses then): 2 ranks, 1 MiB: 64 KiB chunks 252 us,
  * 128 KiB 231, 256 KiB 276, 1 MiB 345; 512 KiB: 108 / 99 / 113 / 138. 4 ranks, 1 MiB: 64 KiB
  * 748 us, 128 KiB 803, 256 KiB 912; 256 KiB: 184 / 205 / 208. A chunk's slots stay in L2 and the
  * next chunk's copy-in overlaps the peers' lag. */

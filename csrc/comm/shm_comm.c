@@ -1,11 +1,16 @@
 /*
  * shm_comm.c — the shared-memory communicator's waiting: the barrier, failures, the wait poll.
  *
- * Waiting is bounded everywhere: spin briefly (a peer is usually a few microseconds away), yield
- * the core for a few tens of microseconds, then sleep on a futex on the peer's arrival word (the
- * arriving rank wakes sleepers only when there are any, so the fast path makes no system call).
- * Sleeping matters: a rank still computing its matmul must not compete for a core with ranks
- * that spin waiting for it (ranks often outnumber cores on CPU). While waiting we watch
+ * Waiting is bounded everywhere: spin a handful of times, yield the core for a few tens of
+ * microseconds, then sleep on a futex on the peer's arrival word (the arriving rank wakes
+ * sleepers only when there are any, so the fast path makes no system call). Yielding early
+ * matters: when ranks share a core (ranks outnumber cores, or other jobs hold some), a spinning
+ * rank delays the peer it waits for by its whole spin. Measured with benchmarks/comm_tune.c
+ * (spin counts interleaved per sample, 2 vCPUs shared with other jobs), fp32, 2 ranks: 4 KiB
+ * 1.5 us spinning 1 pause before yielding, 1.6 us 8, 2.1 us 32, 3.5 us 128; 64 KiB 12.1 / 12.3 /
+ * 13.2 / 15.5 us; 1 MiB 204 / 206 / 208 / 224 us; 4 ranks, 1 MiB 442 / 443 / 447 / 476 us; and
+ * 2 ranks, 64 KiB: 29 us spinning 512, 81 us 2048, 227 us 8192. Sleeping matters too: a rank
+ * still computing its matmul must not compete for a core with ranks waiting for it. While waiting we watch
  * the abort word of the segment (another rank failed), the clock (timeout) and, every ~50 ms,
  * whether the awaited peer's process still exists, so a killed rank is reported quickly instead
  * of after the full timeout, and the calling thread's wait poll (the Python binding checks for
@@ -126,16 +131,25 @@ static llmmem_status_t check_abort(llmmem_shm_comm_t *c, const char *what) {
                      c->hdr->abort_msg);
 }
 
+/* Pauses before the first yield (see the header); a probe may change it. */
+static _Atomic long spin_before_yield = 8;
+
+long _llmmem_shm_force_spin(long spins) {
+  spin_before_yield = spins < 0 ? 8 : spins;
+  return spin_before_yield;
+}
+
 /* Waits until ctl[peer].arrive >= epoch. */
 static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoch, const char *what) {
   double start = 0, next_check = 0;
+  const unsigned long spins = (unsigned long)spin_before_yield, sleep_from = spins + 32;
   for (unsigned long iter = 0;; iter++) {
     if (atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) >= epoch) return LLMMEM_OK;
-    if (iter < 128) {
+    if (iter < spins) {
       CPU_RELAX();
       continue;
     }
-    if ((iter & 63) == 0 || iter >= 160) { /* every time once sleeping: a sleep is 10 ms */
+    if (iter == spins || (iter & 63) == 0 || iter >= sleep_from) { /* every time once sleeping: a sleep is 10 ms */
       LLMMEM_TRY(check_abort(c, what));
       double t = _llmmem_shm_now();
       if (start == 0) start = t, next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
@@ -157,7 +171,7 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
                                 "(did every rank call the same collective?)",
                                 what, c->timeout_s, c->rank, peer);
     }
-    if (iter < 160) {
+    if (iter < sleep_from) {
       sched_yield();
       continue;
     }
