@@ -13,8 +13,9 @@
  * This needs the same grid on every rank (it depends only on count) and calls ordered on one
  * stream per rank.
  *
- * Faults. Waits are bounded by %globaltimer. The first barrier also exchanges each rank's call
- * descriptor (epoch, dtype, count), so ranks that disagree on size or dtype are detected. A block
+ * Faults. Waits are bounded by %globaltimer. The first barrier also exchanges the ranks' call
+ * descriptors (epoch, dtype, count; each rank writes its own into its peers' headers), so ranks
+ * that disagree on size or dtype are detected. A block
  * that gives up (timeout, disagreement) writes an abort word into every rank's buffer (its own
  * too): every block of every rank polls those words while it waits, so the other blocks, the
  * peers and the kernels already queued behind stop at once instead of each waiting out its own
@@ -51,13 +52,14 @@
 #define AR_FLAG_BYTES 4096 /* the header of each rank's buffer: flag sets A and B, abort words, descriptors */
 #define AR_FLAGS_B_OFFSET 2048
 #define AR_ABORT_OFFSET 3072 /* uint32 abort[AR_MAX_WORLD]: abort[q] != 0: rank q failed (an ar_fail_t) */
-#define AR_DESC_OFFSET 3136  /* ar_desc_t desc[2], by epoch & 1: what this rank's current call is */
+#define AR_DESC_OFFSET 3136  /* ar_desc_t desc[AR_MAX_WORLD][2]: [q][e & 1] = rank q's call e, written by q */
 #define TWO_SHOT_MIN_BYTES (256u * 1024u)
 
 /* Why a kernel gave up (values of abort words and of ar_error_t.kind). */
 enum ar_fail_t { AR_FAIL_NONE = 0, AR_FAIL_TIMEOUT = 1, AR_FAIL_PEER = 2, AR_FAIL_MISMATCH = 3 };
 
-/* A rank's call as its peers see it; every rank checks every peer's after the first barrier. */
+/* A rank's call, written by it into every peer's header (a posted write: no remote read on the
+ * critical path); every rank checks the ones it received after the first barrier. */
 struct ar_desc_t {
   uint32_t epoch;
   uint32_t dtype;
@@ -79,7 +81,7 @@ static_assert(AR_MAX_BLOCKS * AR_MAX_WORLD * sizeof(uint32_t) <= AR_FLAGS_B_OFFS
 static_assert(AR_FLAGS_B_OFFSET + AR_MAX_BLOCKS * AR_MAX_WORLD * sizeof(uint32_t) <= AR_ABORT_OFFSET,
               "flag set B overlaps the abort words");
 static_assert(AR_ABORT_OFFSET + AR_MAX_WORLD * sizeof(uint32_t) <= AR_DESC_OFFSET, "abort words overlap");
-static_assert(AR_DESC_OFFSET + 2 * sizeof(ar_desc_t) <= AR_FLAG_BYTES, "descriptors overflow the header");
+static_assert(AR_DESC_OFFSET + AR_MAX_WORLD * 2 * sizeof(ar_desc_t) <= AR_FLAG_BYTES, "descriptors overflow the header");
 static_assert(sizeof(cudaIpcMemHandle_t) == LLMMEM_CUDA_IPC_HANDLE_BYTES, "IPC handle size changed");
 
 struct llmmem_cuda_ar_s {
@@ -139,8 +141,9 @@ __device__ __forceinline__ uint32_t *abort_words(const ArCall &c, int owner) {
   return reinterpret_cast<uint32_t *>(c.ptrs.p[owner] + AR_ABORT_OFFSET);
 }
 
-__device__ __forceinline__ ar_desc_t *desc_of(const ArCall &c, int owner) {
-  return reinterpret_cast<ar_desc_t *>(c.ptrs.p[owner] + AR_DESC_OFFSET) + (c.epoch & 1u);
+/* Where rank `from` puts the descriptor of its current call in rank `owner`'s header. */
+__device__ __forceinline__ ar_desc_t *desc_slot(const ArCall &c, int owner, int from) {
+  return reinterpret_cast<ar_desc_t *>(c.ptrs.p[owner] + AR_DESC_OFFSET) + (size_t)from * 2u + (c.epoch & 1u);
 }
 
 /* The first rank whose abort word is set in this rank's buffer (this rank included), or -1. */
@@ -178,27 +181,29 @@ __device__ void give_up(const ArCall &c, ar_fail_t kind, int peer, const ar_desc
 
 /* Block-level barrier across ranks on the flag set at byte offset `flags_off`: thread t tells
  * peer t "this block reached epoch" and waits for peer t's word. The first barrier of a call
- * (set A) also publishes this rank's descriptor before the flag and checks each peer's after.
- * Returns false, with the failure recorded, if a peer never came (timeout), disagreed, or any
- * rank failed already (abort word: checked every 256 polls, so queued kernels stop at once). */
+ * (set A) also sends this rank's descriptor to each peer before the flag and checks the one each
+ * peer sent after. Returns false, with the failure recorded, if a peer never came (timeout),
+ * disagreed, or any rank failed already (abort words: looked at whenever the flag is not there
+ * yet, then every 256 polls, so queued kernels stop at once). */
 __device__ __forceinline__ bool block_barrier(const ArCall &c, size_t flags_off) {
-  if (flags_off == 0 && threadIdx.x == 0) { /* every block writes the same: ordered before its flags */
-    volatile ar_desc_t *mine = desc_of(c, c.rank);
-    mine->epoch = c.epoch;
-    mine->dtype = c.dtype;
-    mine->count = c.count;
-  }
   __syncthreads();
   int failed = 0;
   if (threadIdx.x < c.world) {
     int peer = threadIdx.x;
+    if (flags_off == 0) { /* every block sends the same descriptor; the release below orders it */
+      volatile ar_desc_t *to = desc_slot(c, peer, c.rank);
+      to->epoch = c.epoch;
+      to->dtype = c.dtype;
+      to->count = c.count;
+    }
     __threadfence_system(); /* this block's earlier writes (after the __syncthreads) before the flag */
     uint32_t *to_peer = reinterpret_cast<uint32_t *>(c.ptrs.p[peer] + flags_off) + blockIdx.x * AR_MAX_WORLD + c.rank;
     st_release_sys(to_peer, c.epoch);
     const uint32_t *from_peer =
         reinterpret_cast<const uint32_t *>(c.ptrs.p[c.rank] + flags_off) + blockIdx.x * AR_MAX_WORLD + peer;
-    uint64_t start = global_ns();
-    for (uint32_t it = 0;; it++) {
+    uint64_t start = 0;
+    for (uint64_t it = 0;; it++) {
+      if ((int32_t)(ld_acquire_sys(from_peer) - c.epoch) >= 0) break;
       if ((it & 255u) == 0) {
         int q = aborted_by(c);
         if (q >= 0) {
@@ -206,17 +211,18 @@ __device__ __forceinline__ bool block_barrier(const ArCall &c, size_t flags_off)
           give_up(c, AR_FAIL_PEER, q, NULL);
           break;
         }
-        if (global_ns() - start > c.timeout_ns) {
+        uint64_t now = global_ns();
+        if (it == 0) start = now;
+        else if (now - start > c.timeout_ns) {
           failed = 1;
           give_up(c, AR_FAIL_TIMEOUT, peer, NULL);
           break;
         }
       }
-      if ((int32_t)(ld_acquire_sys(from_peer) - c.epoch) >= 0) break;
     }
     if (!failed && flags_off == 0 && peer != c.rank) {
-      /* the peer wrote its descriptor before the flag we just acquired */
-      const volatile ar_desc_t *d = desc_of(c, peer);
+      /* the peer wrote it before the flag we just acquired */
+      const volatile ar_desc_t *d = desc_slot(c, c.rank, peer);
       ar_desc_t theirs;
       theirs.epoch = d->epoch;
       theirs.dtype = d->dtype;
