@@ -402,18 +402,18 @@ static llmmem_status_t report_failure(const llmmem_cuda_ar_t *ar, const char *wh
   switch (kind) {
     case AR_FAIL_TIMEOUT:
       return LLMMEM_FAIL(LLMMEM_ERR_STATE,
-                         "llmmem cuda all_reduce %s: rank %d timed out after %.3g s waiting for rank %d in call #%u "
+                         "llmmem cuda all_reduce%s: rank %d timed out after %.3g s waiting for rank %d in call #%u "
                          "(did every rank call the same collective?); the communicator is unusable",
                          when, ar->rank, ar->timeout_s, e->peer, e->epoch);
     case AR_FAIL_MISMATCH:
       return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
-                         "llmmem cuda all_reduce %s: ranks disagree: rank %d called all_reduce #%u with %llu elements "
+                         "llmmem cuda all_reduce%s: ranks disagree: rank %d called all_reduce #%u with %llu elements "
                          "of dtype %u, rank %d called all_reduce #%u with %llu elements of dtype %u; the communicator "
                          "is unusable", when, ar->rank, e->epoch, (unsigned long long)e->count, e->dtype, e->peer,
                          e->peer_epoch, (unsigned long long)e->peer_count, e->peer_dtype);
     default:
       return LLMMEM_FAIL(LLMMEM_ERR_STATE,
-                         "llmmem cuda all_reduce %s: rank %d stopped call #%u because rank %d failed (timed out or "
+                         "llmmem cuda all_reduce%s: rank %d stopped call #%u because rank %d failed (timed out or "
                          "disagreed; see its error); the communicator is unusable", when, ar->rank, e->epoch, e->peer);
   }
 }
@@ -428,7 +428,7 @@ static llmmem_status_t all_reduce_on_device(llmmem_cuda_ar_t *ar, const void *in
   if (ar->world > 1 && !ar->connected)
     return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_cuda_ar_all_reduce: call llmmem_cuda_ar_connect first");
   /* an earlier kernel gave up (seen without synchronising): refuse instead of reducing stale data */
-  LLMMEM_TRY(report_failure(ar, "(an earlier call)"));
+  LLMMEM_TRY(report_failure(ar, " (an earlier call)"));
   cudaStream_t s = (cudaStream_t)stream;
   if (count == 0) return LLMMEM_OK;
   if (ar->world == 1) {
