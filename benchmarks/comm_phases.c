@@ -3,7 +3,8 @@
  *
  * Forks WORLD ranks that open one llmmem shared-memory communicator and replay, step for step,
  * the two algorithms of csrc/comm/shm_collectives.c on one fp32 message (a single step, so the
- * message must fit the 1 MiB slot), timing each phase on each rank:
+ * message must fit the 1 MiB slot; the library cuts two-shot messages into 128 KiB chunks and
+ * pipelines them, which benchmarks/comm_tune.c times), timing each phase on each rank:
  *   one-shot: copy-in (whole message -> own slot) | wait (barrier) | reduce (sum of all slots)
  *   two-shot: copy-in (the parts peers reduce) | wait | reduce (own part, into out and own slot)
  *             | wait | copy-out (the peers' reduced parts)

@@ -83,6 +83,72 @@ def _ipc_worker(rank, world):
     print("ipc ok")
 
 
+def _ipc_fault_worker(rank, world):
+    """Faults of the IPC engine: queued kernels stop at once after a timeout (not each after its own),
+    the failure reaches the host as an error naming the collective, results are NaN rather than a
+    partial sum, peers learn of it, and ranks that disagree on size or dtype are detected."""
+    import time
+
+    import torch.distributed as dist
+
+    from llmmem.errors import InvalidArgumentError, StateError
+    from llmmem.parallel.cuda_ipc import CudaIpcCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    timeout = 2.0
+    comm = CudaIpcCommunicator.setup(dist.group.WORLD, dev, timeout=timeout, max_bytes=1 << 20)
+    if rank == 0:
+        xs = [torch.ones(4, device=dev) for _ in range(5)]
+        t0 = time.monotonic()
+        for x in xs:  # rank 1 never comes; five kernels queued behind each other
+            comm.all_reduce_(x)
+        try:
+            comm.check()
+            raise AssertionError("a missing peer must be reported")
+        except StateError as exc:
+            assert "all_reduce" in str(exc) and "timed out" in str(exc) and "rank 1" in str(exc), str(exc)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 2.5 * timeout, f"the queued kernels each waited out the timeout: {elapsed:.1f} s"
+        assert all(torch.isnan(x).all().item() for x in xs), "a timed-out call must not leave a partial sum"
+        try:
+            comm.all_reduce_(torch.ones(4, device=dev))
+            raise AssertionError("a failed communicator must refuse new calls")
+        except StateError as exc:
+            assert "earlier call" in str(exc) and "timed out" in str(exc), str(exc)
+    dist.barrier()
+    if rank == 1:  # rank 0 gave up and said so: this rank's next call stops at once, naming rank 0
+        y = torch.ones(4, device=dev)
+        t0 = time.monotonic()
+        comm.all_reduce_(y)
+        try:
+            comm.check()
+            raise AssertionError("the peer's failure must be reported")
+        except StateError as exc:
+            assert "rank 0 failed" in str(exc) and "all_reduce" in str(exc), str(exc)
+        assert time.monotonic() - t0 < timeout
+        assert torch.isnan(y).all().item()
+    dist.barrier()
+    comm.close()
+    # ranks that disagree: element count (one-shot both), dtype at equal bytes, one-shot vs two-shot
+    cases = [((1000, torch.float32), (2000, torch.float32)), ((2000, torch.float32), (4000, torch.bfloat16)),
+             ((1000, torch.float32), (70000, torch.float32))]
+    for mine0, mine1 in cases:
+        comm = CudaIpcCommunicator.setup(dist.group.WORLD, dev, timeout=30.0, max_bytes=1 << 20)
+        n, dtype = mine0 if rank == 0 else mine1
+        t0 = time.monotonic()
+        comm.all_reduce_(torch.ones(n, device=dev, dtype=dtype))
+        try:
+            comm.check()
+            raise AssertionError(f"ranks that disagree must be told: {mine0} vs {mine1}")
+        except InvalidArgumentError as exc:
+            assert "disagree" in str(exc) and "all_reduce" in str(exc), str(exc)
+        assert time.monotonic() - t0 < 10, "a disagreement is found at the first barrier, not by the timeout"
+        dist.barrier()
+        comm.close()
+    print("ipc faults ok")
+
+
 def test_layers_on_cuda_world_size_one():
     from llmmem.parallel.testing import run_ranks
 
@@ -99,3 +165,14 @@ def test_ipc_all_reduce_two_processes_one_gpu():
 
     results = run_ranks(__file__, "_ipc_worker", 2, timeout=180)
     assert all("ipc ok" in r.output for r in results)
+
+
+def test_ipc_all_reduce_faults_two_processes_one_gpu():
+    from llmmem._native import native
+
+    if not native.build_info().get("cuda_built"):
+        pytest.skip("llmmem was built without CUDA")
+    from llmmem.parallel.testing import run_ranks
+
+    results = run_ranks(__file__, "_ipc_fault_worker", 2, timeout=180)
+    assert all("ipc faults ok" in r.output for r in results)

@@ -3,12 +3,13 @@
  *
  * Every collective is a sequence of steps ("chunks"), each moving at most one slot per rank:
  *   all-reduce, small message (one-shot): copy in -> my slot; barrier; every rank sums all slots.
- *   all-reduce, larger message (two-shot, steps of <= 256 KiB): copy the parts of in that peers
- *       reduce -> my slot;
- *       barrier; rank r sums part r (its own part read straight from `in`, the others' from their
- *       slots) into `out` and into part r of its slot; barrier; every rank copies the other parts
- *       out. Each rank reads the chunk about once instead of world times, which wins once the
- *       chunk outgrows caches; skipping its own part in the copies saves 1/world of the traffic.
+ *   all-reduce, larger message (two-shot, chunks of <= TWO_SHOT_STEP_BYTES): copy the parts of
+ *       in that peers reduce -> my slot; barrier; rank r sums part r (its own part read straight
+ *       from `in`, the others' from their slots) into `out` and into part r of its slot; barrier;
+ *       every rank copies the other parts out. Each rank reads the chunk about once instead of
+ *       world times, which wins once the chunk outgrows caches; skipping its own part in the
+ *       copies saves 1/world of the traffic. Chunks are pipelined: chunk k+1's copy-in shares
+ *       the barrier that ends chunk k's reduce, so a message of m chunks needs m + 1 barriers.
  *   all-gather: copy in -> my slot; barrier; copy every slot out in rank order.
  *   reduce-scatter: copy the world blocks of in -> my slot; barrier; sum block r of every slot.
  * Sums go through _llmmem_comm_sum (fp32, rank order 0..n-1), so one-shot and two-shot give the
@@ -25,10 +26,20 @@
  * fp32 (benchmarks/comm_phases.c): 16 KiB 4-9 us one-shot vs 5-7 two-shot; 64 KiB 12-18 vs 8-14;
  * 128 KiB 23-27 vs 16-23; 256 KiB 39-60 vs 33-37 (one-shot reads world x the data). */
 #define ONE_SHOT_MAX_BYTES (32u * 1024u)
-/* Two-shot steps move at most this many bytes (and at most a slot): each rank's share of a step
- * (its input, its slot, the peer slots it reads) then stays in its core's L2 (2 MiB here), and
- * the slots, reused step after step, stay hot. Larger steps spill to L3 for 1 MiB messages. */
-#define TWO_SHOT_STEP_BYTES (256u * 1024u)
+/* Two-shot chunks move at most this many bytes (and at most a slot). With the chunks pipelined
+ * (one barrier each), smaller chunks won: fp32 medians of 201 interleaved samples in one run
+ * (benchmarks/comm_tune.c, 2 vCPUs shared with other jobs; spinning 128 pauses then): 2 ranks, 1 MiB: 64 KiB chunks 252 us,
+ * 128 KiB 231, 256 KiB 276, 1 MiB 345; 512 KiB: 108 / 99 / 113 / 138. 4 ranks, 1 MiB: 64 KiB
+ * 748 us, 128 KiB 803, 256 KiB 912; 256 KiB: 184 / 205 / 208. A chunk's slots stay in L2 and the
+ * next chunk's copy-in overlaps the peers' lag. */
+#define TWO_SHOT_STEP_BYTES(world) ((world) <= 2 ? 128u * 1024u : 64u * 1024u)
+
+static _Atomic size_t forced_chunk_bytes; /* 0: TWO_SHOT_STEP_BYTES; else a probe's choice */
+
+size_t _llmmem_shm_force_chunk_bytes(size_t bytes) {
+  forced_chunk_bytes = bytes;
+  return bytes;
+}
 
 static const char *op_name(shm_op_t kind) {
   switch (kind) {
@@ -37,6 +48,8 @@ static const char *op_name(shm_op_t kind) {
     default: return "reduce_scatter";
   }
 }
+
+_Static_assert(LLMMEM_SHM_MAX_WORLD * 64 <= 4096, "a 4 KiB slot must hold one cache line per rank");
 
 static llmmem_status_t check_call(llmmem_shm_comm_t *c, const void *in, void *out, size_t count,
                                   llmmem_comm_dtype_t dtype, shm_op_t kind) {
@@ -95,53 +108,96 @@ static void part(size_t n, size_t esize, int world, int r, size_t *lo, size_t *h
   *hi = *lo + per < n ? *lo + per : n;
 }
 
+/* Two-shot all-reduce of chunk [off, off + n) through the slots of `step` (see the file header).
+ * Part q of a chunk lives at element q * stride of a slot, whatever the chunk's length: a short
+ * last chunk has shorter parts, but each stays inside its own fixed region, which the pipelining
+ * below relies on. */
+static void two_shot_copy_in(llmmem_shm_comm_t *c, const unsigned char *in, size_t off, size_t n, size_t es,
+                             size_t stride, uint64_t step) {
+  unsigned char *mine = shm_slot(c, c->rank, step);
+  size_t lo, hi;
+  for (int q = 0; q < c->world_size; q++) {
+    if (q == c->rank) continue;
+    part(n, es, c->world_size, q, &lo, &hi);
+    memcpy(mine + (size_t)q * stride * es, in + (off + lo) * es, (hi - lo) * es);
+  }
+}
+
+static void two_shot_reduce(llmmem_shm_comm_t *c, const unsigned char *in, unsigned char *out, size_t off, size_t n,
+                            size_t es, size_t stride, llmmem_comm_dtype_t dtype, uint64_t step) {
+  const void *srcs[LLMMEM_SHM_MAX_WORLD];
+  size_t lo, hi;
+  part(n, es, c->world_size, c->rank, &lo, &hi);
+  const size_t at = (size_t)c->rank * stride * es; /* my part's region in every slot */
+  /* Only this rank reads part `rank` of `in` and writes part `rank` of `out`, block by block
+   * after reading, so in == out is safe; peers read our slot's part, written here too. */
+  for (int q = 0; q < c->world_size; q++) srcs[q] = q == c->rank ? in + (off + lo) * es : shm_slot(c, q, step) + at;
+  _llmmem_comm_sum2(srcs, c->world_size, out + (off + lo) * es, shm_slot(c, c->rank, step) + at, hi - lo, dtype);
+}
+
+static void two_shot_copy_out(llmmem_shm_comm_t *c, unsigned char *out, size_t off, size_t n, size_t es,
+                              size_t stride, uint64_t step) {
+  size_t lo, hi;
+  for (int q = 0; q < c->world_size; q++) {
+    if (q == c->rank) continue;
+    part(n, es, c->world_size, q, &lo, &hi);
+    memcpy(out + (off + lo) * es, shm_slot(c, q, step) + (size_t)q * stride * es, (hi - lo) * es);
+  }
+}
+
 llmmem_status_t llmmem_shm_all_reduce(llmmem_shm_comm_t *c, const void *in, void *out, size_t count,
                                       llmmem_comm_dtype_t dtype) {
   LLMMEM_TRY(check_call(c, in, out, count, dtype, SHM_OP_ALL_REDUCE));
   const size_t es = llmmem_comm_dtype_size(dtype);
-  /* Every rank decides from (count, dtype, slot size, world), which are equal on all ranks. */
-  const int one_shot = count * es <= ONE_SHOT_MAX_BYTES || c->world_size == 1;
-  const size_t step_bytes = one_shot || c->slot_bytes < TWO_SHOT_STEP_BYTES ? c->slot_bytes : TWO_SHOT_STEP_BYTES;
-  const size_t per_step = step_bytes / es;
-  const void *srcs[LLMMEM_SHM_MAX_WORLD];
+  const unsigned char *src = in;
+  unsigned char *dst = out;
   c->seq++;
   post_desc(c, SHM_OP_ALL_REDUCE, dtype, count);
-  size_t off = 0;
-  int first = 1;
-  do {
-    size_t n = count - off < per_step ? count - off : per_step;
-    uint64_t step = c->step++;
-    unsigned char *mine = shm_slot(c, c->rank, step);
-    const unsigned char *src = (const unsigned char *)in + off * es;
-    unsigned char *dst = (unsigned char *)out + off * es;
-    size_t lo, hi;
-    if (one_shot) {
-      memcpy(mine, src, n * es);
+  /* Every rank decides from (count, dtype, slot size, world), which are equal on all ranks. */
+  if (count * es <= ONE_SHOT_MAX_BYTES || c->world_size == 1) {
+    const size_t per_step = c->slot_bytes / es;
+    const void *srcs[LLMMEM_SHM_MAX_WORLD];
+    size_t off = 0;
+    int first = 1;
+    do {
+      size_t n = count - off < per_step ? count - off : per_step;
+      uint64_t step = c->step++;
+      memcpy(shm_slot(c, c->rank, step), src + off * es, n * es);
       LLMMEM_TRY(step_barrier(c, SHM_OP_ALL_REDUCE, first));
       for (int q = 0; q < c->world_size; q++) srcs[q] = shm_slot(c, q, step);
-      _llmmem_comm_sum(srcs, c->world_size, dst, n, dtype);
-    } else {
-      for (int q = 0; q < c->world_size; q++) {
-        if (q == c->rank) continue;
-        part(n, es, c->world_size, q, &lo, &hi);
-        memcpy(mine + lo * es, src + lo * es, (hi - lo) * es);
-      }
-      LLMMEM_TRY(step_barrier(c, SHM_OP_ALL_REDUCE, first));
-      part(n, es, c->world_size, c->rank, &lo, &hi);
-      /* Only this rank reads part `rank` of `in` and writes part `rank` of `out`, block by block
-       * after reading, so in == out is safe; peers read our slot's part, written here too. */
-      for (int q = 0; q < c->world_size; q++) srcs[q] = (q == c->rank ? src : shm_slot(c, q, step)) + lo * es;
-      _llmmem_comm_sum2(srcs, c->world_size, dst + lo * es, mine + lo * es, hi - lo, dtype);
-      LLMMEM_TRY(_llmmem_shm_barrier(c, "all_reduce"));
-      for (int q = 0; q < c->world_size; q++) {
-        if (q == c->rank) continue;
-        part(n, es, c->world_size, q, &lo, &hi);
-        memcpy(dst + lo * es, shm_slot(c, q, step) + lo * es, (hi - lo) * es);
-      }
+      _llmmem_comm_sum(srcs, c->world_size, dst + off * es, n, dtype);
+      first = 0;
+      off += n;
+    } while (off < count);
+    return LLMMEM_OK;
+  }
+  /* Two-shot, pipelined: one barrier per chunk (plus one). After the barrier that ends chunk k's
+   * reduce, a rank copies chunk k's reduced parts out and reduces chunk k+1, whose inputs the same
+   * barrier published. Slots stay safe with two buffers: the parts a rank copies in for chunk
+   * k+2 (buffer k & 1) were last read by the peers' reduce of chunk k, before the barrier that
+   * ends chunk k+1; the part it reduces into was last read by the peers' copy-out of chunk k,
+   * before the barrier that starts chunk k+2's reduce. */
+  const size_t forced = forced_chunk_bytes;
+  const size_t chunk_max = forced ? forced : TWO_SHOT_STEP_BYTES(c->world_size);
+  const size_t step_bytes = c->slot_bytes < chunk_max ? c->slot_bytes : chunk_max;
+  /* part regions: whole cache lines, world of them fit a step (slots are >= 4 KiB: >= 1 line each) */
+  const size_t align = 64 / es, stride = step_bytes / es / (size_t)c->world_size / align * align;
+  const size_t per_step = stride * (size_t)c->world_size;
+  const uint64_t step0 = c->step;
+  const size_t chunks = (count + per_step - 1) / per_step;
+  c->step += chunks;
+  two_shot_copy_in(c, src, 0, count < per_step ? count : per_step, es, stride, step0);
+  LLMMEM_TRY(step_barrier(c, SHM_OP_ALL_REDUCE, 1));
+  for (size_t k = 0; k < chunks; k++) {
+    size_t off = k * per_step, n = count - off < per_step ? count - off : per_step;
+    two_shot_reduce(c, src, dst, off, n, es, stride, dtype, step0 + k);
+    if (k + 1 < chunks) {
+      size_t off1 = off + n, n1 = count - off1 < per_step ? count - off1 : per_step;
+      two_shot_copy_in(c, src, off1, n1, es, stride, step0 + k + 1);
     }
-    first = 0;
-    off += n;
-  } while (off < count);
+    LLMMEM_TRY(_llmmem_shm_barrier(c, "all_reduce"));
+    two_shot_copy_out(c, dst, off, n, es, stride, step0 + k);
+  }
   return LLMMEM_OK;
 }
 

@@ -1,14 +1,21 @@
 /*
- * shm_comm.c — the shared-memory communicator: joining the segment, the barrier, failures.
+ * shm_comm.c — the shared-memory communicator's waiting: the barrier, failures, the wait poll.
  *
- * Waiting is bounded everywhere: spin briefly (a peer is usually a few microseconds away), yield
- * the core for a few tens of microseconds, then sleep on a futex on the peer's arrival word (the
- * arriving rank wakes sleepers only when there are any, so the fast path makes no system call).
- * Sleeping matters: a rank still computing its matmul must not compete for a core with ranks
- * that spin waiting for it (ranks often outnumber cores on CPU). While waiting we watch
+ * Waiting is bounded everywhere: spin a handful of times, yield the core for a few tens of
+ * microseconds, then sleep on a futex on the peer's arrival word (the arriving rank wakes
+ * sleepers only when there are any, so the fast path makes no system call). Yielding early
+ * matters: when ranks share a core (ranks outnumber cores, or other jobs hold some), a spinning
+ * rank delays the peer it waits for by its whole spin. Measured with benchmarks/comm_tune.c
+ * (spin counts interleaved per sample, 2 vCPUs shared with other jobs), fp32, 2 ranks: 4 KiB
+ * 1.5 us spinning 1 pause before yielding, 1.6 us 8, 2.1 us 32, 3.5 us 128; 64 KiB 12.1 / 12.3 /
+ * 13.2 / 15.5 us; 1 MiB 204 / 206 / 208 / 224 us; 4 ranks, 1 MiB 442 / 443 / 447 / 476 us; and
+ * 2 ranks, 64 KiB: 29 us spinning 512, 81 us 2048, 227 us 8192. Sleeping matters too: a rank
+ * still computing its matmul must not compete for a core with ranks waiting for it. While waiting we watch
  * the abort word of the segment (another rank failed), the clock (timeout) and, every ~50 ms,
  * whether the awaited peer's process still exists, so a killed rank is reported quickly instead
- * of after the full timeout. This file does not move data; shm_collectives.c does.
+ * of after the full timeout, and the calling thread's wait poll (the Python binding checks for
+ * Ctrl-C there), so an interrupt is not held up for the whole timeout. This file does not move
+ * data (shm_collectives.c does) nor set up the segment (shm_setup.c does).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -19,7 +26,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -38,15 +44,10 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
-static double now_s(void) {
+double _llmmem_shm_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void nap_us(long us) {
-  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-  nanosleep(&ts, NULL);
 }
 
 /* Sleeps while *word == seen, at most `us` microseconds (a nap where futexes do not exist). */
@@ -57,7 +58,8 @@ static void sleep_on(_Atomic uint32_t *word, uint32_t seen, long us) {
   syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
 #else
   (void)word, (void)seen;
-  nap_us(us);
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+  nanosleep(&ts, NULL);
 #endif
 }
 
@@ -69,8 +71,7 @@ static void wake_all(_Atomic uint32_t *word) {
 #endif
 }
 
-/* 1 when process `pid` is gone (no such process, or a zombie waiting to be reaped). */
-static int process_dead(int pid) {
+int _llmmem_shm_process_dead(int pid) {
   if (pid <= 0) return 0;
   if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
   char path[64], buf[256];
@@ -85,14 +86,25 @@ static int process_dead(int pid) {
   return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
-/* Identity of this process's PID namespace (0 if unknown): a pid only means something to a
- * process in the same namespace (containers may share /dev/shm but not PIDs). */
-static uint64_t pid_namespace(void) {
+/* A pid only means something to a process in the same PID namespace (containers may share
+ * /dev/shm but not PIDs), hence this identity next to every pid in the segment. */
+uint64_t _llmmem_shm_pid_namespace(void) {
   struct stat st;
   return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-static void path_of(char *out, size_t cap, const char *name) { snprintf(out, cap, "/dev/shm/%s", name); }
+/* The calling thread's wait poll: a thread-local, because it belongs to the caller's blocking
+ * call (the binding sets it around each call with the state it needs to re-take the GIL). */
+static _Thread_local llmmem_comm_poll_fn poll_fn;
+static _Thread_local void *poll_ctx;
+
+llmmem_status_t llmmem_comm_set_wait_poll(llmmem_comm_poll_fn fn, void *ctx) {
+  poll_fn = fn;
+  poll_ctx = fn ? ctx : NULL;
+  return LLMMEM_OK;
+}
+
+int _llmmem_shm_poll_says_stop(void) { return poll_fn != NULL && poll_fn(poll_ctx) != 0; }
 
 llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, const char *fmt, ...) {
   char msg[512];
@@ -119,23 +131,35 @@ static llmmem_status_t check_abort(llmmem_shm_comm_t *c, const char *what) {
                      c->hdr->abort_msg);
 }
 
+/* Pauses before the first yield (see the header); a probe may change it. */
+static _Atomic long spin_before_yield = 8;
+
+long _llmmem_shm_force_spin(long spins) {
+  spin_before_yield = spins < 0 ? 8 : spins;
+  return spin_before_yield;
+}
+
 /* Waits until ctl[peer].arrive >= epoch. */
 static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoch, const char *what) {
-  double start = 0, next_liveness = 0;
+  double start = 0, next_check = 0;
+  const unsigned long spins = (unsigned long)spin_before_yield, sleep_from = spins + 32;
   for (unsigned long iter = 0;; iter++) {
     if (atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) >= epoch) return LLMMEM_OK;
-    if (iter < 128) {
+    if (iter < spins) {
       CPU_RELAX();
       continue;
     }
-    if ((iter & 63) == 0 || iter >= 160) { /* every time once sleeping: a sleep is 10 ms */
+    if (iter == spins || (iter & 63) == 0 || iter >= sleep_from) { /* every time once sleeping: a sleep is 10 ms */
       LLMMEM_TRY(check_abort(c, what));
-      double t = now_s();
-      if (start == 0) start = t, next_liveness = t + 0.05;
-      if (t >= next_liveness) {
-        next_liveness = t + 0.05;
+      double t = _llmmem_shm_now();
+      if (start == 0) start = t, next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
+      if (t >= next_check) {
+        next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
+        if (_llmmem_shm_poll_says_stop())
+          return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem shm %s: interrupted on rank %d while waiting for rank %d",
+                                  what, c->rank, peer);
         if (c->ctl[peer].pid_ns != 0 && c->ctl[peer].pid_ns == c->ctl[c->rank].pid_ns &&
-            process_dead(c->ctl[peer].pid) &&
+            _llmmem_shm_process_dead(c->ctl[peer].pid) &&
             atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
           return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
                                   "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it",
@@ -147,7 +171,7 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
                                 "(did every rank call the same collective?)",
                                 what, c->timeout_s, c->rank, peer);
     }
-    if (iter < 160) {
+    if (iter < sleep_from) {
       sched_yield();
       continue;
     }
@@ -176,170 +200,3 @@ llmmem_status_t _llmmem_shm_barrier(llmmem_shm_comm_t *c, const char *what) {
   return check_abort(c, what);
 }
 
-static size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
-static void unmap(llmmem_shm_comm_t *c) {
-  if (c->base) munmap(c->base, c->total_bytes);
-  c->base = NULL;
-}
-
-/* Rank 0: create, size, reserve and initialise the segment; publish it by setting the magic. */
-static llmmem_status_t create_segment(llmmem_shm_comm_t *c, const char *path) {
-  int fd = open(path, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0)
-    return LLMMEM_FAIL(errno == EEXIST ? LLMMEM_ERR_STATE : LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: cannot create %s: %s",
-                       path, strerror(errno));
-  int err = ftruncate(fd, (off_t)c->total_bytes) != 0 ? errno : posix_fallocate(fd, 0, (off_t)c->total_bytes);
-  if (err != 0) {
-    close(fd);
-    unlink(path);
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: cannot reserve %zu bytes in %s: %s",
-                       c->total_bytes, path, strerror(err));
-  }
-  void *p = mmap(NULL, c->total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) {
-    unlink(path);
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: mmap of %zu bytes failed: %s", c->total_bytes,
-                       strerror(errno));
-  }
-  c->base = p;
-  shm_header_t *h = (shm_header_t *)c->base;
-  h->version = LLMMEM_SHM_VERSION;
-  h->world_size = c->world_size;
-  h->slot_bytes = c->slot_bytes;
-  h->total_bytes = c->total_bytes;
-  atomic_store_explicit(&h->magic, LLMMEM_SHM_MAGIC, memory_order_release);
-  return LLMMEM_OK;
-}
-
-/* Other ranks: wait for the segment to exist and be published, check it, map it whole. */
-static llmmem_status_t attach_segment(llmmem_shm_comm_t *c, const char *path, double deadline) {
-  for (;;) {
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd >= 0) {
-      struct stat st;
-      if (fstat(fd, &st) == 0 && (size_t)st.st_size >= LLMMEM_SHM_HEADER_BYTES) {
-        shm_header_t *h = mmap(NULL, LLMMEM_SHM_HEADER_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (h == MAP_FAILED) {
-          close(fd);
-          return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: mmap of %s failed: %s", path, strerror(errno));
-        }
-        if (atomic_load_explicit(&h->magic, memory_order_acquire) == LLMMEM_SHM_MAGIC) {
-          int ws = h->world_size;
-          uint32_t ver = h->version;
-          size_t slot = h->slot_bytes, total = h->total_bytes;
-          munmap(h, LLMMEM_SHM_HEADER_BYTES);
-          if (ver != LLMMEM_SHM_VERSION || ws != c->world_size || (size_t)st.st_size < total) {
-            close(fd);
-            return LLMMEM_FAIL(LLMMEM_ERR_STATE,
-                               "llmmem_shm_comm_open: segment %s was made for world size %d (version %u), this "
-                               "rank expects %d (version %u)", path, ws, ver, c->world_size, LLMMEM_SHM_VERSION);
-          }
-          void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-          close(fd);
-          if (p == MAP_FAILED)
-            return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: mmap of %zu bytes failed: %s", total,
-                               strerror(errno));
-          c->base = p;
-          c->slot_bytes = slot;
-          c->total_bytes = total;
-          return LLMMEM_OK;
-        }
-        munmap(h, LLMMEM_SHM_HEADER_BYTES);
-      }
-      close(fd);
-    } else if (errno != ENOENT) {
-      return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_shm_comm_open: cannot open %s: %s", path, strerror(errno));
-    }
-    if (now_s() > deadline)
-      return LLMMEM_FAIL(LLMMEM_ERR_STATE,
-                         "llmmem_shm_comm_open: rank %d: segment %s did not appear within %.3g s (is rank 0 on "
-                         "this host and does it share /dev/shm?)", c->rank, path, c->timeout_s);
-    nap_us(500);
-  }
-}
-
-llmmem_status_t llmmem_shm_comm_open(const char *name, int rank, int world_size, size_t slot_bytes, double timeout_s,
-                                     llmmem_shm_comm_t **out) {
-  LLMMEM_CHECK_ARG(out != NULL, "llmmem_shm_comm_open: out must not be NULL");
-  *out = NULL;
-  LLMMEM_CHECK_ARG(name != NULL && name[0] != '\0', "llmmem_shm_comm_open: name must be a non-empty string");
-  LLMMEM_CHECK_ARG(strlen(name) <= 200 && strchr(name, '/') == NULL,
-                   "llmmem_shm_comm_open: name must have at most 200 characters and no '/', got \"%.220s\"", name);
-  LLMMEM_CHECK_ARG(world_size >= 1 && world_size <= LLMMEM_SHM_MAX_WORLD,
-                   "llmmem_shm_comm_open: world_size must be in 1..%d, got %d", LLMMEM_SHM_MAX_WORLD, world_size);
-  LLMMEM_CHECK_ARG(rank >= 0 && rank < world_size, "llmmem_shm_comm_open: rank must be in 0..%d, got %d",
-                   world_size - 1, rank);
-  LLMMEM_CHECK_ARG(timeout_s > 0, "llmmem_shm_comm_open: timeout_s must be > 0, got %g", timeout_s);
-  LLMMEM_CHECK_ARG(slot_bytes <= ((size_t)1 << 32), "llmmem_shm_comm_open: slot_bytes must be <= 4 GiB, got %zu",
-                   slot_bytes);
-  llmmem_shm_comm_t *c = calloc(1, sizeof *c);
-  if (!c) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: out of host memory");
-  c->rank = rank;
-  c->world_size = world_size;
-  c->timeout_s = timeout_s;
-  c->slot_bytes = round_up(slot_bytes ? slot_bytes : LLMMEM_SHM_DEFAULT_SLOT, 4096);
-  size_t ctl_bytes = round_up((size_t)world_size * LLMMEM_SHM_CTL_BYTES, 4096);
-  c->total_bytes = LLMMEM_SHM_HEADER_BYTES + ctl_bytes + (size_t)world_size * 2u * c->slot_bytes;
-  snprintf(c->name, sizeof c->name, "%s", name);
-  char path[300];
-  path_of(path, sizeof path, name);
-  double deadline = now_s() + timeout_s;
-
-  llmmem_status_t st = rank == 0 ? create_segment(c, path) : attach_segment(c, path, deadline);
-  if (st != LLMMEM_OK) {
-    free(c);
-    return st;
-  }
-  c->hdr = (shm_header_t *)c->base;
-  c->ctl = (shm_ctl_t *)(c->base + LLMMEM_SHM_HEADER_BYTES);
-  c->data = c->base + LLMMEM_SHM_HEADER_BYTES + round_up((size_t)world_size * LLMMEM_SHM_CTL_BYTES, 4096);
-  c->ctl[rank].pid = (int32_t)getpid();
-  c->ctl[rank].pid_ns = pid_namespace();
-  atomic_fetch_add_explicit(&c->hdr->joined, 1, memory_order_acq_rel);
-
-  /* Everyone waits for everyone: a rank that never joins fails the set-up on all the others. */
-  while (atomic_load_explicit(&c->hdr->joined, memory_order_acquire) < world_size) {
-    if (atomic_load_explicit(&c->hdr->abort_rank, memory_order_acquire)) {
-      st = LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_shm_comm_open: another rank gave up: %s", c->hdr->abort_msg);
-      break;
-    }
-    if (now_s() > deadline) {
-      st = _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
-                            "llmmem_shm_comm_open: only %d of %d ranks joined segment %s within %.3g s",
-                            atomic_load(&c->hdr->joined), world_size, name, timeout_s);
-      break;
-    }
-    nap_us(200);
-  }
-  /* The name is only needed to join: remove it now, so a crash can never leave it behind. */
-  if (rank == 0 || st != LLMMEM_OK) unlink(path);
-  if (st != LLMMEM_OK) {
-    unmap(c);
-    free(c);
-    return st;
-  }
-  *out = c;
-  return LLMMEM_OK;
-}
-
-llmmem_status_t llmmem_shm_comm_close(llmmem_shm_comm_t *comm) {
-  if (!comm) return LLMMEM_OK;
-  unmap(comm);
-  free(comm);
-  return LLMMEM_OK;
-}
-
-llmmem_status_t llmmem_shm_comm_set_timeout(llmmem_shm_comm_t *comm, double timeout_s) {
-  LLMMEM_CHECK_ARG(comm != NULL, "llmmem_shm_comm_set_timeout: comm must not be NULL");
-  LLMMEM_CHECK_ARG(timeout_s > 0, "llmmem_shm_comm_set_timeout: timeout_s must be > 0, got %g", timeout_s);
-  comm->timeout_s = timeout_s;
-  return LLMMEM_OK;
-}
-
-llmmem_status_t llmmem_shm_comm_slot_bytes(const llmmem_shm_comm_t *comm, size_t *out) {
-  LLMMEM_CHECK_ARG(comm != NULL && out != NULL, "llmmem_shm_comm_slot_bytes: comm and out must not be NULL");
-  *out = comm->slot_bytes;
-  return LLMMEM_OK;
-}

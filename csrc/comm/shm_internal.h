@@ -17,7 +17,7 @@
 #include "internal.h"
 
 #define LLMMEM_SHM_MAGIC 0x6c6c6d6d73686d31ULL /* "llmmshm1" */
-#define LLMMEM_SHM_VERSION 1u
+#define LLMMEM_SHM_VERSION 2u
 #define LLMMEM_SHM_HEADER_BYTES 4096u
 #define LLMMEM_SHM_CTL_BYTES 128u   /* one control block per rank: two cache lines, no false sharing */
 #define LLMMEM_SHM_MAX_WORLD 64
@@ -46,6 +46,9 @@ typedef struct {
   _Atomic uint64_t magic;       /* set last by rank 0, with release: the header is complete */
   uint32_t version;
   int32_t world_size;
+  int32_t creator_pid;          /* rank 0's process: a set-up sweep removes names whose creator died */
+  int32_t pad1;
+  uint64_t creator_pid_ns;      /* its PID namespace (see pid_ns in shm_ctl_t) */
   uint64_t slot_bytes;
   uint64_t total_bytes;
   _Atomic int32_t joined;       /* ranks that mapped the segment */
@@ -82,6 +85,21 @@ static inline unsigned char *shm_slot(llmmem_shm_comm_t *c, int rank, uint64_t s
 llmmem_status_t _llmmem_shm_barrier(llmmem_shm_comm_t *c, const char *what);
 llmmem_status_t _llmmem_shm_fail(llmmem_shm_comm_t *c, llmmem_status_t status, const char *fmt, ...)
     LLMMEM_PRINTF(3, 4);
+double _llmmem_shm_now(void);
+/* 1 when process `pid` is gone (no such process, or a zombie); 0 when alive or unknown. */
+int _llmmem_shm_process_dead(int pid);
+/* Identity of this process's PID namespace (0 if unknown). */
+uint64_t _llmmem_shm_pid_namespace(void);
+/* 1 when the calling thread's wait poll (llmmem_comm_set_wait_poll) asks to stop waiting. */
+int _llmmem_shm_poll_says_stop(void);
+/* Seconds between two looks at the poll and at the liveness of awaited processes while waiting. */
+#define LLMMEM_SHM_CHECK_PERIOD_S 0.05
+
+/* For probes (benchmarks/comm_tune.c), not exported: the two-shot chunk size in bytes (0 =
+ * automatic; every rank must set the same; shm_collectives.c) and the pauses a waiting rank spins
+ * before it yields (-1 = default; shm_comm.c). */
+size_t _llmmem_shm_force_chunk_bytes(size_t bytes);
+long _llmmem_shm_force_spin(long spins);
 
 /* sum_cpu.c: the reference's sum (sum_ref.c), vectorised for the CPU at hand; _sum2 also writes
  * the result to out2 (may be NULL) from the same accumulator, saving a re-read. */

@@ -5,7 +5,8 @@
  * through *_close). Buffers arrive as integer addresses (tensor.data_ptr()) with an element count
  * and a dtype code (llmmem_comm_dtype_t); llmmem/parallel/shm.py and cuda_ipc.py check the tensors
  * (device, contiguity, dtype, sizes) before calling. The GIL is released while a collective or a
- * set-up waits for the other ranks.
+ * set-up waits for the other ranks; the C side's wait poll re-takes it about every 50 ms of
+ * waiting to run Python's signal handlers, so Ctrl-C raises KeyboardInterrupt promptly.
  */
 #include "binding.h"
 
@@ -58,6 +59,41 @@ static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn
   return cap;
 }
 
+/* ------------------------------------------------------------------ waiting with signals */
+
+/* What the wait poll needs: the thread state saved when the GIL was released. */
+typedef struct {
+  PyThreadState *ts;
+} wait_ctx_t;
+
+/* llmmem_comm_poll_fn: only called while C waits for a peer (never on the fast path). Runs the
+ * pending signal handlers with the GIL held; a handler that raised (KeyboardInterrupt) stops the
+ * wait and leaves its exception set for the caller below to return. */
+static int poll_signals(void *p) {
+  wait_ctx_t *w = p;
+  PyEval_RestoreThread(w->ts);
+  int raised = PyErr_CheckSignals() != 0;
+  w->ts = PyEval_SaveThread();
+  return raised;
+}
+
+/* Brackets a blocking C call: GIL released, the calling thread's wait poll set. */
+static void begin_wait(wait_ctx_t *w) {
+  w->ts = PyEval_SaveThread();
+  llmmem_comm_set_wait_poll(poll_signals, w);
+}
+
+static void end_wait(wait_ctx_t *w) {
+  llmmem_comm_set_wait_poll(NULL, NULL);
+  PyEval_RestoreThread(w->ts);
+}
+
+/* The exception for a failed blocking call: the one a signal handler raised, else the status. */
+static PyObject *raise_after_wait(llmmem_status_t st) {
+  if (PyErr_Occurred()) return NULL;
+  return llmmem_py_raise(st);
+}
+
 /* ------------------------------------------------------------------ shared memory */
 
 /* shm_comm_open(name, rank, world_size, slot_bytes, timeout_s) -> capsule */
@@ -69,11 +105,11 @@ static PyObject *py_shm_comm_open(PyObject *self, PyObject *args) {
   double timeout;
   if (!PyArg_ParseTuple(args, "siiKd", &name, &rank, &world, &slot, &timeout)) return NULL;
   llmmem_shm_comm_t *comm = NULL;
-  llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_shm_comm_open(name, rank, world, (size_t)slot, timeout, &comm);
-  Py_END_ALLOW_THREADS
-  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  wait_ctx_t w;
+  begin_wait(&w);
+  llmmem_status_t st = llmmem_shm_comm_open(name, rank, world, (size_t)slot, timeout, &comm);
+  end_wait(&w);
+  if (st != LLMMEM_OK) return raise_after_wait(st);
   return wrap(comm, SHM_CAPSULE, shm_capsule_free);
 }
 
@@ -118,12 +154,12 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   if (!PyArg_ParseTuple(args, "OKKKi", &cap, &in_ptr, &out_ptr, &count, &dtype)) return NULL;
   llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
   if (!comm) return NULL;
-  llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
-          (llmmem_comm_dtype_t)dtype);
-  Py_END_ALLOW_THREADS
-  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  wait_ctx_t w;
+  begin_wait(&w);
+  llmmem_status_t st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
+                          (llmmem_comm_dtype_t)dtype);
+  end_wait(&w);
+  if (st != LLMMEM_OK) return raise_after_wait(st);
   Py_RETURN_NONE;
 }
 

@@ -3,9 +3,11 @@
 Set-up is collective: every rank allocates its buffer and IPC handle, the handles are exchanged
 with ``all_gather_object`` over the group, every rank opens its peers' buffers, and all ranks
 agree on the outcome (any failure anywhere -> every rank falls back to NCCL). Calls are ordered on
-the current CUDA stream and do not synchronise; a missing peer makes the kernel give up after the
-timeout, which :meth:`CudaIpcCommunicator.check` reports; the next call on a timed-out
-communicator raises instead of reducing stale data.
+the current CUDA stream and do not synchronise. A missing peer (timeout) or ranks that disagree on
+the size or dtype make the kernels of every rank give up (queued ones at once, not each after its
+own timeout) and set the result to NaN where they did; :meth:`CudaIpcCommunicator.check` raises
+the error (``StateError``, or ``InvalidArgumentError`` for a disagreement) and any later call on
+the communicator raises it without synchronising, instead of reducing stale data.
 
 Not CUDA-graph capturable: each call advances a host-side epoch that the kernel's flags compare
 against, so a replayed graph would reuse a stale epoch (capture NCCL collectives instead).

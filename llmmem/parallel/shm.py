@@ -3,7 +3,10 @@
 Set-up is collective over the torch.distributed group: the ranks exchange their host identity
 (hostname + kernel boot id), rank 0 picks a fresh segment name, every rank joins it, and all ranks
 agree on the outcome, so either every rank uses the segment or none does. The segment's name is
-removed as soon as every rank has mapped it: nothing is left in /dev/shm after a crash.
+removed as soon as every rank has mapped it, so a crash after set-up leaves nothing in /dev/shm; a
+crash during set-up is cleaned up by the surviving ranks or, if none survives, by the next set-up
+on the host (csrc/comm/shm_setup.c). Waits poll for signals: Ctrl-C raises KeyboardInterrupt
+within ~50 ms (the peers then fail with an error naming the interrupted rank).
 """
 
 from __future__ import annotations

@@ -202,6 +202,56 @@ static int body_timeout(llmmem_shm_comm_t *c, int rank, int world, void *arg) {
            strstr(llmmem_last_error(), "all_reduce"));
 }
 
+static int poll_calls = 0; /* per test; only the rank thread that set the poll calls it */
+
+static int stop_on_third_poll(void *ctx) {
+  (void)ctx;
+  return ++poll_calls >= 3;
+}
+
+static int body_interrupted(llmmem_shm_comm_t *c, int rank, int world, void *arg) {
+  (void)world, (void)arg;
+  float x[4] = {0};
+  if (rank == 1) {
+    /* waits for rank 0, which is late; its poll asks to stop after ~100 ms */
+    llmmem_comm_set_wait_poll(stop_on_third_poll, NULL);
+    llmmem_status_t st = llmmem_shm_all_reduce(c, x, x, 4, LLMMEM_COMM_F32);
+    llmmem_comm_set_wait_poll(NULL, NULL);
+    return !(st == LLMMEM_ERR_STATE && strstr(llmmem_last_error(), "interrupted") &&
+             strstr(llmmem_last_error(), "all_reduce"));
+  }
+  struct timespec ts = {0, 700 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+  llmmem_status_t st = llmmem_shm_all_reduce(c, x, x, 4, LLMMEM_COMM_F32);
+  return !(st == LLMMEM_ERR_STATE && strstr(llmmem_last_error(), "rank 1 failed") &&
+           strstr(llmmem_last_error(), "interrupted"));
+}
+
+/* Forks a process that creates segment `name` as rank 0 of `world` and waits for the others,
+ * then kills it (SIGKILL, no clean-up) once the name exists. Returns 0 when that happened. */
+static int kill_creator_during_setup(const char *name, int world) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    llmmem_shm_comm_t *c = NULL;
+    llmmem_shm_comm_open(name, 0, world, 4096, 30.0, &c);
+    _exit(3);
+  }
+  for (int i = 0; i < 2000 && !segment_exists(name); i++) usleep(1000);
+  int appeared = segment_exists(name);
+  kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return !(appeared && WIFSIGNALED(status));
+}
+
+/* Kills *(pid_t *)arg after 0.5 s: by then the forked rank has joined (it looks every 0.5 ms). */
+static void *kill_after_half_a_second(void *arg) {
+  struct timespec ts = {0, 500 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+  kill(*(pid_t *)arg, SIGKILL);
+  return NULL;
+}
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -426,6 +476,69 @@ int main(void) {
     int status = 0;
     waitpid(pid, &status, 0);
     CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  }
+
+  TEST("rank 0 killed during set-up: a peer that comes later fails at once and removes the name") {
+    char name[128];
+    make_name(name, sizeof name);
+    CHECK(kill_creator_during_setup(name, 2) == 0);
+    CHECK(segment_exists(name)); /* what the crash leaves */
+    llmmem_shm_comm_t *c = NULL;
+    double t0 = now_s();
+    CHECK_STATUS(llmmem_shm_comm_open(name, 1, 2, 4096, 30.0, &c), LLMMEM_ERR_STATE);
+    CHECK(strstr(llmmem_last_error(), "rank 0") && strstr(llmmem_last_error(), "exited"));
+    CHECK(now_s() - t0 < 5.0);
+    CHECK(!segment_exists(name));
+  }
+
+  TEST("rank 0 killed during set-up with nobody left: the next set-up sweeps the name away") {
+    char name[128], other[128];
+    make_name(name, sizeof name);
+    make_name(other, sizeof other);
+    CHECK(kill_creator_during_setup(name, 2) == 0);
+    CHECK(segment_exists(name));
+    llmmem_shm_comm_t *c = NULL;
+    CHECK_OK(llmmem_shm_comm_open(other, 0, 1, 4096, 5.0, &c));
+    llmmem_shm_comm_close(c);
+    CHECK(!segment_exists(name));
+    CHECK(!segment_exists(other));
+  }
+
+  TEST("a joined peer killed during set-up fails the set-up at once, and no segment is left") {
+    char name[128];
+    make_name(name, sizeof name);
+    pid_t pid = fork();
+    if (pid == 0) {
+      llmmem_shm_comm_t *c = NULL;
+      llmmem_shm_comm_open(name, 1, 3, 4096, 30.0, &c); /* joins, then waits for rank 2: never comes */
+      _exit(3);
+    }
+    pthread_t killer;
+    pthread_create(&killer, NULL, kill_after_half_a_second, &pid);
+    llmmem_shm_comm_t *c = NULL;
+    double t0 = now_s();
+    CHECK_STATUS(llmmem_shm_comm_open(name, 0, 3, 4096, 30.0, &c), LLMMEM_ERR_STATE);
+    CHECK(strstr(llmmem_last_error(), "rank 1") && strstr(llmmem_last_error(), "exited during set-up"));
+    CHECK(now_s() - t0 < 10.0); /* far below the 30 s timeout */
+    pthread_join(killer, NULL);
+    waitpid(pid, NULL, 0);
+    CHECK(!segment_exists(name));
+  }
+
+  TEST("a wait poll that says stop interrupts set-up and collectives promptly, and the peers are told") {
+    char name[128];
+    make_name(name, sizeof name);
+    llmmem_shm_comm_t *c = NULL;
+    poll_calls = 0;
+    llmmem_comm_set_wait_poll(stop_on_third_poll, NULL);
+    double t0 = now_s();
+    CHECK_STATUS(llmmem_shm_comm_open(name, 0, 2, 4096, 30.0, &c), LLMMEM_ERR_STATE);
+    llmmem_comm_set_wait_poll(NULL, NULL);
+    CHECK(strstr(llmmem_last_error(), "interrupted") != NULL);
+    CHECK(now_s() - t0 < 5.0);
+    CHECK(!segment_exists(name));
+    poll_calls = 0;
+    CHECK(run_threads(2, 4096, 30.0, body_interrupted, NULL, NULL) == 0);
   }
 
   return TEST_SUMMARY();

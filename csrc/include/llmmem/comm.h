@@ -42,14 +42,26 @@ LLMMEM_API size_t llmmem_comm_dtype_size(llmmem_comm_dtype_t dtype);
 
 typedef struct llmmem_shm_comm_s llmmem_shm_comm_t;
 
+/* Called about every 50 ms by a thread that waits in llmmem_shm_comm_open or a collective (never
+ * on the fast path); a nonzero return stops the wait: the call fails with LLMMEM_ERR_STATE
+ * ("interrupted"), the communicator is broken and the peers are told, as after a timeout. */
+typedef int (*llmmem_comm_poll_fn)(void *ctx);
+
+/* Sets the calling thread's wait poll (NULL: none, the default). The Python binding uses it to
+ * deliver Ctrl-C promptly instead of after the timeout. Per thread; it affects nothing else. */
+LLMMEM_API llmmem_status_t llmmem_comm_set_wait_poll(llmmem_comm_poll_fn fn, void *ctx);
+
 /* Joins the group's segment `name`: a file name (no '/', at most 200 characters) created under
  * /dev/shm, the tmpfs behind POSIX shared memory on Linux (opened directly, so no librt is needed).
  * Rank 0 creates it (it must not exist yet) with `slot_bytes` per slot (rounded up to 4 KiB; 0
  * picks the default, 1 MiB); the other ranks wait up to `timeout_s` seconds for it to appear and
- * check that it was made for the same world size. Once every rank has joined, rank 0 removes the
- * name, so nothing is left in /dev/shm even if a process is killed later; until then the name is
- * removed by whichever rank fails. Memory is reserved up front (posix_fallocate), so a full
- * /dev/shm is an error here, not a SIGBUS later. */
+ * check that it was made for the same world size. The name is published with a complete header
+ * (O_TMPFILE + link where the kernel has it) and removed by the last rank to join, so nothing is
+ * left in /dev/shm once every rank has mapped it, even if a process is killed later. Before that:
+ * a rank that fails removes it; a rank that finds the creator or a joined peer dead fails at
+ * once; and rank 0 first sweeps away names starting with "llmmem-" whose header says their
+ * creator (in this PID namespace) is dead — segments left by a job killed during set-up. Memory
+ * is reserved up front (posix_fallocate), so a full /dev/shm is an error here, not a SIGBUS later. */
 LLMMEM_API llmmem_status_t llmmem_shm_comm_open(const char *name, int rank, int world_size, size_t slot_bytes,
                                                 double timeout_s, llmmem_shm_comm_t **out);
 
@@ -100,11 +112,14 @@ LLMMEM_API llmmem_status_t llmmem_cuda_ar_close(llmmem_cuda_ar_t *ar);
 
 /* Sum all-reduce of `count` elements (count * size <= max_bytes) of device memory, ordered on
  * `stream` (a cudaStream_t; NULL = legacy default stream). Asynchronous: a peer that never arrives
- * is detected by the kernel's bounded wait and reported by llmmem_cuda_ar_check. */
+ * (timeout) or that called with another count or dtype (LLMMEM_ERR_INVALID) makes the kernels of
+ * every rank stop, set `out` to NaN where they gave up, and record the failure, which
+ * llmmem_cuda_ar_check reports; a call after a recorded failure fails at once (no launch). */
 LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t *ar, const void *in, void *out, size_t count,
                                                      llmmem_comm_dtype_t dtype, void *stream);
 
-/* Waits for `stream` and reports LLMMEM_ERR_STATE if a kernel timed out waiting for a peer. */
+/* Waits for `stream` and reports a recorded failure: LLMMEM_ERR_STATE (this rank timed out, or
+ * stopped because a peer failed) or LLMMEM_ERR_INVALID (the ranks disagreed on count or dtype). */
 LLMMEM_API llmmem_status_t llmmem_cuda_ar_check(llmmem_cuda_ar_t *ar, void *stream);
 
 #ifdef __cplusplus
