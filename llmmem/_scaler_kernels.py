@@ -154,6 +154,45 @@ def _address(t: torch.Tensor) -> int:
         return 0
 
 
+_KINDS: Optional[tuple] = None  # what the C walk compares parameters and gradients against
+
+
+def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor, flags: Optional[torch.Tensor],
+                              scale: Optional[torch.Tensor], scale_is_inverse: bool = False):
+    """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
+    ``param_groups``, reads and checks every gradient and runs the unscale + check on them all.
+
+    Handles only the plain case: parameters that are exactly ``torch.Tensor``/``nn.Parameter``,
+    gradients None or exactly ``torch.Tensor``, strided, contiguous, on the CPU, aligned, of a
+    supported dtype (fp16 only with ``allow_fp16``), param_groups a list of dicts holding lists.
+    Returns None having changed nothing when that is not the case (or the C core is not loaded,
+    or the scale is not a CPU fp32 scalar): the caller then runs its general path, which handles
+    the case or raises its usual error. Else ``(n_grads, slots)``: the gradients' flat positions
+    in param_groups (None when every parameter has a gradient); ``flags[i]`` (uint8, CPU, at least
+    one slot per parameter) is set for the i-th gradient found non-finite. Nothing is cached:
+    addresses are read on every call.
+    """
+    global _KINDS
+    if not available():
+        return None
+    cpu = found_inf.device
+    if cpu.type != "cpu" or (scale is not None and (scale.device.type != "cpu" or scale.dtype != torch.float32)):
+        return None
+    _check_scalar(found_inf, "found_inf", torch.float32, "a float", cpu)
+    if scale is not None:
+        _check_scalar(scale, "inv_scale", torch.float32, "a float", cpu)
+    if flags is not None:
+        if flags.dtype != torch.uint8 or flags.device != cpu or not flags.is_contiguous():
+            raise RuntimeError("flags must be a contiguous uint8 tensor on the CPU.")
+    if _KINDS is None:
+        _KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32, torch.float16, torch.bfloat16,
+                  torch.float64)
+    return native.scaler_unscale_param_groups(
+        param_groups, _KINDS, allow_fp16, scale.data_ptr() if scale is not None else 0, scale_is_inverse,
+        found_inf.data_ptr(), flags.data_ptr() if flags is not None else 0,
+        flags.numel() if flags is not None else 0, torch.get_num_threads())
+
+
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
                    scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
                    codes: Optional[Sequence[int]] = None) -> None:
