@@ -14,6 +14,11 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
 
 Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
 ``llmmem._C.scaler_*`` trust the addresses they get.
+
+``GradScaler.unscale_`` on the CPU first tries :func:`unscale_param_groups_cpu_`: one C call that
+walks the optimizer's param_groups and reads and checks each gradient itself (on lists of
+thousands of small gradients the per-gradient Python work cost as much as the kernel), handing
+anything unusual back, untouched, to :func:`unscale_check_`.
 """
 
 from __future__ import annotations
@@ -157,6 +162,11 @@ def _address(t: torch.Tensor) -> int:
 _KINDS: Optional[tuple] = None  # what the C walk compares parameters and gradients against
 
 
+def _cpu_scalar(t) -> bool:
+    """A plain 1-element fp32 CPU tensor, whose data_ptr() the C core may read and write."""
+    return type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == 1
+
+
 def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor, flags: Optional[torch.Tensor],
                               scale: Optional[torch.Tensor], scale_is_inverse: bool = False):
     """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
@@ -173,17 +183,11 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     addresses are read on every call.
     """
     global _KINDS
-    if not available():
+    if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):
+        return None  # the general path checks them and raises torch's messages
+    if flags is not None and not (type(flags) is torch.Tensor and flags.dtype == torch.uint8
+                                  and flags.device.type == "cpu" and flags.is_contiguous()):
         return None
-    cpu = found_inf.device
-    if cpu.type != "cpu" or (scale is not None and (scale.device.type != "cpu" or scale.dtype != torch.float32)):
-        return None
-    _check_scalar(found_inf, "found_inf", torch.float32, "a float", cpu)
-    if scale is not None:
-        _check_scalar(scale, "inv_scale", torch.float32, "a float", cpu)
-    if flags is not None:
-        if flags.dtype != torch.uint8 or flags.device != cpu or not flags.is_contiguous():
-            raise RuntimeError("flags must be a contiguous uint8 tensor on the CPU.")
     if _KINDS is None:
         _KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32, torch.float16, torch.bfloat16,
                   torch.float64)

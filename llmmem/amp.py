@@ -274,7 +274,7 @@ class GradScaler(_ScalerVisibility):
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        if found_inf.device.type == "cpu":
+        if found_inf.device.type == "cpu":  # plain CPU gradients: the walk below, done in C
             fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
                                            allow_fp16)
             if fast is not None:

@@ -258,6 +258,7 @@ def test_cpu_and_meta_gradients_agree_with_torch_on_the_cpu_ones():
             assert_same(gs[2], want[1])
 
 
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")  # torch's own, from inside
 def test_sparse_gradients_match_torch():
     def grads():
         i = torch.tensor([[0, 2, 2]])
@@ -311,3 +312,52 @@ def test_many_small_gradients_match_torch(threads):
         assert ls.overflowed_params(optimizer=lopt) == [(0, 123), (0, 599)]
     finally:
         torch.set_num_threads(before)
+
+
+def test_odd_scalars_are_handed_over_not_raised():
+    params = [p_with(torch.randn(3))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    flags = torch.zeros(1, dtype=torch.uint8)
+    f32 = torch.zeros(())
+    two = torch.full((), 2.0)  # a real unscale, so a write would show
+    for found, scale, fl in [(torch.zeros((), dtype=torch.float64), two, flags),
+                             (f32, torch.ones((), dtype=torch.float64), flags),
+                             (f32, torch.ones(2), flags),
+                             (f32, two, torch.zeros(1, dtype=torch.int32)),
+                             (f32, two, torch.zeros(1, dtype=torch.uint8).as_subclass(_Sub))]:
+        before = params[0].grad.clone()
+        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, fl, scale) is None
+        assert torch.equal(params[0].grad, before)
+
+
+def test_float64_scale_goes_the_general_way_and_matches_torch():
+    results = []
+    for cls in (torch.amp.GradScaler, llmmem.GradScaler):
+        torch.manual_seed(0)
+        g = torch.randn(5) * SCALE
+        params = [p_with(g)]
+        s = cls("cpu", init_scale=SCALE)
+        s.scale(torch.ones(()))
+        s._scale = torch.full((), 3.0, dtype=torch.float64)
+        s.unscale_(torch.optim.SGD(params, lr=0.1))
+        results.append(g)
+    assert_same(results[1], results[0])
+
+
+def test_unscale_uses_the_fast_path_for_plain_gradients(monkeypatch):
+    def general_path(*args, **kwargs):
+        raise AssertionError("the general path ran")
+
+    monkeypatch.setattr(K, "unscale_check_", general_path)
+    g = torch.randn(6) * SCALE
+    want = g / SCALE
+    opt = torch.optim.SGD([p_with(g), p_with(None)], lr=0.1)
+    s = llmmem.GradScaler("cpu", init_scale=SCALE)
+    s.scale(torch.ones(()))
+    s.unscale_(opt)
+    assert_same(g, want)
+    opt.param_groups[0]["params"][0].grad = (torch.randn(12) * SCALE)[::2]  # a strided view: general path
+    s.update()
+    s.scale(torch.ones(()))
+    with pytest.raises(AssertionError, match="the general path ran"):
+        s.unscale_(opt)

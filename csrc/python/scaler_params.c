@@ -72,7 +72,8 @@ static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_
   out->numel = PyLong_AsLongLong(numel);
   out->dtype = code;
   if (PyErr_Occurred() || out->numel < 0) goto done;
-  if (out->numel > 0 && (!out->data || (uintptr_t)out->data % llmmem_scaler_dtype_size(code))) goto done;
+  if (out->numel == 0) out->data = NULL; /* nothing to touch; its address need not be aligned */
+  else if (!out->data || (uintptr_t)out->data % llmmem_scaler_dtype_size(code)) goto done;
   plain = 1;
 done:
   Py_XDECREF(dtype);
