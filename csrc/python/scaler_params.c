@@ -160,7 +160,8 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
 }
 
 /* unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr,
- *                      n_flags, num_threads) -> None | (n_grads, slots or None) */
+ *                      n_flags, num_threads) -> None | (n_grads, slots or None). n_flags must cover every
+ * parameter (flags_ptr 0: no flags). */
 static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *groups, *kinds_tuple;
@@ -180,9 +181,8 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   for (int c = 0; c < LLMMEM_SCALER_DTYPE_COUNT_; c++) k.dtypes[c] = PyTuple_GET_ITEM(kinds_tuple, 3 + c);
 
   Py_ssize_t cap = count_params(groups);
-  if (cap < 0) Py_RETURN_NONE;
-  if (flags_ptr && n_flags < cap)
-    return PyErr_Format(PyExc_ValueError, "n_flags (%zd) must cover every parameter (%zd)", n_flags, cap);
+  /* Too few flags for the parameters: the caller counted before another thread added some. */
+  if (cap < 0 || (flags_ptr && n_flags < cap)) Py_RETURN_NONE;
   size_t alloc = (size_t)(cap ? cap : 1);
   llmmem_scaler_tensor_t *t = PyMem_Malloc(alloc * sizeof *t);
   PyObject **grads = PyMem_Malloc(alloc * sizeof *grads);
