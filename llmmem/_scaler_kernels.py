@@ -14,6 +14,11 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
 
 Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
 ``llmmem._C.scaler_*`` trust the addresses they get.
+
+``GradScaler.unscale_`` on the CPU first tries :func:`unscale_param_groups_cpu_`: one C call that
+walks the optimizer's param_groups and reads and checks each gradient itself (on lists of
+thousands of small gradients the per-gradient Python work cost as much as the kernel), handing
+anything unusual back, untouched, to :func:`unscale_check_`.
 """
 
 from __future__ import annotations
@@ -152,6 +157,44 @@ def _address(t: torch.Tensor) -> int:
         return t.data_ptr()
     except RuntimeError:
         return 0
+
+
+_KINDS: Optional[tuple] = None  # what the C walk compares parameters and gradients against
+
+
+def _cpu_scalar(t) -> bool:
+    """A plain 1-element fp32 CPU tensor, whose data_ptr() the C core may read and write."""
+    return type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == 1
+
+
+def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor, flags: Optional[torch.Tensor],
+                              scale: Optional[torch.Tensor], scale_is_inverse: bool = False):
+    """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
+    ``param_groups``, reads and checks every gradient and runs the unscale + check on them all.
+
+    Handles only the plain case: parameters that are exactly ``torch.Tensor``/``nn.Parameter``,
+    gradients None or exactly ``torch.Tensor``, strided, contiguous, on the CPU, aligned, of a
+    supported dtype (fp16 only with ``allow_fp16``), param_groups a list of dicts holding lists.
+    Returns None having changed nothing when that is not the case (or the C core is not loaded,
+    or the scale is not a CPU fp32 scalar): the caller then runs its general path, which handles
+    the case or raises its usual error. Else ``(n_grads, slots)``: the gradients' flat positions
+    in param_groups (None when every parameter has a gradient); ``flags[i]`` (uint8, CPU, at least
+    one slot per parameter) is set for the i-th gradient found non-finite. Nothing is cached:
+    addresses are read on every call.
+    """
+    global _KINDS
+    if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):
+        return None  # the general path checks them and raises torch's messages
+    if flags is not None and not (type(flags) is torch.Tensor and flags.dtype == torch.uint8
+                                  and flags.device.type == "cpu" and flags.is_contiguous()):
+        return None
+    if _KINDS is None:
+        _KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32, torch.float16, torch.bfloat16,
+                  torch.float64)
+    return native.scaler_unscale_param_groups(
+        param_groups, _KINDS, allow_fp16, scale.data_ptr() if scale is not None else 0, scale_is_inverse,
+        found_inf.data_ptr(), flags.data_ptr() if flags is not None else 0,
+        flags.numel() if flags is not None else 0, torch.get_num_threads())
 
 
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],

@@ -274,6 +274,11 @@ class GradScaler(_ScalerVisibility):
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        if found_inf.device.type == "cpu":  # plain CPU gradients: the walk below, done in C
+            fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
+                                           allow_fp16)
+            if fast is not None:
+                return fast
         # The walk over parameters is the per-tensor cost that dominates lists of many small
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
@@ -336,6 +341,35 @@ class GradScaler(_ScalerVisibility):
             self._overflow.clear()
             self._overflow_stale = False
         self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
+        return per_device_found_inf._per_device_tensors
+
+    def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
+                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool
+                           ) -> Optional[dict[torch.device, torch.Tensor]]:
+        """:meth:`_unscale_grads_` in one C call when every gradient is a plain CPU tensor (see
+        :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`); None, having changed nothing,
+        when the general path must run (it then raises the usual errors)."""
+        try:
+            n_params = sum(len(group["params"]) for group in optimizer.param_groups)
+        except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
+            return None
+        cpu = per_device_found_inf.master.device
+        found = per_device_found_inf.get(cpu)
+        flags = torch.zeros(n_params, dtype=torch.uint8)
+        done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
+        if done is None:
+            return None
+        n_grads, slots = done
+        if n_grads == 0:  # as the general path: nothing checked, nothing recorded for the device
+            per_device_found_inf._per_device_tensors.pop(cpu)
+            flags_per_device = {}
+        else:
+            flags_per_device = {cpu: (flags if n_grads == n_params else flags[:n_grads], range(n_grads))}
+        if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
+            self._overflow.clear()
+            self._overflow_stale = False
+        self._overflow[id(optimizer)] = (_weak(optimizer), range(n_grads) if slots is None else slots,
+                                         flags_per_device)
         return per_device_found_inf._per_device_tensors
 
     @staticmethod

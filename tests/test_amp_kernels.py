@@ -122,7 +122,7 @@ def test_many_tensors_mixed_dtypes_match_torch(count):
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_thread_counts_match_the_scalar_reference(threads):
     gen = torch.Generator().manual_seed(threads)
-    grads = [rand_grad(n, dt, gen) for n, dt in [(1_500_007, torch.float32), (300_001, torch.bfloat16),
+    grads = [rand_grad(n, dt, gen) for n, dt in [(3_000_007, torch.float32), (300_001, torch.bfloat16),
                                                   (4097, torch.float16), (250_000, torch.float64), (0, torch.float32)]]
     grads[1][-1] = float("nan")
     ours = [g.clone() for g in grads]

@@ -1,0 +1,243 @@
+/*
+ * scaler_params.c — the CPU fast path of GradScaler.unscale_: one call walks an optimizer's
+ * param_groups, reads every gradient's address, size and dtype, checks them, and runs the CPU
+ * unscale + non-finite check (llmmem_scaler_unscale_check) on all of them.
+ *
+ * Why in C: on lists of thousands of small gradients the walk costs as much as the kernel. Done
+ * in Python it is one interpreter loop per attribute (dtype, layout, device, contiguity, address,
+ * size), each going over all the tensors again; here each tensor is visited once, its attributes
+ * read back to back while its object is in cache, through the ordinary Python API (attribute
+ * reads and method calls with interned names): no torch headers, no torch C++ ABI.
+ *
+ * Contract: the plain case only. Every parameter an exact torch.Tensor or torch.nn.Parameter,
+ * every gradient None or an exact torch.Tensor, strided, contiguous, on the CPU, aligned to its
+ * elements, of a supported dtype (fp16 only when allowed). On anything else (a subclass, a sparse
+ * or strided view gradient, another device, a Python error while reading an attribute, ...) the
+ * call returns None having written nothing, and the caller runs its general path, which handles
+ * the case or raises its usual error. Nothing is cached between calls: addresses are read anew
+ * each time, so gradients reallocated between steps (zero_grad(set_to_none=True)) are correct.
+ */
+#include "binding.h" /* first: Python.h must precede the system headers */
+
+#include <llmmem/scaler.h>
+
+/* Interned attribute names, made once. */
+static PyObject *s_params, *s_grad, *s_dtype, *s_layout, *s_is_cpu, *s_is_contiguous, *s_data_ptr, *s_numel;
+
+static int intern_names(void) {
+  if (s_numel) return 0;
+  struct {
+    PyObject **slot;
+    const char *name;
+  } names[] = {{&s_params, "params"}, {&s_grad, "grad"},           {&s_dtype, "dtype"},
+               {&s_layout, "layout"}, {&s_is_cpu, "is_cpu"},       {&s_is_contiguous, "is_contiguous"},
+               {&s_data_ptr, "data_ptr"}, {&s_numel, "numel"}};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    if (*names[i].slot) continue;
+    *names[i].slot = PyUnicode_InternFromString(names[i].name);
+    if (!*names[i].slot) return -1;
+  }
+  return 0;
+}
+
+/* The torch objects the walk compares against, handed in by the caller (see llmmem/_scaler_kernels.py). */
+typedef struct {
+  PyObject *tensor_type, *param_type, *strided;
+  PyObject *dtypes[LLMMEM_SCALER_DTYPE_COUNT_]; /* by llmmem_scaler_dtype_t code */
+  int allow_fp16;
+} kinds_t;
+
+/* 1: `grad` is a plain gradient, described in *out; 0: not the plain case (no exception set);
+ * -1: a Python error that must propagate (memory). */
+static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_t *out) {
+  if ((PyObject *)Py_TYPE(grad) != k->tensor_type) return 0;
+  int plain = 0;
+  PyObject *dtype = NULL, *layout = NULL, *is_cpu = NULL, *contig = NULL, *ptr = NULL, *numel = NULL;
+  dtype = PyObject_GetAttr(grad, s_dtype);
+  if (!dtype) goto done;
+  int code = -1;
+  for (int c = 0; c < LLMMEM_SCALER_DTYPE_COUNT_; c++)
+    if (dtype == k->dtypes[c]) code = c;
+  if (code < 0 || (code == LLMMEM_SCALER_F16 && !k->allow_fp16)) goto done;
+  layout = PyObject_GetAttr(grad, s_layout);
+  if (!layout || layout != k->strided) goto done;
+  is_cpu = PyObject_GetAttr(grad, s_is_cpu);
+  if (is_cpu != Py_True) goto done;
+  contig = PyObject_CallMethodNoArgs(grad, s_is_contiguous);
+  if (contig != Py_True) goto done;
+  ptr = PyObject_CallMethodNoArgs(grad, s_data_ptr);
+  numel = ptr ? PyObject_CallMethodNoArgs(grad, s_numel) : NULL;
+  if (!numel || !PyLong_Check(ptr) || !PyLong_Check(numel)) goto done;
+  out->data = PyLong_AsVoidPtr(ptr);
+  out->numel = PyLong_AsLongLong(numel);
+  out->dtype = code;
+  if (PyErr_Occurred() || out->numel < 0) goto done;
+  if (out->numel == 0) out->data = NULL; /* nothing to touch; its address need not be aligned */
+  else if (!out->data || (uintptr_t)out->data % llmmem_scaler_dtype_size(code)) goto done;
+  plain = 1;
+done:
+  Py_XDECREF(dtype);
+  Py_XDECREF(layout);
+  Py_XDECREF(is_cpu);
+  Py_XDECREF(contig);
+  Py_XDECREF(ptr);
+  Py_XDECREF(numel);
+  if (PyErr_Occurred()) {
+    if (PyErr_ExceptionMatches(PyExc_MemoryError)) return -1;
+    PyErr_Clear(); /* the general path reads the same attribute and reports the error itself */
+    return 0;
+  }
+  return plain;
+}
+
+/* Sum of len(group["params"]) over the groups, or -1 (no exception set) when the groups are not
+ * a list of dicts holding lists. */
+static Py_ssize_t count_params(PyObject *groups) {
+  if (!PyList_Check(groups)) return -1;
+  Py_ssize_t total = 0;
+  for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
+    PyObject *group = PyList_GET_ITEM(groups, g);
+    if (!PyDict_CheckExact(group)) return -1;
+    PyObject *params = PyDict_GetItemWithError(group, s_params); /* borrowed */
+    if (!params || !PyList_Check(params)) {
+      PyErr_Clear();
+      return -1;
+    }
+    total += PyList_GET_SIZE(params);
+  }
+  return total;
+}
+
+/* Walks the groups into `t` / `grads` (owned references) / `slots`; 1 plain, 0 not, -1 error. */
+static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scaler_tensor_t *t, PyObject **grads,
+                Py_ssize_t *slots, Py_ssize_t *n_out) {
+  Py_ssize_t n = 0, slot = 0;
+  int rc = 1;
+  /* The lists are re-read at each step: a getattr can run Python code that edits them. */
+  for (Py_ssize_t g = 0; rc == 1 && g < PyList_GET_SIZE(groups); g++) {
+    PyObject *group = PyList_GET_ITEM(groups, g);
+    PyObject *params = PyDict_CheckExact(group) ? PyDict_GetItemWithError(group, s_params) : NULL;
+    if (!params || !PyList_Check(params)) {
+      PyErr_Clear();
+      rc = 0;
+      break;
+    }
+    Py_INCREF(params); /* borrowed from the dict, which Python code run by a getattr could change */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++, slot++) {
+      if (slot >= cap) { /* the lists grew under us */
+        rc = 0;
+        break;
+      }
+      PyObject *param = PyList_GET_ITEM(params, i);
+      PyTypeObject *pt = Py_TYPE(param);
+      if ((PyObject *)pt != k->param_type && (PyObject *)pt != k->tensor_type) {
+        rc = 0;
+        break;
+      }
+      Py_INCREF(param);
+      PyObject *grad = PyObject_GetAttr(param, s_grad);
+      Py_DECREF(param);
+      if (!grad) {
+        rc = PyErr_ExceptionMatches(PyExc_MemoryError) ? -1 : 0;
+        if (rc == 0) PyErr_Clear();
+        break;
+      }
+      if (grad == Py_None) {
+        Py_DECREF(grad);
+        continue;
+      }
+      grads[n] = grad; /* owned until the kernel is done: another thread may drop param.grad meanwhile */
+      rc = describe_grad(grad, k, &t[n]);
+      t[n].flag = (int32_t)n;
+      slots[n] = slot;
+      n++;
+      if (rc != 1) break;
+    }
+    Py_DECREF(params);
+  }
+  *n_out = n;
+  return rc;
+}
+
+/* unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr,
+ *                      n_flags, num_threads) -> None | (n_grads, slots or None). n_flags must cover every
+ * parameter (flags_ptr 0: no flags). */
+static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *groups, *kinds_tuple;
+  unsigned long long scale_ptr, found_ptr, flags_ptr;
+  Py_ssize_t n_flags;
+  int allow_fp16, inverse, num_threads;
+  if (!PyArg_ParseTuple(args, "OO!pKpKKni", &groups, &PyTuple_Type, &kinds_tuple, &allow_fp16, &scale_ptr, &inverse,
+                        &found_ptr, &flags_ptr, &n_flags, &num_threads))
+    return NULL;
+  if (PyTuple_GET_SIZE(kinds_tuple) != 3 + LLMMEM_SCALER_DTYPE_COUNT_)
+    return PyErr_Format(PyExc_ValueError, "kinds must be (Tensor, Parameter, strided, float32, float16, bfloat16, "
+                                          "float64)");
+  if (!found_ptr) return PyErr_Format(PyExc_ValueError, "found_inf_ptr must not be 0");
+  if (intern_names() < 0) return NULL;
+  kinds_t k = {PyTuple_GET_ITEM(kinds_tuple, 0), PyTuple_GET_ITEM(kinds_tuple, 1), PyTuple_GET_ITEM(kinds_tuple, 2),
+               {0}, allow_fp16};
+  for (int c = 0; c < LLMMEM_SCALER_DTYPE_COUNT_; c++) k.dtypes[c] = PyTuple_GET_ITEM(kinds_tuple, 3 + c);
+
+  Py_ssize_t cap = count_params(groups);
+  /* Too few flags for the parameters: the caller counted before another thread added some. */
+  if (cap < 0 || (flags_ptr && n_flags < cap)) Py_RETURN_NONE;
+  size_t alloc = (size_t)(cap ? cap : 1);
+  llmmem_scaler_tensor_t *t = PyMem_Malloc(alloc * sizeof *t);
+  PyObject **grads = PyMem_Malloc(alloc * sizeof *grads);
+  Py_ssize_t *slots = PyMem_Malloc(alloc * sizeof *slots);
+  PyObject *result = NULL;
+  Py_ssize_t n = 0;
+  if (!t || !grads || !slots) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  int rc = walk(groups, cap, &k, t, grads, slots, &n);
+  if (rc < 0) goto done;
+  if (rc == 0) {
+    Py_INCREF(Py_None);
+    result = Py_None;
+    goto done;
+  }
+  llmmem_status_t st = LLMMEM_OK;
+  if (n > 0) {
+    Py_BEGIN_ALLOW_THREADS st = llmmem_scaler_unscale_check(
+        t, (size_t)n, (const float *)(uintptr_t)scale_ptr, inverse, (float *)(uintptr_t)found_ptr,
+        (uint8_t *)(uintptr_t)flags_ptr, flags_ptr ? (size_t)n_flags : 0, num_threads);
+    Py_END_ALLOW_THREADS
+  }
+  if (st != LLMMEM_OK) {
+    llmmem_py_raise(st);
+    goto done;
+  }
+  PyObject *slot_list = Py_None; /* None: the grads sit at slots 0..n-1 */
+  Py_INCREF(slot_list);
+  if (n != cap) {
+    Py_DECREF(slot_list);
+    slot_list = PyList_New(n);
+    for (Py_ssize_t i = 0; slot_list && i < n; i++) {
+      PyObject *v = PyLong_FromSsize_t(slots[i]);
+      if (!v) Py_CLEAR(slot_list);
+      else PyList_SET_ITEM(slot_list, i, v);
+    }
+    if (!slot_list) goto done;
+  }
+  result = Py_BuildValue("(nN)", n, slot_list);
+done:
+  for (Py_ssize_t i = 0; grads && i < n; i++) Py_DECREF(grads[i]);
+  PyMem_Free(t);
+  PyMem_Free(grads);
+  PyMem_Free(slots);
+  return result;
+}
+
+PyMethodDef llmmem_py_scaler_params_methods[] = {
+    {"scaler_unscale_param_groups", py_unscale_param_groups, METH_VARARGS,
+     "scaler_unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, "
+     "flags_ptr, n_flags, num_threads) -> None | (n_grads, slots): the CPU unscale + check of every gradient of "
+     "param_groups in one call, or None (nothing done) when any parameter or gradient is not the plain case. "
+     "slots: each gradient's flat position in param_groups, None when every parameter has a gradient. "
+     "Private and unsafe: takes raw addresses for the scale, found_inf and flags; use llmmem._scaler_kernels."},
+    {NULL, NULL, 0, NULL},
+};
