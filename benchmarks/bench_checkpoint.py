@@ -206,7 +206,9 @@ def bench_chain(args, device) -> dict:
             rows.append([name, f"{budget / MiB:.2f}", "llmmem/auto", "no", "-", "-", "-", "-", "-", err[:70]])
             continue
         n_sel = sum(1 for m in plan.modes if m == "selective")
-        note = (f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, {n_sel} selective")
+        n_cheap = sum(1 for i, m in enumerate(plan.modes) if m == "recompute-cheap" and plan.depth(i) == 0)
+        note = (f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, {n_sel} selective, "
+                f"{n_cheap} recompute-cheap")
         _, over, t = add(name, budget, "llmmem/auto", f"llmmem/{name}", plan.predicted_peak_bytes, note)
         held, alloc = measured[f"llmmem/{name}"]
         if alloc is not None:

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "plan_internal.h"
+#include "relax.h"
 
 #define DP_INF INFINITY
 #define MAX_TABLE_BYTES (6ULL << 30) /* refuse tables above 6 GiB: use fewer slots */
@@ -39,6 +40,7 @@ typedef struct dp_s {
   double *fnsum;      /* prefix sums of the no-store forward times, [L + 1] */
   float *R, *T;       /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
                          then L rows where it may not (after a tape that keeps its output) */
+  plan_relax_fn relax; /* the split loop (relax.h) for this CPU */
 } dp_t;
 
 static inline int64_t to_slots(uint64_t bytes, uint64_t unit) { return (int64_t)((bytes + unit - 1) / unit); }
@@ -133,12 +135,7 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
     const int64_t xq = dp->x[q];
     const int64_t lo = max64(fneed, xq);
     const float fsum = (float)(dp->fnsum[q] - dp->fnsum[s]);
-    const float *rest = row_of(dp, q, e);
-    const float *inner = row_of(dp, s, q);
-    for (int64_t m = lo; m < W; m++) {
-      const float v = fsum + rest[m - xq] + inner[m - xq];
-      best[m] = v < best[m] ? v : best[m]; /* a min the compiler vectorises (no NaN here) */
-    }
+    dp->relax(best, row_of(dp, q, e), row_of(dp, s, q), fsum, xq, lo, W);
   }
   if (top) { /* the states that may also offload a_s: the same options plus the offloaded regions */
     float *allowed = top_row(dp, s, 1);
@@ -272,6 +269,7 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   const size_t LK = (size_t)L * K;
   dp_t dp = {0};
   dp.c = c;
+  dp.relax = plan_relax_pick(-1);
   dp.unit = budget / (uint64_t)slots + (budget % (uint64_t)slots != 0);
   if (dp.unit == 0) dp.unit = 1;
   dp.M = (int64_t)(budget / dp.unit);
