@@ -10,8 +10,8 @@ multiply in backward: several times less time per freed byte than recomputing th
 nothing random is rerun (the dropout mask is kept), so no RNG state is replayed. The rebuilt
 tensors are bitwise those of the forward (same operator, same inputs).
 
-How: ``with recompute_cheap(): y = block(x)`` installs ``saved_tensors_hooks`` whose pack hook
-looks at each saved tensor's autograd node (``t.grad_fn``, or its base's for a view): if it is one
+How: ``with llmmem.recompute_cheap(): y = block(x)`` installs ``saved_tensors_hooks`` whose pack
+hook looks at each saved tensor's autograd node (``t.grad_fn``, or its base's for a view): if it is one
 of :data:`REBUILDABLE` and each operand can be had at backward time from what autograd keeps (the
 node's own saved inputs, the saved result of the node that made the operand, e.g. a softmax, or
 recursively another rebuildable node), it keeps a small handle (the node and the view's geometry)
@@ -19,8 +19,10 @@ instead of the tensor. The unpack hook reruns the operator (no grad, autocast of
 per operator in the forward (a dispatch mode would: on the CPU that costs more than it saves).
 
 Correctness: a consumer's backward always runs before the backward of the node that made its
-input (which frees that node's saved tensors), so the operands are still there; autograd's own
-version checks apply to them when they are read. Memory: the kept tensors (reported to
+input (which frees that node's saved tensors), so the operands are still there. Autograd does not
+check versions of tensors saved through hooks, so the kept ones carry their version and an
+in-place change after the forward raises ``CheckpointError`` (as autograd would), also when it
+hits an operand of a rebuild. Memory: the kept tensors (reported to
 ``llmmem.planner.measure_saved_bytes``) and one small handle per dropped tensor. Not nestable
 inside a checkpointed region (its hooks would hide the tensors from the region's); the planner uses
 it at the top level only.
@@ -159,8 +161,8 @@ class _Kept:
             from llmmem.checkpointing import CheckpointError
 
             raise CheckpointError(
-                f"llmmem recompute-cheap: a tensor of shape {tuple(self.tensor.shape)} saved for backward was modified "
-                f"by an inplace operation after the forward (version {self.version} -> {self.tensor._version})")
+                f"llmmem recompute-cheap: a tensor of shape {tuple(self.tensor.shape)} saved for backward was "
+                f"modified by an inplace operation after the forward (version {self.version} -> {self.tensor._version})")
         return self.tensor
 
 
@@ -191,7 +193,7 @@ class _Hooks:
 def recompute_cheap():
     """Context manager: run a forward in the ``"recompute-cheap"`` mode (module docstring).
 
-    ``with llmmem.remat.recompute_cheap(): y = block(x)``; then backward as usual, inside or
+    ``with llmmem.recompute_cheap(): y = block(x)``; then backward as usual, inside or
     outside the context. Gradients are bitwise those of running ``block`` plainly.
     """
     hooks = _Hooks()
