@@ -142,6 +142,10 @@ def bench_chain(args, device) -> dict:
     rounds = 30
 
     prof = llmmem.profile_blocks(blocks, x0, repeats=rounds)
+    print("profile of block 0 (ms): " + ", ".join(
+        f"{m} fwd {1e3 * prof.fwd_time[0][k]:.2f} bwd {1e3 * prof.bwd_time[0][k]:.2f} kept "
+        f"{prof.saved_bytes[0][k] / MiB:.2f} MiB" for k, m in enumerate(prof.modes))
+        + f"; in a region: forward/recompute {1e3 * prof.fwd_nostore_time[0]:.2f}")
     chain = prof.to_chain()
     no_ckpt = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
     reference = no_ckpt.no_checkpoint_peak_bytes

@@ -228,7 +228,12 @@ def _profile_one(block, x: torch.Tensor, modes, repeats: int, warmup: int, devic
             sample = step(mode)
             if r >= warmup:
                 samples[mode].append(sample)
-    medians = {m: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for m, v in samples.items()}
+    # Other modes: store-all's median plus the median of their per-round differences to it (paired
+    # samples cancel most of the drift a shared machine adds, which is larger than these differences).
+    base = samples[modes[0]]
+    f0, b0 = statistics.median(f for f, _ in base), statistics.median(b for _, b in base)
+    medians = {m: (f0 + statistics.median(f - fb for (f, _), (fb, _) in zip(v, base)),
+                   b0 + statistics.median(b - bb for (_, b), (_, bb) in zip(v, base))) for m, v in samples.items()}
     # The planner charges fwd_nostore_time twice per recomputed block: the forward inside the
     # region, and its recompute in backward. The recompute costs more than that forward (it
     # records a graph again; on the CPU its activations come from freshly faulted pages, measured
@@ -243,7 +248,6 @@ def _profile_one(block, x: torch.Tensor, modes, repeats: int, warmup: int, devic
         # The other modes run store-all's operators plus extra work (hooks, recomputes): a lower
         # measured time is noise, and taken at face value it would make the planner prefer them
         # even when memory is plentiful.
-        f0, b0 = medians[modes[0]]
         if f + b < f0 + b0:
             b = f0 + b0 - f
         fwd.append(f)
