@@ -10,9 +10,9 @@
 
 Modes of a block: ``"store-all"`` (autograd keeps its tape), ``"selective"`` (keeps matmul and
 attention outputs, recomputes the rest: :mod:`llmmem.selective`), ``"recompute-cheap"`` (keeps the
-tape but rebuilds in backward the tensors one elementwise operator makes from kept ones, such as
-GELU outputs and dropped-out attention probabilities: :mod:`llmmem.remat`), and, from regions of one
-block, ``"store-input-only"``. Budgets: bytes (``int``), a string (``"6GB"``, ``"512MiB"``) or a
+tape but rebuilds in backward the tensors one elementwise operator or a LayerNorm makes from kept
+ones, such as GELU outputs and dropped-out attention probabilities: :mod:`llmmem.remat`), and,
+from regions of one block, ``"store-input-only"``. Budgets: bytes (``int``), a string (``"6GB"``, ``"512MiB"``) or a
 fraction (``float`` in (0, 1]) of the activation memory of the chain without checkpointing.
 
 With ``offload=True`` the planner may also keep the input of a top-level region in host memory
@@ -185,7 +185,7 @@ def _run_mode(block, x, mode: str):
     if mode == "selective":
         return checkpoint(block, x, context_fn=selective.selective_context_fn)
     if mode == "recompute-cheap":
-        with remat.recompute_cheap():
+        with remat.recompute_cheap(block):
             return block(x)
     if mode == "nostore":
         return checkpoint(block, x)
@@ -622,7 +622,7 @@ class AutoCheckpointed(nn.ModuleList):
             if self.plan.modes[i] == "selective":
                 return checkpoint(self[i], x, context_fn=selective.selective_context_fn, **self._options)
             if self.plan.modes[i] == "recompute-cheap":
-                with remat.recompute_cheap():
+                with remat.recompute_cheap(self[i]):
                     return self[i](x)
             return self[i](x)
         _, start, end, inner = item

@@ -4,13 +4,14 @@ elementwise operator rebuilds from tensors autograd keeps anyway; rebuild those 
 Why: a transformer block keeps large tensors that are one elementwise operator away from tensors
 it keeps for other reasons: the GELU/SiLU output (saved by the next matmul; GELU keeps its own
 input), the dropped-out attention probabilities (saved by the ``probs @ v`` matmul; the softmax
-keeps its result and the dropout multiply keeps its mask), SwiGLU's ``silu(gate) * up``. Dropping
-them frees about 2/7 of a GPT block's activations (fp32, explicit attention) for one GELU and one
-multiply in backward: several times less time per freed byte than recomputing the block, and
+keeps its result and the dropout multiply keeps its mask), SwiGLU's ``silu(gate) * up``, and the
+LayerNorm outputs (saved by the next matmul; LayerNorm keeps its input). Dropping them frees about
+a third of a GPT block's activations (fp32, explicit attention) for a GELU, a multiply and two
+LayerNorms in backward: several times less time per freed byte than recomputing the block, and
 nothing random is rerun (the dropout mask is kept), so no RNG state is replayed. The rebuilt
 tensors are bitwise those of the forward (same operator, same inputs).
 
-How: ``with llmmem.recompute_cheap(): y = block(x)`` installs ``saved_tensors_hooks`` whose pack
+How: ``with llmmem.recompute_cheap(block): y = block(x)`` installs ``saved_tensors_hooks`` whose pack
 hook looks at each saved tensor's autograd node (``t.grad_fn``, or its base's for a view): if it is one
 of :data:`REBUILDABLE` and each operand can be had at backward time from what autograd keeps (the
 node's own saved inputs, the saved result of the node that made the operand, e.g. a softmax, or
@@ -113,20 +114,26 @@ class _Memo:
         return self.output(maker)
 
 
+def _layer_norm(node, eps: float) -> torch.Tensor:
+    """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks)."""
+    return torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
+                                   node._saved_bias, eps)[0]
+
+
 class _Handle:
-    """What the pack hook keeps instead of a dropped tensor: the node that made it (or its base)
-    and the view's geometry."""
+    """What the pack hook keeps instead of a dropped tensor: the node that made it (or its base),
+    the view's geometry, and for a LayerNorm its eps."""
 
-    __slots__ = ("node", "memo", "base_shape", "size", "stride", "offset")
+    __slots__ = ("node", "memo", "eps", "base_shape", "size", "stride", "offset")
 
-    def __init__(self, node, memo: _Memo, base: torch.Tensor, t: torch.Tensor) -> None:
-        self.node, self.memo = node, memo
+    def __init__(self, node, memo: _Memo, base: torch.Tensor, t: torch.Tensor, eps=None) -> None:
+        self.node, self.memo, self.eps = node, memo, eps
         self.base_shape = tuple(base.shape)
         self.size, self.stride, self.offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
     def rebuild(self) -> torch.Tensor:
         try:
-            base = self.memo.output(self.node)
+            base = self.memo.output(self.node) if self.eps is None else _layer_norm(self.node, self.eps)
         except RuntimeError as exc:
             from llmmem.checkpointing import CheckpointError
 
@@ -162,22 +169,38 @@ class _Kept:
 
             raise CheckpointError(
                 f"llmmem recompute-cheap: a tensor of shape {tuple(self.tensor.shape)} saved for backward was "
-                f"modified by an inplace operation after the forward (version {self.version} -> {self.tensor._version})")
+                f"modified by an inplace operation after the forward (version {self.version} -> "
+                f"{self.tensor._version})")
         return self.tensor
 
 
 class _Hooks:
-    def __init__(self) -> None:
+    def __init__(self, module) -> None:
         self.memo = _Memo()
+        # LayerNorm's node keeps its input, weight and bias but not eps: the eps of the module's
+        # LayerNorms, found by their weight's storage (LayerNorms without a weight are not rebuilt).
+        self.eps = {}
+        if module is not None:
+            for m in module.modules():
+                if isinstance(m, torch.nn.LayerNorm) and m.weight is not None:
+                    self.eps[m.weight.data_ptr()] = m.eps
+
+    def _droppable(self, base) -> bool:
+        return (base.layout == torch.strided and base.is_contiguous() and base.storage_offset() == 0
+                and base.untyped_storage().nbytes() == base.nbytes and base.output_nr == 0)
 
     def pack(self, t: torch.Tensor):
         base = t._base if t._is_view() else t
         node = base.grad_fn if base is not None else None
         # (the name test first: it rejects most saved tensors, and this runs once per saved tensor)
-        if (node is not None and type(node).__name__ in REBUILDABLE and base.layout == torch.strided
-                and base.is_contiguous() and base.storage_offset() == 0
-                and base.untyped_storage().nbytes() == base.nbytes and _rebuildable(node)):
+        name = type(node).__name__ if node is not None else ""
+        if name in REBUILDABLE and self._droppable(base) and _rebuildable(node):
             return _Handle(node, self.memo, base, t)
+        if name == "NativeLayerNormBackward0" and self.eps and self._droppable(base):
+            weight = node._saved_weight
+            eps = self.eps.get(weight.data_ptr()) if weight is not None else None
+            if eps is not None:
+                return _Handle(node, self.memo, base, t, eps)
         _selective._notify(t)
         return _Kept(t)
 
@@ -192,11 +215,13 @@ class _Hooks:
             return packed.rebuild()
 
 
-def recompute_cheap():
+def recompute_cheap(module=None):
     """Context manager: run a forward in the ``"recompute-cheap"`` mode (module docstring).
 
-    ``with llmmem.recompute_cheap(): y = block(x)``; then backward as usual, inside or
-    outside the context. Gradients are bitwise those of running ``block`` plainly.
+    ``with llmmem.recompute_cheap(block): y = block(x)``; then backward as usual, inside or
+    outside the context. Gradients are bitwise those of running ``block`` plainly. ``module``
+    (optional): the ``nn.LayerNorm`` outputs of its submodules are rebuilt too (their ``eps`` is
+    read from the modules; autograd does not keep it).
     """
-    hooks = _Hooks()
+    hooks = _Hooks(module)
     return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)

@@ -30,9 +30,9 @@ def _step(fn, module, x, seed=7):
     return [y.detach()] + [p.grad.clone() for p in module.parameters()] + [x.grad.clone()]
 
 
-def _cheap(module):
+def _cheap(module, layer_norms=True):
     def run(x):
-        with recompute_cheap():
+        with recompute_cheap(module if layer_norms else None):
             return module(x)
     return run
 
@@ -45,18 +45,20 @@ def _saved(fn, module, x):
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_gpt_block_bitwise_and_frees_gelu_and_probabilities(dropout):
+@pytest.mark.parametrize("layer_norms", [True, False])
+def test_gpt_block_bitwise_and_frees_gelu_probabilities_layer_norms(dropout, layer_norms):
     block = _block(dropout)
     x = torch.randn(2, 16, 32, requires_grad=True)
     ref = _step(block, block, x)
-    got = _step(_cheap(block), block, x)
+    got = _step(_cheap(block, layer_norms), block, x)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     b, s, h = x.shape
     heads = 4
     gelu_out = b * s * 4 * h * 4
     probs = b * heads * s * s * 4 if dropout > 0 else 0  # without dropout the probabilities are the softmax's result
-    assert _saved(block, block, x) - _saved(_cheap(block), block, x) == gelu_out + probs
+    ln_outs = 2 * b * s * h * 4 if layer_norms else 0  # eps is known only with the module
+    assert _saved(block, block, x) - _saved(_cheap(block, layer_norms), block, x) == gelu_out + probs + ln_outs
 
 
 def test_swiglu_chain_and_silu():
@@ -169,7 +171,7 @@ def test_cpu_autocast_bf16_bitwise():
             return block(t).float()
 
     def cheap(t):
-        with torch.autocast("cpu", dtype=torch.bfloat16), recompute_cheap():
+        with torch.autocast("cpu", dtype=torch.bfloat16), recompute_cheap(block):
             return block(t).float()
 
     ref = _step(plain, block, x)
