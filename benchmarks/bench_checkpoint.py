@@ -8,7 +8,9 @@ time (median of repeats) of:
   none             no checkpointing
   torch/every      torch.utils.checkpoint (non-reentrant) around every block
   torch/uniform    torch checkpoint_sequential with the fewest segments whose held bytes fit
-  llmmem/auto      llmmem.auto_checkpoint(blocks, x, budget) (the C planner's plan)
+  llmmem/auto      llmmem.auto_checkpoint(blocks, x, budget) (the C planner's plan: per block store-all,
+                   recompute-cheap (llmmem/remat.py) or selective, and nested regions; the note
+                   counts the top-level blocks in each cheaper mode)
   llmmem/auto+off  llmmem.auto_checkpoint(..., offload=True) at its own least budget ("min+offload"
                    row), below torch's every-layer minimum: some region inputs kept in host memory
   llmmem/offload   (CUDA only) llmmem.checkpoint(offload=True) around every block
@@ -140,6 +142,10 @@ def bench_chain(args, device) -> dict:
     rounds = 30
 
     prof = llmmem.profile_blocks(blocks, x0, repeats=rounds)
+    print("profile of block 0 (ms): " + ", ".join(
+        f"{m} fwd {1e3 * prof.fwd_time[0][k]:.2f} bwd {1e3 * prof.bwd_time[0][k]:.2f} kept "
+        f"{prof.saved_bytes[0][k] / MiB:.2f} MiB" for k, m in enumerate(prof.modes))
+        + f"; in a region: forward/recompute {1e3 * prof.fwd_nostore_time[0]:.2f}")
     chain = prof.to_chain()
     no_ckpt = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
     reference = no_ckpt.no_checkpoint_peak_bytes
@@ -206,7 +212,9 @@ def bench_chain(args, device) -> dict:
             rows.append([name, f"{budget / MiB:.2f}", "llmmem/auto", "no", "-", "-", "-", "-", "-", err[:70]])
             continue
         n_sel = sum(1 for m in plan.modes if m == "selective")
-        note = (f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, {n_sel} selective")
+        n_cheap = sum(1 for i, m in enumerate(plan.modes) if m == "recompute-cheap" and plan.depth(i) == 0)
+        note = (f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, "
+                f"{n_sel} selective, {n_cheap} recompute-cheap")
         _, over, t = add(name, budget, "llmmem/auto", f"llmmem/{name}", plan.predicted_peak_bytes, note)
         held, alloc = measured[f"llmmem/{name}"]
         if alloc is not None:

@@ -37,6 +37,7 @@ _LAZY = {
     "plan_checkpoints": "llmmem.planner",
     "auto_checkpoint": "llmmem.planner",
     "selective_context_fn": "llmmem.selective",
+    "recompute_cheap": "llmmem.remat",
     # dynamic loss scaling (issue 3)
     "GradScaler": "llmmem.amp",
     # caching memory pool (issue 5)

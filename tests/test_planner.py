@@ -214,13 +214,16 @@ def test_offload_is_refused_where_the_model_does_not_allow_it():
 
 def test_identical_blocks_fast_path_equals_general_dp():
     rnd = random.Random(11)
-    for L in (3, 9, 20):
-        chain = random_chain(L, 2, rnd, identical=True)
+    for trial in range(24):
+        L = (3, 9, 20, 33)[trial % 4] + rnd.randint(0, 3)
+        chain = random_chain(L, 1 + trial % 3, rnd, identical=True)
         least = _C.plan_min_budget(chain)
-        for b in (least, least * 3 // 2, 2 * least, 5 * least):
-            fast = _C.plan_solve(chain, b, 400)
-            general = _C.plan_solve(chain, b, 400, fast_path=False)
-            assert fast["time"] == pytest.approx(general["time"], rel=1e-5)
+        full = _C.plan_simulate(chain, [0] * L, [])["peak_bytes"]
+        slots = rnd.choice((50, 400, 1500))
+        for b in sorted({least, least * 3 // 2, 2 * least, 5 * least, rnd.randint(least, max(least, full))}):
+            fast = _C.plan_solve(chain, b, slots)
+            general = _C.plan_solve(chain, b, slots, fast_path=False)
+            assert fast["time"] == pytest.approx(general["time"], rel=1e-5), (trial, L, b, slots)
             assert fast["peak_bytes"] <= b and general["peak_bytes"] <= b
 
 

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "plan_internal.h"
+#include "relax.h"
 
 #define DP_INF INFINITY
 #define MAX_TABLE_BYTES (6ULL << 30) /* refuse tables above 6 GiB: use fewer slots */
@@ -39,6 +40,9 @@ typedef struct dp_s {
   double *fnsum;      /* prefix sums of the no-store forward times, [L + 1] */
   float *R, *T;       /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
                          then L rows where it may not (after a tape that keeps its output) */
+  plan_relax_fn relax; /* the split loop (relax.h) for this CPU */
+  float *CR, *CT;      /* samples of the R rows and of the first L T rows (plan_relax_sample), CW per row */
+  int64_t CW;
 } dp_t;
 
 static inline int64_t to_slots(uint64_t bytes, uint64_t unit) { return (int64_t)((bytes + unit - 1) / unit); }
@@ -48,6 +52,11 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static inline const float *row_of(const dp_t *dp, int32_t s, int32_t e) {
   const size_t W = (size_t)dp->M + 1;
   return e == dp->c->L ? dp->T + (size_t)s * W : dp->R + plan_row_R(dp->c, s, e) * W;
+}
+
+/* The samples of the row that row_of(dp, s, e) returns (relax.h). */
+static inline const float *samples_of(const dp_t *dp, int32_t s, int32_t e) {
+  return e == dp->c->L ? dp->CT + (size_t)s * dp->CW : dp->CR + plan_row_R(dp->c, s, e) * dp->CW;
 }
 
 /* Top-level row s: allow_offload = 0 after a tape that keeps a_s alive (plan.h). */
@@ -133,18 +142,15 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
     const int64_t xq = dp->x[q];
     const int64_t lo = max64(fneed, xq);
     const float fsum = (float)(dp->fnsum[q] - dp->fnsum[s]);
-    const float *rest = row_of(dp, q, e);
-    const float *inner = row_of(dp, s, q);
-    for (int64_t m = lo; m < W; m++) {
-      const float v = fsum + rest[m - xq] + inner[m - xq];
-      best[m] = v < best[m] ? v : best[m]; /* a min the compiler vectorises (no NaN here) */
-    }
+    dp->relax(best, row_of(dp, q, e), row_of(dp, s, q), samples_of(dp, q, e), samples_of(dp, s, q), fsum, xq, lo, W);
   }
   if (top) { /* the states that may also offload a_s: the same options plus the offloaded regions */
     float *allowed = top_row(dp, s, 1);
     memcpy(allowed, best, (size_t)W * sizeof *best);
     if (plan_offload_ok(c, s)) fill_offload(dp, s, allowed);
+    best = allowed; /* the row later rows read (row_of(dp, s, L)) */
   }
+  plan_relax_sample(best, (float *)samples_of(dp, s, e), W);
 }
 
 /* The choice that gives the DP value of state (s, e, m) (top level: of the row allow_offload
@@ -263,6 +269,8 @@ static void dp_free(dp_t *dp) {
   free(dp->fnsum);
   free(dp->R);
   free(dp->T);
+  free(dp->CR);
+  free(dp->CT);
 }
 
 /* Runs the slot DP. *found = 1 and the plan written when a plan fits in the rounded budget. */
@@ -272,6 +280,7 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   const size_t LK = (size_t)L * K;
   dp_t dp = {0};
   dp.c = c;
+  dp.relax = plan_relax_pick(-1);
   dp.unit = budget / (uint64_t)slots + (budget % (uint64_t)slots != 0);
   if (dp.unit == 0) dp.unit = 1;
   dp.M = (int64_t)(budget / dp.unit);
@@ -289,7 +298,10 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   dp.fnsum = malloc(((size_t)L + 1) * sizeof(double));
   dp.R = malloc((nR ? nR : 1) * W * sizeof(float));
   dp.T = malloc(2 * (size_t)L * W * sizeof(float));
-  if (!dp.x || !dp.s || !dp.ft || !dp.bt || !dp.fnsum || !dp.R || !dp.T) {
+  dp.CW = (int64_t)W / PLAN_RELAX_STRETCH;
+  dp.CR = malloc((nR ? nR : 1) * (size_t)(dp.CW ? dp.CW : 1) * sizeof(float));
+  dp.CT = malloc((size_t)L * (size_t)(dp.CW ? dp.CW : 1) * sizeof(float));
+  if (!dp.x || !dp.s || !dp.ft || !dp.bt || !dp.fnsum || !dp.R || !dp.T || !dp.CR || !dp.CT) {
     status = LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the DP tables (%.1f MiB) for %d blocks and %d slots",
                          table_bytes / (double)(1 << 20), L, slots);
     goto done;

@@ -9,6 +9,7 @@
 #include <llmmem/plan.h>
 
 #include "testhelper.h"
+#include "../../csrc/plan/relax.h" /* the DP's inner loop (internal) */
 
 #define MAXL 8
 #define MAXK 3
@@ -206,9 +207,47 @@ int main(void) {
     }
   }
 
+  TEST("the DP's split loop: every vector level, skipping stretches, equals the plain loop bitwise") {
+    enum { WMAX = 700 };
+    static float a[WMAX], b[WMAX], best0[WMAX], want[WMAX], got[WMAX], ca[WMAX], cb[WMAX];
+    long improved = 0, unchanged = 0;
+    for (int32_t trial = 0; trial < 300; trial++) {
+      const int64_t W = 1 + (int64_t)(th_rand(&rng) % WMAX);
+      float *rows[3] = {a, b, best0};
+      for (int r = 0; r < 3; r++) { /* non-increasing, infinite below a random start, with ties */
+        const int64_t start = (int64_t)(th_rand(&rng) % (uint64_t)(W + 1));
+        /* a and b start in [10, 150), best in [40, 440): the candidate c + a + b (c < 80) wins some slots */
+        float v = (r < 2 ? 10.0f : 40.0f) + (float)(th_rand(&rng) % 1000) / (r < 2 ? 7.0f : 2.5f);
+        for (int64_t m = 0; m < W; m++) {
+          if (m >= start && th_rand(&rng) % 3) v -= (float)(th_rand(&rng) % 100) / 997.0f;
+          rows[r][m] = m < start ? INFINITY : v;
+        }
+      }
+      plan_relax_sample(a, ca, W);
+      plan_relax_sample(b, cb, W);
+      const int64_t shift = (int64_t)(th_rand(&rng) % (uint64_t)W);
+      const int64_t lo = shift + (int64_t)(th_rand(&rng) % (uint64_t)(W - shift));
+      const float c = (float)(th_rand(&rng) % 1000) / 13.0f;
+      memcpy(want, best0, sizeof(float) * (size_t)W);
+      for (int64_t m = lo; m < W; m++) {
+        const float v = c + a[m - shift] + b[m - shift];
+        if (v < want[m]) improved++;
+        want[m] = v < want[m] ? v : want[m];
+      }
+      for (int isa = 0; isa <= 2; isa++) {
+        memcpy(got, best0, sizeof(float) * (size_t)W);
+        plan_relax_pick(isa)(got, a, b, ca, cb, c, shift, lo, W);
+        CHECK(memcmp(got, want, sizeof(float) * (size_t)W) == 0);
+      }
+      unchanged += W - lo;
+    }
+    unchanged -= improved;
+    CHECK(improved > 1000 && unchanged > 1000); /* both cases are exercised */
+  }
+
   TEST("identical blocks: the fast path equals the general DP") {
-    for (int32_t trial = 0; trial < 12; trial++) {
-      const int32_t L = 2 + (int32_t)(th_rand(&rng) % 7), K = 1 + (int32_t)(th_rand(&rng) % 2);
+    for (int32_t trial = 0; trial < 40; trial++) {
+      const int32_t L = 2 + (int32_t)(th_rand(&rng) % (MAXL - 1)), K = 1 + (int32_t)(th_rand(&rng) % MAXK);
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, 1);
       uint64_t least = 0;
