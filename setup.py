@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
@@ -99,6 +100,11 @@ if USE_CUDA:
     # --exclude-libs keeps the static runtime's symbols out of our dynamic symbol table.
     link_args += [f"-L{cudart_dir}", "-lcudart_static", "-lrt", "-ldl", "-lstdc++", "-Wl,--exclude-libs,ALL"]
 
+# Only PyInit__C and llmmem_* leave the module (see the map for why -fvisibility alone is not enough).
+EXPORTS_MAP = os.path.join("csrc", "exports.map")
+if sys.platform.startswith("linux"):
+    link_args.append(f"-Wl,--version-script={EXPORTS_MAP}")
+
 
 class BuildExt(build_ext):
     """build_ext that first compiles the .cu files with nvcc (in parallel) and links their objects."""
@@ -146,7 +152,7 @@ setup(
             extra_link_args=link_args,
             # setuptools relinks only when a listed file is newer than the module: without these an
             # edit to a header or a .cu file would leave the old _C in place.
-            depends=HEADERS + (CU_SOURCES if USE_CUDA else []),
+            depends=HEADERS + [EXPORTS_MAP] + (CU_SOURCES if USE_CUDA else []),
         )
     ],
     cmdclass={"build_ext": BuildExt},

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -18,22 +19,22 @@ from llmmem._native import native
 
 pytestmark = pytest.mark.distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _name() -> str:
     return f"llmmem-tp-test-{uuid.uuid4().hex}"
 
 
 def _spawn(code: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The child imports the llmmem this test imports (installed, or found through PYTHONPATH), not
+    # the source tree: run it away from the checkout, whose llmmem/ may hold no built _C.
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+                            stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:
+def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the child exited ({proc.returncode}) before {what}:\n{proc.stdout.read()}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
@@ -46,7 +47,7 @@ def _creator_killed_during_setup(name: str) -> None:
         native.shm_comm_open({name!r}, 0, 2, 0, 300.0)
     """)
     try:
-        _wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 60, "rank 0 to create its segment")
+        _wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 60, "rank 0 to create its segment", proc)
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -86,7 +87,7 @@ def test_sigint_interrupts_setup_wait_promptly():
             print(f"KeyboardInterrupt after {{time.monotonic() - t0:.2f}} s", flush=True)
     """)
     try:
-        _wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 60, "rank 0 to create its segment")
+        _wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 60, "rank 0 to create its segment", proc)
         time.sleep(0.2)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -117,7 +118,7 @@ def test_sigint_interrupts_collective_wait_promptly_and_the_peer_is_told():
             print(f"KeyboardInterrupt after {{time.monotonic() - t0:.2f}} s", flush=True)
     """)
     try:
-        _wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 60, "rank 0 to create its segment")
+        _wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 60, "rank 0 to create its segment", proc)
         comm = native.shm_comm_open(name, 1, 2, 0, 300.0)
         assert proc.stdout.readline().strip() == "waiting"
         time.sleep(0.3)
