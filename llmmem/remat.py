@@ -102,8 +102,18 @@ class _Memo:
         name = _name(node)
         ops = [self.operand(node, i) for i in range(_ARITY[name])]
         out = REBUILDABLE[name](node, ops)
-        self.results[id(node)] = (node, weakref.ref(out))
+        key = id(node)
+        # The entry (which holds the node) goes when the rebuilt output does: a node held here for
+        # longer closes a cycle through C++ (node -> next node -> saved handle -> memo -> node)
+        # that the garbage collector cannot see, and a graph kept by retain_graph, or not fully
+        # run by autograd.grad, would never be freed.
+        self.results[key] = (node, weakref.ref(out, lambda ref: self._forget(key, ref)))
         return out
+
+    def _forget(self, key, ref) -> None:
+        hit = self.results.get(key)
+        if hit is not None and hit[1] is ref:
+            del self.results[key]
 
     def operand(self, node, i: int) -> torch.Tensor:
         if _operand_saved(node, i):
@@ -115,9 +125,14 @@ class _Memo:
 
 
 def _layer_norm(node, eps: float) -> torch.Tensor:
-    """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks)."""
-    return torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
-                                   node._saved_bias, eps)[0]
+    """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks). The
+    recomputed 1/std is checked against the saved one, so that an eps other than the forward's
+    raises instead of giving wrong gradients."""
+    out, _, rstd = torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
+                                           node._saved_bias, eps)
+    if not torch.equal(rstd, node._saved_result2):
+        raise RuntimeError(f"its statistics differ from the forward's with eps = {eps}")
+    return out
 
 
 class _Handle:
@@ -177,17 +192,26 @@ class _Kept:
 class _Hooks:
     def __init__(self, module) -> None:
         self.memo = _Memo()
-        # LayerNorm's node keeps its input, weight and bias but not eps: the eps of the module's
-        # LayerNorms, found by their weight's storage (LayerNorms without a weight are not rebuilt).
-        self.eps = {}
+        # LayerNorm's node keeps its input, weight and bias but not eps. The outputs of the module's
+        # nn.LayerNorm calls are recorded with their eps by forward hooks (id -> (weak ref, eps)):
+        # matching nodes to modules by their weight would take the module's eps for a functional
+        # call with that weight and another eps, or for a subclass whose forward uses another eps
+        # (only modules that run nn.LayerNorm's own forward are hooked).
+        self.layer_norms = []
         if module is not None:
-            for m in module.modules():
-                if isinstance(m, torch.nn.LayerNorm) and m.weight is not None:
-                    self.eps[m.weight.data_ptr()] = m.eps
+            self.layer_norms = [m for m in module.modules()
+                                if isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward]
+        self.ln_outputs: dict = {}
+
+    def record_layer_norm(self, m, args, out) -> None:
+        if isinstance(out, torch.Tensor):
+            self.ln_outputs[id(out)] = (weakref.ref(out), m.eps)
 
     def _droppable(self, base) -> bool:
+        # (version 0: not changed since its operator made it; a change under no_grad keeps the
+        # grad_fn, and the rebuild would give the values before it)
         return (base.layout == torch.strided and base.is_contiguous() and base.storage_offset() == 0
-                and base.untyped_storage().nbytes() == base.nbytes and base.output_nr == 0)
+                and base.untyped_storage().nbytes() == base.nbytes and base.output_nr == 0 and base._version == 0)
 
     def pack(self, t: torch.Tensor):
         base = t._base if t._is_view() else t
@@ -196,11 +220,10 @@ class _Hooks:
         name = type(node).__name__ if node is not None else ""
         if name in REBUILDABLE and self._droppable(base) and _rebuildable(node):
             return _Handle(node, self.memo, base, t)
-        if name == "NativeLayerNormBackward0" and self.eps and self._droppable(base):
-            weight = node._saved_weight
-            eps = self.eps.get(weight.data_ptr()) if weight is not None else None
-            if eps is not None:
-                return _Handle(node, self.memo, base, t, eps)
+        if name == "NativeLayerNormBackward0" and self.ln_outputs and self._droppable(base):
+            hit = self.ln_outputs.get(id(base))
+            if hit is not None and hit[0]() is base:
+                return _Handle(node, self.memo, base, t, hit[1])
         _selective._notify(t)
         return _Kept(t)
 
@@ -220,8 +243,19 @@ def recompute_cheap(module=None):
 
     ``with llmmem.recompute_cheap(block): y = block(x)``; then backward as usual, inside or
     outside the context. Gradients are bitwise those of running ``block`` plainly. ``module``
-    (optional): the ``nn.LayerNorm`` outputs of its submodules are rebuilt too (their ``eps`` is
-    read from the modules; autograd does not keep it).
+    (optional): the outputs of its ``nn.LayerNorm`` submodules (those that run ``nn.LayerNorm``'s
+    own forward) are rebuilt too: forward hooks record each output with its module's ``eps``
+    (autograd does not keep it).
     """
-    hooks = _Hooks(module)
-    return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+    return _context(_Hooks(module))
+
+
+@contextlib.contextmanager
+def _context(hooks: _Hooks):
+    handles = [m.register_forward_hook(hooks.record_layer_norm) for m in hooks.layer_norms]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
