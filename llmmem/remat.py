@@ -14,8 +14,8 @@ tensors are bitwise those of the forward (same operator, same inputs).
 How: ``with llmmem.recompute_cheap(block): y = block(x)`` installs ``saved_tensors_hooks`` whose pack
 hook looks at each saved tensor's autograd node (``t.grad_fn``, or its base's for a view): if it is one
 of :data:`REBUILDABLE` and each operand can be had at backward time from what autograd keeps (the
-node's own saved inputs, the saved result of the node that made the operand, e.g. a softmax, or
-recursively another rebuildable node), it keeps a small handle (the node and the view's geometry)
+node's own saved inputs, possibly themselves rebuilt, or the saved result of the node that made
+the operand, e.g. a softmax), it keeps a small handle (the node and the view's geometry)
 instead of the tensor. The unpack hook reruns the operator (no grad, autocast off). No Python runs
 per operator in the forward (a dispatch mode would: on the CPU that costs more than it saves).
 
@@ -38,7 +38,7 @@ import torch
 
 from llmmem import selective as _selective
 
-__all__ = ["recompute_cheap", "REBUILDABLE", "MAX_CHAIN"]
+__all__ = ["recompute_cheap", "REBUILDABLE"]
 
 # Autograd node -> how to run its forward again from its operands. Only elementwise operators, and
 # only nodes that keep their inputs (or whose inputs can be had otherwise, see _operand).
@@ -54,9 +54,6 @@ _OPERAND_FIELDS = {"GeluBackward0": ("_saved_self",), "SiluBackward0": ("_saved_
 _RESULT_SAVED = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "TanhBackward0", "SigmoidBackward0",
                            "ExpBackward0", "ReluBackward0"})
 
-# At most this many operators are rerun to rebuild one saved tensor.
-MAX_CHAIN = 4
-
 
 def _name(node) -> str:
     return type(node).__name__
@@ -71,20 +68,23 @@ def _operand_saved(node, i: int) -> bool:
     return True  # GELU and SiLU keep their input
 
 
-def _operand_ok(node, i: int, depth: int) -> bool:
+def _operand_ok(node, i: int) -> bool:
     if _operand_saved(node, i):
         return True
     maker, nr = node.next_functions[i]
     if maker is None or nr != 0:
         return False
-    return _name(maker) in _RESULT_SAVED or _rebuildable(maker, depth + 1)
+    # Only a kept result, whose version autograd checks. Rebuilding an operand that nothing keeps
+    # (e.g. GELU's output in gelu(h) * mask) would miss a change made to it under no_grad before
+    # this node used it: no version of it is recorded anywhere.
+    return _name(maker) in _RESULT_SAVED
 
 
-def _rebuildable(node, depth: int = 0) -> bool:
+def _rebuildable(node) -> bool:
     name = _name(node) if node is not None else ""
-    if name not in REBUILDABLE or depth >= MAX_CHAIN:
+    if name not in REBUILDABLE:
         return False
-    return all(_operand_ok(node, i, depth) for i in range(_ARITY[name]))
+    return all(_operand_ok(node, i) for i in range(_ARITY[name]))
 
 
 class _Memo:
@@ -113,15 +113,12 @@ class _Memo:
     def _forget(self, key, ref) -> None:
         hit = self.results.get(key)
         if hit is not None and hit[1] is ref:
-            del self.results[key]
+            self.results.pop(key, None)  # (a callback may run on a backward thread)
 
     def operand(self, node, i: int) -> torch.Tensor:
         if _operand_saved(node, i):
             return getattr(node, _OPERAND_FIELDS[_name(node)][i])
-        maker = node.next_functions[i][0]
-        if _name(maker) in _RESULT_SAVED:
-            return maker._saved_result
-        return self.output(maker)
+        return node.next_functions[i][0]._saved_result  # a kept result (_operand_ok)
 
 
 def _layer_norm(node, eps: float) -> torch.Tensor:

@@ -260,3 +260,25 @@ def test_layer_norm_rebuild_with_another_eps_raises():
     assert torch.equal(remat._layer_norm(y.grad_fn, 1e-5), y.detach())
     with pytest.raises(RuntimeError, match="eps"):
         remat._layer_norm(y.grad_fn, 1e-3)
+
+
+def test_operand_changed_under_no_grad_before_the_multiply_is_not_rebuilt_from_its_maker():
+    """gelu(h) * mask: the multiply keeps only the mask, so its other operand would be rebuilt from
+    GELU; a change of that operand under no_grad before the multiply is seen by nothing autograd
+    keeps (no version to check), and the rebuild gave the values before it: such a product is kept."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    mod = nn.ModuleList([lin1, lin2])
+    mask = (torch.rand(4, 16) > 0.5).float()
+
+    def f(x):
+        a = F.gelu(lin1(x))
+        with torch.no_grad():
+            a.mul_(2.0)
+        return lin2(a * mask)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = _step(f, mod, x)
+    got = _step(_cheap_fn(f, None), mod, x)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
