@@ -193,9 +193,12 @@ def test_layer_norm_called_with_a_module_weight_and_another_eps():
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, 0.5)
 
     custom = Custom(8)
+    shared = nn.LayerNorm(8, eps=0.25)  # tied to ln's parameters, another eps
+    shared.weight, shared.bias = ln.weight, ln.bias
     x = torch.randn(4, 3, 8, requires_grad=True)
     for f, mod in ((lambda t: lin(F.layer_norm(t, (8,), ln.weight, ln.bias, eps=1.0)), nn.ModuleList([ln, lin])),
-                   (lambda t: lin(custom(t)), nn.ModuleList([custom, lin]))):
+                   (lambda t: lin(custom(t)), nn.ModuleList([custom, lin])),
+                   (lambda t: lin(ln(t)) + lin(shared(t)), nn.ModuleList([ln, lin, shared]))):
         ref = _step(f, mod, x)
         got = _step(_cheap_fn(f, mod), mod, x)
         for a, b in zip(ref, got):
