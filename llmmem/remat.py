@@ -14,8 +14,8 @@ tensors are bitwise those of the forward (same operator, same inputs).
 How: ``with llmmem.recompute_cheap(block): y = block(x)`` installs ``saved_tensors_hooks`` whose pack
 hook looks at each saved tensor's autograd node (``t.grad_fn``, or its base's for a view): if it is one
 of :data:`REBUILDABLE` and each operand can be had at backward time from what autograd keeps (the
-node's own saved inputs, the saved result of the node that made the operand, e.g. a softmax, or
-recursively another rebuildable node), it keeps a small handle (the node and the view's geometry)
+node's own saved inputs, possibly themselves rebuilt, or the saved result of the node that made
+the operand, e.g. a softmax), it keeps a small handle (the node and the view's geometry)
 instead of the tensor. The unpack hook reruns the operator (no grad, autocast off). No Python runs
 per operator in the forward (a dispatch mode would: on the CPU that costs more than it saves).
 
@@ -38,7 +38,7 @@ import torch
 
 from llmmem import selective as _selective
 
-__all__ = ["recompute_cheap", "REBUILDABLE", "MAX_CHAIN"]
+__all__ = ["recompute_cheap", "REBUILDABLE"]
 
 # Autograd node -> how to run its forward again from its operands. Only elementwise operators, and
 # only nodes that keep their inputs (or whose inputs can be had otherwise, see _operand).
@@ -54,9 +54,6 @@ _OPERAND_FIELDS = {"GeluBackward0": ("_saved_self",), "SiluBackward0": ("_saved_
 _RESULT_SAVED = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "TanhBackward0", "SigmoidBackward0",
                            "ExpBackward0", "ReluBackward0"})
 
-# At most this many operators are rerun to rebuild one saved tensor.
-MAX_CHAIN = 4
-
 
 def _name(node) -> str:
     return type(node).__name__
@@ -71,20 +68,23 @@ def _operand_saved(node, i: int) -> bool:
     return True  # GELU and SiLU keep their input
 
 
-def _operand_ok(node, i: int, depth: int) -> bool:
+def _operand_ok(node, i: int) -> bool:
     if _operand_saved(node, i):
         return True
     maker, nr = node.next_functions[i]
     if maker is None or nr != 0:
         return False
-    return _name(maker) in _RESULT_SAVED or _rebuildable(maker, depth + 1)
+    # Only a kept result, whose version autograd checks. Rebuilding an operand that nothing keeps
+    # (e.g. GELU's output in gelu(h) * mask) would miss a change made to it under no_grad before
+    # this node used it: no version of it is recorded anywhere.
+    return _name(maker) in _RESULT_SAVED
 
 
-def _rebuildable(node, depth: int = 0) -> bool:
+def _rebuildable(node) -> bool:
     name = _name(node) if node is not None else ""
-    if name not in REBUILDABLE or depth >= MAX_CHAIN:
+    if name not in REBUILDABLE:
         return False
-    return all(_operand_ok(node, i, depth) for i in range(_ARITY[name]))
+    return all(_operand_ok(node, i) for i in range(_ARITY[name]))
 
 
 class _Memo:
@@ -102,22 +102,34 @@ class _Memo:
         name = _name(node)
         ops = [self.operand(node, i) for i in range(_ARITY[name])]
         out = REBUILDABLE[name](node, ops)
-        self.results[id(node)] = (node, weakref.ref(out))
+        key = id(node)
+        # The entry (which holds the node) goes when the rebuilt output does: a node held here for
+        # longer closes a cycle through C++ (node -> next node -> saved handle -> memo -> node)
+        # that the garbage collector cannot see, and a graph kept by retain_graph, or not fully
+        # run by autograd.grad, would never be freed.
+        self.results[key] = (node, weakref.ref(out, lambda ref: self._forget(key, ref)))
         return out
+
+    def _forget(self, key, ref) -> None:
+        hit = self.results.get(key)
+        if hit is not None and hit[1] is ref:
+            self.results.pop(key, None)  # (a callback may run on a backward thread)
 
     def operand(self, node, i: int) -> torch.Tensor:
         if _operand_saved(node, i):
             return getattr(node, _OPERAND_FIELDS[_name(node)][i])
-        maker = node.next_functions[i][0]
-        if _name(maker) in _RESULT_SAVED:
-            return maker._saved_result
-        return self.output(maker)
+        return node.next_functions[i][0]._saved_result  # a kept result (_operand_ok)
 
 
 def _layer_norm(node, eps: float) -> torch.Tensor:
-    """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks)."""
-    return torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
-                                   node._saved_bias, eps)[0]
+    """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks). The
+    recomputed 1/std is checked against the saved one, so that an eps other than the forward's
+    raises instead of giving wrong gradients."""
+    out, _, rstd = torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
+                                           node._saved_bias, eps)
+    if not torch.equal(rstd, node._saved_result2):
+        raise RuntimeError(f"its statistics differ from the forward's with eps = {eps}")
+    return out
 
 
 class _Handle:
@@ -177,17 +189,26 @@ class _Kept:
 class _Hooks:
     def __init__(self, module) -> None:
         self.memo = _Memo()
-        # LayerNorm's node keeps its input, weight and bias but not eps: the eps of the module's
-        # LayerNorms, found by their weight's storage (LayerNorms without a weight are not rebuilt).
-        self.eps = {}
+        # LayerNorm's node keeps its input, weight and bias but not eps. The outputs of the module's
+        # nn.LayerNorm calls are recorded with their eps by forward hooks (id -> (weak ref, eps)):
+        # matching nodes to modules by their weight would take the module's eps for a functional
+        # call with that weight and another eps, or for a subclass whose forward uses another eps
+        # (only modules that run nn.LayerNorm's own forward are hooked).
+        self.layer_norms = []
         if module is not None:
-            for m in module.modules():
-                if isinstance(m, torch.nn.LayerNorm) and m.weight is not None:
-                    self.eps[m.weight.data_ptr()] = m.eps
+            self.layer_norms = [m for m in module.modules()
+                                if isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward]
+        self.ln_outputs: dict = {}
+
+    def record_layer_norm(self, m, args, out) -> None:
+        if isinstance(out, torch.Tensor):
+            self.ln_outputs[id(out)] = (weakref.ref(out), m.eps)
 
     def _droppable(self, base) -> bool:
+        # (version 0: not changed since its operator made it; a change under no_grad keeps the
+        # grad_fn, and the rebuild would give the values before it)
         return (base.layout == torch.strided and base.is_contiguous() and base.storage_offset() == 0
-                and base.untyped_storage().nbytes() == base.nbytes and base.output_nr == 0)
+                and base.untyped_storage().nbytes() == base.nbytes and base.output_nr == 0 and base._version == 0)
 
     def pack(self, t: torch.Tensor):
         base = t._base if t._is_view() else t
@@ -196,11 +217,10 @@ class _Hooks:
         name = type(node).__name__ if node is not None else ""
         if name in REBUILDABLE and self._droppable(base) and _rebuildable(node):
             return _Handle(node, self.memo, base, t)
-        if name == "NativeLayerNormBackward0" and self.eps and self._droppable(base):
-            weight = node._saved_weight
-            eps = self.eps.get(weight.data_ptr()) if weight is not None else None
-            if eps is not None:
-                return _Handle(node, self.memo, base, t, eps)
+        if name == "NativeLayerNormBackward0" and self.ln_outputs and self._droppable(base):
+            hit = self.ln_outputs.get(id(base))
+            if hit is not None and hit[0]() is base:
+                return _Handle(node, self.memo, base, t, hit[1])
         _selective._notify(t)
         return _Kept(t)
 
@@ -220,8 +240,19 @@ def recompute_cheap(module=None):
 
     ``with llmmem.recompute_cheap(block): y = block(x)``; then backward as usual, inside or
     outside the context. Gradients are bitwise those of running ``block`` plainly. ``module``
-    (optional): the ``nn.LayerNorm`` outputs of its submodules are rebuilt too (their ``eps`` is
-    read from the modules; autograd does not keep it).
+    (optional): the outputs of its ``nn.LayerNorm`` submodules (those that run ``nn.LayerNorm``'s
+    own forward) are rebuilt too: forward hooks record each output with its module's ``eps``
+    (autograd does not keep it).
     """
-    hooks = _Hooks(module)
-    return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+    return _context(_Hooks(module))
+
+
+@contextlib.contextmanager
+def _context(hooks: _Hooks):
+    handles = [m.register_forward_hook(hooks.record_layer_norm) for m in hooks.layer_norms]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -179,3 +179,109 @@ def test_cpu_autocast_bf16_bitwise():
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert _saved(cheap, block, x) < _saved(plain, block, x)
+
+
+def test_layer_norm_called_with_a_module_weight_and_another_eps():
+    """eps is read from the module whose weight the LayerNorm node saved; a functional call with that
+    weight and another eps (a subclass's forward, or code that shares the weight) must not be rebuilt
+    with the module's eps: that gave silently wrong gradients."""
+    torch.manual_seed(0)
+    ln, lin = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    class Custom(nn.LayerNorm):
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, 0.5)
+
+    custom = Custom(8)
+    shared = nn.LayerNorm(8, eps=0.25)  # tied to ln's parameters, another eps
+    shared.weight, shared.bias = ln.weight, ln.bias
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    for f, mod in ((lambda t: lin(F.layer_norm(t, (8,), ln.weight, ln.bias, eps=1.0)), nn.ModuleList([ln, lin])),
+                   (lambda t: lin(custom(t)), nn.ModuleList([custom, lin])),
+                   (lambda t: lin(ln(t)) + lin(shared(t)), nn.ModuleList([ln, lin, shared]))):
+        ref = _step(f, mod, x)
+        got = _step(_cheap_fn(f, mod), mod, x)
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b)
+
+
+def _cheap_fn(f, module):
+    def run(x):
+        with recompute_cheap(module):
+            return f(x)
+    return run
+
+
+def test_tensor_changed_under_no_grad_before_it_is_saved_is_kept():
+    """A GELU output changed in place under no_grad keeps its grad_fn (only its version moves): the
+    matmul saves the changed values, so rebuilding GELU's output would give other gradients."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    mod = nn.ModuleList([lin1, lin2])
+
+    def f(x):
+        g = F.gelu(lin1(x))
+        with torch.no_grad():
+            g.clamp_(max=0.1)
+        return lin2(g)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = _step(f, mod, x)
+    got = _step(_cheap_fn(f, None), mod, x)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "partial_grad"])
+def test_graph_is_freed_after_a_backward_that_keeps_it(how):
+    """The memo of rebuilt outputs must not hold the nodes it rebuilt: node -> next node -> saved
+    handle -> memo -> node is a cycle through C++ that the garbage collector cannot see, so a
+    graph kept by retain_graph (or not fully run by autograd.grad) was never freed."""
+    from llmmem import remat
+
+    block = _block(0.1)
+    gc.collect()
+    before = sum(isinstance(o, remat._Memo) for o in gc.get_objects())
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    with recompute_cheap(block):
+        y = block(x)
+    if how == "retain_graph":
+        y.sum().backward(retain_graph=True)
+    else:
+        torch.autograd.grad(y.sum(), [block.mlp.proj.weight])
+    del y, x
+    gc.collect()
+    assert sum(isinstance(o, remat._Memo) for o in gc.get_objects()) == before
+
+
+def test_layer_norm_rebuild_with_another_eps_raises():
+    """The last guard: a LayerNorm rebuilt with an eps other than the forward's raises."""
+    from llmmem import remat
+
+    x = torch.randn(4, 8, requires_grad=True)
+    y = F.layer_norm(x, (8,), eps=1e-5)
+    assert torch.equal(remat._layer_norm(y.grad_fn, 1e-5), y.detach())
+    with pytest.raises(RuntimeError, match="eps"):
+        remat._layer_norm(y.grad_fn, 1e-3)
+
+
+def test_operand_changed_under_no_grad_before_the_multiply_is_not_rebuilt_from_its_maker():
+    """gelu(h) * mask: the multiply keeps only the mask, so its other operand would be rebuilt from
+    GELU; a change of that operand under no_grad before the multiply is seen by nothing autograd
+    keeps (no version to check), and the rebuild gave the values before it: such a product is kept."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    mod = nn.ModuleList([lin1, lin2])
+    mask = (torch.rand(4, 16) > 0.5).float()
+
+    def f(x):
+        a = F.gelu(lin1(x))
+        with torch.no_grad():
+            a.mul_(2.0)
+        return lin2(a * mask)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = _step(f, mod, x)
+    got = _step(_cheap_fn(f, None), mod, x)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
