@@ -25,20 +25,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_clock.h"
 #include "shm_internal.h"
 
 enum { REPS = 300, WARMUP = 20, MAX_SIZES = 16 };
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static double median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, cmp_double);

@@ -22,20 +22,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_clock.h"
 #include "shm_internal.h"
 
 enum { REPS = 201, INNER = 8, MAX_VARIANTS = 8 };
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static double samples[MAX_VARIANTS][REPS];
 
