@@ -17,6 +17,12 @@
 
 typedef struct {
   void *comm; /* llmmem_shm_comm_t* or llmmem_cuda_ar_t*; NULL once closed */
+  /* Blocking calls running on comm with the GIL released (changed only with the GIL held). A
+   * close meanwhile (another thread, or a signal handler run by the wait poll in the middle of
+   * the call) must not unmap under it: it only sets close_pending, the poll then stops the wait,
+   * and the last call to leave closes. */
+  int busy;
+  int close_pending;
 } holder_t;
 
 static void shm_capsule_free(PyObject *cap) {
@@ -37,7 +43,7 @@ static void cuda_ar_capsule_free(PyObject *cap) {
 static void *live(PyObject *cap, const char *kind) {
   holder_t *h = PyCapsule_GetPointer(cap, kind);
   if (!h) return NULL;
-  if (!h->comm) {
+  if (!h->comm || h->close_pending) {
     PyErr_SetString(PyExc_ValueError, "llmmem: the communicator is closed");
     return NULL;
   }
@@ -51,6 +57,8 @@ static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn
     return PyErr_NoMemory();
   }
   h->comm = comm;
+  h->busy = 0;
+  h->close_pending = 0;
   PyObject *cap = PyCapsule_New(h, kind, free_fn);
   if (!cap) {
     free_fn == shm_capsule_free ? (void)llmmem_shm_comm_close(comm) : (void)llmmem_cuda_ar_close(comm);
@@ -61,9 +69,11 @@ static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn
 
 /* ------------------------------------------------------------------ waiting with signals */
 
-/* What the wait poll needs: the thread state saved when the GIL was released. */
+/* What the wait poll needs: the thread state saved when the GIL was released, and the holder of
+ * the communicator waited on (NULL during set-up, when no one else can see it yet). */
 typedef struct {
   PyThreadState *ts;
+  holder_t *h;
 } wait_ctx_t;
 
 /* llmmem_comm_poll_fn: only called while C waits for a peer (never on the fast path). Runs the
@@ -73,12 +83,16 @@ static int poll_signals(void *p) {
   wait_ctx_t *w = p;
   PyEval_RestoreThread(w->ts);
   int raised = PyErr_CheckSignals() != 0;
+  int stop = raised || (w->h && w->h->close_pending); /* a handler (or thread) closed it: give up */
   w->ts = PyEval_SaveThread();
-  return raised;
+  return stop;
 }
 
-/* Brackets a blocking C call: GIL released, the calling thread's wait poll set. */
-static void begin_wait(wait_ctx_t *w) {
+/* Brackets a blocking C call: GIL released, the calling thread's wait poll set, the holder (if
+ * any) counted busy so that a close meanwhile is deferred to end_wait. */
+static void begin_wait(wait_ctx_t *w, holder_t *h) {
+  w->h = h;
+  if (h) h->busy++;
   w->ts = PyEval_SaveThread();
   llmmem_comm_set_wait_poll(poll_signals, w);
 }
@@ -86,6 +100,12 @@ static void begin_wait(wait_ctx_t *w) {
 static void end_wait(wait_ctx_t *w) {
   llmmem_comm_set_wait_poll(NULL, NULL);
   PyEval_RestoreThread(w->ts);
+  holder_t *h = w->h;
+  if (h && --h->busy == 0 && h->close_pending) {
+    llmmem_shm_comm_close(h->comm);
+    h->comm = NULL;
+    h->close_pending = 0;
+  }
 }
 
 /* The exception for a failed blocking call: the one a signal handler raised, else the status. */
@@ -106,7 +126,7 @@ static PyObject *py_shm_comm_open(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "siiKd", &name, &rank, &world, &slot, &timeout)) return NULL;
   llmmem_shm_comm_t *comm = NULL;
   wait_ctx_t w;
-  begin_wait(&w);
+  begin_wait(&w, NULL);
   llmmem_status_t st = llmmem_shm_comm_open(name, rank, world, (size_t)slot, timeout, &comm);
   end_wait(&w);
   if (st != LLMMEM_OK) return raise_after_wait(st);
@@ -117,6 +137,10 @@ static PyObject *py_shm_comm_close(PyObject *self, PyObject *cap) {
   (void)self;
   holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE);
   if (!h) return NULL;
+  if (h->busy) { /* a collective is waiting on it: closed when that returns (its wait stops) */
+    h->close_pending = 1;
+    Py_RETURN_NONE;
+  }
   llmmem_shm_comm_close(h->comm);
   h->comm = NULL;
   Py_RETURN_NONE;
@@ -155,7 +179,7 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
   if (!comm) return NULL;
   wait_ctx_t w;
-  begin_wait(&w);
+  begin_wait(&w, PyCapsule_GetPointer(cap, SHM_CAPSULE)); /* the capsule is the caller's: alive meanwhile */
   llmmem_status_t st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
                           (llmmem_comm_dtype_t)dtype);
   end_wait(&w);
