@@ -178,8 +178,17 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   if (!PyArg_ParseTuple(args, "OKKKi", &cap, &in_ptr, &out_ptr, &count, &dtype)) return NULL;
   llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
   if (!comm) return NULL;
+  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE); /* the capsule is the caller's: alive meanwhile */
+  if (h->busy) {
+    /* The communicator's epoch and step counters belong to the call in progress: a second one
+     * would advance them under it. */
+    PyErr_SetString(PyExc_RuntimeError, "llmmem: a collective is already running on this communicator (on "
+                                        "another thread, or in a signal handler run while it waits); calls on "
+                                        "one communicator must not overlap");
+    return NULL;
+  }
   wait_ctx_t w;
-  begin_wait(&w, PyCapsule_GetPointer(cap, SHM_CAPSULE)); /* the capsule is the caller's: alive meanwhile */
+  begin_wait(&w, h);
   llmmem_status_t st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
                           (llmmem_comm_dtype_t)dtype);
   end_wait(&w);
