@@ -50,6 +50,17 @@ static void *live(PyObject *cap, const char *kind) {
   return h->comm;
 }
 
+/* Ends a blocking call counted in h->busy (GIL held): the last one to leave performs a close that
+ * was asked for meanwhile. */
+static void leave_busy(holder_t *h, int is_shm) {
+  if (--h->busy == 0 && h->close_pending) {
+    if (is_shm) (void)llmmem_shm_comm_close(h->comm);
+    else (void)llmmem_cuda_ar_close(h->comm);
+    h->comm = NULL;
+    h->close_pending = 0;
+  }
+}
+
 static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn) {
   holder_t *h = PyMem_Malloc(sizeof *h);
   if (!h) {
@@ -100,12 +111,7 @@ static void begin_wait(wait_ctx_t *w, holder_t *h) {
 static void end_wait(wait_ctx_t *w) {
   llmmem_comm_set_wait_poll(NULL, NULL);
   PyEval_RestoreThread(w->ts);
-  holder_t *h = w->h;
-  if (h && --h->busy == 0 && h->close_pending) {
-    llmmem_shm_comm_close(h->comm);
-    h->comm = NULL;
-    h->close_pending = 0;
-  }
+  if (w->h) leave_busy(w->h, 1);
 }
 
 /* The exception for a failed blocking call: the one a signal handler raised, else the status. */
@@ -246,10 +252,13 @@ static PyObject *py_cuda_ar_connect(PyObject *self, PyObject *args) {
                  LLMMEM_CUDA_IPC_HANDLE_BYTES, len);
     return NULL;
   }
+  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
+  h->busy++; /* a close from another thread meanwhile waits for us (see holder_t) */
   llmmem_status_t st;
   Py_BEGIN_ALLOW_THREADS
   st = llmmem_cuda_ar_connect(ar, handles);
   Py_END_ALLOW_THREADS
+  leave_busy(h, 0);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
 }
@@ -277,10 +286,13 @@ static PyObject *py_cuda_ar_check(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OK", &cap, &stream)) return NULL;
   llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
   if (!ar) return NULL;
+  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
+  h->busy++; /* a close from another thread meanwhile waits for us (see holder_t) */
   llmmem_status_t st;
   Py_BEGIN_ALLOW_THREADS
   st = llmmem_cuda_ar_check(ar, (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
+  leave_busy(h, 0);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
 }
@@ -289,6 +301,10 @@ static PyObject *py_cuda_ar_close(PyObject *self, PyObject *cap) {
   (void)self;
   holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
   if (!h) return NULL;
+  if (h->busy) { /* a check or connect is running on another thread: closed when it returns */
+    h->close_pending = 1;
+    Py_RETURN_NONE;
+  }
   llmmem_cuda_ar_close(h->comm);
   h->comm = NULL;
   Py_RETURN_NONE;
