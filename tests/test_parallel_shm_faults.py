@@ -137,3 +137,67 @@ def test_sigint_interrupts_collective_wait_promptly_and_the_peer_is_told():
         native.shm_all_reduce(comm, x.data_ptr(), x.data_ptr(), x.numel(), 0)
     assert time.monotonic() - t0 < 5
     native.shm_comm_close(comm)
+
+
+def test_close_from_a_signal_handler_during_a_wait_is_deferred_and_stops_the_wait():
+    # The wait poll runs Python signal handlers in the middle of a collective; one that closes the
+    # communicator must not unmap the segment under the waiting C code (that was a segfault).
+    proc = _spawn(f"""
+        import signal, threading, time, torch
+        from llmmem._native import native
+        from llmmem.errors import StateError
+        name = {_name()!r}
+        peer = []
+        t = threading.Thread(target=lambda: peer.append(native.shm_comm_open(name, 1, 2, 0, 30.0)))
+        t.start()
+        comm = native.shm_comm_open(name, 0, 2, 0, 30.0)
+        t.join()
+        signal.signal(signal.SIGALRM, lambda *a: native.shm_comm_close(comm))
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        x = torch.ones(1000)
+        t0 = time.monotonic()
+        try:
+            native.shm_all_reduce(comm, x.data_ptr(), x.data_ptr(), x.numel(), 0)  # rank 1 never comes
+        except StateError as e:
+            print(f"StateError after {{time.monotonic() - t0:.2f}} s: {{e}}", flush=True)
+        try:
+            native.shm_all_reduce(comm, x.data_ptr(), x.data_ptr(), x.numel(), 0)
+        except ValueError as e:
+            print("then:", e, flush=True)
+        native.shm_comm_close(peer[0])
+    """)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "StateError after" in out and "interrupted on rank 0" in out, out
+    assert float(out.split("StateError after ")[1].split(" s")[0]) < 5, out
+    assert "then: llmmem: the communicator is closed" in out, out
+
+
+def test_overlapping_calls_on_one_communicator_are_refused():
+    # A second collective on a communicator whose first one is still waiting (here from a signal
+    # handler run by the wait poll; another thread is the same) would advance the barrier epoch
+    # under it: refused at once instead.
+    proc = _spawn(f"""
+        import signal, threading, time, torch
+        from llmmem._native import native
+        name = {_name()!r}
+        peer = []
+        t = threading.Thread(target=lambda: peer.append(native.shm_comm_open(name, 1, 2, 0, 3.0)))
+        t.start()
+        comm = native.shm_comm_open(name, 0, 2, 0, 3.0)
+        t.join()
+        x = torch.ones(1000)
+        signal.signal(signal.SIGALRM, lambda *a: native.shm_all_reduce(comm, x.data_ptr(), x.data_ptr(), 1000, 0))
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        t0 = time.monotonic()
+        try:
+            native.shm_all_reduce(comm, x.data_ptr(), x.data_ptr(), x.numel(), 0)  # rank 1 never comes
+        except Exception as e:
+            print(f"{{type(e).__name__}} after {{time.monotonic() - t0:.2f}} s: {{e}}", flush=True)
+        native.shm_comm_close(comm)
+        native.shm_comm_close(peer[0])
+    """)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "RuntimeError after" in out and "already running" in out, out
+    assert float(out.split("RuntimeError after ")[1].split(" s")[0]) < 2, out

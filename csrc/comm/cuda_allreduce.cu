@@ -311,6 +311,10 @@ static llmmem_status_t create_on_device(llmmem_cuda_ar_t *ar, void *handle_out) 
 static void release(llmmem_cuda_ar_t *ar) {
   int prev = -1;
   if (cudaGetDevice(&prev) == cudaSuccess && prev != ar->device) (void)cudaSetDevice(ar->device);
+  /* Kernels of ours may still be queued on a stream, reading the peers' buffers through the
+   * mappings closed below (cudaIpcCloseMemHandle does not wait for them): wait first. Bounded:
+   * a kernel waiting for a peer gives up after the timeout. */
+  if (ar->connected) (void)cudaDeviceSynchronize();
   for (int q = 0; q < ar->world; q++)
     if (q != ar->rank && ar->peers[q]) (void)cudaIpcCloseMemHandle(ar->peers[q]);
   if (ar->local) (void)cudaFree(ar->local);
@@ -430,11 +434,13 @@ static llmmem_status_t all_reduce_on_device(llmmem_cuda_ar_t *ar, const void *in
   /* an earlier kernel gave up (seen without synchronising): refuse instead of reducing stale data */
   LLMMEM_TRY(report_failure(ar, " (an earlier call)"));
   cudaStream_t s = (cudaStream_t)stream;
-  if (count == 0) return LLMMEM_OK;
   if (ar->world == 1) {
-    if (in != out) LLMMEM_CUDA_TRY(cudaMemcpyAsync(out, in, count * es, cudaMemcpyDeviceToDevice, s));
+    if (count && in != out) LLMMEM_CUDA_TRY(cudaMemcpyAsync(out, in, count * es, cudaMemcpyDeviceToDevice, s));
     return LLMMEM_OK;
   }
+  /* An empty call still takes part (one block, a barrier, no data): skipping it would leave this
+   * rank an epoch behind, its next call paired with the peers' current one, and a peer that called
+   * with elements would not be told of the disagreement (the shared-memory engine does the same). */
   uint32_t epoch = ++ar->epoch;
   ArCall c;
   memset(&c, 0, sizeof c);
@@ -447,13 +453,13 @@ static llmmem_status_t all_reduce_on_device(llmmem_cuda_ar_t *ar, const void *in
   c.slot_off = AR_FLAG_BYTES + (size_t)(epoch & 1u) * ar->max_bytes;
   c.timeout_ns = (uint64_t)(ar->timeout_s * 1e9);
   c.error = ar->error;
-  LLMMEM_CUDA_TRY(cudaMemcpyAsync(ar->local + c.slot_off, in, count * es, cudaMemcpyDeviceToDevice, s));
+  if (count) LLMMEM_CUDA_TRY(cudaMemcpyAsync(ar->local + c.slot_off, in, count * es, cudaMemcpyDeviceToDevice, s));
   /* The grid depends on count only; a rank that disagrees on count may launch another grid: its
    * extra blocks (or ours) then stop at the abort word the first disagreeing block writes. */
   const bool two_shot = count * es >= TWO_SHOT_MIN_BYTES;
   if (two_shot) c.per = (count + (size_t)ar->world - 1) / (size_t)ar->world;
   size_t want = ((two_shot ? c.per : count) + AR_THREADS - 1) / AR_THREADS;
-  int blocks = want < AR_MAX_BLOCKS ? (int)want : AR_MAX_BLOCKS;
+  int blocks = want == 0 ? 1 : want < AR_MAX_BLOCKS ? (int)want : AR_MAX_BLOCKS;
   switch (dtype) {
     case LLMMEM_COMM_F32:
       if (two_shot) two_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(c, (float *)out);

@@ -25,7 +25,10 @@
 typedef struct {
   _Atomic(llmmem_pool_t *) pool;
   atomic_int inflight;
-  int draining;  /* under bind_lock: being emptied of calls, not to be bound again meanwhile */
+  /* The pool whose calls are being waited out after it was unbound (NULL: none); set and
+   * cleared under bind_lock, by the thread that unbound it. The slot is not bound again meanwhile,
+   * and a destroy of that pool that finds it unbound already waits too. */
+  _Atomic(llmmem_pool_t *) draining;
 } slot_t;
 
 static slot_t slots[LLMMEM_POOL_SLOTS];
@@ -45,7 +48,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_bind_slot(llmmem_pool_t *pool, int *slot)
     }
   }
   for (int k = 0; k < LLMMEM_POOL_SLOTS; k++) {
-    if (atomic_load(&slots[k].pool) == NULL && !slots[k].draining) {
+    if (atomic_load(&slots[k].pool) == NULL && !atomic_load(&slots[k].draining)) {
       atomic_store(&slots[k].pool, pool);
       pthread_mutex_unlock(&bind_lock);
       *slot = k;
@@ -59,18 +62,24 @@ LLMMEM_API llmmem_status_t llmmem_pool_bind_slot(llmmem_pool_t *pool, int *slot)
 
 /* Unbinds slot k if `pool` (NULL: whatever) is bound there, then waits until no call that may
  * have read the pool is still running. No lock is held while waiting: a call being waited for
- * may itself be destroying another pool, which takes bind_lock. */
+ * may itself be destroying another pool, which takes bind_lock. When another thread unbound
+ * `pool` from k just before (llmmem_pool_unbind_slot racing llmmem_pool_destroy) and is still
+ * waiting out its calls, this waits too: returning at once would let destroy free the pool under
+ * those calls. It stops when the calls have left or that thread is done waiting for them. */
 static void unpublish(int k, llmmem_pool_t *pool) {
   pthread_mutex_lock(&bind_lock);
   llmmem_pool_t *expected = pool ? pool : atomic_load(&slots[k].pool);
   int cleared = expected && atomic_compare_exchange_strong(&slots[k].pool, &expected, NULL);
-  if (cleared) slots[k].draining = 1;
+  int joined = !cleared && pool && atomic_load(&slots[k].draining) == pool;
+  if (cleared) atomic_store(&slots[k].draining, expected);
   pthread_mutex_unlock(&bind_lock);
-  if (!cleared) return;
+  if (!cleared && !joined) return;
   /* Calls are short (a pool operation, at worst a cudaMalloc): yield rather than block. */
-  while (atomic_load(&slots[k].inflight) > own_calls[k]) sched_yield();
+  while (atomic_load(&slots[k].inflight) > own_calls[k] && (cleared || atomic_load(&slots[k].draining) == pool))
+    sched_yield();
+  if (!cleared) return;
   pthread_mutex_lock(&bind_lock);
-  slots[k].draining = 0;
+  atomic_store(&slots[k].draining, NULL);
   pthread_mutex_unlock(&bind_lock);
 }
 

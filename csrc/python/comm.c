@@ -17,6 +17,12 @@
 
 typedef struct {
   void *comm; /* llmmem_shm_comm_t* or llmmem_cuda_ar_t*; NULL once closed */
+  /* Blocking calls running on comm with the GIL released (changed only with the GIL held). A
+   * close meanwhile (another thread, or a signal handler run by the wait poll in the middle of
+   * the call) must not unmap under it: it only sets close_pending, the poll then stops the wait,
+   * and the last call to leave closes. */
+  int busy;
+  int close_pending;
 } holder_t;
 
 static void shm_capsule_free(PyObject *cap) {
@@ -37,11 +43,22 @@ static void cuda_ar_capsule_free(PyObject *cap) {
 static void *live(PyObject *cap, const char *kind) {
   holder_t *h = PyCapsule_GetPointer(cap, kind);
   if (!h) return NULL;
-  if (!h->comm) {
+  if (!h->comm || h->close_pending) {
     PyErr_SetString(PyExc_ValueError, "llmmem: the communicator is closed");
     return NULL;
   }
   return h->comm;
+}
+
+/* Ends a blocking call counted in h->busy (GIL held): the last one to leave performs a close that
+ * was asked for meanwhile. */
+static void leave_busy(holder_t *h, int is_shm) {
+  if (--h->busy == 0 && h->close_pending) {
+    if (is_shm) (void)llmmem_shm_comm_close(h->comm);
+    else (void)llmmem_cuda_ar_close(h->comm);
+    h->comm = NULL;
+    h->close_pending = 0;
+  }
 }
 
 static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn) {
@@ -51,6 +68,8 @@ static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn
     return PyErr_NoMemory();
   }
   h->comm = comm;
+  h->busy = 0;
+  h->close_pending = 0;
   PyObject *cap = PyCapsule_New(h, kind, free_fn);
   if (!cap) {
     free_fn == shm_capsule_free ? (void)llmmem_shm_comm_close(comm) : (void)llmmem_cuda_ar_close(comm);
@@ -61,9 +80,11 @@ static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn
 
 /* ------------------------------------------------------------------ waiting with signals */
 
-/* What the wait poll needs: the thread state saved when the GIL was released. */
+/* What the wait poll needs: the thread state saved when the GIL was released, and the holder of
+ * the communicator waited on (NULL during set-up, when no one else can see it yet). */
 typedef struct {
   PyThreadState *ts;
+  holder_t *h;
 } wait_ctx_t;
 
 /* llmmem_comm_poll_fn: only called while C waits for a peer (never on the fast path). Runs the
@@ -73,12 +94,16 @@ static int poll_signals(void *p) {
   wait_ctx_t *w = p;
   PyEval_RestoreThread(w->ts);
   int raised = PyErr_CheckSignals() != 0;
+  int stop = raised || (w->h && w->h->close_pending); /* a handler (or thread) closed it: give up */
   w->ts = PyEval_SaveThread();
-  return raised;
+  return stop;
 }
 
-/* Brackets a blocking C call: GIL released, the calling thread's wait poll set. */
-static void begin_wait(wait_ctx_t *w) {
+/* Brackets a blocking C call: GIL released, the calling thread's wait poll set, the holder (if
+ * any) counted busy so that a close meanwhile is deferred to end_wait. */
+static void begin_wait(wait_ctx_t *w, holder_t *h) {
+  w->h = h;
+  if (h) h->busy++;
   w->ts = PyEval_SaveThread();
   llmmem_comm_set_wait_poll(poll_signals, w);
 }
@@ -86,6 +111,7 @@ static void begin_wait(wait_ctx_t *w) {
 static void end_wait(wait_ctx_t *w) {
   llmmem_comm_set_wait_poll(NULL, NULL);
   PyEval_RestoreThread(w->ts);
+  if (w->h) leave_busy(w->h, 1);
 }
 
 /* The exception for a failed blocking call: the one a signal handler raised, else the status. */
@@ -106,7 +132,7 @@ static PyObject *py_shm_comm_open(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "siiKd", &name, &rank, &world, &slot, &timeout)) return NULL;
   llmmem_shm_comm_t *comm = NULL;
   wait_ctx_t w;
-  begin_wait(&w);
+  begin_wait(&w, NULL);
   llmmem_status_t st = llmmem_shm_comm_open(name, rank, world, (size_t)slot, timeout, &comm);
   end_wait(&w);
   if (st != LLMMEM_OK) return raise_after_wait(st);
@@ -117,6 +143,10 @@ static PyObject *py_shm_comm_close(PyObject *self, PyObject *cap) {
   (void)self;
   holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE);
   if (!h) return NULL;
+  if (h->busy) { /* a collective is waiting on it: closed when that returns (its wait stops) */
+    h->close_pending = 1;
+    Py_RETURN_NONE;
+  }
   llmmem_shm_comm_close(h->comm);
   h->comm = NULL;
   Py_RETURN_NONE;
@@ -154,8 +184,17 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   if (!PyArg_ParseTuple(args, "OKKKi", &cap, &in_ptr, &out_ptr, &count, &dtype)) return NULL;
   llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
   if (!comm) return NULL;
+  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE); /* the capsule is the caller's: alive meanwhile */
+  if (h->busy) {
+    /* The communicator's epoch and step counters belong to the call in progress: a second one
+     * would advance them under it. */
+    PyErr_SetString(PyExc_RuntimeError, "llmmem: a collective is already running on this communicator (on "
+                                        "another thread, or in a signal handler run while it waits); calls on "
+                                        "one communicator must not overlap");
+    return NULL;
+  }
   wait_ctx_t w;
-  begin_wait(&w);
+  begin_wait(&w, h);
   llmmem_status_t st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
                           (llmmem_comm_dtype_t)dtype);
   end_wait(&w);
@@ -213,10 +252,13 @@ static PyObject *py_cuda_ar_connect(PyObject *self, PyObject *args) {
                  LLMMEM_CUDA_IPC_HANDLE_BYTES, len);
     return NULL;
   }
+  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
+  h->busy++; /* a close from another thread meanwhile waits for us (see holder_t) */
   llmmem_status_t st;
   Py_BEGIN_ALLOW_THREADS
   st = llmmem_cuda_ar_connect(ar, handles);
   Py_END_ALLOW_THREADS
+  leave_busy(h, 0);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
 }
@@ -244,10 +286,13 @@ static PyObject *py_cuda_ar_check(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OK", &cap, &stream)) return NULL;
   llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
   if (!ar) return NULL;
+  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
+  h->busy++; /* a close from another thread meanwhile waits for us (see holder_t) */
   llmmem_status_t st;
   Py_BEGIN_ALLOW_THREADS
   st = llmmem_cuda_ar_check(ar, (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
+  leave_busy(h, 0);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
 }
@@ -256,6 +301,10 @@ static PyObject *py_cuda_ar_close(PyObject *self, PyObject *cap) {
   (void)self;
   holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
   if (!h) return NULL;
+  if (h->busy) { /* a check or connect is running on another thread: closed when it returns */
+    h->close_pending = 1;
+    Py_RETURN_NONE;
+  }
   llmmem_cuda_ar_close(h->comm);
   h->comm = NULL;
   Py_RETURN_NONE;

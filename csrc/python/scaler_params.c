@@ -14,7 +14,8 @@
  * elements, of a supported dtype (fp16 only when allowed). On anything else (a subclass, a sparse
  * or strided view gradient, another device, a Python error while reading an attribute, ...) the
  * call returns None having written nothing, and the caller runs its general path, which handles
- * the case or raises its usual error. Nothing is cached between calls: addresses are read anew
+ * the case or raises its usual error (MemoryError, and KeyboardInterrupt or any other error that
+ * is no Exception, propagate instead). Nothing is cached between calls: addresses are read anew
  * each time, so gradients reallocated between steps (zero_grad(set_to_none=True)) are correct.
  */
 #include "binding.h" /* first: Python.h must precede the system headers */
@@ -47,8 +48,16 @@ typedef struct {
   int allow_fp16;
 } kinds_t;
 
+/* With an exception set: whether it must reach the caller rather than send the call to the
+ * general path (which reads the same attributes and reports their errors itself): running out of
+ * memory, and what is no Exception (KeyboardInterrupt from a signal handler run by Python code a
+ * TorchFunctionMode executes during an attribute read, SystemExit), which must not be swallowed. */
+static int must_propagate(void) {
+  return PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception);
+}
+
 /* 1: `grad` is a plain gradient, described in *out; 0: not the plain case (no exception set);
- * -1: a Python error that must propagate (memory). */
+ * -1: a Python error that must propagate (see must_propagate). */
 static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_t *out) {
   if ((PyObject *)Py_TYPE(grad) != k->tensor_type) return 0;
   int plain = 0;
@@ -83,7 +92,7 @@ done:
   Py_XDECREF(ptr);
   Py_XDECREF(numel);
   if (PyErr_Occurred()) {
-    if (PyErr_ExceptionMatches(PyExc_MemoryError)) return -1;
+    if (must_propagate()) return -1;
     PyErr_Clear(); /* the general path reads the same attribute and reports the error itself */
     return 0;
   }
@@ -138,7 +147,7 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
       PyObject *grad = PyObject_GetAttr(param, s_grad);
       Py_DECREF(param);
       if (!grad) {
-        rc = PyErr_ExceptionMatches(PyExc_MemoryError) ? -1 : 0;
+        rc = must_propagate() ? -1 : 0;
         if (rc == 0) PyErr_Clear();
         break;
       }

@@ -19,7 +19,9 @@
 
 #define MiB ((size_t)1 << 20)
 #define WORKERS 3
+#ifndef ROUNDS
 #define ROUNDS 300
+#endif
 
 typedef struct {
   int slot;
@@ -27,6 +29,7 @@ typedef struct {
   unsigned long long seed;
   long served, refused;  /* allocations that got memory / came back NULL */
   int bad;               /* a refusal without a reason, or memory that was not ours */
+  int bogus;             /* only frees of an address that is no block: calls that take no memory */
 } worker_t;
 
 /* Allocates through the slot, writes the block, frees it; like PyTorch, from a thread of its own. */
@@ -34,6 +37,11 @@ static void *worker(void *arg) {
   worker_t *w = arg;
   unsigned long long rng = w->seed;
   while (!atomic_load(w->stop)) {
+    if (w->bogus) { /* a slot call into the pool that leaves no block out (refused as a bad free) */
+      llmmem_pool_slot_free(w->slot, (void *)(uintptr_t)0x1000, 64, -1, NULL);
+      w->served++;
+      continue;
+    }
     size_t size = 2 + (size_t)(th_rand(&rng) % (3 * MiB));  /* first and last byte differ */
     unsigned char *p = llmmem_pool_slot_alloc(w->slot, size, -1, NULL);
     if (!p) {
@@ -59,9 +67,24 @@ static llmmem_pool_t *new_pool(void) {
   return p;
 }
 
-/* One round: workers hammer the pool's slot; the main thread destroys it (close = 0, retrying
- * while blocks are out, as MemoryPool.close() would) or drops it (close = 1: release when empty,
- * so the last free, inside a worker's slot call, destroys it). Returns 1 when all went well. */
+/* Unbinds the slot it is given, once the main thread is about to destroy the pool. */
+typedef struct {
+  int slot;
+  atomic_int *go;
+} unbinder_t;
+
+static void *unbinder(void *arg) {
+  unbinder_t *u = arg;
+  while (!atomic_load(u->go)) sched_yield();
+  (void)llmmem_pool_unbind_slot(u->slot);
+  return NULL;
+}
+
+/* One round: workers hammer the pool's slot; the main thread destroys it (how = 0, retrying
+ * while blocks are out, as MemoryPool.close() would), or drops it (how = 1: release when empty,
+ * so the last free, inside a worker's slot call, destroys it), or destroys it while another
+ * thread unbinds its slot (how = 2: the destroy finds the slot already cleared and must still
+ * wait for the calls that read the pool before). Returns 1 when all went well. */
 static int round_trip(int how, unsigned long long seed, long *served, long *refused) {
   llmmem_pool_t *p = new_pool();
   int slot = -1;
@@ -70,15 +93,22 @@ static int round_trip(int how, unsigned long long seed, long *served, long *refu
   worker_t w[WORKERS];
   pthread_t t[WORKERS];
   for (int i = 0; i < WORKERS; i++) {
-    w[i] = (worker_t){slot, &stop, seed * 7919 + (unsigned long long)i, 0, 0, 0};
+    /* how 2: blocks allocated before the unbind could never be freed through the slot again */
+    w[i] = (worker_t){slot, &stop, seed * 7919 + (unsigned long long)i, 0, 0, 0, how == 2};
     pthread_create(&t[i], NULL, worker, &w[i]);
   }
   for (int spin = 0; spin < 50 * (int)(seed % 8); spin++) sched_yield();  /* let them get going */
   int ok = 1;
-  if (how == 0) {
+  if (how == 0 || how == 2) {
+    atomic_int go = 0;
+    unbinder_t u = {slot, &go};
+    pthread_t ut;
+    if (how == 2) pthread_create(&ut, NULL, unbinder, &u);
+    atomic_store(&go, 1);
     llmmem_status_t st;
     while ((st = llmmem_pool_destroy(p)) == LLMMEM_ERR_STATE) sched_yield();  /* blocks still out */
     ok = st == LLMMEM_OK;
+    if (how == 2) pthread_join(ut, NULL);
   } else {
     llmmem_pool_release_when_empty(p);
   }
@@ -114,6 +144,14 @@ int main(void) {
     for (int r = 0; r < ROUNDS && ok; r++) ok = round_trip(1, (unsigned long long)r + 1, &served, &refused);
     CHECK(ok);
     CHECK(served > 0 && refused > 0);
+  }
+
+  TEST("slot calls racing llmmem_pool_destroy while another thread unbinds the slot") {
+    long served = 0, refused = 0;
+    int ok = 1;
+    for (int r = 0; r < ROUNDS && ok; r++) ok = round_trip(2, (unsigned long long)r + 1, &served, &refused);
+    CHECK(ok);
+    CHECK(served > 0);
   }
 
   TEST("a closed pool's slot refuses with a reason; unbind waits for nothing and frees the slot") {
