@@ -111,3 +111,21 @@ def test_collective_argument_errors_without_a_group(monkeypatch):
                           text=True, timeout=120, cwd=tempfile.gettempdir(),
                           env={**os.environ, "LLMMEM_TP_TIMEOUT": "abc"})
     assert proc.returncode != 0 and "LLMMEM_TP_TIMEOUT" in proc.stderr
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("", False), ("1", True), ("yes", True), ("0", False)])
+def test_cuda_ipc_engine_is_opt_in(value, on):
+    """The CUDA IPC engine has not run on GPUs yet, so CUDA tensors go to NCCL unless it is asked for;
+    the shared-memory engine stays on by default."""
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMMEM_TP_CUDA_IPC", "LLMMEM_TP_SHM")}
+    if value is not None:
+        env["LLMMEM_TP_CUDA_IPC"] = value
+    code = "from llmmem.parallel import collectives as c; print(c._engines_on['cuda_ipc'], c._engines_on['shm'])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tempfile.gettempdir(), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(on), "True"]

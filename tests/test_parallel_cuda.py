@@ -164,7 +164,7 @@ def test_ipc_all_reduce_two_processes_one_gpu():
         pytest.skip("llmmem was built without CUDA")
     from llmmem.parallel.testing import run_ranks
 
-    results = run_ranks(__file__, "_ipc_worker", 2, timeout=180)
+    results = run_ranks(__file__, "_ipc_worker", 2, timeout=180, env={"LLMMEM_TP_CUDA_IPC": "1"})
     assert all("ipc ok" in r.output for r in results)
 
 

@@ -5,7 +5,9 @@
 - llmmem's shared-memory collectives (``csrc/comm/shm_*.c``) for CPU tensors when every rank of
   the group is on this host and the message is at most ``cpu_shm_max_bytes``;
 - llmmem's CUDA IPC all-reduce (``csrc/comm/cuda_allreduce.cu``) for small CUDA all-reduces when
-  every rank is on this node and peer buffers could be opened (``cuda_ipc_max_bytes``);
+  every rank is on this node and peer buffers could be opened (``cuda_ipc_max_bytes``). **Opt-in**
+  (``LLMMEM_TP_CUDA_IPC=1``): it has not yet been validated on GPUs, so by default CUDA tensors go
+  to NCCL;
 - torch.distributed (NCCL / gloo) otherwise. That path always works and is the fallback: if our
   engine cannot be set up (no /dev/shm, ranks on several hosts, IPC refused) a warning is issued
   once per group and torch.distributed is used from then on.
@@ -17,7 +19,8 @@ is imported.
 
 Thresholds (bytes of the message one rank contributes) can be set with
 :func:`set_collective_thresholds` or the environment variables ``LLMMEM_TP_SHM_MAX_BYTES`` and
-``LLMMEM_TP_CUDA_IPC_MAX_BYTES``; ``LLMMEM_TP_SHM=0`` / ``LLMMEM_TP_CUDA_IPC=0`` turn an engine off.
+``LLMMEM_TP_CUDA_IPC_MAX_BYTES``; ``LLMMEM_TP_SHM=0`` turns the shared-memory engine off and
+``LLMMEM_TP_CUDA_IPC=1`` turns the CUDA IPC engine on.
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+def _env_on(name: str, default: bool = True) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.lower() not in ("0", "false", "no", "off")
 
 
 _thresholds = {
@@ -75,7 +81,10 @@ def _env_seconds(name: str, default: float) -> float:
 _timeout_s = _env_seconds("LLMMEM_TP_TIMEOUT", 300.0)
 # Read once, like the thresholds: the routing runs on every collective of every layer, and an
 # environment lookup costs microseconds there (as much as a 64 KiB shared-memory all-reduce).
-_engines_on = {"shm": _env_on("LLMMEM_TP_SHM"), "cuda_ipc": _env_on("LLMMEM_TP_CUDA_IPC")}
+# The CUDA IPC engine is opt-in (LLMMEM_TP_CUDA_IPC=1) until it has run on GPUs: its kernels compile
+# and its logic is reviewed, but neither its correctness on hardware nor the size below which it beats
+# NCCL has been measured, and an unmeasured threshold is a guess. NCCL serves CUDA tensors meanwhile.
+_engines_on = {"shm": _env_on("LLMMEM_TP_SHM"), "cuda_ipc": _env_on("LLMMEM_TP_CUDA_IPC", default=False)}
 
 # group -> engine object, or None when set-up failed (then torch.distributed is used).
 _shm_comms: dict = {}
