@@ -7,8 +7,9 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
 - CUDA tensors go to the CUDA kernels when llmmem was built with CUDA: queued on the current
   stream, no host synchronisation.
 - Any other device, CUDA with a CPU-only build of llmmem, or a GPU the build's kernels cannot run
-  on (no usable driver for llmmem's CUDA runtime, or an architecture missing from the build;
-  probed once per device), falls back to torch's own ops
+  on (no usable driver for llmmem's CUDA runtime, an architecture missing from the build, or
+  kernels that fail the known-answer self-check of :mod:`llmmem._scaler_selfcheck`; probed once
+  per device), falls back to torch's own ops
   (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
 - Gradients that are tensor subclasses (DTensor) always go to torch's op, which handles them.
 
@@ -71,7 +72,10 @@ _cuda_support: dict = {}  # device index -> None (usable) or why not, probed onc
 def _cuda_unsupported_reason(index: int) -> Optional[str]:
     """None when llmmem's CUDA kernels can run on GPU ``index``, else why not. A build with CUDA can
     still be unable to: its static CUDA runtime may not talk to the installed driver, or the GPU's
-    architecture may be missing from the build (a kernel launch would then fail on every step)."""
+    architecture may be missing from the build (a kernel launch would then fail on every step).
+    Last, the kernels must pass a known-answer self-check on that GPU (:func:`_self_check`: one
+    host synchronisation, once per device per process), so that kernels that misbehave on a GPU
+    they have never been run on fall back to torch's ops instead of corrupting gradients."""
     if index in _cuda_support:
         return _cuda_support[index]
     why = None
@@ -88,8 +92,33 @@ def _cuda_unsupported_reason(index: int) -> Optional[str]:
             if not _archs_cover(archs, (major, minor)):
                 why = (f"llmmem's CUDA kernels were built for {archs or 'no architecture'}, which does not "
                        f"cover cuda:{index} (sm_{major}{minor}); rebuild with LLMMEM_CUDA_ARCHS including {major}{minor}")
+            elif _capturing():
+                # The self-check must read its results on the host, which a stream capture forbids;
+                # this call (captured into the graph) uses torch's ops, and the verdict stays open
+                # (not cached) for the first call outside a capture.
+                return "llmmem's CUDA kernels are not self-checked yet and the first use is inside a CUDA graph capture"
+            else:
+                why = _self_check(torch.device("cuda", index))
     _cuda_support[index] = why
     return why
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False when torch cannot say: the
+    self-check then meets the same error and reports it)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _self_check(device: torch.device) -> Optional[str]:
+    """None when llmmem's kernels give the known answers on ``device``, else what differed: see
+    :func:`llmmem._scaler_selfcheck.self_check`. Run once per GPU (the verdict is cached with the
+    rest of the probe); it synchronises with that GPU once."""
+    from llmmem._scaler_selfcheck import self_check  # imports this module: loaded on first use
+
+    return self_check(device)
 
 
 def _kernel_unsupported_reason(device: torch.device) -> Optional[str]:
@@ -252,14 +281,8 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
         flags_ptr = flags.data_ptr() if flags is not None else 0
         n_flags = flags.numel() if flags is not None else 0
         scale_ptr = scale.data_ptr() if scale is not None else 0
-        if device.type == "cpu":
-            native.scaler_unscale_check(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
-                                        flags_ptr, n_flags, torch.get_num_threads())
-        else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            stream = torch.cuda.current_stream(index).cuda_stream
-            native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(),
-                                             flags_ptr, n_flags, index, stream)
+        _launch_unscale(device, ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(), flags_ptr,
+                        n_flags)
         for g, tmp in copies:
             g.copy_(tmp)
     else:
@@ -341,18 +364,51 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
         found_infs = [torch.stack(list(found_infs)).sum()]
     why_not = _kernel_unsupported_reason(device)
     if why_not is None:
-        ptrs = [f.data_ptr() for f in found_infs]
-        args = (scale.data_ptr(), growth_tracker.data_ptr(), hysteresis_tracker.data_ptr(), stats.data_ptr(), ptrs,
-                float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale))
-        if device.type == "cpu":
-            native.scaler_update(*args, -1, 0, bool(hysteresis_on_growth))
-        else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream, bool(hysteresis_on_growth))
+        _launch_update(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
+                       growth_interval, hysteresis, min_scale, hysteresis_on_growth)
         return
     _warn_fallback(device, why_not)
     _torch_update_(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
                    growth_interval, hysteresis, min_scale, hysteresis_on_growth)
+
+
+def _launch_unscale(device: torch.device, ptrs, numels, codes, scale_ptr: int, scale_is_inverse: bool,
+                    found_ptr: int, flags_ptr: int, n_flags: int) -> None:
+    """The one place the unscale + check kernel of ``device`` (CPU or CUDA) is called, on the
+    current stream: the real path and the self-check (:mod:`llmmem._scaler_selfcheck`) both come
+    here. The addresses must have been checked (see :func:`unscale_check_`)."""
+    if device.type == "cpu":
+        native.scaler_unscale_check(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_ptr, flags_ptr, n_flags,
+                                    torch.get_num_threads())
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch.cuda.current_stream(index).cuda_stream
+        native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_ptr, flags_ptr,
+                                         n_flags, index, stream)
+
+
+def _kernel_unscale(grads, found_inf, flags, scale, scale_is_inverse=False) -> None:
+    """llmmem's unscale + check kernel on ``grads``: plain, dense, element-aligned tensors of
+    ``found_inf``'s device, which the caller made (no checks, no copies, no fallback). What the
+    self-check drives by default."""
+    _launch_unscale(found_inf.device, [g.data_ptr() for g in grads], [g.numel() for g in grads],
+                    [DTYPE_CODES[g.dtype] for g in grads], scale.data_ptr() if scale is not None else 0,
+                    scale_is_inverse, found_inf.data_ptr(), flags.data_ptr() if flags is not None else 0,
+                    flags.numel() if flags is not None else 0)
+
+
+def _launch_update(scale, growth, hyst, stats, found_infs, growth_factor, backoff_factor, growth_interval,
+                   hysteresis, min_scale, hysteresis_on_growth=False) -> None:
+    """llmmem's scale-update kernel of the scale's device, on the current stream (arguments as
+    :func:`update_scale_`, already checked): the real path and the self-check both come here."""
+    device = scale.device
+    args = (scale.data_ptr(), growth.data_ptr(), hyst.data_ptr(), stats.data_ptr(), [f.data_ptr() for f in found_infs],
+            float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale))
+    if device.type == "cpu":
+        native.scaler_update(*args, -1, 0, bool(hysteresis_on_growth))
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream, bool(hysteresis_on_growth))
 
 
 def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backoff_factor, growth_interval,

@@ -144,7 +144,12 @@ class GradScaler(_ScalerVisibility):
         does :meth:`step` with a fused optimizer (``fused=True``). A non-fused :meth:`step` reads the
         inf flag on the host (one sync, as torch). :meth:`get_scale`, :meth:`state_dict` and the
         visibility readers (:meth:`skipped_steps`, :meth:`last_step_skipped`,
-        :meth:`overflowed_params`, :meth:`stats`) synchronise.
+        :meth:`overflowed_params`, :meth:`stats`) synchronise. Exception: the first use of llmmem's
+        CUDA kernels on a GPU in a process runs a known-answer self-check of them there (a few small
+        kernel runs compared with torch's ops) and synchronises once to read its verdict; kernels
+        that fail it are not used on that GPU (torch's ops are, with one warning). When that first
+        use falls inside a CUDA graph capture, the check waits for a later call outside capture
+        and the captured step uses torch's ops.
 
     Memory: a few scalars per device plus one byte per gradient (the overflow flags).
     """

@@ -224,3 +224,53 @@ def test_build_covers_this_gpu_and_the_probe_says_so():
     cc = torch.cuda.get_device_capability(0)
     assert K._archs_cover(native.build_info()["cuda_archs"], cc)
     assert K.uses_llmmem_kernels(torch.device("cuda", 0))
+
+
+# ------------------------------------------------------------------ the self-check at first use
+
+
+def _flip_one_fp16_element(grads, found_inf, flags, scale, scale_is_inverse):
+    K._kernel_unscale(grads, found_inf, flags, scale, scale_is_inverse)
+    for g in grads:
+        if g.dtype == torch.float16 and g.numel() == 4097 and g.data_ptr() % 16 == 0:
+            g.view(torch.int16)[100] ^= 1
+            return
+
+
+def test_self_check_passes_on_this_gpu_without_extra_syncs():
+    from llmmem._scaler_selfcheck import self_check
+
+    last = torch.cuda.device_count() - 1
+    torch.cuda.set_device(0)
+    torch.cuda.set_sync_debug_mode("error")  # its one read is exempt; anything else would raise
+    try:
+        assert self_check(torch.device("cuda", last)) is None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.current_device() == 0  # the current device is restored
+    assert K._cuda_unsupported_reason(0) is None  # the cached probe, self-check included, passed
+
+
+def test_self_check_catches_a_broken_kernel_on_gpu():
+    from llmmem._scaler_selfcheck import self_check
+
+    why = self_check(torch.device("cuda", 0), unscale=_flip_one_fp16_element)
+    assert why is not None and "float16 size 4097: element 100" in why, why
+
+
+def test_scaler_falls_back_to_torch_when_the_self_check_fails(monkeypatch):
+    from llmmem._scaler_selfcheck import self_check
+
+    monkeypatch.setattr(K, "_cuda_support", {})
+    monkeypatch.setattr(K, "_warned_fallback", set())
+    monkeypatch.setattr(K, "_self_check", lambda device: self_check(device, unscale=_flip_one_fp16_element))
+    model = torch.nn.Linear(4, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = llmmem.GradScaler("cuda", init_scale=1024.0)
+    s.scale(model(torch.ones(1, 4, device="cuda")).sum()).backward()
+    with pytest.warns(RuntimeWarning, match="failed their self-check.*float16 size 4097"):
+        s.unscale_(opt)
+    assert torch.equal(model.weight.grad, torch.ones(2, 4, device="cuda"))  # unscaled by torch's op
+    s.step(opt)
+    s.update()
+    assert not K.uses_llmmem_kernels(torch.device("cuda", 0))

@@ -122,10 +122,14 @@ def test_cuda_kernels_are_probed_once_per_device(monkeypatch, fake, cc, usable, 
     monkeypatch.setattr(K, "_cuda_built", True)
     monkeypatch.setattr(K, "_cuda_support", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: cc)
+    monkeypatch.setattr(K, "_capturing", lambda: False)
+    checked = []  # the fake has no kernels: the self-check (tests/test_amp_selfcheck.py) is stubbed as passing
+    monkeypatch.setattr(K, "_self_check", lambda device: checked.append(device))
     dev = torch.device("cuda", 0)
     assert K.uses_llmmem_kernels(dev) is usable
     assert K.uses_llmmem_kernels(dev) is usable
     assert fake.calls == 1  # the probe is cached: no driver call per step
+    assert checked == ([dev] if usable else [])  # the self-check runs last, once, only where all else passed
     reason = K._kernel_unsupported_reason(dev)
     if why is None:
         assert reason is None
