@@ -196,7 +196,7 @@ def self_check(device: torch.device, unscale: Optional[Callable] = None,
     on_growth)`` default to the entry points the real path uses
     (``_scaler_kernels._kernel_unscale`` and ``_launch_update``); tests pass others.
 
-    Works on tensors of its own only (about 2 MB on the device, freed on return), on the current
+    Works on tensors of its own only (a few MB on the device, freed on return), on the current
     stream of ``device``, and restores the current CUDA device. Everything is queued first and the
     verdicts are read back in one copy: it synchronises with the device once (a failed check reads
     a little more to describe the mismatch); that read is exempt from torch's sync debug mode, and
@@ -220,18 +220,21 @@ def _run(device, unscale, update, checks) -> Optional[str]:
     _check_unscale(device, unscale, checks)
     _check_update(device, update, checks)
     verdicts = torch.stack([ok.reshape(()) for _, ok, _ in checks])
-    if device.type == "cuda":
-        # The one synchronisation, documented (GradScaler's docstring). Kept out of torch's sync
-        # debug mode: under "error" it would raise and fail the check, so a process that
-        # polices its training loop's syncs would lose llmmem's kernels for good.
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            verdicts = verdicts.cpu()
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-    verdicts = verdicts.tolist()
-    for (_, _, detail), ok in zip(checks, verdicts):
+    if device.type != "cuda":
+        return _verdict(device, verdicts, checks)
+    # The one synchronisation, documented (GradScaler's docstring), plus the reads that describe a
+    # failure. Kept out of torch's sync debug mode: under "error" it would raise and fail the
+    # check, so a process that polices its training loop's syncs would lose llmmem's kernels.
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return _verdict(device, verdicts, checks)
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def _verdict(device, verdicts, checks) -> Optional[str]:
+    for (_, _, detail), ok in zip(checks, verdicts.cpu().tolist()):
         if not ok:
             return f"llmmem's kernels failed their self-check on {device} ({detail()})"
     return None
