@@ -109,6 +109,22 @@ if sys.platform.startswith("linux"):
 class BuildExt(build_ext):
     """build_ext that first compiles the .cu files with nvcc (in parallel) and links their objects."""
 
+    def build_extensions(self):
+        # setuptools rebuilds only what is older than its sources, so a change of build option
+        # (LLMMEM_CUDA=0 after a CUDA build in the same build/, another LLMMEM_DEBUG...) would
+        # reuse the old objects. The options are stamped next to the objects; a change forces all.
+        options = repr((USE_CUDA, CUDA_HOME, c_flags, macros, link_args))  # macros carry the CUDA archs
+        stamp = os.path.join(self.build_temp, "llmmem-build-options.txt")
+        try:
+            with open(stamp) as f:
+                self.force = self.force or f.read() != options
+        except OSError:
+            self.force = True
+        super().build_extensions()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(options)
+
     def build_extension(self, ext):
         if USE_CUDA and CU_SOURCES:
             ext.extra_objects = list(ext.extra_objects or []) + self._compile_cuda()

@@ -4,7 +4,8 @@ Run on CPU with 2 ranks (gloo; llmmem's shared-memory collectives are used autom
 
     torchrun --nproc_per_node 2 examples/tp_mlp.py
 
-or on GPUs (NCCL, llmmem's IPC all-reduce for small messages): ``--device cuda``. Every rank
+or on GPUs (NCCL; llmmem's CUDA IPC all-reduce for small messages is opt-in with
+``LLMMEM_TP_CUDA_IPC=1``): ``--device cuda``. Every rank
 builds the single-process reference with the same seed, so the script prints how far the TP
 model is from it after training (fp32 rounding only).
 """

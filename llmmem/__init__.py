@@ -7,6 +7,8 @@ needs them is first used. ``python -m llmmem info`` says what this installation 
 from __future__ import annotations
 
 import importlib
+import sys as _sys
+import types as _types
 
 __version__ = "0.1.0"
 
@@ -66,3 +68,17 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(_types.ModuleType):
+    # Importing a submodule binds it as an attribute of its package. llmmem/estimate.py shares its
+    # name with the function llmmem.estimate, so `import llmmem.estimate` (or llmmem.Estimate, which
+    # imports it) would replace the function by the module. Public names keep their objects; the
+    # submodule stays reachable through sys.modules and `from llmmem.estimate import ...`.
+    def __setattr__(self, name, value):
+        if name in _LAZY and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

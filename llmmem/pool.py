@@ -342,8 +342,8 @@ class MemoryPool:
 
     def close(self) -> None:
         """Releases all of the pool's memory now. Raises :class:`llmmem.StateError` while tensors
-        from the pool are alive. Idempotent. (Dropping the last reference also releases the memory,
-        once the last block has come back.)"""
+        from the pool are alive. Idempotent; any other use of a closed pool raises ``ValueError``.
+        (Dropping the last reference also releases the memory, once the last block has come back.)"""
         if self._capsule is None:
             return
         if self is _installed:

@@ -58,3 +58,22 @@ def test_cpu_only_build_imports_and_reports_not_built(tmp_path):
     run = subprocess.run([sys.executable, "-c", code.replace("llmmem_cpu_C", "_C")], capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_changing_a_build_option_rebuilds_instead_of_reusing_stale_objects(tmp_path):
+    # `LLMMEM_CUDA=0 pip install .` after a CUDA build (pip builds in the checkout's build/) must
+    # give a CPU-only module: setuptools alone only compares file times, not compile options.
+    dirs = ["--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")]
+    for level in ("0", "2"):
+        env = {**os.environ, "LLMMEM_CUDA": "0", "LLMMEM_DEBUG": level}
+        build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", *dirs], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=600)
+        assert build.returncode == 0, build.stdout + build.stderr
+    built = next((tmp_path / "lib" / "llmmem").glob("_C*.so"))
+    code = ("import importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('_C', {str(built)!r})\n"
+            "C = importlib.util.module_from_spec(spec); spec.loader.exec_module(C)\n"
+            "print(C.build_info()['debug_level'])\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "2", run.stdout + run.stderr

@@ -405,3 +405,16 @@ def test_named_models_are_valid_configs():
     assert all(isinstance(c, ModelConfig) for c in NAMED_MODELS.values())
     assert NAMED_MODELS["llama-70b"].kv_heads == 8 and NAMED_MODELS["llama-7b"].ffn == 11008
     assert math.isclose(estimate("llama-70b").slowdown, 0.0)
+
+
+def test_llmmem_estimate_stays_the_function_after_its_module_is_imported():
+    # llmmem/estimate.py shares its name with the function; importing the submodule (directly, or
+    # through llmmem.Estimate) binds the package attribute to the module unless the package stops it.
+    code = ("import llmmem; llmmem.Estimate; import llmmem.estimate; from llmmem.estimate import Estimate; "
+            "from llmmem import estimate; "
+            "assert llmmem.estimate is estimate and callable(estimate), llmmem.estimate; "
+            "print(llmmem.estimate('gpt2').total > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(_package_root()), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"

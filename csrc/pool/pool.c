@@ -69,23 +69,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_create(const llmmem_pool_backend_t *backe
 }
 
 
-LLMMEM_API llmmem_status_t llmmem_pool_destroy(llmmem_pool_t *pool) {
-  LLMMEM_CHECK_ARG(pool != NULL, "llmmem_pool_destroy: pool must not be NULL");
-  pthread_mutex_lock(&pool->lock);
-  if (pool->closing) {
-    /* The last free of a pool whose owner is gone can race another last free (a block allocated
-     * and freed in between): one of them destroys it. */
-    pthread_mutex_unlock(&pool->lock);
-    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_destroy: the pool is already being destroyed");
-  }
-  if (pool->st.allocations.current > 0) {
-    int64_t n = pool->st.allocations.current;
-    pthread_mutex_unlock(&pool->lock);
-    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_destroy: %lld blocks are still allocated", (long long)n);
-  }
-  /* Checked with the count under one lock: no allocation can slip in between. */
-  pool->closing = 1;
-  pthread_mutex_unlock(&pool->lock);
+/* Tears down a pool whose caller set `closing` under the lock, with no block allocated. Only
+ * that caller may run it: whoever sees the last block come back and claims `closing` in the
+ * same critical section owns the destroy, so no second thread can reach a freed pool. */
+static void destroy_claimed(llmmem_pool_t *pool) {
   /* PyTorch may be inside a slot call on another thread: unbind, and wait for it to leave. */
   _llmmem_slots_forget(pool);
   /* Memory may still be read by queued work on a stream: wait before handing it back. */
@@ -110,16 +97,37 @@ LLMMEM_API llmmem_status_t llmmem_pool_destroy(llmmem_pool_t *pool) {
   if (pool->backend.destroy) pool->backend.destroy(pool->backend.ctx);
   pthread_mutex_destroy(&pool->lock);
   free(pool);
+}
+
+LLMMEM_API llmmem_status_t llmmem_pool_destroy(llmmem_pool_t *pool) {
+  LLMMEM_CHECK_ARG(pool != NULL, "llmmem_pool_destroy: pool must not be NULL");
+  pthread_mutex_lock(&pool->lock);
+  if (pool->closing) {
+    pthread_mutex_unlock(&pool->lock);
+    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_destroy: the pool is already being destroyed");
+  }
+  if (pool->st.allocations.current > 0) {
+    int64_t n = pool->st.allocations.current;
+    pthread_mutex_unlock(&pool->lock);
+    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_pool_destroy: %lld blocks are still allocated", (long long)n);
+  }
+  /* Checked with the count under one lock: no allocation can slip in between. */
+  pool->closing = 1;
+  pthread_mutex_unlock(&pool->lock);
+  destroy_claimed(pool);
   return LLMMEM_OK;
 }
 
 LLMMEM_API void llmmem_pool_release_when_empty(llmmem_pool_t *pool) {
   if (!pool) return;
   pthread_mutex_lock(&pool->lock);
-  int now = pool->st.allocations.current == 0;
   pool->release_when_empty = 1;
+  /* Claimed here, not in a later llmmem_pool_destroy: a slot call could otherwise allocate and
+   * free a block in between, destroy the pool from its free, and leave this thread a freed pool. */
+  int now = pool->st.allocations.current == 0 && !pool->closing;
+  if (now) pool->closing = 1;
   pthread_mutex_unlock(&pool->lock);
-  if (now) (void)llmmem_pool_destroy(pool);
+  if (now) destroy_claimed(pool);
 }
 
 LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, void *stream, void **out) {
@@ -263,9 +271,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void
   _llmmem_attach_event(pool, b, ev);
   _llmmem_put_back(pool, b);
   _llmmem_update_active(pool);
-  int destroy = pool->release_when_empty && pool->st.allocations.current == 0;
+  int destroy = pool->release_when_empty && pool->st.allocations.current == 0 && !pool->closing;
+  if (destroy) pool->closing = 1;  /* claimed under the lock that saw the count reach 0 */
   pthread_mutex_unlock(&pool->lock);
-  if (destroy) (void)llmmem_pool_destroy(pool);
+  if (destroy) destroy_claimed(pool);
   return LLMMEM_OK;
 }
 
