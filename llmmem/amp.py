@@ -669,6 +669,13 @@ def feature_status() -> tuple[bool, str]:
     """(usable, detail) for ``python -m llmmem info``."""
     if not available():
         return False, f"C core not loaded: {load_error!r}"
-    if _k.cuda_kernels_built():
-        return True, "CPU kernel + CUDA kernels (fp32/fp16/bf16/fp64)"
-    return True, "CPU kernel (fp32/fp16/bf16/fp64); CUDA kernels not built: torch's ops on GPUs"
+    if not _k.cuda_kernels_built():
+        return True, "CPU kernel (fp32/fp16/bf16/fp64); CUDA kernels not built: torch's ops on GPUs"
+    try:
+        gpu = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken CUDA set-up reads as "no GPU" here
+        gpu = False
+    if not gpu:
+        return True, "CPU kernel (fp32/fp16/bf16/fp64); CUDA kernels built, but no usable GPU here"
+    return True, ("CPU kernel + CUDA kernels (fp32/fp16/bf16/fp64); each GPU's kernels are checked "
+                  "against torch's ops on first use, torch's ops serve it if they disagree")
