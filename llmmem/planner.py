@@ -595,11 +595,10 @@ class AutoCheckpointed(nn.ModuleList):
         self.plan = plan
         self._options = checkpoint_options
         self._offloaded = set(plan.offloaded)
-        self._items = self._build(0, len(self), 0)
+        self._items = self._build(0, len(self))
 
-    def _build(self, s: int, e: int, level: int) -> list:
+    def _build(self, s: int, e: int) -> list:
         """Items of the sequence [s, e): ("block", i) or ("region", start, end, inner items)."""
-        del level
         # The regions directly inside [s, e): maximal ones among those strictly inside it.
         inside = sorted({r for r in self.plan.regions if s <= r[0] and r[1] <= e and r != (s, e)},
                         key=lambda r: (r[0], -r[1]))
@@ -611,7 +610,7 @@ class AutoCheckpointed(nn.ModuleList):
         items, i = [], s
         while i < e:
             if i in children:
-                items.append(("region", i, children[i], self._build(i, children[i], 0)))
+                items.append(("region", i, children[i], self._build(i, children[i])))
                 i = children[i]
             else:
                 items.append(("block", i))
