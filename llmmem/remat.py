@@ -37,6 +37,7 @@ import weakref
 import torch
 
 from llmmem import selective as _selective
+from llmmem.checkpointing import CheckpointError  # (checkpointing does not import this module)
 
 __all__ = ["recompute_cheap", "REBUILDABLE"]
 
@@ -147,15 +148,11 @@ class _Handle:
         try:
             base = self.memo.output(self.node) if self.eps is None else _layer_norm(self.node, self.eps)
         except RuntimeError as exc:
-            from llmmem.checkpointing import CheckpointError
-
             raise CheckpointError(
                 f"llmmem recompute-cheap: cannot rebuild the output of {_name(self.node)} for backward ({exc}). Its "
                 "inputs are gone or were modified, e.g. that part of the graph was already differentiated; run this "
                 "block in store-all mode instead") from exc
         if tuple(base.shape) != self.base_shape or not base.is_contiguous():
-            from llmmem.checkpointing import CheckpointError
-
             raise CheckpointError(f"llmmem recompute-cheap: rebuilding {_name(self.node)} gave shape "
                                   f"{tuple(base.shape)} (contiguous: {base.is_contiguous()}), the forward had "
                                   f"{self.base_shape} (contiguous)")
@@ -177,8 +174,6 @@ class _Kept:
 
     def get(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            from llmmem.checkpointing import CheckpointError
-
             raise CheckpointError(
                 f"llmmem recompute-cheap: a tensor of shape {tuple(self.tensor.shape)} saved for backward was "
                 f"modified by an inplace operation after the forward (version {self.version} -> "
