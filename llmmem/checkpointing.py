@@ -33,7 +33,7 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.utils._python_dispatch
