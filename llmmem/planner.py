@@ -180,16 +180,18 @@ def _tensor_bytes(x) -> int:
     return sum(seen.values())
 
 
-def _run_mode(block, x, mode: str):
+def _run_mode(block, x, mode: str, **checkpoint_options):
+    """``block(x)`` in one mode (profiling, and the top-level blocks of a plan); the options go to
+    :func:`llmmem.checkpoint` in the modes that use it."""
     if mode == "store-all":
         return block(x)
     if mode == "selective":
-        return checkpoint(block, x, context_fn=selective.selective_context_fn)
+        return checkpoint(block, x, context_fn=selective.selective_context_fn, **checkpoint_options)
     if mode == "recompute-cheap":
         with remat.recompute_cheap(block):
             return block(x)
     if mode == "nostore":
-        return checkpoint(block, x)
+        return checkpoint(block, x, **checkpoint_options)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -620,12 +622,7 @@ class AutoCheckpointed(nn.ModuleList):
     def _run_item(self, item, x):
         if item[0] == "block":
             i = item[1]
-            if self.plan.modes[i] == "selective":
-                return checkpoint(self[i], x, context_fn=selective.selective_context_fn, **self._options)
-            if self.plan.modes[i] == "recompute-cheap":
-                with remat.recompute_cheap(self[i]):
-                    return self[i](x)
-            return self[i](x)
+            return _run_mode(self[i], x, self.plan.modes[i], **self._options)
         _, start, end, inner = item
         if (start, end) in self._offloaded:
             with _offload_without_prefetch():
