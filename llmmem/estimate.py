@@ -159,11 +159,19 @@ def _settings(cfg: ModelConfig, *, batch, seq, precision, optimizer, zero_stage,
     return st
 
 
-def _check_tensor_parallel(cfg: ModelConfig, t: int) -> None:
-    # Megatron splits attention by heads and the MLP by columns: each rank needs whole heads.
+def _tp_indivisible(cfg: ModelConfig, t: int) -> tuple[str, int] | None:
+    """The first of heads, kv_heads, ffn that ``t`` does not divide, as (name, size); None if all.
+    Megatron splits attention by heads and the MLP by columns: each rank needs whole heads."""
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn)):
         if n % t:
-            raise ValueError(f"tensor_parallel: size {t} does not divide {what} ({n})")
+            return what, n
+    return None
+
+
+def _check_tensor_parallel(cfg: ModelConfig, t: int) -> None:
+    bad = _tp_indivisible(cfg, t)
+    if bad is not None:
+        raise ValueError(f"tensor_parallel: size {t} does not divide {bad[0]} ({bad[1]})")
 
 
 # =================================================================================================
@@ -568,7 +576,7 @@ def _candidates(cfg: ModelConfig, st: _Settings, devices: int):
     attentions = [st.attention] + (["sdpa"] if st.attention == "explicit" else [])
     ckpts = _checkpointing_options(cfg.layers)
     for t in (1, 2, 4, 8):
-        if t > MAX_TENSOR_PARALLEL or devices % t or cfg.heads % t or cfg.kv_heads % t or cfg.ffn % t:
+        if t > MAX_TENSOR_PARALLEL or devices % t or _tp_indivisible(cfg, t) is not None:
             continue
         n_d = devices // t
         for sp in ((False, True) if t > 1 else (False,)):
