@@ -194,6 +194,18 @@ def _materialises_scores(cfg: ModelConfig, st: _Settings) -> bool:
     return st.device_type == "cpu" and cfg.dropout > 0
 
 
+def _element_bytes(cfg: ModelConfig, st: _Settings) -> tuple[int, int, int, int]:
+    """``(e, m, r, stat)``: bytes per activation element; per dropout-mask element (a CUDA dropout
+    keeps a bool mask, a CPU one a noise tensor of the activation dtype); the divisor of the
+    activations outside the tensor-parallel regions (``t`` with sequence parallelism, else 1); and
+    the fp32 norm statistics per token (mean and rstd for LayerNorm, rstd only for RMSNorm)."""
+    e = PRECISIONS[st.precision]["activation"]
+    mask = 1 if st.device_type == "cuda" else e
+    r = st.tensor_parallel if st.sequence_parallel else 1
+    stat = 8 if cfg.norm == "layernorm" else 4
+    return e, mask, r, stat
+
+
 # Terms that hold s x s tensors: what Megatron's selective recompute drops.
 _SCORE_TERMS = ("attention probabilities (softmax output)", "attention dropout mask", "attention dropout output")
 
@@ -239,12 +251,9 @@ def layer_activation_terms(cfg: ModelConfig, st: _Settings) -> dict:
     (Megatron) does not.
     """
     s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
-    e = PRECISIONS[st.precision]["activation"]
-    mask = 1 if st.device_type == "cuda" else e
-    r = t if st.sequence_parallel else 1
+    e, mask, r, stat = _element_bytes(cfg, st)
     sbh, a, f = s * b * h, cfg.heads, cfg.ffn
     dropout = cfg.dropout > 0
-    stat = 8 if cfg.norm == "layernorm" else 4  # fp32 mean and rstd, or rstd only (RMSNorm)
 
     terms = {
         "norm inputs (2)": _div(2 * e * sbh, r),
@@ -287,15 +296,12 @@ def other_activation_terms(cfg: ModelConfig, st: _Settings) -> dict:
     recompute keeps all of these: they are outside the checkpointed layers.
     """
     s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
-    e = PRECISIONS[st.precision]["activation"]
-    mask = 1 if st.device_type == "cuda" else e
-    r = t if st.sequence_parallel else 1
+    e, mask, r, stat = _element_bytes(cfg, st)
     terms = {"token ids (int64)": 8 * s * b}
     if cfg.positions == "learned":
         terms["position ids (int64)"] = 8 * s
     if cfg.dropout > 0:
         terms["embedding dropout mask"] = _div(mask * s * b * h, r)
-    stat = 8 if cfg.norm == "layernorm" else 4
     terms["final norm input"] = _div(e * s * b * h, r)
     terms["final norm statistics (fp32)"] = _div(stat * s * b, r)
     terms["lm head input"] = _div(e * s * b * h, r)
