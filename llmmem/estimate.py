@@ -598,7 +598,7 @@ def _changes(old: _Settings, new: _Settings) -> dict:
 
 
 def _best_fit(cfg: ModelConfig, counted: int | None, st: _Settings, devices: int, budget: int):
-    """(slowdown, changes, total, settings) of the cheapest fitting candidate, or None.
+    """``((slowdown, number of changes, total), settings)`` of the cheapest fitting candidate, or None.
 
     Ties in slowdown go to fewer changes, then to less memory.
     """
