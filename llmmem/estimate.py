@@ -404,8 +404,8 @@ def _compute(cfg: ModelConfig, counted: int | None, st: _Settings) -> dict:
     score_bytes = sum(layer_terms.get(k, 0) for k in _SCORE_TERMS)
     stored_layer = full_layer - score_bytes if st.checkpointing == "selective" else full_layer
     # A recomputed layer keeps only its input, e·sbh (divided by t with sequence parallelism).
-    e = prec["activation"]
-    layer_input = _div(e * st.seq * st.batch * cfg.hidden, t if st.sequence_parallel else 1)
+    e, _, r, _ = _element_bytes(cfg, st)
+    layer_input = _div(e * st.seq * st.batch * cfg.hidden, r)
     n_r = st.recomputed_layers(cfg.layers)
     other_terms = other_activation_terms(cfg, st)
     out["activations_per_layer"] = full_layer
