@@ -89,20 +89,24 @@ class CachingAllocatorSim:
             else:
                 self._remove(tail)
             b = tail
-        remaining = b.size - size
-        if remaining >= K_MIN_BLOCK:
-            rest = _Block(b.addr + size, remaining, small)
-            rest.prev, rest.next = b, b.next
-            if b.next:
-                b.next.prev = rest
-            else:
-                self.es_last[small] = rest
-            b.next = rest
-            b.size = size
-            self.by_addr[rest.addr] = rest
-            self._insert(rest)
+        if b.size - size >= K_MIN_BLOCK:
+            self._split(b, size)
         b.free = False
         return b
+
+    def _split(self, b: _Block, size: int) -> None:
+        """Cuts b to size; the rest becomes a free block right after it (in expandable mode, the
+        new block at the mapped end when b was there)."""
+        rest = _Block(b.addr + size, b.size - size, b.small)
+        rest.prev, rest.next = b, b.next
+        if b.next:
+            b.next.prev = rest
+        elif self.expandable:
+            self.es_last[b.small] = rest
+        b.next = rest
+        b.size = size
+        self.by_addr[rest.addr] = rest
+        self._insert(rest)
 
     def _insert(self, b: _Block) -> None:
         bisect.insort(self.free_sets[b.small], (b.size, b.addr))
@@ -134,14 +138,7 @@ class CachingAllocatorSim:
             self.segments += 1
         remaining = b.size - size
         if (small and remaining >= K_MIN_BLOCK) or (not small and remaining > K_SMALL_SIZE):
-            rest = _Block(b.addr + size, remaining, small)
-            rest.prev, rest.next = b, b.next
-            if b.next:
-                b.next.prev = rest
-            b.next = rest
-            b.size = size
-            self.by_addr[rest.addr] = rest
-            self._insert(rest)
+            self._split(b, size)
         b.free = False
         return b.addr
 
