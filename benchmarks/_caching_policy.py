@@ -51,9 +51,8 @@ class CachingAllocatorSim:
         self.reserved = self.peak_reserved = 0
         self.segments = 0
         self.expandable = expandable
-        # expandable: per pool, the segment's base and the end of its mapped pages
-        self.es_base = {True: 1 << 44, False: 1 << 45}
-        self.es_end = dict(self.es_base)
+        # expandable: per pool, the end of its segment's mapped pages (from the segment's base on)
+        self.es_end = {True: 1 << 44, False: 1 << 45}
         self.es_last: dict[bool, _Block | None] = {True: None, False: None}  # block ending at es_end
 
     def _malloc_expandable(self, size: int, small: bool) -> _Block:
