@@ -51,9 +51,8 @@ class CachingAllocatorSim:
         self.reserved = self.peak_reserved = 0
         self.segments = 0
         self.expandable = expandable
-        # expandable: per pool, the segment's base and the end of its mapped pages
-        self.es_base = {True: 1 << 44, False: 1 << 45}
-        self.es_end = dict(self.es_base)
+        # expandable: per pool, the end of its segment's mapped pages (from the segment's base on)
+        self.es_end = {True: 1 << 44, False: 1 << 45}
         self.es_last: dict[bool, _Block | None] = {True: None, False: None}  # block ending at es_end
 
     def _malloc_expandable(self, size: int, small: bool) -> _Block:
@@ -89,20 +88,24 @@ class CachingAllocatorSim:
             else:
                 self._remove(tail)
             b = tail
-        remaining = b.size - size
-        if remaining >= K_MIN_BLOCK:
-            rest = _Block(b.addr + size, remaining, small)
-            rest.prev, rest.next = b, b.next
-            if b.next:
-                b.next.prev = rest
-            else:
-                self.es_last[small] = rest
-            b.next = rest
-            b.size = size
-            self.by_addr[rest.addr] = rest
-            self._insert(rest)
+        if b.size - size >= K_MIN_BLOCK:
+            self._split(b, size)
         b.free = False
         return b
+
+    def _split(self, b: _Block, size: int) -> None:
+        """Cuts b to size; the rest becomes a free block right after it (in expandable mode, the
+        new block at the mapped end when b was there)."""
+        rest = _Block(b.addr + size, b.size - size, b.small)
+        rest.prev, rest.next = b, b.next
+        if b.next:
+            b.next.prev = rest
+        elif self.expandable:
+            self.es_last[b.small] = rest
+        b.next = rest
+        b.size = size
+        self.by_addr[rest.addr] = rest
+        self._insert(rest)
 
     def _insert(self, b: _Block) -> None:
         bisect.insort(self.free_sets[b.small], (b.size, b.addr))
@@ -134,14 +137,7 @@ class CachingAllocatorSim:
             self.segments += 1
         remaining = b.size - size
         if (small and remaining >= K_MIN_BLOCK) or (not small and remaining > K_SMALL_SIZE):
-            rest = _Block(b.addr + size, remaining, small)
-            rest.prev, rest.next = b, b.next
-            if b.next:
-                b.next.prev = rest
-            b.next = rest
-            b.size = size
-            self.by_addr[rest.addr] = rest
-            self._insert(rest)
+            self._split(b, size)
         b.free = False
         return b.addr
 

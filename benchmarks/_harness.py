@@ -55,6 +55,21 @@ def time_fn(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2, devi
             "repeats": repeats}
 
 
+# A benchmark run in spawned ranks (llmmem.parallel.testing.run_ranks) gets rank 0's result back
+# through that rank's output, as one marked JSON line.
+_RANK_MARK = "BENCH_JSON "
+
+
+def print_rank_result(payload: object) -> None:
+    print(_RANK_MARK + json.dumps(payload), flush=True)
+
+
+def rank_result(output: str) -> object:
+    """The payload a rank printed with print_rank_result."""
+    line = next(ln for ln in output.splitlines() if ln.startswith(_RANK_MARK))
+    return json.loads(line[len(_RANK_MARK):])
+
+
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
     cells = [[str(c) for c in header]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

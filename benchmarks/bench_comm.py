@@ -21,7 +21,6 @@ CUDA tensors (NCCL refuses two ranks on one GPU, so it cannot be the baseline th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,8 +28,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-
-MARK = "BENCH_JSON "
 
 
 def _inner_for(nbytes: int) -> int:
@@ -49,6 +46,7 @@ def _cpu_rank(rank, world, sizes, repeats):
     import torch
     import torch.distributed as dist
 
+    from _harness import print_rank_result
     from llmmem.parallel import collectives
 
     torch.set_num_threads(1)
@@ -93,14 +91,14 @@ def _cpu_rank(rank, world, sizes, repeats):
                      "copy_s": statistics.median(s_copy), "repeats": reps,
                      "paired_speedup_median": statistics.median(g / o for g, o in zip(s_gloo, s_ours))})
     if rank == 0:
-        print(MARK + json.dumps(rows), flush=True)
+        print_rank_result(rows)
 
 
 def _cuda_rank(rank, world, sizes, repeats):
     import torch
     import torch.distributed as dist
 
-    from _harness import time_fn
+    from _harness import print_rank_result, time_fn
     from llmmem.parallel.cuda_ipc import CudaIpcCommunicator
 
     torch.cuda.set_device(0)
@@ -132,7 +130,7 @@ def _cuda_rank(rank, world, sizes, repeats):
             rows.append(row)
     comm.close()
     if rank == 0:
-        print(MARK + json.dumps(rows), flush=True)
+        print_rank_result(rows)
 
 
 def _copy_bandwidth(nbytes: int = 64 << 20) -> float:
@@ -150,7 +148,7 @@ def _human(n: int) -> str:
 
 
 def main(argv=None) -> int:
-    from _harness import print_table, write_json
+    from _harness import print_table, rank_result, write_json
     from llmmem.parallel.testing import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -170,8 +168,7 @@ def main(argv=None) -> int:
             t0 = time.time()
             res = run_ranks(__file__, "_cpu_rank", world, args=(sizes, repeats), timeout=600,
                             env={"LLMMEM_TP_TIMEOUT": "120"})
-            line = next(ln for ln in res[0].output.splitlines() if ln.startswith(MARK))
-            rows = json.loads(line[len(MARK):])
+            rows = rank_result(res[0].output)
             table = []
             for r in rows:
                 bus = 2 * (world - 1) / world * r["bytes"]
@@ -186,8 +183,7 @@ def main(argv=None) -> int:
     else:
         sizes = [4 << 10, 64 << 10, 256 << 10, 512 << 10]
         res = run_ranks(__file__, "_cuda_rank", 2, args=(sizes, 5 if a.quick else 9), timeout=300)
-        line = next(ln for ln in res[0].output.splitlines() if ln.startswith(MARK))
-        rows = json.loads(line[len(MARK):])
+        rows = rank_result(res[0].output)
         print_table("CUDA IPC one-shot all-reduce, 2 processes sharing GPU 0",
                     ["dtype", "size", "bitwise = fp32 CPU sum", "llmmem us", "gloo us"],
                     [[r["dtype"], _human(r["bytes"]), r["correct"], r.get("llmmem_s", float("nan")) * 1e6,

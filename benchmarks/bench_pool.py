@@ -71,14 +71,34 @@ def peak_requested(events) -> int:
     return peak
 
 
-def replay_sim(events, expandable: bool = False) -> CachingAllocatorSim:
-    sim, live = CachingAllocatorSim(expandable=expandable), {}
+def replay(events, alloc, free) -> dict:
+    """Replays a trace through alloc(size) -> handle and free(handle); returns the handles still
+    live at its end (frees of allocations made before the trace began are skipped)."""
+    live = {}
     for op, i, size in events:
         if op:
-            live[i] = sim.malloc(size)
+            live[i] = alloc(size)
         elif i in live:
-            sim.free(live.pop(i))
+            free(live.pop(i))
+    return live
+
+
+def replay_sim(events, expandable: bool = False) -> CachingAllocatorSim:
+    sim = CachingAllocatorSim(expandable=expandable)
+    replay(events, sim.malloc, sim.free)
     return sim
+
+
+def replay_pool(cap, events) -> dict:
+    """Replays a trace through an open pool capsule; returns its stats at the trace's end, after
+    which what is still live is freed (the caller closes the pool)."""
+    from llmmem._native import native
+
+    live = replay(events, lambda n: native.pool_alloc(cap, n), lambda a: native.pool_free(cap, a))
+    stats = native.pool_stats(cap)
+    for addr in live.values():
+        native.pool_free(cap, addr)
+    return stats
 
 
 def replay_llmmem(events, initial_size: int = 0, fixed_segments: bool = False) -> dict:
@@ -87,15 +107,8 @@ def replay_llmmem(events, initial_size: int = 0, fixed_segments: bool = False) -
     backend grows one segment in place over reserved address space."""
     from llmmem._native import native
 
-    cap, live = native.pool_create("cpu", -1, initial_size, 0, 0, fixed_segments), {}
-    for op, i, size in events:
-        if op:
-            live[i] = native.pool_alloc(cap, size)
-        elif i in live:
-            native.pool_free(cap, live.pop(i))
-    stats = native.pool_stats(cap)
-    for addr in live.values():
-        native.pool_free(cap, addr)
+    cap = native.pool_create("cpu", -1, initial_size, 0, 0, fixed_segments)
+    stats = replay_pool(cap, events)
     native.pool_close(cap)
     return stats
 
@@ -189,12 +202,7 @@ def gpu_part(traces: dict, quick: bool) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_reserved()
-        live = {}
-        for op, i, size in events:
-            if op:
-                live[i] = torch.cuda.caching_allocator_alloc(size)
-            elif i in live:
-                torch.cuda.caching_allocator_delete(live.pop(i))
+        live = replay(events, torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete)
         peak = torch.cuda.max_memory_reserved() - base
         for p in live.values():
             torch.cuda.caching_allocator_delete(p)
@@ -213,15 +221,7 @@ def gpu_part(traces: dict, quick: bool) -> dict:
             except NoDeviceError as exc:
                 ratios = f"unavailable: {exc}"
                 break
-            live = {}
-            for op, i, size in events:
-                if op:
-                    live[i] = native.pool_alloc(cap, size)
-                elif i in live:
-                    native.pool_free(cap, live.pop(i))
-            ratios[name] = native.pool_stats(cap)["reserved_bytes.peak"] / peak_requested(events)
-            for addr in live.values():
-                native.pool_free(cap, addr)
+            ratios[name] = replay_pool(cap, events)["reserved_bytes.peak"] / peak_requested(events)
             torch.cuda.synchronize()
             native.pool_close(cap)
         backends[kind] = ratios

@@ -40,20 +40,19 @@ from llmmem._native import native  # noqa: E402
 SCALE = 1.0 + 2.0**-10
 
 
+def _block_shapes(d):
+    """The 12 parameters of one GPT-2 block of width d (norms, attention, MLP)."""
+    return [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+
+
 def gpt2_small_shapes():
     d, v, ctx, layers = 768, 50257, 1024, 12
-    shapes = [(v, d), (ctx, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    return shapes + [(d,), (d,)]
+    return [(v, d), (ctx, d)] + _block_shapes(d) * layers + [(d,), (d,)]
 
 
 def one_b_shapes(quick):
     d, layers = 2048, 20 if not quick else 5  # 20 x 50.3M + embeddings ~ 1.07B; quick ~ 0.32B
-    shapes = [(50304, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    return shapes
+    return [(50304, d)] + _block_shapes(d) * layers
 
 
 def small_shapes(count=4000):

@@ -13,15 +13,12 @@ not speed; the table shows what the collectives cost on top.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-
-MARK = "BENCH_JSON "
 
 
 def _step_fn(fc1, fc2, x):
@@ -44,6 +41,7 @@ def _tp_rank(rank, world, hidden, tokens, repeats):
     import torch.distributed as dist
 
     import llmmem
+    from _harness import print_rank_result
     from llmmem.parallel import collectives
 
     torch.set_num_threads(1)
@@ -63,14 +61,14 @@ def _tp_rank(rank, world, hidden, tokens, repeats):
             if i > 0:  # the first round warms up both engines
                 samples[name].append(time.perf_counter() - t0)
     if rank == 0:
-        print(MARK + json.dumps({name: statistics.median(v) for name, v in samples.items()}), flush=True)
+        print_rank_result({name: statistics.median(v) for name, v in samples.items()})
 
 
 def main(argv=None) -> int:
     import torch
     import torch.nn as nn
 
-    from _harness import print_table, time_fn, write_json
+    from _harness import print_table, rank_result, time_fn, write_json
     from llmmem.parallel.testing import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -94,8 +92,7 @@ def main(argv=None) -> int:
         single = time_fn(_step_fn(fc1, fc2, x), repeats=repeats, warmup=2)["median_s"]
         torch.set_num_threads(threads_before)
         res = run_ranks(__file__, "_tp_rank", world, args=(hidden, tokens, repeats), timeout=600)
-        line = next(ln for ln in res[0].output.splitlines() if ln.startswith(MARK))
-        tp = json.loads(line[len(MARK):])
+        tp = rank_result(res[0].output)
         rows.append([f"h={hidden}, tokens={tokens}", single * 1e3, tp["llmmem"] * 1e3, tp["gloo"] * 1e3,
                      tp["gloo"] / tp["llmmem"], single / tp["llmmem"]])
         payload[f"h{hidden}_t{tokens}"] = {"single_s": single, "tp2_llmmem_s": tp["llmmem"], "tp2_gloo_s": tp["gloo"]}

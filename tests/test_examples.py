@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+from llmmem.units import parse_bytes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -16,9 +18,8 @@ def test_estimate_sweep_runs_and_never_grows():
     assert proc.returncode == 0, proc.stderr
     totals = []
     for line in proc.stdout.splitlines()[2:]:
-        sizes = re.findall(r"([\d.]+) (B|KiB|MiB|GiB|TiB)", line)
-        scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-        totals.append(float(sizes[2][0]) * scale[sizes[2][1]])
+        sizes = re.findall(r"[\d.]+ (?:B|KiB|MiB|GiB|TiB)", line)  # as format_bytes prints them
+        totals.append(parse_bytes(sizes[2]))
     assert len(totals) == 7
     assert all(b <= a * 1.0001 for a, b in zip(totals, totals[1:])), totals
     assert totals[-1] < totals[0] / 4
