@@ -342,10 +342,7 @@ class GradScaler(_ScalerVisibility):
                 _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
                                   scale_is_inverse=is_inverse, codes=sub_codes)
                 flags_per_device[device] = (flags, pos)
-        if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
-            self._overflow.clear()
-            self._overflow_stale = False
-        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
+        self._record_overflow(optimizer, slots, flags_per_device)
         return per_device_found_inf._per_device_tensors
 
     def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
@@ -370,12 +367,15 @@ class GradScaler(_ScalerVisibility):
             flags_per_device = {}
         else:
             flags_per_device = {cpu: (flags if n_grads == n_params else flags[:n_grads], range(n_grads))}
+        self._record_overflow(optimizer, range(n_grads) if slots is None else slots, flags_per_device)
+        return per_device_found_inf._per_device_tensors
+
+    def _record_overflow(self, optimizer: torch.optim.Optimizer, slots: Any, flags_per_device: dict) -> None:
+        """Keeps this check's per-gradient flags for :meth:`overflowed_params` (see ``_overflow``)."""
         if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
             self._overflow.clear()
             self._overflow_stale = False
-        self._overflow[id(optimizer)] = (_weak(optimizer), range(n_grads) if slots is None else slots,
-                                         flags_per_device)
-        return per_device_found_inf._per_device_tensors
+        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
 
     @staticmethod
     def _group_positions(dev_ids: list) -> dict:
