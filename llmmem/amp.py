@@ -516,7 +516,7 @@ class GradScaler(_ScalerVisibility):
             _k.update_scale_(_scale, _growth_tracker, self._hysteresis_tracker, self._stats, found_infs,
                              self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
                              float(self._min_scale or 0.0),
-                             getattr(self, "_hysteresis_mode", "consecutive") == "on_growth")
+                             self._hysteresis_mode == "on_growth")
             if _scale.device.type == "cpu":  # free to read on the host
                 self._warn_if_min_scale_hit()
             elif self._min_scale is not None and not self._min_scale_warned:
@@ -591,7 +591,7 @@ class GradScaler(_ScalerVisibility):
         sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
               "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
               "_growth_tracker": self._get_growth_tracker()}
-        mode = getattr(self, "_hysteresis_mode", "consecutive")  # absent from older pickles
+        mode = self._hysteresis_mode
         if self._hysteresis != 1 or self._min_scale is not None or mode != "consecutive":
             sd["hysteresis"] = self._hysteresis
             sd["_hysteresis_tracker"] = self._get_hysteresis_tracker()
@@ -647,6 +647,8 @@ class GradScaler(_ScalerVisibility):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if self._enabled:  # pickled before the hysteresis_mode option existed: the default rule
+            self.__dict__.setdefault("_hysteresis_mode", "consecutive")
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
