@@ -121,6 +121,11 @@ def _self_check(device: torch.device) -> Optional[str]:
     return self_check(device)
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The GPU index of a CUDA ``device``; ``"cuda"`` without one means the current GPU."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _kernel_unsupported_reason(device: torch.device) -> Optional[str]:
     """None when gradients on ``device`` go to llmmem's own kernels, else why they go to torch's ops."""
     if not available():
@@ -129,8 +134,7 @@ def _kernel_unsupported_reason(device: torch.device) -> Optional[str]:
         return None
     if device.type != "cuda" or not cuda_kernels_built():
         return "llmmem's kernels do not cover this device"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_unsupported_reason(index)
+    return _cuda_unsupported_reason(_cuda_index(device))
 
 
 def uses_llmmem_kernels(device: torch.device) -> bool:
@@ -381,7 +385,7 @@ def _launch_unscale(device: torch.device, ptrs, numels, codes, scale_ptr: int, s
         native.scaler_unscale_check(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_ptr, flags_ptr, n_flags,
                                     torch.get_num_threads())
     else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _cuda_index(device)
         stream = torch.cuda.current_stream(index).cuda_stream
         native.scaler_unscale_check_cuda(ptrs, numels, codes, scale_ptr, scale_is_inverse, found_ptr, flags_ptr,
                                          n_flags, index, stream)
@@ -407,7 +411,7 @@ def _launch_update(scale, growth, hyst, stats, found_infs, growth_factor, backof
     if device.type == "cpu":
         native.scaler_update(*args, -1, 0, bool(hysteresis_on_growth))
     else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _cuda_index(device)
         native.scaler_update(*args, index, torch.cuda.current_stream(index).cuda_stream, bool(hysteresis_on_growth))
 
 

@@ -207,7 +207,7 @@ def self_check(device: torch.device, unscale: Optional[Callable] = None,
     checks: list = []
     try:
         if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
+            index = _k._cuda_index(device)
             device = torch.device("cuda", index)
             with torch.cuda.device(index):  # the current device is restored on exit
                 return _run(device, unscale, update, checks)

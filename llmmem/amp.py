@@ -342,10 +342,7 @@ class GradScaler(_ScalerVisibility):
                 _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
                                   scale_is_inverse=is_inverse, codes=sub_codes)
                 flags_per_device[device] = (flags, pos)
-        if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
-            self._overflow.clear()
-            self._overflow_stale = False
-        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
+        self._record_overflow(optimizer, slots, flags_per_device)
         return per_device_found_inf._per_device_tensors
 
     def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
@@ -370,12 +367,15 @@ class GradScaler(_ScalerVisibility):
             flags_per_device = {}
         else:
             flags_per_device = {cpu: (flags if n_grads == n_params else flags[:n_grads], range(n_grads))}
+        self._record_overflow(optimizer, range(n_grads) if slots is None else slots, flags_per_device)
+        return per_device_found_inf._per_device_tensors
+
+    def _record_overflow(self, optimizer: torch.optim.Optimizer, slots: Any, flags_per_device: dict) -> None:
+        """Keeps this check's per-gradient flags for :meth:`overflowed_params` (see ``_overflow``)."""
         if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
             self._overflow.clear()
             self._overflow_stale = False
-        self._overflow[id(optimizer)] = (_weak(optimizer), range(n_grads) if slots is None else slots,
-                                         flags_per_device)
-        return per_device_found_inf._per_device_tensors
+        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
 
     @staticmethod
     def _group_positions(dev_ids: list) -> dict:
@@ -516,7 +516,7 @@ class GradScaler(_ScalerVisibility):
             _k.update_scale_(_scale, _growth_tracker, self._hysteresis_tracker, self._stats, found_infs,
                              self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
                              float(self._min_scale or 0.0),
-                             getattr(self, "_hysteresis_mode", "consecutive") == "on_growth")
+                             self._hysteresis_mode == "on_growth")
             if _scale.device.type == "cpu":  # free to read on the host
                 self._warn_if_min_scale_hit()
             elif self._min_scale is not None and not self._min_scale_warned:
@@ -591,7 +591,7 @@ class GradScaler(_ScalerVisibility):
         sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
               "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
               "_growth_tracker": self._get_growth_tracker()}
-        mode = getattr(self, "_hysteresis_mode", "consecutive")  # absent from older pickles
+        mode = self._hysteresis_mode
         if self._hysteresis != 1 or self._min_scale is not None or mode != "consecutive":
             sd["hysteresis"] = self._hysteresis
             sd["_hysteresis_tracker"] = self._get_hysteresis_tracker()
@@ -647,6 +647,8 @@ class GradScaler(_ScalerVisibility):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if self._enabled:  # pickled before the hysteresis_mode option existed: the default rule
+            self.__dict__.setdefault("_hysteresis_mode", "consecutive")
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")

@@ -319,6 +319,18 @@ def test_overflowed_params_names_and_indices():
     assert s2.stats() == {"updates": 5, "skipped_steps": 2, "last_step_skipped": 1, "min_scale_hits": 0}
 
 
+def test_unpickling_a_scaler_saved_before_hysteresis_mode_uses_the_consecutive_rule():
+    s = llmmem.GradScaler("cpu", init_scale=8.0, hysteresis=2)
+    state = s.__getstate__()
+    del state["_hysteresis_mode"]  # what a pickle from before the option holds
+    old = llmmem.GradScaler.__new__(llmmem.GradScaler)
+    old.__setstate__(state)
+    assert old.state_dict()["hysteresis_mode"] == "consecutive"
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    train(old, model, opt, 1)
+    assert old.stats()["updates"] == 1
+
 def test_visibility_readers_on_a_disabled_scaler():
     s = llmmem.GradScaler("cpu", enabled=False)
     assert s.stats() == {"updates": 0, "skipped_steps": 0, "last_step_skipped": 0, "min_scale_hits": 0}

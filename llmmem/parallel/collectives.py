@@ -61,10 +61,6 @@ def _env_on(name: str, default: bool = True) -> bool:
     return raw.lower() not in ("0", "false", "no", "off")
 
 
-_thresholds = {
-    "cpu_shm_max_bytes": _env_int("LLMMEM_TP_SHM_MAX_BYTES", _DEFAULT_SHM_MAX),
-    "cuda_ipc_max_bytes": _env_int("LLMMEM_TP_CUDA_IPC_MAX_BYTES", _DEFAULT_CUDA_IPC_MAX),
-}
 def _env_seconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -78,6 +74,10 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+_thresholds = {
+    "cpu_shm_max_bytes": _env_int("LLMMEM_TP_SHM_MAX_BYTES", _DEFAULT_SHM_MAX),
+    "cuda_ipc_max_bytes": _env_int("LLMMEM_TP_CUDA_IPC_MAX_BYTES", _DEFAULT_CUDA_IPC_MAX),
+}
 _timeout_s = _env_seconds("LLMMEM_TP_TIMEOUT", 300.0)
 # Read once, like the thresholds: the routing runs on every collective of every layer, and an
 # environment lookup costs microseconds there (as much as a 64 KiB shared-memory all-reduce).

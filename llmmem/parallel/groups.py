@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 _TP_GROUP = None          # this rank's tensor-parallel group, set by init()
 _DP_GROUP = None          # this rank's data-parallel group (same TP rank in every TP group)
-_TP_SIZE = None
 
 _NO_GROUP_MSG = (
     "llmmem.parallel: torch.distributed is not initialised. Launch with `torchrun` and call "
@@ -42,7 +41,7 @@ def init(tensor_parallel_size: int | None = None, *, backend: str | None = None,
 
     :param timeout: seconds (or a timedelta) for the process group and for llmmem's own collectives.
     """
-    global _TP_GROUP, _DP_GROUP, _TP_SIZE
+    global _TP_GROUP, _DP_GROUP
     if not dist.is_available():
         raise RuntimeError("llmmem.parallel.init: this torch build has no torch.distributed")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -78,17 +77,16 @@ def init(tensor_parallel_size: int | None = None, *, backend: str | None = None,
         g = dist.new_group(ranks)
         if rank in ranks:
             _DP_GROUP = g
-    _TP_SIZE = t
     return _TP_GROUP
 
 
 def destroy() -> None:
     """Forget the groups of :func:`init` and llmmem's communicators (the process group stays)."""
-    global _TP_GROUP, _DP_GROUP, _TP_SIZE
+    global _TP_GROUP, _DP_GROUP
     from llmmem.parallel import collectives
 
     collectives.close_all()
-    _TP_GROUP = _DP_GROUP = _TP_SIZE = None
+    _TP_GROUP = _DP_GROUP = None
 
 
 def get_tensor_parallel_group(process_group=None):
@@ -103,11 +101,3 @@ def get_tensor_parallel_group(process_group=None):
 def get_data_parallel_group():
     """The data-parallel group built by :func:`init` (``None`` before it)."""
     return _DP_GROUP
-
-
-def world_size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def rank_in(group) -> int:
-    return dist.get_rank(group)
