@@ -188,8 +188,6 @@ void _llmmem_slots_forget(llmmem_pool_t *pool);
  * LLMMEM_ERR_INTERNAL naming the broken one. Takes the lock. For tests and debug builds. */
 llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool);
 
-static inline size_t _llmmem_round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
 static inline void _llmmem_stat_add(llmmem_pool_stat_t *s, int64_t delta) {
   s->current += delta;
   if (s->current > s->peak) s->peak = s->current;
