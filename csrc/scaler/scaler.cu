@@ -20,12 +20,8 @@
 #include <llmmem/scaler.h>
 
 #include "cuda_check.h"
+#include "scaler_internal.h"
 #include "update_rule.h"
-
-extern "C" llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler_tensor_t *tensors,
-                                                        size_t count, const float *found_inf,
-                                                        const uint8_t *tensor_flags, size_t n_flags,
-                                                        size_t *total_bytes);
 
 namespace {
 
