@@ -148,6 +148,12 @@ static inline int _llmmem_region_empty(const pool_region_t *r) {
   return r->first->is_free && r->first->size == r->size;
 }
 
+/* A segment the pool may give back to the backend: wholly free, event-free, and not the initial
+ * one (kept until destroy). */
+static inline int _llmmem_segment_releasable(const pool_region_t *r) {
+  return !r->is_initial && _llmmem_region_empty(r) && !r->first->event;
+}
+
 /* block.c: metadata, events of free blocks (keeping the pending list and pending_bytes
  * consistent), coalescing, splitting */
 pool_block_t *_llmmem_block_new(llmmem_pool_t *pool);

@@ -389,6 +389,18 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   return released;
 }
 
+/* Gives back the empty chunks, then every releasable segment but `keep` (may be NULL). Returns
+ * the bytes of memory that came back from the segments. */
+static size_t release_free_segments(llmmem_pool_t *pool, const pool_region_t *keep) {
+  size_t freed = 0;
+  _llmmem_release_empty_chunks(pool);
+  for (pool_region_t *r = pool->segments, *next; r; r = next) {
+    next = r->next;
+    if (r != keep && _llmmem_segment_releasable(r)) freed += _llmmem_release_segment(pool, r);
+  }
+  return freed;
+}
+
 /* Growth that does not strand memory: fully free growth segments are given back first. With a
  * resizable backend the top segment then grows in place by what the request lacks. Otherwise
  * the released bytes are re-reserved inside the one new segment, so free space that was scattered
@@ -397,14 +409,7 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
  * device), but only on the growth path, which already pays for a cudaMalloc; a steady training
  * loop never gets here. */
 static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
-  size_t freed = 0;
-  _llmmem_release_empty_chunks(pool);
-  for (pool_region_t *r = pool->segments, *next; r; r = next) {
-    next = r->next;
-    if (!r->is_initial && r != pool->top && _llmmem_region_empty(r) && !r->first->event) {
-      freed += _llmmem_release_segment(pool, r);
-    }
-  }
+  const size_t freed = release_free_segments(pool, pool->top);
   if (pool->top) {
     decommit_holes(pool);
     llmmem_status_t st = grow_in_place(pool, need);
@@ -439,11 +444,7 @@ pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream,
     if (pool->pending_head && _llmmem_wait_all_events(pool) == LLMMEM_OK)
       b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
     if (!b) {
-      _llmmem_release_empty_chunks(pool);
-      for (pool_region_t *r = pool->segments, *next; r; r = next) {
-        next = r->next;
-        if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) _llmmem_release_segment(pool, r);
-      }
+      release_free_segments(pool, NULL);
       b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
       if (!b) {
         /* events waited for: the top's end may have become mergeable, so it may need less now */
