@@ -257,18 +257,25 @@ llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
 
 /* ---- growth -------------------------------------------------------------------------------- */
 
+/* The bytes to add for a growth that requires `need`: `need` rounded up to 2 MiB, at least
+ * growth_size, capped to the room max_size leaves (whole 512-byte granules). LLMMEM_ERR_NOMEM
+ * when not even `need` fits. */
+static llmmem_status_t growth_step(llmmem_pool_t *pool, size_t need, size_t *add) {
+  *add = _llmmem_round_up(need, LLMMEM_POOL_CHUNK_SIZE);
+  if (pool->options.growth_size > *add) *add = pool->options.growth_size;
+  size_t max = pool->options.max_size, reserved = (size_t)pool->st.reserved_bytes.current;
+  if (!max) return LLMMEM_OK;
+  size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
+  if (avail < need)
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max, reserved,
+                       need);
+  if (*add > avail) *add = avail;
+  return LLMMEM_OK;
+}
+
 static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
-  size_t max = pool->options.max_size;
-  size_t reserved = (size_t)pool->st.reserved_bytes.current;
-  size_t seg = _llmmem_round_up(need, LLMMEM_POOL_CHUNK_SIZE);
-  if (pool->options.growth_size > seg) seg = pool->options.growth_size;
-  if (max) {
-    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
-    if (avail < need)
-      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
-                         reserved, need);
-    if (seg > avail) seg = avail;
-  }
+  size_t seg;
+  LLMMEM_TRY(growth_step(pool, need, &seg));
   llmmem_status_t st = _llmmem_add_segment(pool, seg, 0);
   if (st == LLMMEM_ERR_NOMEM && seg > need) st = _llmmem_add_segment(pool, need, 0);  /* no slack then */
   return st;
@@ -311,16 +318,8 @@ static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
   size_t have = end->is_free && !end->event ? end->size : 0;  /* only an event-less end merges */
   size_t lack = need > have ? need - have : 0;
   if (!lack) return LLMMEM_OK;  /* fits already (a search skipped it as busy on another stream) */
-  size_t add = _llmmem_round_up(lack, LLMMEM_POOL_CHUNK_SIZE);
-  if (pool->options.growth_size > add) add = pool->options.growth_size;
-  size_t max = pool->options.max_size, reserved = (size_t)pool->st.reserved_bytes.current;
-  if (max) {
-    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
-    if (avail < lack)
-      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
-                         reserved, lack);
-    if (add > avail) add = avail;
-  }
+  size_t add;
+  LLMMEM_TRY(growth_step(pool, lack, &add));
   if (r->size > SIZE_MAX / 2 - add) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: segment too large to grow");
   pool_block_t *nb = _llmmem_block_new(pool);
   if (!nb) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: no host memory for block metadata");
