@@ -36,7 +36,6 @@ static void region_unlink(pool_region_t **list, pool_region_t *r) {
   if (r->next) r->next->prev = r->prev;
 }
 
-
 llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_initial) {
   void *ptr = NULL;
   llmmem_status_t st = pool->backend.reserve(pool->backend.ctx, bytes, &ptr);
@@ -91,8 +90,8 @@ size_t _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   return held;
 }
 
-/* Frees large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away and
- * its event (if any) moves to lb. Returns lb, merged with its neighbours and in the large heap. */
+/* Frees the large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away
+ * and its event (if any) moves to lb, which is merged with its neighbours into the large heap. */
 static void release_chunk(llmmem_pool_t *pool, pool_region_t *c) {
   pool_block_t *sb = c->first, *lb = c->backing;
   _llmmem_heap_remove(&pool->small, sb);
