@@ -103,7 +103,7 @@ static llmmem_status_t step_barrier(llmmem_shm_comm_t *c, shm_op_t kind, int fir
 static void part(size_t n, size_t esize, int world, int r, size_t *lo, size_t *hi) {
   size_t align = 64 / esize;
   size_t per = (n + (size_t)world - 1) / (size_t)world;
-  per = (per + align - 1) / align * align;
+  per = _llmmem_round_up(per, align);
   *lo = (size_t)r * per < n ? (size_t)r * per : n;
   *hi = *lo + per < n ? *lo + per : n;
 }

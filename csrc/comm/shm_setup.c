@@ -31,8 +31,6 @@ static void nap_us(long us) {
   nanosleep(&ts, NULL);
 }
 
-static size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
 static void path_of(char *out, size_t cap, const char *name) { snprintf(out, cap, "/dev/shm/%s", name); }
 
 static void unmap(llmmem_shm_comm_t *c) {
@@ -251,8 +249,8 @@ llmmem_status_t llmmem_shm_comm_open(const char *name, int rank, int world_size,
   c->rank = rank;
   c->world_size = world_size;
   c->timeout_s = timeout_s;
-  c->slot_bytes = round_up(slot_bytes ? slot_bytes : LLMMEM_SHM_DEFAULT_SLOT, 4096);
-  size_t ctl_bytes = round_up((size_t)world_size * LLMMEM_SHM_CTL_BYTES, 4096);
+  c->slot_bytes = _llmmem_round_up(slot_bytes ? slot_bytes : LLMMEM_SHM_DEFAULT_SLOT, 4096);
+  size_t ctl_bytes = _llmmem_round_up((size_t)world_size * LLMMEM_SHM_CTL_BYTES, 4096);
   c->total_bytes = LLMMEM_SHM_HEADER_BYTES + ctl_bytes + (size_t)world_size * 2u * c->slot_bytes;
   snprintf(c->name, sizeof c->name, "%s", name);
   char path[300];

@@ -57,6 +57,9 @@ llmmem_status_t _llmmem_set_error(llmmem_status_t status, const char *file, int 
 #define LLMMEM_ASSERT_INTERNAL(cond) ((void)0)
 #endif
 
+/* n rounded up to a multiple of `to` (> 0). */
+static inline size_t _llmmem_round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 #ifdef __cplusplus
 }
 #endif

@@ -77,6 +77,12 @@ static inline void tape_needs(const dp_t *dp, int32_t s, int32_t e, int32_t k, i
   *lo = max64(max64(*hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
 }
 
+/* The forward need of region [s, q) from that of [s, q - 1) (prev; 0 when q == s + 1): the
+ * re-run of block q - 1 holds its input (a_s is the caller's), its output and its transient. */
+static inline int64_t region_fneed(const dp_t *dp, int32_t s, int32_t q, int64_t prev) {
+  return max64(prev, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+}
+
 /* Free slots of the rest after offloaded region [s, q) with m free before it: a_s (held by the
  * caller, so m + x_s never exceeds the budget in a reachable state) leaves, a_q is held. Capped at
  * M for the unreachable states the table also fills (the table is non-increasing in m anyway). */
@@ -92,7 +98,7 @@ static void fill_offload(dp_t *dp, int32_t s, float *best) {
   const int64_t W = dp->M + 1;
   int64_t fneed = 0;
   for (int32_t q = s + 1; q <= L - 1; q++) {
-    fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+    fneed = region_fneed(dp, s, q, fneed);
     const int64_t xq = dp->x[q];
     const int64_t lo = max64(fneed, xq);
     const double fsum = dp->fnsum[q] - dp->fnsum[s];
@@ -138,7 +144,7 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
    * more memory: its forward need is the same for any length >= 2), so lengths <= half suffice. */
   const int32_t q_last = (c->identical && !top) ? s + (e - s) / 2 : e - 1;
   for (int32_t q = s + 1; q <= q_last; q++) {
-    fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+    fneed = region_fneed(dp, s, q, fneed);
     const int64_t xq = dp->x[q];
     const int64_t lo = max64(fneed, xq);
     const float fsum = (float)(dp->fnsum[q] - dp->fnsum[s]);
@@ -174,7 +180,7 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m, int allow
   }
   int64_t fneed = 0;
   for (int32_t q = s + 1; q < e; q++) {
-    fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+    fneed = region_fneed(dp, s, q, fneed);
     const int64_t xq = dp->x[q];
     if (m < max64(fneed, xq)) continue;
     const float fsum = (float)(dp->fnsum[q] - dp->fnsum[s]);
@@ -184,7 +190,7 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m, int allow
   if (top && allow_offload && plan_offload_ok(c, s)) {
     fneed = 0;
     for (int32_t q = s + 1; q < e; q++) {
-      fneed = max64(fneed, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+      fneed = region_fneed(dp, s, q, fneed);
       const int64_t xq = dp->x[q];
       if (m < max64(fneed, xq)) continue;
       const double fsum = dp->fnsum[q] - dp->fnsum[s];

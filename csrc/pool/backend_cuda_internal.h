@@ -1,7 +1,8 @@
 /*
  * backend_cuda_internal.h — what the two CUDA device backends share (C++, .cu files only): the
- * device guard, and stream events for stream-ordered reuse. backend_cuda.cu defines them and the
- * cudaMalloc backend; backend_cuda_vmm.cu the backend that grows regions in place.
+ * device guard (cuda_device_guard.h), and stream events for stream-ordered reuse. backend_cuda.cu
+ * defines the events and the cudaMalloc backend; backend_cuda_vmm.cu the backend that grows
+ * regions in place.
  */
 #ifndef LLMMEM_POOL_BACKEND_CUDA_INTERNAL_H
 #define LLMMEM_POOL_BACKEND_CUDA_INTERNAL_H
@@ -10,6 +11,7 @@
 
 #include <vector>
 
+#include "cuda_device_guard.h"
 #include "pool_internal.h"
 
 namespace llmmem_cuda {
@@ -18,23 +20,6 @@ namespace llmmem_cuda {
 struct cuda_ctx {
   int device;
   std::vector<cudaEvent_t> spare_events;  // recycled: creating events is far slower than recording them
-};
-
-/* Makes `device` current for the scope, restoring the previous one. */
-struct device_guard {
-  int prev = -1;
-  bool changed = false;
-  cudaError_t err = cudaSuccess;
-  explicit device_guard(int device) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != device) {
-      err = cudaSetDevice(device);
-      changed = err == cudaSuccess;
-    }
-  }
-  ~device_guard() {
-    if (changed) (void)cudaSetDevice(prev);
-  }
 };
 
 /* The backend's event hooks (llmmem_pool_backend_t), for a ctx that is a cuda_ctx. */

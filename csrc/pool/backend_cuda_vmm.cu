@@ -359,7 +359,7 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda_vmm(int device, l
                              : LLMMEM_FAIL(LLMMEM_ERR_NO_DEVICE, "cuda vmm: unusable allocation granularity");
   }
   /* Address space only: as large as the device, so one region can hold all of it. */
-  ctx->va_bytes = (total + ctx->gran - 1) / ctx->gran * ctx->gran;
+  ctx->va_bytes = _llmmem_round_up(total, ctx->gran);
   llmmem_pool_backend_t b = {};
   b.name = "cuda_vmm";
   b.device = device;

@@ -40,49 +40,6 @@ static size_t va_span(size_t bytes) {
   return bytes <= HOST_VA_RESERVE ? HOST_VA_RESERVE : _llmmem_round_up(bytes, page_size());
 }
 
-static llmmem_status_t host_reserve(void *ctx, size_t bytes, void **out) {
-  (void)ctx;
-  size_t span = va_span(bytes);
-  void *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED)
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: reserving %zu bytes of address space failed: %s", span,
-                       strerror(errno));
-  if (mprotect(p, _llmmem_round_up(bytes, page_size()), PROT_READ | PROT_WRITE) != 0) {
-    int e = errno;
-    munmap(p, span);
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: committing %zu bytes failed: %s", bytes, strerror(e));
-  }
-  *out = p;
-  return LLMMEM_OK;
-}
-
-static void host_release(void *ctx, void *ptr, size_t bytes) {
-  (void)ctx;
-  munmap(ptr, va_span(bytes));
-}
-
-static llmmem_status_t host_resize(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes) {
-  (void)ctx;
-  if (old_bytes > HOST_VA_RESERVE || new_bytes > HOST_VA_RESERVE)
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: region of %zu bytes cannot grow to %zu bytes in place", old_bytes,
-                       new_bytes);
-  size_t ps = page_size(), old_end = _llmmem_round_up(old_bytes, ps), new_end = _llmmem_round_up(new_bytes, ps);
-  char *base = ptr;
-  if (new_end > old_end) {
-    if (mprotect(base + old_end, new_end - old_end, PROT_READ | PROT_WRITE) != 0)
-      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: committing %zu more bytes failed: %s", new_end - old_end,
-                         strerror(errno));
-  } else if (new_end < old_end) {
-    /* A fresh PROT_NONE mapping over the tail drops its pages (memory goes back to the system)
-     * and keeps the address space reserved for a later growth. */
-    if (mmap(base + new_end, old_end - new_end, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
-             -1, 0) == MAP_FAILED)
-      return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "host: giving back %zu bytes failed: %s", old_end - new_end,
-                         strerror(errno));
-  }
-  return LLMMEM_OK;
-}
-
 /* Pages inside a resizable region (page-aligned: the pool works in 2 MiB steps from the region's
  * page-aligned base). Decommit maps fresh PROT_NONE pages over the range, which drops its memory
  * and makes any stray access fault instead of reading stale data. */
@@ -97,6 +54,39 @@ static llmmem_status_t host_commit(void *ctx, void *ptr, size_t bytes) {
   (void)ctx;
   if (mprotect(ptr, bytes, PROT_READ | PROT_WRITE) != 0)
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: committing %zu bytes failed: %s", bytes, strerror(errno));
+  return LLMMEM_OK;
+}
+
+static llmmem_status_t host_reserve(void *ctx, size_t bytes, void **out) {
+  size_t span = va_span(bytes);
+  void *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: reserving %zu bytes of address space failed: %s", span,
+                       strerror(errno));
+  llmmem_status_t st = host_commit(ctx, p, _llmmem_round_up(bytes, page_size()));
+  if (st != LLMMEM_OK) {
+    munmap(p, span);
+    return st;
+  }
+  *out = p;
+  return LLMMEM_OK;
+}
+
+static void host_release(void *ctx, void *ptr, size_t bytes) {
+  (void)ctx;
+  munmap(ptr, va_span(bytes));
+}
+
+static llmmem_status_t host_resize(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes) {
+  if (old_bytes > HOST_VA_RESERVE || new_bytes > HOST_VA_RESERVE)
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "host: region of %zu bytes cannot grow to %zu bytes in place", old_bytes,
+                       new_bytes);
+  size_t ps = page_size(), old_end = _llmmem_round_up(old_bytes, ps), new_end = _llmmem_round_up(new_bytes, ps);
+  char *base = ptr;
+  if (new_end > old_end) return host_commit(ctx, base + old_end, new_end - old_end);
+  /* Decommitting the tail gives its memory back to the system and keeps the address space
+   * reserved for a later growth. */
+  if (new_end < old_end) return host_decommit(ctx, base + new_end, old_end - new_end);
   return LLMMEM_OK;
 }
 

@@ -297,7 +297,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_empty_cache(llmmem_pool_t *pool, size_t *
   size_t total = 0;
   for (pool_region_t *r = pool->segments, *next; r; r = next) {
     next = r->next;
-    if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) {
+    if (_llmmem_segment_releasable(r)) {
       total += _llmmem_release_segment(pool, r);
     } else {
       total += _llmmem_shrink_segment(pool, r);

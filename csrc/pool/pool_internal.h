@@ -148,6 +148,12 @@ static inline int _llmmem_region_empty(const pool_region_t *r) {
   return r->first->is_free && r->first->size == r->size;
 }
 
+/* A segment the pool may give back to the backend: wholly free, event-free, and not the initial
+ * one (kept until destroy). */
+static inline int _llmmem_segment_releasable(const pool_region_t *r) {
+  return !r->is_initial && _llmmem_region_empty(r) && !r->first->event;
+}
+
 /* block.c: metadata, events of free blocks (keeping the pending list and pending_bytes
  * consistent), coalescing, splitting */
 pool_block_t *_llmmem_block_new(llmmem_pool_t *pool);
@@ -187,8 +193,6 @@ void _llmmem_slots_forget(llmmem_pool_t *pool);
 /* pool_check.c: verifies every invariant (tiling, heaps, map, counters). LLMMEM_OK or
  * LLMMEM_ERR_INTERNAL naming the broken one. Takes the lock. For tests and debug builds. */
 llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool);
-
-static inline size_t _llmmem_round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 static inline void _llmmem_stat_add(llmmem_pool_stat_t *s, int64_t delta) {
   s->current += delta;

@@ -36,7 +36,6 @@ static void region_unlink(pool_region_t **list, pool_region_t *r) {
   if (r->next) r->next->prev = r->prev;
 }
 
-
 llmmem_status_t _llmmem_add_segment(llmmem_pool_t *pool, size_t bytes, int is_initial) {
   void *ptr = NULL;
   llmmem_status_t st = pool->backend.reserve(pool->backend.ctx, bytes, &ptr);
@@ -91,8 +90,8 @@ size_t _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   return held;
 }
 
-/* Frees large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away and
- * its event (if any) moves to lb. Returns lb, merged with its neighbours and in the large heap. */
+/* Frees the large block `lb` that backed chunk `c`; the chunk's single free block `sb` goes away
+ * and its event (if any) moves to lb, which is merged with its neighbours into the large heap. */
 static void release_chunk(llmmem_pool_t *pool, pool_region_t *c) {
   pool_block_t *sb = c->first, *lb = c->backing;
   _llmmem_heap_remove(&pool->small, sb);
@@ -257,18 +256,25 @@ llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b) {
 
 /* ---- growth -------------------------------------------------------------------------------- */
 
+/* The bytes to add for a growth that requires `need`: `need` rounded up to 2 MiB, at least
+ * growth_size, capped to the room max_size leaves (whole 512-byte granules). LLMMEM_ERR_NOMEM
+ * when not even `need` fits. */
+static llmmem_status_t growth_step(llmmem_pool_t *pool, size_t need, size_t *add) {
+  *add = _llmmem_round_up(need, LLMMEM_POOL_CHUNK_SIZE);
+  if (pool->options.growth_size > *add) *add = pool->options.growth_size;
+  size_t max = pool->options.max_size, reserved = (size_t)pool->st.reserved_bytes.current;
+  if (!max) return LLMMEM_OK;
+  size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
+  if (avail < need)
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max, reserved,
+                       need);
+  if (*add > avail) *add = avail;
+  return LLMMEM_OK;
+}
+
 static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
-  size_t max = pool->options.max_size;
-  size_t reserved = (size_t)pool->st.reserved_bytes.current;
-  size_t seg = _llmmem_round_up(need, LLMMEM_POOL_CHUNK_SIZE);
-  if (pool->options.growth_size > seg) seg = pool->options.growth_size;
-  if (max) {
-    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
-    if (avail < need)
-      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
-                         reserved, need);
-    if (seg > avail) seg = avail;
-  }
+  size_t seg;
+  LLMMEM_TRY(growth_step(pool, need, &seg));
   llmmem_status_t st = _llmmem_add_segment(pool, seg, 0);
   if (st == LLMMEM_ERR_NOMEM && seg > need) st = _llmmem_add_segment(pool, need, 0);  /* no slack then */
   return st;
@@ -311,16 +317,8 @@ static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
   size_t have = end->is_free && !end->event ? end->size : 0;  /* only an event-less end merges */
   size_t lack = need > have ? need - have : 0;
   if (!lack) return LLMMEM_OK;  /* fits already (a search skipped it as busy on another stream) */
-  size_t add = _llmmem_round_up(lack, LLMMEM_POOL_CHUNK_SIZE);
-  if (pool->options.growth_size > add) add = pool->options.growth_size;
-  size_t max = pool->options.max_size, reserved = (size_t)pool->st.reserved_bytes.current;
-  if (max) {
-    size_t avail = max > reserved ? (max - reserved) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY : 0;
-    if (avail < lack)
-      return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "max_size %zu bytes reached (%zu reserved, %zu more needed)", max,
-                         reserved, lack);
-    if (add > avail) add = avail;
-  }
+  size_t add;
+  LLMMEM_TRY(growth_step(pool, lack, &add));
   if (r->size > SIZE_MAX / 2 - add) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: segment too large to grow");
   pool_block_t *nb = _llmmem_block_new(pool);
   if (!nb) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: no host memory for block metadata");
@@ -389,6 +387,18 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   return released;
 }
 
+/* Gives back the empty chunks, then every releasable segment but `keep` (may be NULL). Returns
+ * the bytes of memory that came back from the segments. */
+static size_t release_free_segments(llmmem_pool_t *pool, const pool_region_t *keep) {
+  size_t freed = 0;
+  _llmmem_release_empty_chunks(pool);
+  for (pool_region_t *r = pool->segments, *next; r; r = next) {
+    next = r->next;
+    if (r != keep && _llmmem_segment_releasable(r)) freed += _llmmem_release_segment(pool, r);
+  }
+  return freed;
+}
+
 /* Growth that does not strand memory: fully free growth segments are given back first. With a
  * resizable backend the top segment then grows in place by what the request lacks. Otherwise
  * the released bytes are re-reserved inside the one new segment, so free space that was scattered
@@ -397,14 +407,7 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
  * device), but only on the growth path, which already pays for a cudaMalloc; a steady training
  * loop never gets here. */
 static llmmem_status_t grow_consolidating(llmmem_pool_t *pool, size_t need) {
-  size_t freed = 0;
-  _llmmem_release_empty_chunks(pool);
-  for (pool_region_t *r = pool->segments, *next; r; r = next) {
-    next = r->next;
-    if (!r->is_initial && r != pool->top && _llmmem_region_empty(r) && !r->first->event) {
-      freed += _llmmem_release_segment(pool, r);
-    }
-  }
+  const size_t freed = release_free_segments(pool, pool->top);
   if (pool->top) {
     decommit_holes(pool);
     llmmem_status_t st = grow_in_place(pool, need);
@@ -439,11 +442,7 @@ pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream,
     if (pool->pending_head && _llmmem_wait_all_events(pool) == LLMMEM_OK)
       b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
     if (!b) {
-      _llmmem_release_empty_chunks(pool);
-      for (pool_region_t *r = pool->segments, *next; r; r = next) {
-        next = r->next;
-        if (!r->is_initial && _llmmem_region_empty(r) && !r->first->event) _llmmem_release_segment(pool, r);
-      }
+      release_free_segments(pool, NULL);
       b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
       if (!b) {
         /* events waited for: the top's end may have become mergeable, so it may need less now */

@@ -25,19 +25,22 @@ typedef struct {
   int close_pending;
 } holder_t;
 
-static void shm_capsule_free(PyObject *cap) {
-  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE);
+/* Closes a communicator of either kind; both accept NULL (already closed). */
+static void close_comm(void *comm, int is_shm) {
+  if (is_shm) (void)llmmem_shm_comm_close(comm);
+  else (void)llmmem_cuda_ar_close(comm);
+}
+
+static void free_holder(PyObject *cap, int is_shm) {
+  holder_t *h = PyCapsule_GetPointer(cap, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE);
   if (!h) return;
-  llmmem_shm_comm_close(h->comm);
+  close_comm(h->comm, is_shm);
   PyMem_Free(h);
 }
 
-static void cuda_ar_capsule_free(PyObject *cap) {
-  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
-  if (!h) return;
-  llmmem_cuda_ar_close(h->comm);
-  PyMem_Free(h);
-}
+static void shm_capsule_free(PyObject *cap) { free_holder(cap, 1); }
+
+static void cuda_ar_capsule_free(PyObject *cap) { free_holder(cap, 0); }
 
 /* The live communicator inside a capsule, or NULL with an exception set. */
 static void *live(PyObject *cap, const char *kind) {
@@ -54,28 +57,43 @@ static void *live(PyObject *cap, const char *kind) {
  * was asked for meanwhile. */
 static void leave_busy(holder_t *h, int is_shm) {
   if (--h->busy == 0 && h->close_pending) {
-    if (is_shm) (void)llmmem_shm_comm_close(h->comm);
-    else (void)llmmem_cuda_ar_close(h->comm);
+    close_comm(h->comm, is_shm);
     h->comm = NULL;
     h->close_pending = 0;
   }
 }
 
-static PyObject *wrap(void *comm, const char *kind, PyCapsule_Destructor free_fn) {
+/* The capsule owning `comm`; on failure `comm` is closed and NULL returned with an exception set. */
+static PyObject *wrap(void *comm, int is_shm) {
   holder_t *h = PyMem_Malloc(sizeof *h);
   if (!h) {
-    free_fn == shm_capsule_free ? (void)llmmem_shm_comm_close(comm) : (void)llmmem_cuda_ar_close(comm);
+    close_comm(comm, is_shm);
     return PyErr_NoMemory();
   }
   h->comm = comm;
   h->busy = 0;
   h->close_pending = 0;
-  PyObject *cap = PyCapsule_New(h, kind, free_fn);
+  PyObject *cap = PyCapsule_New(h, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE,
+                                is_shm ? shm_capsule_free : cuda_ar_capsule_free);
   if (!cap) {
-    free_fn == shm_capsule_free ? (void)llmmem_shm_comm_close(comm) : (void)llmmem_cuda_ar_close(comm);
+    close_comm(comm, is_shm);
     PyMem_Free(h);
   }
   return cap;
+}
+
+/* shm_comm_close / cuda_ar_close: closes now, or, while a blocking call runs on it (another
+ * thread, or the wait poll's signal handler), when that call returns (a shm wait stops early). */
+static PyObject *close_capsule(PyObject *cap, int is_shm) {
+  holder_t *h = PyCapsule_GetPointer(cap, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE);
+  if (!h) return NULL;
+  if (h->busy) {
+    h->close_pending = 1;
+    Py_RETURN_NONE;
+  }
+  close_comm(h->comm, is_shm);
+  h->comm = NULL;
+  Py_RETURN_NONE;
 }
 
 /* ------------------------------------------------------------------ waiting with signals */
@@ -136,20 +154,12 @@ static PyObject *py_shm_comm_open(PyObject *self, PyObject *args) {
   llmmem_status_t st = llmmem_shm_comm_open(name, rank, world, (size_t)slot, timeout, &comm);
   end_wait(&w);
   if (st != LLMMEM_OK) return raise_after_wait(st);
-  return wrap(comm, SHM_CAPSULE, shm_capsule_free);
+  return wrap(comm, 1);
 }
 
 static PyObject *py_shm_comm_close(PyObject *self, PyObject *cap) {
   (void)self;
-  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE);
-  if (!h) return NULL;
-  if (h->busy) { /* a collective is waiting on it: closed when that returns (its wait stops) */
-    h->close_pending = 1;
-    Py_RETURN_NONE;
-  }
-  llmmem_shm_comm_close(h->comm);
-  h->comm = NULL;
-  Py_RETURN_NONE;
+  return close_capsule(cap, 1);
 }
 
 static PyObject *py_shm_comm_set_timeout(PyObject *self, PyObject *args) {
@@ -233,7 +243,7 @@ static PyObject *py_cuda_ar_create(PyObject *self, PyObject *args) {
   st = llmmem_cuda_ar_create(device, rank, world, (size_t)max_bytes, timeout, &ar, handle);
   Py_END_ALLOW_THREADS
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
-  PyObject *cap = wrap(ar, CUDA_AR_CAPSULE, cuda_ar_capsule_free);
+  PyObject *cap = wrap(ar, 0);
   if (!cap) return NULL;
   return Py_BuildValue("(Ny#)", cap, handle, (Py_ssize_t)sizeof handle);
 }
@@ -299,15 +309,7 @@ static PyObject *py_cuda_ar_check(PyObject *self, PyObject *args) {
 
 static PyObject *py_cuda_ar_close(PyObject *self, PyObject *cap) {
   (void)self;
-  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
-  if (!h) return NULL;
-  if (h->busy) { /* a check or connect is running on another thread: closed when it returns */
-    h->close_pending = 1;
-    Py_RETURN_NONE;
-  }
-  llmmem_cuda_ar_close(h->comm);
-  h->comm = NULL;
-  Py_RETURN_NONE;
+  return close_capsule(cap, 0);
 }
 
 PyMethodDef llmmem_py_comm_methods[] = {

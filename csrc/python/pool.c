@@ -92,8 +92,7 @@ static PyObject *py_pool_close(PyObject *self, PyObject *capsule) {
   pool_holder_t *h = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
   if (!h) return NULL;
   if (h->pool) {
-    llmmem_status_t st;
-    st = llmmem_pool_destroy(h->pool);
+    llmmem_status_t st = llmmem_pool_destroy(h->pool);
     if (st != LLMMEM_OK) return raise_status(st);
     h->pool = NULL;
   }
@@ -125,8 +124,7 @@ static PyObject *py_pool_alloc(PyObject *self, PyObject *args) {
     return NULL;
   }
   void *ptr = NULL;
-  llmmem_status_t st;
-  st = llmmem_pool_alloc(pool, (size_t)size, stream, &ptr);
+  llmmem_status_t st = llmmem_pool_alloc(pool, (size_t)size, stream, &ptr);
   if (st != LLMMEM_OK) return raise_status(st);
   return PyLong_FromVoidPtr(ptr);
 }
@@ -141,8 +139,7 @@ static PyObject *py_pool_free(PyObject *self, PyObject *args) {
   if (!pool || parse_stream(stream_obj, &stream) < 0) return NULL;
   void *ptr = PyLong_AsVoidPtr(addr_obj);
   if (!ptr && PyErr_Occurred()) return NULL;
-  llmmem_status_t st;
-  st = llmmem_pool_free(pool, ptr, stream);
+  llmmem_status_t st = llmmem_pool_free(pool, ptr, stream);
   if (st != LLMMEM_OK) return raise_status(st);
   Py_RETURN_NONE;
 }
@@ -237,8 +234,7 @@ static PyObject *py_pool_empty_cache(PyObject *self, PyObject *capsule) {
   llmmem_pool_t *pool = get_pool(capsule);
   if (!pool) return NULL;
   size_t released = 0;
-  llmmem_status_t st;
-  st = llmmem_pool_empty_cache(pool, &released);
+  llmmem_status_t st = llmmem_pool_empty_cache(pool, &released);
   if (st != LLMMEM_OK) return raise_status(st);
   return PyLong_FromSize_t(released);
 }
@@ -282,8 +278,7 @@ static PyObject *py_pool_slot_alloc(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "size: must be >= 0");
     return NULL;
   }
-  void *p;
-  p = llmmem_pool_slot_alloc(slot, (size_t)size, device, NULL);
+  void *p = llmmem_pool_slot_alloc(slot, (size_t)size, device, NULL);
   return PyLong_FromVoidPtr(p);
 }
 
@@ -379,8 +374,7 @@ static PyObject *py_pool_buffer(PyObject *self, PyObject *args) {
     if (!buffer_type) return NULL;
   }
   void *ptr = NULL;
-  llmmem_status_t st;
-  st = llmmem_pool_alloc(pool, (size_t)nbytes, NULL, &ptr);
+  llmmem_status_t st = llmmem_pool_alloc(pool, (size_t)nbytes, NULL, &ptr);
   if (st != LLMMEM_OK) return raise_status(st);
   pool_buffer_t *b = PyObject_New(pool_buffer_t, (PyTypeObject *)buffer_type);
   if (!b) {

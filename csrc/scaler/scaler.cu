@@ -20,12 +20,9 @@
 #include <llmmem/scaler.h>
 
 #include "cuda_check.h"
+#include "cuda_device_guard.h"
+#include "scaler_internal.h"
 #include "update_rule.h"
-
-extern "C" llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler_tensor_t *tensors,
-                                                        size_t count, const float *found_inf,
-                                                        const uint8_t *tensor_flags, size_t n_flags,
-                                                        size_t *total_bytes);
 
 namespace {
 
@@ -157,27 +154,6 @@ __global__ void update_kernel(float *scale, int32_t *growth, int32_t *hyst, int6
                            hysteresis, min_scale, on_growth);
 }
 
-// Makes `device` current for the scope and restores the caller's device afterwards (as
-// csrc/pool/backend_cuda.cu does): callers (torch included) keep their own notion of the current
-// device, and a scaler call on cuda:1 must not leave later work of theirs on cuda:1.
-struct DeviceGuard {
-  int prev = -1;
-  bool changed = false;
-  cudaError_t err = cudaSuccess;
-  explicit DeviceGuard(int device) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != device) {
-      err = cudaSetDevice(device);
-      changed = err == cudaSuccess;
-    }
-  }
-  ~DeviceGuard() {
-    if (changed) (void)cudaSetDevice(prev);
-  }
-  DeviceGuard(const DeviceGuard &) = delete;
-  DeviceGuard &operator=(const DeviceGuard &) = delete;
-};
-
 }  // namespace
 
 extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llmmem_scaler_tensor_t *tensors,
@@ -190,7 +166,7 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llm
                                           tensor_flags, n_flags, &total_bytes));
   LLMMEM_CHECK_ARG(device >= 0, "llmmem_scaler_unscale_check_cuda: device must be >= 0, got %d", device);
   if (count == 0 || total_bytes == 0) return LLMMEM_OK;
-  DeviceGuard guard(device);  // restores the caller's device on every return below
+  llmmem_cuda::device_guard guard(device);  // restores the caller's device on every return below
   LLMMEM_CUDA_TRY(guard.err);
   // 24 KB: kept off the caller's stack; one per thread so concurrent callers do not share it.
   static thread_local TensorTable tab;
@@ -240,7 +216,7 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_update_cuda(float *scale, in
     LLMMEM_CHECK_ARG(found_infs[i] != NULL, "llmmem_scaler_update_cuda: found_infs[%zu] is NULL", i);
     found.ptr[i] = found_infs[i];
   }
-  DeviceGuard guard(device);  // restores the caller's device on return
+  llmmem_cuda::device_guard guard(device);  // restores the caller's device on return
   LLMMEM_CUDA_TRY(guard.err);
   update_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       scale, growth_tracker, hysteresis_tracker, stats, found, cfg->growth_factor, cfg->backoff_factor,

@@ -22,6 +22,7 @@
 
 #include "half.h"
 #include "internal.h"
+#include "scaler_internal.h"
 
 #include "cpu_isa.h"
 
@@ -72,10 +73,6 @@ typedef int (*run_range_fn)(const llmmem_scaler_tensor_t *, int64_t, int64_t, fl
 /* -1: pick by CPU; else the ISA level the tests force (see _llmmem_scaler_force_isa). */
 static int forced_isa = -1;
 
-/* Test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic. Levels the
- * CPU lacks fall back to the best it has. Returns the level that will run. */
-int _llmmem_scaler_force_isa(int isa);
-
 int _llmmem_scaler_force_isa(int isa) {
   forced_isa = isa;
   return _llmmem_cpu_isa_pick(isa);
@@ -121,7 +118,6 @@ static llmmem_status_t resolve_inv(const float *scale, int scale_is_inverse, flo
   return llmmem_scaler_inv_scale(*scale, inv);
 }
 
-/* Checks the tensor list; on success *total_bytes is the bytes of all tensors together. */
 llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler_tensor_t *tensors, size_t count,
                                              const float *found_inf, const uint8_t *tensor_flags, size_t n_flags,
                                              size_t *total_bytes) {
