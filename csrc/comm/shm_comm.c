@@ -1,7 +1,7 @@
 /*
  * shm_comm.c — the shared-memory communicator's waiting: the barrier, failures, the wait poll.
  *
- * Waiting is bounded everywhere: spin a handful of times, yield the core for a few tens of
+ * Waiting is bounded everywhere: spin a handful of times, yield the core for up to 100
  * microseconds, then sleep on a futex on the peer's arrival word (the arriving rank wakes
  * sleepers only when there are any, so the fast path makes no system call). Yielding early
  * matters: when ranks share a core (ranks outnumber cores, or other jobs hold some), a spinning
@@ -9,9 +9,18 @@
  * (spin counts interleaved per sample, 2 vCPUs shared with other jobs), fp32, 2 ranks: 4 KiB
  * 1.5 us spinning 1 pause before yielding, 1.6 us 8, 2.1 us 32, 3.5 us 128; 64 KiB 12.1 / 12.3 /
  * 13.2 / 15.5 us; 1 MiB 204 / 206 / 208 / 224 us; 4 ranks, 1 MiB 442 / 443 / 447 / 476 us; and
- * 2 ranks, 64 KiB: 29 us spinning 512, 81 us 2048, 227 us 8192. Sleeping matters too: a rank
- * still computing its matmul must not compete for a core with ranks waiting for it. While waiting we watch
- * the abort word of the segment (another rank failed), the clock (timeout) and, every ~50 ms,
+ * 2 ranks, 64 KiB: 29 us spinning 512, 81 us 2048, 227 us 8192. Yielding long enough before a
+ * sleep matters as much: waking a sleeper costs tens of microseconds here (its vCPU halted), so
+ * a rank woken late makes its peer wait past a short yield budget, and that peer sleeps in turn.
+ * With 32 yields (~10 us) the two ranks fell into that cycle for whole samples: 2 ranks, 1 MiB
+ * in 128 KiB chunks, medians 220-330 us with quartiles ~160 .. ~390 (both ranks asleep at every
+ * other barrier in the slow samples), against 157 us (153 .. 162) yielding 100 us, in 3 runs of
+ * each interleaved. Budgets interleaved (comm_tune "yield", 0 / 10 / 30 / 100 / 300 us): 4 ranks,
+ * 1 MiB 857 / 469 / 433 / 433 / 430 us; 64 KiB 82 / 26.6 / 26.0 / 26.1 / 26.2 us; 4 KiB 33 /
+ * 10.8 / 9.4 / 9.4 / 9.5 us; 2 ranks, 1 MiB 152-154 us for 10 .. 300, and no difference with a
+ * busy process holding one of the 2 vCPUs. Sleeping matters too: a rank still computing its
+ * matmul must not compete for a core with ranks waiting for it. While waiting we watch the abort
+ * word of the segment (another rank failed), the clock (timeout) and, every ~50 ms,
  * whether the awaited peer's process still exists, so a killed rank is reported quickly instead
  * of after the full timeout, and the calling thread's wait poll (the Python binding checks for
  * Ctrl-C there), so an interrupt is not held up for the whole timeout. This file does not move
@@ -131,47 +140,54 @@ static llmmem_status_t check_abort(llmmem_shm_comm_t *c, const char *what) {
                      c->hdr->abort_msg);
 }
 
-/* Pauses before the first yield (see the header); a probe may change it. */
+/* Pauses before the first yield, and microseconds of yielding before a sleep (see the header);
+ * a probe may change them. */
 static _Atomic long spin_before_yield = 8;
+static _Atomic long yield_before_sleep_us = 100;
 
 long _llmmem_shm_force_spin(long spins) {
   spin_before_yield = spins < 0 ? 8 : spins;
   return spin_before_yield;
 }
 
+long _llmmem_shm_force_yield_us(long us) {
+  yield_before_sleep_us = us < 0 ? 100 : us;
+  return yield_before_sleep_us;
+}
+
 /* Waits until ctl[peer].arrive >= epoch. */
 static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoch, const char *what) {
   double start = 0, next_check = 0;
-  const unsigned long spins = (unsigned long)spin_before_yield, sleep_from = spins + 32;
+  const unsigned long spins = (unsigned long)spin_before_yield;
+  const double yield_s = (double)yield_before_sleep_us * 1e-6;
   for (unsigned long iter = 0;; iter++) {
     if (atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) >= epoch) return LLMMEM_OK;
     if (iter < spins) {
       CPU_RELAX();
       continue;
     }
-    if (iter == spins || (iter & 63) == 0 || iter >= sleep_from) { /* every time once sleeping: a sleep is 10 ms */
-      LLMMEM_TRY(check_abort(c, what));
-      double t = _llmmem_shm_now();
-      if (start == 0) start = t, next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
-      if (t >= next_check) {
-        next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
-        if (_llmmem_shm_poll_says_stop())
-          return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem shm %s: interrupted on rank %d while waiting for rank %d",
-                                  what, c->rank, peer);
-        if (c->ctl[peer].pid_ns != 0 && c->ctl[peer].pid_ns == c->ctl[c->rank].pid_ns &&
-            _llmmem_shm_process_dead(c->ctl[peer].pid) &&
-            atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
-          return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
-                                  "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it",
-                                  what, peer, c->ctl[peer].pid, c->rank);
-      }
-      if (t - start > c->timeout_s)
+    /* past the spin: every round yields or sleeps, next to which a look at the clock is cheap */
+    LLMMEM_TRY(check_abort(c, what));
+    double t = _llmmem_shm_now();
+    if (start == 0) start = t, next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
+    if (t >= next_check) {
+      next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
+      if (_llmmem_shm_poll_says_stop())
+        return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem shm %s: interrupted on rank %d while waiting for rank %d",
+                                what, c->rank, peer);
+      if (c->ctl[peer].pid_ns != 0 && c->ctl[peer].pid_ns == c->ctl[c->rank].pid_ns &&
+          _llmmem_shm_process_dead(c->ctl[peer].pid) &&
+          atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
         return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
-                                "llmmem shm %s: timed out after %.3g s on rank %d waiting for rank %d "
-                                "(did every rank call the same collective?)",
-                                what, c->timeout_s, c->rank, peer);
+                                "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it",
+                                what, peer, c->ctl[peer].pid, c->rank);
     }
-    if (iter < sleep_from) {
+    if (t - start > c->timeout_s)
+      return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
+                              "llmmem shm %s: timed out after %.3g s on rank %d waiting for rank %d "
+                              "(did every rank call the same collective?)",
+                              what, c->timeout_s, c->rank, peer);
+    if (t - start < yield_s) {
       sched_yield();
       continue;
     }

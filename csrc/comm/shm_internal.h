@@ -96,10 +96,11 @@ int _llmmem_shm_poll_says_stop(void);
 #define LLMMEM_SHM_CHECK_PERIOD_S 0.05
 
 /* For probes (benchmarks/comm_tune.c), not exported: the two-shot chunk size in bytes (0 =
- * automatic; every rank must set the same; shm_collectives.c) and the pauses a waiting rank spins
- * before it yields (-1 = default; shm_comm.c). */
+ * automatic; every rank must set the same; shm_collectives.c), the pauses a waiting rank spins
+ * before it yields and the microseconds it yields before it sleeps (-1 = default; shm_comm.c). */
 size_t _llmmem_shm_force_chunk_bytes(size_t bytes);
 long _llmmem_shm_force_spin(long spins);
+long _llmmem_shm_force_yield_us(long us);
 
 /* sum_cpu.c: the reference's sum (sum_ref.c), vectorised for the CPU at hand; _sum2 also writes
  * the result to out2 (may be NULL) from the same accumulator, saving a re-read. */
