@@ -106,6 +106,13 @@ class ShmCommunicator:
         native.shm_all_reduce(self._handle, t.data_ptr(), t.data_ptr(), t.numel(), code)
         return t
 
+    def all_reduce_checked_(self, t: torch.Tensor, dtype: torch.dtype) -> None:
+        """:meth:`all_reduce_` for a caller that has checked that ``t`` is contiguous, on the CPU and
+        of ``dtype`` (one of DTYPE_CODES): the routing in collectives.py, where every tensor
+        accessor call shows in the time of a collective (see ``all_reduce_`` there)."""
+        p = t.data_ptr()
+        native.shm_all_reduce(self._handle, p, p, t.numel(), DTYPE_CODES[dtype])
+
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """``out`` (world * t.numel() elements) = every rank's ``t``, in rank order."""
         code = self._check(t, "all_gather")
