@@ -1,6 +1,6 @@
 """All-reduce latency and bandwidth: llmmem's shared-memory engine vs gloo (CPU), measured in the same run.
 
-``python benchmarks/bench_comm.py [--device cpu|cuda] [--quick] [--ranks 2 4] [--json PATH]``
+``python benchmarks/bench_comm.py [--device cpu|cuda] [--quick] [--ranks 2 4] [--launches N] [--json PATH]``
 
 CPU: for 2 and 4 local ranks (spawned processes, one thread each) and messages of 4 KiB .. 64 MiB
 of fp32, every rank times ``llmmem.parallel.collectives.all_reduce_`` (shared memory) and
@@ -15,8 +15,8 @@ contenders) as for llmmem. The title gives the CPU count. On our 2-vCPU machine 
 64 KiB .. 1 MiB are bimodal across launches (1 MiB: ~0.8 ms or ~2 ms): the fast mode is the two
 ranks sharing one CPU (another job on the other one, or the scheduler's placement), which
 ``taskset -c 1 python benchmarks/bench_comm.py --ranks 2`` reproduces (gloo 821-826 us at 1 MiB,
-llmmem 211-214 us, whose two ranks then run one after the other on one core); run several
-launches and compare like with like.
+llmmem 211-214 us, whose two ranks then run one after the other on one core). ``--launches N``
+starts the ranks N times and adds a table of the spread over the launches.
 
 CUDA (``--device cuda``, for the lent GPU): two processes share GPU 0; the IPC one-shot all-reduce
 is checked against the sum computed on the CPU, then timed (CUDA events) against gloo on the same
@@ -152,6 +152,25 @@ def _human(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _print_spread(world: int, launches: list) -> None:
+    """Per size: the lowest, median and highest of the launches' medians, and of their speed-ups."""
+    import statistics
+
+    from _harness import print_table
+
+    def spread(values):
+        return " / ".join(f"{v:.3g}" if v < 1000 else f"{v:.0f}" for v in (min(values), statistics.median(values),
+                                                                          max(values)))
+
+    table = []
+    for i, first in enumerate(launches[0]):
+        rows = [rows[i] for rows in launches]
+        table.append([_human(first["bytes"]), spread([r["llmmem_s"] * 1e6 for r in rows]),
+                      spread([r["gloo_s"] * 1e6 for r in rows]), spread([r["gloo_s"] / r["llmmem_s"] for r in rows])])
+    print_table(f"fp32 all-reduce, {world} ranks: min / median / max over {len(launches)} launches",
+                ["size", "llmmem us", "gloo us", "speed-up"], table)
+
+
 def main(argv=None) -> int:
     from _harness import print_table, rank_result, write_json
     from llmmem.parallel.testing import run_ranks
@@ -160,8 +179,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--ranks", type=int, nargs="*", default=None)
+    p.add_argument("--launches", type=int, default=1,
+                   help="CPU: start the ranks this many times and also print the spread over the launches")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    if a.launches < 1:
+        p.error("--launches must be >= 1")
     payload = {}
     if a.device == "cpu":
         sizes = ([4 << 10, 64 << 10, 1 << 20, 16 << 20] if a.quick
@@ -170,21 +193,29 @@ def main(argv=None) -> int:
         copy_bw = _copy_bandwidth()
         payload["copy_bandwidth_Bps"] = copy_bw
         for world in a.ranks or ([2] if a.quick else [2, 4]):
-            t0 = time.time()
-            res = run_ranks(__file__, "_cpu_rank", world, args=(sizes, repeats), timeout=600,
-                            env={"LLMMEM_TP_TIMEOUT": "120"})
-            rows = rank_result(res[0].output)
-            table = []
-            for r in rows:
-                bus = 2 * (world - 1) / world * r["bytes"]
-                table.append([_human(r["bytes"]), r["llmmem_s"] * 1e6, r["gloo_s"] * 1e6, r["gloo_s"] / r["llmmem_s"],
-                              r["paired_speedup_median"], bus / r["llmmem_s"] / 1e9, bus / r["gloo_s"] / 1e9,
-                              r["copy_s"] * 1e6, r["llmmem_s"] / r["copy_s"]])
-            print_table(f"fp32 all-reduce, {world} ranks on one host with {os.cpu_count()} CPUs (copy bandwidth "
-                        f"{copy_bw / 1e9:.1f} GB/s at 64 MiB; {time.time() - t0:.0f} s)",
-                        ["size", "llmmem us", "gloo us", "speed-up", "paired speed-up", "llmmem busbw GB/s",
-                         "gloo busbw GB/s", "1 copy us", "llmmem / copy"], table)
-            payload[f"ranks_{world}"] = rows
+            launches = []
+            for launch in range(a.launches):
+                t0 = time.time()
+                res = run_ranks(__file__, "_cpu_rank", world, args=(sizes, repeats), timeout=600,
+                                env={"LLMMEM_TP_TIMEOUT": "120"})
+                rows = rank_result(res[0].output)
+                launches.append(rows)
+                table = []
+                for r in rows:
+                    bus = 2 * (world - 1) / world * r["bytes"]
+                    table.append([_human(r["bytes"]), r["llmmem_s"] * 1e6, r["gloo_s"] * 1e6,
+                                  r["gloo_s"] / r["llmmem_s"], r["paired_speedup_median"], bus / r["llmmem_s"] / 1e9,
+                                  bus / r["gloo_s"] / 1e9, r["copy_s"] * 1e6, r["llmmem_s"] / r["copy_s"]])
+                which = f", launch {launch + 1} of {a.launches}" if a.launches > 1 else ""
+                print_table(f"fp32 all-reduce, {world} ranks on one host with {os.cpu_count()} CPUs (copy bandwidth "
+                            f"{copy_bw / 1e9:.1f} GB/s at 64 MiB; {time.time() - t0:.0f} s{which})",
+                            ["size", "llmmem us", "gloo us", "speed-up", "paired speed-up", "llmmem busbw GB/s",
+                             "gloo busbw GB/s", "1 copy us", "llmmem / copy"], table)
+            if a.launches > 1:
+                _print_spread(world, launches)
+            payload[f"ranks_{world}"] = launches[0]
+            if a.launches > 1:
+                payload[f"ranks_{world}_launches"] = launches
     else:
         sizes = [4 << 10, 64 << 10, 256 << 10, 512 << 10]
         res = run_ranks(__file__, "_cuda_rank", 2, args=(sizes, 5 if a.quick else 9), timeout=300)
