@@ -27,11 +27,12 @@
  * 128 KiB 23-27 vs 16-23; 256 KiB 39-60 vs 33-37 (one-shot reads world x the data). */
 #define ONE_SHOT_MAX_BYTES (32u * 1024u)
 /* Two-shot chunks move at most this many bytes (and at most a slot). With the chunks pipelined
- * (one barrier each), smaller chunks won: fp32 medians of 201 interleaved samples in one run
- * (benchmarks/comm_tune.c, 2 vCPUs shared with other jobs; spinning 128 pauses then): 2 ranks, 1 MiB: 64 KiB chunks 252 us,
- * 128 KiB 231, 256 KiB 276, 1 MiB 345; 512 KiB: 108 / 99 / 113 / 138. 4 ranks, 1 MiB: 64 KiB
- * 748 us, 128 KiB 803, 256 KiB 912; 256 KiB: 184 / 205 / 208. A chunk's slots stay in L2 and the
- * next chunk's copy-in overlaps the peers' lag. */
+ * (one barrier each), small chunks win or tie: fp32 medians of 201 interleaved samples per run
+ * (benchmarks/comm_tune.c built -O3 like the library, 2 vCPUs; chunks of 64 / 128 / 256 / 512 KiB):
+ * 2 ranks, 1 MiB 118 / 122 / 122 / 120 us, 4 MiB 562 / 550 / 545 / 548 us; the same 2 ranks
+ * sharing one vCPU (taskset -c 1, as when another job holds the other), 1 MiB 140 / 142 / 179 /
+ * 240 us; 4 ranks, 1 MiB 301 / 300 / 320 / 331 us, 256 KiB 82 / 94 / 103 / 101 us. A chunk's
+ * slots stay in L2 and the next chunk's copy-in overlaps the peers' lag. */
 #define TWO_SHOT_STEP_BYTES(world) ((world) <= 2 ? 128u * 1024u : 64u * 1024u)
 
 static _Atomic size_t forced_chunk_bytes; /* 0: TWO_SHOT_STEP_BYTES; else a probe's choice */
