@@ -279,11 +279,16 @@ class GradScaler(_ScalerVisibility):
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        fast = None
         if found_inf.device.type == "cpu":  # plain CPU gradients: the walk below, done in C
             fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
                                            allow_fp16)
-            if fast is not None:
-                return fast
+            if fast is not None and fast[2] is None:
+                self._record_overflow(optimizer, fast[0], fast[1])
+                return per_device_found_inf._per_device_tensors
+        # `fast` stopped at parameter `resume` (its gradient is not the plain case) after unscaling
+        # the gradients before it: the walk below takes over from there.
+        resume = fast[2] if fast is not None else 0
         # The walk over parameters is the per-tensor cost that dominates lists of many small
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
@@ -295,6 +300,8 @@ class GradScaler(_ScalerVisibility):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 slot += 1
+                if slot < resume:
+                    continue
                 # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
                 if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
@@ -342,15 +349,34 @@ class GradScaler(_ScalerVisibility):
                 _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
                                   scale_is_inverse=is_inverse, codes=sub_codes)
                 flags_per_device[device] = (flags, pos)
+        if fast is not None:
+            slots, flags_per_device = self._merge_overflow(fast[0], fast[1], slots, flags_per_device)
         self._record_overflow(optimizer, slots, flags_per_device)
         return per_device_found_inf._per_device_tensors
 
+    @staticmethod
+    def _merge_overflow(slots_a, flags_a: dict, slots_b: list, flags_b: dict) -> tuple:
+        """One overflow record out of two checks of one optimizer (the C walk's, then the general
+        walk's over the parameters after it): positions of the second shift past the first's."""
+        shift = len(slots_a)
+        merged = dict(flags_a)
+        for device, (flags, pos) in flags_b.items():
+            pos = [shift + k for k in pos]
+            if device in merged:
+                flags0, pos0 = merged[device]
+                merged[device] = (torch.cat([flags0, flags]), list(pos0) + pos)
+            else:
+                merged[device] = (flags, pos)
+        return list(slots_a) + slots_b, merged
+
     def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
-                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool
-                           ) -> Optional[dict[torch.device, torch.Tensor]]:
-        """:meth:`_unscale_grads_` in one C call when every gradient is a plain CPU tensor (see
-        :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`); None, having changed nothing,
-        when the general path must run (it then raises the usual errors)."""
+                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool) -> Optional[tuple]:
+        """:meth:`_unscale_grads_` in one C call when the gradients are plain CPU tensors (see
+        :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`). None, having changed nothing,
+        when the general path must run (it then raises the usual errors). Else ``(slots,
+        flags_per_device, resume)`` for the gradients it did (see :meth:`_record_overflow`);
+        ``resume`` is None, or the flat position of the first parameter it left to the general
+        path (the pipelined C walk, on long lists, stops there rather than undo its work)."""
         try:
             n_params = sum(len(group["params"]) for group in optimizer.param_groups)
         except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
@@ -361,14 +387,15 @@ class GradScaler(_ScalerVisibility):
         done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
         if done is None:
             return None
-        n_grads, slots = done
+        n_grads, slots, resume = done
+        if n_grads == 0 and resume is not None:
+            return None  # it stopped at the first gradient: nothing done
         if n_grads == 0:  # as the general path: nothing checked, nothing recorded for the device
             per_device_found_inf._per_device_tensors.pop(cpu)
             flags_per_device = {}
         else:
             flags_per_device = {cpu: (flags if n_grads == n_params else flags[:n_grads], range(n_grads))}
-        self._record_overflow(optimizer, range(n_grads) if slots is None else slots, flags_per_device)
-        return per_device_found_inf._per_device_tensors
+        return range(n_grads) if slots is None else slots, flags_per_device, resume
 
     def _record_overflow(self, optimizer: torch.optim.Optimizer, slots: Any, flags_per_device: dict) -> None:
         """Keeps this check's per-gradient flags for :meth:`overflowed_params` (see ``_overflow``)."""

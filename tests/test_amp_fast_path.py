@@ -373,7 +373,7 @@ def test_no_reference_leaks_on_success_or_hand_over():
     found, flags, one = torch.zeros(()), torch.zeros(3, dtype=torch.uint8), torch.ones(())
     before = [sys.getrefcount(x) for x in grads + params]
     for _ in range(50):
-        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True) == (2, [0, 2])
+        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True) == (2, [0, 2], None)
     params.append(p_with(torch.randn(4, 4).t()))  # a strided view: the walk stops there and hands over
     opt2 = torch.optim.SGD(params, lr=0.1)
     flags4 = torch.zeros(4, dtype=torch.uint8)

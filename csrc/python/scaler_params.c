@@ -117,10 +117,18 @@ static Py_ssize_t count_params(PyObject *groups) {
   return total;
 }
 
-/* Walks the groups into `t` / `grads` (owned references) / `slots`; 1 plain, 0 not, -1 error. */
+/* Tensors described between two publications to the pipe: one lock per few tensors, while the
+ * workers, a tensor behind at most, still overlap nearly all of the walk. */
+#define PUBLISH_EVERY 8
+
+/* Walks the groups into `t` / `grads` (owned references) / `slots`; 1 plain, 0 not, -1 error.
+ * *n_out: the gradients held in `grads`; the first *n_plain of them are described in `t`.
+ * With a pipe, each described gradient is handed to it (in batches) as soon as it is read, and
+ * *stop_slot is the slot of the parameter the walk stopped at when it returns 0. */
 static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scaler_tensor_t *t, PyObject **grads,
-                Py_ssize_t *slots, Py_ssize_t *n_out) {
-  Py_ssize_t n = 0, slot = 0;
+                Py_ssize_t *slots, Py_ssize_t *n_out, Py_ssize_t *n_plain, llmmem_scaler_pipe_t *pipe,
+                Py_ssize_t *stop_slot) {
+  Py_ssize_t n = 0, slot = 0, published = 0, plain = 0;
   int rc = 1;
   /* The lists are re-read at each step: a getattr can run Python code that edits them. */
   for (Py_ssize_t g = 0; rc == 1 && g < PyList_GET_SIZE(groups); g++) {
@@ -161,16 +169,46 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
       slots[n] = slot;
       n++;
       if (rc != 1) break;
+      plain = n;
+      if (pipe && n - published >= PUBLISH_EVERY) {
+        llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, (size_t)n);
+        if (st != LLMMEM_OK) { /* cannot happen: every field was checked by describe_grad */
+          rc = -1;
+          llmmem_py_raise(st);
+          break;
+        }
+        published = n;
+      }
     }
     Py_DECREF(params);
   }
   *n_out = n;
+  *n_plain = plain;
+  *stop_slot = slot;
   return rc;
 }
 
+/* From this many parameters on, with more than one thread, the walk feeds a pipe (workers unscale
+ * what it has read while it reads on); below, it reads everything first and then runs the kernel.
+ * A pipe changes gradients before the walk has seen them all, so when it meets one that is not the
+ * plain case it cannot send the whole call to the general path; it returns where it stopped
+ * instead. Few parameters are walked in microseconds: there the simpler contract is kept. */
+#define PIPE_MIN_PARAMS 256
+
+static PyObject *slot_list_of(const Py_ssize_t *slots, Py_ssize_t n, Py_ssize_t cap) {
+  if (n == cap) Py_RETURN_NONE; /* None: the grads sit at slots 0..n-1 */
+  PyObject *list = PyList_New(n);
+  for (Py_ssize_t i = 0; list && i < n; i++) {
+    PyObject *v = PyLong_FromSsize_t(slots[i]);
+    if (!v) Py_CLEAR(list);
+    else PyList_SET_ITEM(list, i, v);
+  }
+  return list;
+}
+
 /* unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr,
- *                      n_flags, num_threads) -> None | (n_grads, slots or None). n_flags must cover every
- * parameter (flags_ptr 0: no flags). */
+ *                      n_flags, num_threads) -> None | (n_grads, slots or None, resume_slot or None).
+ * n_flags must cover every parameter (flags_ptr 0: no flags). */
 static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *groups, *kinds_tuple;
@@ -184,6 +222,7 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     return PyErr_Format(PyExc_ValueError, "kinds must be (Tensor, Parameter, strided, float32, float16, bfloat16, "
                                           "float64)");
   if (!found_ptr) return PyErr_Format(PyExc_ValueError, "found_inf_ptr must not be 0");
+  if (num_threads < 0) return PyErr_Format(PyExc_ValueError, "num_threads must be >= 0, got %d", num_threads);
   if (intern_names() < 0) return NULL;
   kinds_t k = {PyTuple_GET_ITEM(kinds_tuple, 0), PyTuple_GET_ITEM(kinds_tuple, 1), PyTuple_GET_ITEM(kinds_tuple, 2),
                {0}, allow_fp16};
@@ -192,47 +231,66 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   Py_ssize_t cap = count_params(groups);
   /* Too few flags for the parameters: the caller counted before another thread added some. */
   if (cap < 0 || (flags_ptr && n_flags < cap)) Py_RETURN_NONE;
+  const float *scale = (const float *)(uintptr_t)scale_ptr;
+  float *found = (float *)(uintptr_t)found_ptr;
+  uint8_t *flags = (uint8_t *)(uintptr_t)flags_ptr;
+  const size_t nf = flags_ptr ? (size_t)n_flags : 0;
   size_t alloc = (size_t)(cap ? cap : 1);
   llmmem_scaler_tensor_t *t = PyMem_Malloc(alloc * sizeof *t);
   PyObject **grads = PyMem_Malloc(alloc * sizeof *grads);
   Py_ssize_t *slots = PyMem_Malloc(alloc * sizeof *slots);
   PyObject *result = NULL;
-  Py_ssize_t n = 0;
+  Py_ssize_t n = 0, n_plain = 0, stop_slot = 0;
   if (!t || !grads || !slots) {
     PyErr_NoMemory();
     goto done;
   }
-  int rc = walk(groups, cap, &k, t, grads, slots, &n);
+  llmmem_status_t st = LLMMEM_OK;
+  if (num_threads >= 2 && cap >= PIPE_MIN_PARAMS) {
+    llmmem_scaler_pipe_t *pipe;
+    st = llmmem_scaler_pipe_start(t, (size_t)cap, scale, inverse, flags, nf, num_threads - 1, &pipe);
+    if (st != LLMMEM_OK) {
+      llmmem_py_raise(st);
+      goto done;
+    }
+    int rc = walk(groups, cap, &k, t, grads, slots, &n, &n_plain, pipe, &stop_slot);
+    /* What was read is unscaled whatever happened next: workers may have begun on it. */
+    st = llmmem_scaler_pipe_publish(pipe, (size_t)n_plain);
+    llmmem_status_t st2;
+    Py_BEGIN_ALLOW_THREADS st2 = llmmem_scaler_pipe_finish(pipe, found);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) goto done; /* the walk's exception */
+    if (st == LLMMEM_OK) st = st2;
+    if (st != LLMMEM_OK) {
+      llmmem_py_raise(st);
+      goto done;
+    }
+    PyObject *slot_list = slot_list_of(slots, n_plain, cap);
+    if (!slot_list) goto done;
+    if (rc == 1)
+      result = Py_BuildValue("(nNO)", n_plain, slot_list, Py_None);
+    else
+      result = Py_BuildValue("(nNn)", n_plain, slot_list, stop_slot);
+    goto done;
+  }
+  int rc = walk(groups, cap, &k, t, grads, slots, &n, &n_plain, NULL, &stop_slot);
   if (rc < 0) goto done;
   if (rc == 0) {
     Py_INCREF(Py_None);
     result = Py_None;
     goto done;
   }
-  llmmem_status_t st = LLMMEM_OK;
   if (n > 0) {
-    Py_BEGIN_ALLOW_THREADS st = llmmem_scaler_unscale_check(
-        t, (size_t)n, (const float *)(uintptr_t)scale_ptr, inverse, (float *)(uintptr_t)found_ptr,
-        (uint8_t *)(uintptr_t)flags_ptr, flags_ptr ? (size_t)n_flags : 0, num_threads);
+    Py_BEGIN_ALLOW_THREADS st = llmmem_scaler_unscale_check(t, (size_t)n, scale, inverse, found, flags, nf,
+                                                            num_threads);
     Py_END_ALLOW_THREADS
   }
   if (st != LLMMEM_OK) {
     llmmem_py_raise(st);
     goto done;
   }
-  PyObject *slot_list = Py_None; /* None: the grads sit at slots 0..n-1 */
-  Py_INCREF(slot_list);
-  if (n != cap) {
-    Py_DECREF(slot_list);
-    slot_list = PyList_New(n);
-    for (Py_ssize_t i = 0; slot_list && i < n; i++) {
-      PyObject *v = PyLong_FromSsize_t(slots[i]);
-      if (!v) Py_CLEAR(slot_list);
-      else PyList_SET_ITEM(slot_list, i, v);
-    }
-    if (!slot_list) goto done;
-  }
-  result = Py_BuildValue("(nN)", n, slot_list);
+  PyObject *slot_list = slot_list_of(slots, n, cap);
+  if (slot_list) result = Py_BuildValue("(nNO)", n, slot_list, Py_None);
 done:
   for (Py_ssize_t i = 0; grads && i < n; i++) Py_DECREF(grads[i]);
   PyMem_Free(t);
@@ -244,9 +302,11 @@ done:
 PyMethodDef llmmem_py_scaler_params_methods[] = {
     {"scaler_unscale_param_groups", py_unscale_param_groups, METH_VARARGS,
      "scaler_unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, "
-     "flags_ptr, n_flags, num_threads) -> None | (n_grads, slots): the CPU unscale + check of every gradient of "
-     "param_groups in one call, or None (nothing done) when any parameter or gradient is not the plain case. "
-     "slots: each gradient's flat position in param_groups, None when every parameter has a gradient. "
+     "flags_ptr, n_flags, num_threads) -> None | (n_grads, slots, resume_slot): the CPU unscale + check of every "
+     "gradient of param_groups in one call. With few parameters or one thread: None (nothing done) when any "
+     "parameter or gradient is not the plain case. Otherwise (pipelined) the gradients before the first one that "
+     "is not are done and resume_slot is that parameter's flat position (None when all were plain). "
+     "slots: each done gradient's flat position in param_groups, None when they are slots 0..n_grads-1. "
      "Private and unsafe: takes raw addresses for the scale, found_inf and flags; use llmmem._scaler_kernels."},
     {NULL, NULL, 0, NULL},
 };

@@ -16,6 +16,19 @@ llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler
                                              const float *found_inf, const uint8_t *tensor_flags, size_t n_flags,
                                              size_t *total_bytes);
 
+/* unscale_cpu.c: the unscale + check of elements [off, off + n) of one tensor, in the vector
+ * loops this CPU runs best (or the level a test forced); nonzero when one of them is inf or NaN.
+ * Writes x * inv when `write`. */
+typedef int (*_llmmem_scaler_range_fn)(const llmmem_scaler_tensor_t *t, int64_t off, int64_t n, float inv, int write);
+_llmmem_scaler_range_fn _llmmem_scaler_pick_range_fn(void);
+
+/* unscale_cpu.c: the multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or
+ * the given inverse. */
+llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);
+
+/* unscale_cpu.c: online CPUs, at least 1. */
+int _llmmem_scaler_online_cpus(void);
+
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */
 int _llmmem_scaler_force_isa(int isa);
