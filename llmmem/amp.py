@@ -283,12 +283,46 @@ class GradScaler(_ScalerVisibility):
         if found_inf.device.type == "cpu":  # plain CPU gradients: the walk below, done in C
             fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
                                            allow_fp16)
-            if fast is not None and fast[2] is None:
-                self._record_overflow(optimizer, fast[0], fast[1])
-                return per_device_found_inf._per_device_tensors
-        # `fast` stopped at parameter `resume` (its gradient is not the plain case) after unscaling
-        # the gradients before it: the walk below takes over from there.
-        resume = fast[2] if fast is not None else 0
+        if fast is None:
+            slots, flags_per_device = self._unscale_general_(optimizer, per_device_scale, is_inverse,
+                                                             per_device_found_inf, allow_fp16, 0)
+        elif fast[2] is None:
+            slots, flags_per_device = fast[0], fast[1]
+        else:
+            # The C walk unscaled the gradients before parameter fast[2] (not the plain case) and
+            # stopped there; the general walk takes over from it.
+            try:
+                rest = self._unscale_general_(optimizer, per_device_scale, is_inverse, per_device_found_inf,
+                                              allow_fp16, fast[2])
+            except BaseException as exc:
+                self._fail_partly_unscaled(optimizer, per_device_found_inf, len(fast[0]), exc)
+                raise
+            slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
+        self._record_overflow(optimizer, slots, flags_per_device)
+        return per_device_found_inf._per_device_tensors
+
+    def _fail_partly_unscaled(self, optimizer: torch.optim.Optimizer, per_device_found_inf: _MultiDeviceReplicator,
+                              n_done: int, exc: BaseException) -> None:
+        """The general walk raised (an fp16 gradient, an unsupported dtype or layout, an interrupt)
+        after the pipelined C walk had unscaled ``n_done`` gradients before it, which cannot be taken
+        back. So that no later call unscales them twice or steps on half-unscaled gradients, the
+        optimizer is recorded as unscaled with an overflow: ``step`` skips it and ``update`` backs
+        off the scale, as after an inf. The exception says so."""
+        found = per_device_found_inf.get(per_device_found_inf.master.device)
+        found.fill_(1.0)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
+        state["stage"] = OptState.UNSCALED
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"llmmem.GradScaler: {n_done} gradients before this one were already unscaled (the CPU "
+                         "walk over many gradients is pipelined); this step is recorded as overflowed, so step() "
+                         "skips it and update() backs off the scale.")
+
+    def _unscale_general_(self, optimizer: torch.optim.Optimizer, per_device_scale: _MultiDeviceReplicator,
+                          is_inverse: bool, per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
+                          resume: int) -> tuple:
+        """The walk in Python, for every case the C walk does not take, over the parameters from
+        flat position ``resume`` on. Returns ``(slots, flags_per_device)`` (see :meth:`_record_overflow`)."""
         # The walk over parameters is the per-tensor cost that dominates lists of many small
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
@@ -349,10 +383,7 @@ class GradScaler(_ScalerVisibility):
                 _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
                                   scale_is_inverse=is_inverse, codes=sub_codes)
                 flags_per_device[device] = (flags, pos)
-        if fast is not None:
-            slots, flags_per_device = self._merge_overflow(fast[0], fast[1], slots, flags_per_device)
-        self._record_overflow(optimizer, slots, flags_per_device)
-        return per_device_found_inf._per_device_tensors
+        return slots, flags_per_device
 
     @staticmethod
     def _merge_overflow(slots_a, flags_a: dict, slots_b: list, flags_b: dict) -> tuple:

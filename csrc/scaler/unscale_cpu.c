@@ -220,6 +220,7 @@ static void run_share(share_t *s) {
     const llmmem_scaler_tensor_t *t = &s->tensors[i];
     int64_t lo = i == s->begin.tensor ? s->begin.offset : 0;
     int64_t hi = i == s->end.tensor ? s->end.offset : t->numel;
+    if (i + 1 < s->end.tensor) _llmmem_scaler_prefetch_start(&s->tensors[i + 1]);
     if (hi > lo && s->run(t, lo, hi - lo, s->inv, s->write)) {
       found = 1;
       if (s->flags) __atomic_store_n(&s->flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);

@@ -99,6 +99,7 @@ static int run_piece(llmmem_scaler_pipe_t *p, pos_t from, pos_t to) {
     const llmmem_scaler_tensor_t *t = &p->tensors[i];
     int64_t lo = i == from.tensor ? from.offset : 0;
     int64_t hi = i == to.tensor ? to.offset : t->numel;
+    if (i + 1 < to.tensor) _llmmem_scaler_prefetch_start(&p->tensors[i + 1]);
     if (hi > lo && p->run(t, lo, hi - lo, p->inv, p->write)) {
       found = 1;
       if (p->flags) __atomic_store_n(&p->flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);

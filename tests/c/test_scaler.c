@@ -104,6 +104,41 @@ static int fast_matches_ref(list_t *l, const float *scale, int threads) {
   return ok;
 }
 
+/* Runs the pipe on l (published in random batches, `workers` threads besides the caller, only
+ * the first `upto` tensors when the caller gives up early) and the reference on the copies of
+ * those; returns 1 when the done tensors match bitwise and the rest are untouched. */
+static int pipe_matches_ref(list_t *l, const float *scale, int workers, size_t upto, unsigned long long *rng) {
+  llmmem_scaler_tensor_t *ref = calloc(l->n ? l->n : 1, sizeof *ref);
+  for (size_t i = 0; i < l->n; i++) {
+    ref[i] = l->t[i];
+    ref[i].data = l->copy[i];
+  }
+  uint8_t *f1 = calloc(l->n + 1, 1), *f2 = calloc(l->n + 1, 1);
+  float fi1 = 0.0f, fi2 = 0.0f;
+  llmmem_scaler_pipe_t *pipe = NULL;
+  int ok = llmmem_scaler_pipe_start(l->t, l->n, scale, 0, f1, l->n + 1, workers, &pipe) == LLMMEM_OK;
+  for (size_t done = 0; ok && done < upto;) {
+    done += 1 + th_rand(rng) % 64;
+    if (done > upto) done = upto;
+    ok = llmmem_scaler_pipe_publish(pipe, done) == LLMMEM_OK;
+  }
+  ok = pipe && llmmem_scaler_pipe_finish(pipe, &fi1) == LLMMEM_OK && ok;
+  ok = ok && llmmem_scaler_unscale_check_ref(ref, upto, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
+  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0;
+  for (size_t i = 0; ok && i < l->n; i++) {
+    size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
+    if (bytes && memcmp(l->t[i].data, l->copy[i], bytes) != 0) {
+      printf("  tensor %zu (dtype %d, numel %lld, %s) differs\n", i, (int)l->t[i].dtype,
+             (long long)l->t[i].numel, i < upto ? "published" : "never published");
+      ok = 0;
+    }
+  }
+  free(ref);
+  free(f1);
+  free(f2);
+  return ok;
+}
+
 static llmmem_scaler_config_t torch_cfg(int64_t interval) {
   return (llmmem_scaler_config_t){2.0, 0.5, interval, 1, 0.0f};
 }
@@ -464,6 +499,107 @@ int main(void) {
       ok = ok && scale == s2 && growth == g2;
     }
     CHECK(ok);
+  }
+
+  TEST("pipe: a list published in batches while workers run equals the reference (dtypes, slices, inf/NaN)") {
+    /* 1500 small tensors (1 KiB..36 KiB, as biases and norms) around three large ones that are
+     * claimed in 1 MiB slices; specials in small ones and in a late slice of a large one. */
+    enum { N = 1503 };
+    static int64_t numels[N];
+    static int32_t dtypes[N];
+    int ok = 1;
+    for (int round = 0; round < 6 && ok; round++) {
+      for (size_t i = 0; i < N; i++) {
+        numels[i] = (int64_t)(th_rand(&rng) % 9000);
+        dtypes[i] = (int32_t)(th_rand(&rng) % LLMMEM_SCALER_DTYPE_COUNT_);
+      }
+      numels[10] = 3000003;
+      numels[700] = 1 << 20;
+      numels[1502] = 777777;
+      list_t l = make_list(N, numels, dtypes, &rng);
+      const double specials[3] = {INFINITY, -INFINITY, NAN};
+      for (int k = 0; k < 5; k++) {
+        size_t i = round == 0 ? 0 : th_rand(&rng) % N;
+        if (!numels[i]) continue;
+        int64_t at = (int64_t)(th_rand(&rng) % (uint64_t)numels[i]);
+        put(l.t[i].data, dtypes[i], at, specials[k % 3]);
+        put(l.copy[i], dtypes[i], at, specials[k % 3]);
+      }
+      put(l.t[10].data, dtypes[10], 2900000, NAN); /* the third slice or later, whatever the dtype */
+      put(l.copy[10], dtypes[10], 2900000, NAN);
+      float scale = 4096.0f;
+      ok = pipe_matches_ref(&l, &scale, round % 4, N, &rng);
+      free_list(&l);
+    }
+    CHECK(ok);
+  }
+
+  TEST("pipe: a caller that stops early gets the published tensors done and the rest untouched") {
+    int64_t numels[400];
+    int32_t dtypes[400];
+    for (size_t i = 0; i < 400; i++) {
+      numels[i] = 4000 + (int64_t)i;
+      dtypes[i] = (int32_t)(i % 4);
+    }
+    list_t l = make_list(400, numels, dtypes, &rng);
+    put(l.t[350].data, dtypes[350], 5, INFINITY); /* never published: must not be seen */
+    put(l.copy[350], dtypes[350], 5, INFINITY);
+    float scale = 2.0f;
+    CHECK(pipe_matches_ref(&l, &scale, 1, 217, &rng));
+    free_list(&l);
+  }
+
+  TEST("pipe: check only (no scale) writes nothing; nothing published is a no-op") {
+    int64_t numels[300];
+    int32_t dtypes[300];
+    for (size_t i = 0; i < 300; i++) {
+      numels[i] = 3000;
+      dtypes[i] = LLMMEM_SCALER_F32;
+    }
+    list_t l = make_list(300, numels, dtypes, &rng);
+    put(l.t[299].data, 0, 2999, NAN);
+    put(l.copy[299], 0, 2999, NAN);
+    CHECK(pipe_matches_ref(&l, NULL, 2, 300, &rng));
+    float found = 0.0f;
+    llmmem_scaler_pipe_t *pipe = NULL;
+    CHECK_OK(llmmem_scaler_pipe_start(l.t, 300, NULL, 0, NULL, 0, 3, &pipe));
+    CHECK_OK(llmmem_scaler_pipe_finish(pipe, &found));
+    CHECK(found == 0.0f);
+    free_list(&l);
+  }
+
+  TEST("pipe: misuse is refused; the work already published still completes") {
+    int64_t numels[4] = {100, 200, 300, 400};
+    int32_t dtypes[4] = {0, 0, 0, 0};
+    list_t l = make_list(4, numels, dtypes, &rng);
+    float scale = 2.0f, found = 0.0f;
+    llmmem_scaler_pipe_t *pipe = NULL;
+    CHECK_STATUS(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, NULL, 0, -1, &pipe), LLMMEM_ERR_INVALID);
+    CHECK(pipe == NULL);
+    CHECK_STATUS(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, NULL, 0, 1, NULL), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_start(NULL, 4, &scale, 0, NULL, 0, 1, &pipe), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_publish(NULL, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_finish(NULL, &found), LLMMEM_ERR_INVALID);
+    uint8_t flags[2] = {0, 0};
+    CHECK_OK(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, flags, 2, 1, &pipe));
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 2));                                /* flags 0, 1: fine */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 1), LLMMEM_ERR_INVALID);        /* going back */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 5), LLMMEM_ERR_INVALID);        /* past capacity */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 3), LLMMEM_ERR_INVALID);        /* flag 2 >= n_flags 2 */
+    CHECK(strstr(llmmem_last_error(), "flag") != NULL);
+    l.t[2].flag = 0;
+    l.t[3].dtype = 9;
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 4), LLMMEM_ERR_INVALID);        /* bad dtype: none of 2..3 */
+    CHECK_STATUS(llmmem_scaler_pipe_finish(pipe, NULL), LLMMEM_ERR_INVALID);      /* frees it all the same */
+    l.t[3].dtype = 0;
+    /* tensors 0 and 1 were unscaled (x 0.5); 2 and 3 never published */
+    int ok = 1;
+    for (int i = 0; i < 4; i++) {
+      const float *got = l.t[i].data, *orig = l.copy[i];
+      for (int64_t k = 0; k < numels[i]; k++) ok = ok && got[k] == (i < 2 ? orig[k] * 0.5f : orig[k]);
+    }
+    CHECK(ok);
+    free_list(&l);
   }
 
   TEST("a CPU-only build's CUDA entry points say so") {
