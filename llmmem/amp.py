@@ -451,6 +451,13 @@ class GradScaler(_ScalerVisibility):
 
         .. note:: :meth:`unscale_` does not synchronise with the GPU.
 
+        .. note:: On the CPU, with 256 parameters or more and more than one torch thread, worker
+           threads unscale the gradients already found while the rest are still being looked up.
+           If a later gradient then raises (fp16, an unsupported dtype or layout), the ones before
+           it stay unscaled, which torch would not have done; the step is then recorded as
+           overflowed (:meth:`step` skips it, :meth:`update` backs off the scale), so nothing is
+           unscaled twice, and the exception carries a note saying so.
+
         Raises:
             RuntimeError: called twice for ``optimizer`` since the last :meth:`update`, or after :meth:`step`.
             ValueError: a gradient is fp16 (``"Attempting to unscale FP16 gradients."``, as torch).
