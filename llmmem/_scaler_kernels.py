@@ -19,7 +19,8 @@ Tensors are checked (dtype, element count, device) before any ``data_ptr()`` rea
 ``GradScaler.unscale_`` on the CPU first tries :func:`unscale_param_groups_cpu_`: one C call that
 walks the optimizer's param_groups and reads and checks each gradient itself (on lists of
 thousands of small gradients the per-gradient Python work cost as much as the kernel), handing
-anything unusual back, untouched, to :func:`unscale_check_`.
+anything unusual back to :func:`unscale_check_`: untouched on short lists, and on long ones
+(pipelined: workers unscale what the walk has read while it reads on) from where it stopped.
 """
 
 from __future__ import annotations
