@@ -78,6 +78,20 @@ static void free_list(list_t *l) {
   free(l->copy);
 }
 
+/* Whether every tensor of l equals its copy bitwise (the first `done` were processed on both sides,
+ * the others on neither); prints the first that does not. */
+static int tensors_match_copies(const list_t *l, size_t done) {
+  for (size_t i = 0; i < l->n; i++) {
+    size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
+    if (bytes && memcmp(l->t[i].data, l->copy[i], bytes) != 0) {
+      printf("  tensor %zu (dtype %d, numel %lld, %s) differs from the reference\n", i, (int)l->t[i].dtype,
+             (long long)l->t[i].numel, i < done ? "processed" : "not processed");
+      return 0;
+    }
+  }
+  return 1;
+}
+
 /* Runs the fast path on l and the reference on a copy; returns 1 when everything matches bitwise. */
 static int fast_matches_ref(list_t *l, const float *scale, int threads) {
   llmmem_scaler_tensor_t *ref = calloc(l->n ? l->n : 1, sizeof *ref);
@@ -89,15 +103,7 @@ static int fast_matches_ref(list_t *l, const float *scale, int threads) {
   float fi1 = 0.0f, fi2 = 0.0f;
   int ok = llmmem_scaler_unscale_check(l->t, l->n, scale, 0, &fi1, f1, l->n + 1, threads) == LLMMEM_OK &&
            llmmem_scaler_unscale_check_ref(ref, l->n, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
-  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0;
-  for (size_t i = 0; ok && i < l->n; i++) {
-    size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
-    if (bytes && memcmp(l->t[i].data, l->copy[i], bytes) != 0) {
-      printf("  tensor %zu (dtype %d, numel %lld) differs from the reference\n", i, (int)l->t[i].dtype,
-             (long long)l->t[i].numel);
-      ok = 0;
-    }
-  }
+  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0 && tensors_match_copies(l, l->n);
   free(ref);
   free(f1);
   free(f2);
@@ -124,15 +130,7 @@ static int pipe_matches_ref(list_t *l, const float *scale, int workers, size_t u
   }
   ok = pipe && llmmem_scaler_pipe_finish(pipe, &fi1) == LLMMEM_OK && ok;
   ok = ok && llmmem_scaler_unscale_check_ref(ref, upto, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
-  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0;
-  for (size_t i = 0; ok && i < l->n; i++) {
-    size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
-    if (bytes && memcmp(l->t[i].data, l->copy[i], bytes) != 0) {
-      printf("  tensor %zu (dtype %d, numel %lld, %s) differs\n", i, (int)l->t[i].dtype,
-             (long long)l->t[i].numel, i < upto ? "published" : "never published");
-      ok = 0;
-    }
-  }
+  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0 && tensors_match_copies(l, upto);
   free(ref);
   free(f1);
   free(f2);
