@@ -92,8 +92,12 @@ static int tensors_match_copies(const list_t *l, size_t done) {
   return 1;
 }
 
-/* Runs the fast path on l and the reference on a copy; returns 1 when everything matches bitwise. */
-static int fast_matches_ref(list_t *l, const float *scale, int threads) {
+/* Runs the unscale on l and the reference on the copies; returns 1 when the results match bitwise.
+ * pipe 0: llmmem_scaler_unscale_check on `threads` threads. pipe 1: the pipe with `threads`
+ * workers besides the caller, published in random batches, stopped after the first `upto` tensors
+ * (the reference runs on those only, and the rest must stay untouched). */
+static int run_matches_ref(list_t *l, const float *scale, int pipe, int threads, size_t upto,
+                           unsigned long long *rng) {
   llmmem_scaler_tensor_t *ref = calloc(l->n ? l->n : 1, sizeof *ref);
   for (size_t i = 0; i < l->n; i++) {
     ref[i] = l->t[i];
@@ -101,40 +105,34 @@ static int fast_matches_ref(list_t *l, const float *scale, int threads) {
   }
   uint8_t *f1 = calloc(l->n + 1, 1), *f2 = calloc(l->n + 1, 1);
   float fi1 = 0.0f, fi2 = 0.0f;
-  int ok = llmmem_scaler_unscale_check(l->t, l->n, scale, 0, &fi1, f1, l->n + 1, threads) == LLMMEM_OK &&
-           llmmem_scaler_unscale_check_ref(ref, l->n, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
-  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0 && tensors_match_copies(l, l->n);
-  free(ref);
-  free(f1);
-  free(f2);
-  return ok;
-}
-
-/* Runs the pipe on l (published in random batches, `workers` threads besides the caller, only
- * the first `upto` tensors when the caller gives up early) and the reference on the copies of
- * those; returns 1 when the done tensors match bitwise and the rest are untouched. */
-static int pipe_matches_ref(list_t *l, const float *scale, int workers, size_t upto, unsigned long long *rng) {
-  llmmem_scaler_tensor_t *ref = calloc(l->n ? l->n : 1, sizeof *ref);
-  for (size_t i = 0; i < l->n; i++) {
-    ref[i] = l->t[i];
-    ref[i].data = l->copy[i];
+  int ok;
+  if (!pipe) {
+    upto = l->n;
+    ok = llmmem_scaler_unscale_check(l->t, l->n, scale, 0, &fi1, f1, l->n + 1, threads) == LLMMEM_OK;
+  } else {
+    llmmem_scaler_pipe_t *p = NULL;
+    ok = llmmem_scaler_pipe_start(l->t, l->n, scale, 0, f1, l->n + 1, threads, &p) == LLMMEM_OK;
+    for (size_t done = 0; ok && done < upto;) {
+      done += 1 + th_rand(rng) % 64;
+      if (done > upto) done = upto;
+      ok = llmmem_scaler_pipe_publish(p, done) == LLMMEM_OK;
+    }
+    ok = p && llmmem_scaler_pipe_finish(p, &fi1) == LLMMEM_OK && ok;
   }
-  uint8_t *f1 = calloc(l->n + 1, 1), *f2 = calloc(l->n + 1, 1);
-  float fi1 = 0.0f, fi2 = 0.0f;
-  llmmem_scaler_pipe_t *pipe = NULL;
-  int ok = llmmem_scaler_pipe_start(l->t, l->n, scale, 0, f1, l->n + 1, workers, &pipe) == LLMMEM_OK;
-  for (size_t done = 0; ok && done < upto;) {
-    done += 1 + th_rand(rng) % 64;
-    if (done > upto) done = upto;
-    ok = llmmem_scaler_pipe_publish(pipe, done) == LLMMEM_OK;
-  }
-  ok = pipe && llmmem_scaler_pipe_finish(pipe, &fi1) == LLMMEM_OK && ok;
   ok = ok && llmmem_scaler_unscale_check_ref(ref, upto, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
   ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0 && tensors_match_copies(l, upto);
   free(ref);
   free(f1);
   free(f2);
   return ok;
+}
+
+static int fast_matches_ref(list_t *l, const float *scale, int threads) {
+  return run_matches_ref(l, scale, 0, threads, l->n, NULL);
+}
+
+static int pipe_matches_ref(list_t *l, const float *scale, int workers, size_t upto, unsigned long long *rng) {
+  return run_matches_ref(l, scale, 1, workers, upto, rng);
 }
 
 static llmmem_scaler_config_t torch_cfg(int64_t interval) {
