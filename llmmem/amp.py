@@ -295,28 +295,30 @@ class GradScaler(_ScalerVisibility):
                 rest = self._unscale_general_(optimizer, per_device_scale, is_inverse, per_device_found_inf,
                                               allow_fp16, fast[2])
             except BaseException as exc:
-                self._fail_partly_unscaled(optimizer, per_device_found_inf, len(fast[0]), exc)
+                self._fail_partly_unscaled(optimizer, per_device_found_inf, len(fast[0]), exc, fast[0], fast[1])
                 raise
             slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
         self._record_overflow(optimizer, slots, flags_per_device)
         return per_device_found_inf._per_device_tensors
 
     def _fail_partly_unscaled(self, optimizer: torch.optim.Optimizer, per_device_found_inf: _MultiDeviceReplicator,
-                              n_done: int, exc: BaseException) -> None:
-        """The general walk raised (an fp16 gradient, an unsupported dtype or layout, an interrupt)
-        after the pipelined C walk had unscaled ``n_done`` gradients before it, which cannot be taken
-        back. So that no later call unscales them twice or steps on half-unscaled gradients, the
-        optimizer is recorded as unscaled with an overflow: ``step`` skips it and ``update`` backs
-        off the scale, as after an inf. The exception says so."""
+                              n_done: int, exc: BaseException, slots: Any = (), flags_per_device: Any = None) -> None:
+        """An exception (an fp16 gradient, an unsupported dtype or layout, an interrupt) came after
+        the pipelined C walk had unscaled ``n_done`` gradients, which cannot be taken back. So that
+        no later call unscales them twice or steps on half-unscaled gradients, the optimizer is
+        recorded as unscaled with an overflow: ``step`` skips it and ``update`` takes it as an
+        overflow (backs off, or counts towards ``hysteresis``). The overflow record holds the culprits
+        found among the done gradients (``slots``, ``flags_per_device``). The exception says so."""
         found = per_device_found_inf.get(per_device_found_inf.master.device)
         found.fill_(1.0)
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
         state["stage"] = OptState.UNSCALED
+        self._record_overflow(optimizer, slots, flags_per_device or {})
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"llmmem.GradScaler: {n_done} gradients before this one were already unscaled (the CPU "
                          "walk over many gradients is pipelined); this step is recorded as overflowed, so step() "
-                         "skips it and update() backs off the scale.")
+                         "skips it and update() takes it as an overflow.")
 
     def _unscale_general_(self, optimizer: torch.optim.Optimizer, per_device_scale: _MultiDeviceReplicator,
                           is_inverse: bool, per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
@@ -415,7 +417,13 @@ class GradScaler(_ScalerVisibility):
         cpu = per_device_found_inf.master.device
         found = per_device_found_inf.get(cpu)
         flags = torch.zeros(n_params, dtype=torch.uint8)
-        done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
+        try:
+            done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
+        except BaseException as exc:  # an interrupt or MemoryError inside the C walk
+            n_done = getattr(exc, "_llmmem_partly_unscaled", 0)  # set when it had begun unscaling
+            if n_done:
+                self._fail_partly_unscaled(optimizer, per_device_found_inf, n_done, exc)
+            raise
         if done is None:
             return None
         n_grads, slots, resume = done
@@ -453,10 +461,10 @@ class GradScaler(_ScalerVisibility):
 
         .. note:: On the CPU, with 256 parameters or more and more than one torch thread, worker
            threads unscale the gradients already found while the rest are still being looked up.
-           If a later gradient then raises (fp16, an unsupported dtype or layout), the ones before
-           it stay unscaled, which torch would not have done; the step is then recorded as
-           overflowed (:meth:`step` skips it, :meth:`update` backs off the scale), so nothing is
-           unscaled twice, and the exception carries a note saying so.
+           If a later gradient then raises (fp16, an unsupported dtype or layout), or an interrupt
+           comes, the ones before it stay unscaled, which torch would not have done; the step is
+           then recorded as overflowed (:meth:`step` skips it, :meth:`update` takes it as an
+           overflow), so nothing is unscaled twice, and the exception carries a note saying so.
 
         Raises:
             RuntimeError: called twice for ``optimizer`` since the last :meth:`update`, or after :meth:`step`.

@@ -179,3 +179,91 @@ def test_an_interrupt_during_a_pipelined_walk_propagates_after_the_workers_finis
     # what the walk had read is done (it may have begun), the rest untouched: nothing half-written
     for k, (g, b) in enumerate(zip(grads, before)):
         assert torch.equal(g, (b.double() / 2).to(b.dtype) if k < 280 else b), k
+
+
+@pytest.mark.parametrize("how", ["same-parameter-twice", "shared-grad"])
+def test_a_gradient_listed_twice_is_unscaled_twice_as_torch_does(two_threads, how):
+    # Both listings in flight on two threads at once would lose one of the two multiplications:
+    # the walk hands over at the second listing, and the general path runs it after the first.
+    import warnings
+
+    def make_opt(cls):
+        grads = plain_grads(seed=5)
+        grads[40] = torch.full((600_000,), SCALE * SCALE)  # big enough to be sliced across workers
+        params = [p_with(g) for g in grads]
+        if how == "same-parameter-twice":
+            plist = params[:260] + [params[40]] + params[260:]
+        else:
+            twin = p_with(None)
+            twin.data = torch.zeros(600_000)
+            twin.grad = params[40].grad  # two parameters, one gradient tensor
+            plist = params[:260] + [twin] + params[260:]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about a duplicated parameter
+            opt = torch.optim.SGD(plist, lr=0.1)
+        s = cls("cpu", init_scale=SCALE)
+        s.scale(torch.ones(()))
+        return s, opt, plist
+
+    flags = torch.zeros(N + 1, dtype=torch.uint8)
+    _, opt, plist = make_opt(llmmem.GradScaler)
+    n, _, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), flags, torch.ones(()), True)
+    assert (n, resume) == (260, 260)
+    for _ in range(5):  # a race would show in some runs, not all
+        (ts, topt, tparams), (ls, lopt, lparams) = [make_opt(cls) for cls in (torch.amp.GradScaler, llmmem.GradScaler)]
+        ts.unscale_(topt)
+        ls.unscale_(lopt)
+        assert torch.equal(lparams[40].grad, torch.ones(600_000))  # divided twice
+        for tp, lp in zip(tparams, lparams):
+            assert_same(lp.grad, tp.grad)
+
+
+def test_an_interrupt_inside_the_pipelined_walk_leaves_the_scaler_safe(two_threads):
+    from torch.overrides import TorchFunctionMode
+
+    grads = plain_grads(seed=6)
+    target = grads[280]
+
+    class InterruptOnce(TorchFunctionMode):
+        fired = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.is_contiguous and args[0] is target and not InterruptOnce.fired:
+                InterruptOnce.fired = True
+                raise KeyboardInterrupt
+            return func(*args, **(kwargs or {}))
+
+    params = [p_with(g) for g in grads]
+    opt = torch.optim.SGD(params, lr=0.1)
+    s = llmmem.GradScaler("cpu", init_scale=SCALE)
+    s.scale(torch.ones(()))
+    with InterruptOnce(), pytest.raises(KeyboardInterrupt) as info:
+        s.unscale_(opt)
+    if sys.version_info >= (3, 11):
+        assert any("280 gradients before this one were already unscaled" in n for n in info.value.__notes__)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        s.unscale_(opt)  # a retry would divide the first 280 twice
+    weights = [p.detach().clone() for p in params]
+    assert s.step(opt) is None
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    s.update()
+    assert s.get_scale() == SCALE / 2
+
+
+def test_after_a_failed_hand_over_the_culprits_are_this_steps(two_threads):
+    grads = plain_grads(seed=7)
+    params = [p_with(g) for g in grads]
+    opt = torch.optim.SGD(params, lr=0.1)
+    s = llmmem.GradScaler("cpu", init_scale=SCALE)
+    params[3].grad.view(-1)[0] = float("inf")
+    s.scale(torch.ones(()))
+    s.step(opt)
+    s.update()
+    assert s.overflowed_params(optimizer=opt) == [(0, 3)]
+    params[3].grad.view(-1)[0] = 1.0
+    params[7].grad.view(-1)[0] = float("nan")
+    opt.param_groups[0]["params"][250] = p_with(torch.randn(9).half())
+    s.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+        s.unscale_(opt)
+    assert s.overflowed_params(optimizer=opt) == [(0, 7)]

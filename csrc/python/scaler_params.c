@@ -178,11 +178,12 @@ static Py_ssize_t count_params(PyObject *groups) {
 /* Walks the groups into `t` / `grads` (owned references) / `slots`; 1 plain, 0 not, -1 error.
  * *n_out: the gradients held in `grads`; the first *n_plain of them are described in `t`.
  * With a pipe, each described gradient is handed to it (in batches) as soon as it is read, and
- * *stop_slot is the slot of the parameter the walk stopped at when it returns 0. */
+ * *stop_slot is the slot of the parameter the walk stopped at when it returns 0: one that is not
+ * the plain case, or whose gradient was already handed over (listed twice). */
 static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scaler_tensor_t *t, PyObject **grads,
                 Py_ssize_t *slots, Py_ssize_t *n_out, Py_ssize_t *n_plain, llmmem_scaler_pipe_t *pipe,
                 Py_ssize_t *stop_slot) {
-  Py_ssize_t n = 0, slot = 0, published = 0, plain = 0;
+  Py_ssize_t n = 0, slot = 0, published = 0, plain = 0, repeat_slot = -1;
   int rc = 1;
   /* The lists are re-read at each step: a getattr can run Python code that edits them. */
   for (Py_ssize_t g = 0; rc == 1 && g < PyList_GET_SIZE(groups); g++) {
@@ -226,10 +227,17 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
       if (rc != 1) break;
       plain = n;
       if (pipe && n - published >= PUBLISH_EVERY) {
-        llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, (size_t)n);
+        size_t done;
+        llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, (size_t)n, &done);
         if (st != LLMMEM_OK) { /* cannot happen: every field was checked by describe_grad */
           rc = -1;
           llmmem_py_raise(st);
+          break;
+        }
+        if ((Py_ssize_t)done < n) { /* a gradient listed twice: the general path takes over at it */
+          rc = 0;
+          plain = (Py_ssize_t)done;
+          repeat_slot = slots[done];
           break;
         }
         published = n;
@@ -239,7 +247,7 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
   }
   *n_out = n;
   *n_plain = plain;
-  *stop_slot = slot;
+  *stop_slot = repeat_slot >= 0 ? repeat_slot : slot;
   return rc;
 }
 
@@ -249,6 +257,21 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
  * plain case it cannot send the whole call to the general path; it returns where it stopped
  * instead. Few parameters are walked in microseconds: there the simpler contract is kept. */
 #define PIPE_MIN_PARAMS 256
+
+/* With an exception set: records on it (attribute _llmmem_partly_unscaled) that the first
+ * `n_done` gradients were unscaled before it was raised, so that llmmem.GradScaler can keep a
+ * retry from unscaling them twice. */
+static void mark_partly_unscaled(Py_ssize_t n_done) {
+  if (n_done <= 0) return;
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  PyObject *count = PyLong_FromSsize_t(n_done);
+  if (count && value && PyObject_SetAttrString(value, "_llmmem_partly_unscaled", count) < 0)
+    PyErr_Clear(); /* an exception object that takes no attributes: it propagates unmarked */
+  Py_XDECREF(count);
+  PyErr_Restore(type, value, tb);
+}
 
 static PyObject *slot_list_of(const Py_ssize_t *slots, Py_ssize_t n, Py_ssize_t cap) {
   if (n == cap) Py_RETURN_NONE; /* None: the grads sit at slots 0..n-1 */
@@ -311,11 +334,20 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     }
     int rc = walk(groups, cap, &k, t, grads, slots, &n, &n_plain, pipe, &stop_slot);
     /* What was read is unscaled whatever happened next: workers may have begun on it. */
-    st = llmmem_scaler_pipe_publish(pipe, (size_t)n_plain);
+    size_t done_n;
+    st = llmmem_scaler_pipe_publish(pipe, (size_t)n_plain, &done_n);
+    if (st == LLMMEM_OK && (Py_ssize_t)done_n < n_plain) { /* a repeat in the last batch */
+      if (rc == 1) rc = 0;
+      if (rc == 0) stop_slot = slots[done_n];
+      n_plain = (Py_ssize_t)done_n;
+    }
     llmmem_status_t st2;
     Py_BEGIN_ALLOW_THREADS st2 = llmmem_scaler_pipe_finish(pipe, found);
     Py_END_ALLOW_THREADS
-    if (rc < 0) goto done; /* the walk's exception */
+    if (rc < 0) { /* the walk's exception, which says how many gradients were unscaled before it */
+      mark_partly_unscaled(n_plain);
+      goto done;
+    }
     if (st == LLMMEM_OK) st = st2;
     if (st != LLMMEM_OK) {
       llmmem_py_raise(st);

@@ -20,6 +20,7 @@
 
 #include <llmmem/scaler.h>
 
+#include "addr_set.h"
 #include "half.h"
 #include "internal.h"
 #include "scaler_internal.h"
@@ -258,6 +259,16 @@ static cut_t find_cut(const llmmem_scaler_tensor_t *tensors, size_t count, size_
   return (cut_t){count, 0};
 }
 
+/* Whether a tensor is listed twice (by address); also 1 when that cannot be checked. */
+static int has_repeat(const llmmem_scaler_tensor_t *tensors, size_t count) {
+  _llmmem_addr_set_t seen;
+  if (_llmmem_addr_set_init(&seen, count) != 0) return 1;
+  int repeat = 0;
+  for (size_t i = 0; i < count && !repeat; i++) repeat = !_llmmem_addr_set_add(&seen, tensors[i].data);
+  _llmmem_addr_set_free(&seen);
+  return repeat;
+}
+
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
                                                        const float *scale, int scale_is_inverse, float *found_inf,
                                                        uint8_t *tensor_flags, size_t n_flags, int num_threads) {
@@ -274,6 +285,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   if (nt > by_size) nt = by_size;
   if (nt > MAX_THREADS) nt = MAX_THREADS;
   if (nt < 1) nt = 1;
+  if (nt > 1 && has_repeat(tensors, count)) nt = 1; /* one thread handles the listings in order */
 
   share_t shares[MAX_THREADS];
   cut_t cuts[MAX_THREADS + 1];

@@ -23,14 +23,18 @@
 
 #include <llmmem/scaler.h>
 
+#include "addr_set.h"
 #include "internal.h"
 #include "scaler_internal.h"
 
 #define CLAIM_BYTES ((size_t)64 << 10)  /* small tensors are claimed together up to this */
 #define SLICE_BYTES ((size_t)1 << 20)   /* a large tensor is claimed in slices of this */
-/* Workers start once this much is published: below it, starting a thread (tens of microseconds)
- * costs more than the caller unscaling it all in finish. */
+/* The first worker starts once this much is published: below it, starting a thread (tens of
+ * microseconds) costs more than the caller unscaling it all in finish. Each further worker waits
+ * for MORE_BYTES more, as llmmem_scaler_unscale_check spreads threads (a few MiB each), so a long
+ * list of small gradients does not start a thread per CPU for a few MiB. */
 #define START_BYTES ((size_t)512 << 10)
+#define MORE_BYTES ((size_t)3 << 20)
 #define MAX_WORKERS 63
 
 struct llmmem_scaler_pipe_s {
@@ -53,6 +57,7 @@ struct llmmem_scaler_pipe_s {
 
   size_t published_bytes; /* the publisher's own count, to decide when to start the workers */
   size_t want_workers, n_workers;
+  _llmmem_addr_set_t seen; /* data pointers published so far, to refuse a second listing */
   pthread_t workers[MAX_WORKERS];
 };
 
@@ -183,15 +188,24 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t
     free(p);
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_scaler_pipe_start: pthread_mutex_init failed");
   }
-  p->want_workers = (size_t)workers < MAX_WORKERS ? (size_t)workers : MAX_WORKERS;
+  /* the caller works too: more workers than the other CPUs would only take turns with it */
+  size_t others = (size_t)_llmmem_scaler_online_cpus() - 1;
+  size_t want = (size_t)workers < others ? (size_t)workers : others;
+  p->want_workers = want < MAX_WORKERS ? want : MAX_WORKERS;
+  if (_llmmem_addr_set_init(&p->seen, capacity) != 0) {
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_scaler_pipe_start: no memory for %zu addresses", capacity);
+  }
   *out = p;
   return LLMMEM_OK;
 }
 
-LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, size_t count) {
+LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, size_t count, size_t *published) {
   LLMMEM_CHECK_ARG(p != NULL, "llmmem_scaler_pipe_publish: pipe must not be NULL");
   /* Only the publishing thread changes `published`, so reading it unlocked here is exact. */
   size_t have = p->published;
+  if (published) *published = have;
   LLMMEM_CHECK_ARG(!p->closed, "llmmem_scaler_pipe_publish: the pipe is finished");
   LLMMEM_CHECK_ARG(count >= have && count <= p->capacity,
                    "llmmem_scaler_pipe_publish: count %zu must be in [%zu, capacity %zu]", count, have, p->capacity);
@@ -200,16 +214,23 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, s
   size_t bytes;
   LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_pipe_publish", p->tensors + have, count - have, &unused,
                                           p->flags, p->n_flags, &bytes));
+  size_t upto = have;
+  while (upto < count && _llmmem_addr_set_add(&p->seen, p->tensors[upto].data)) upto++;
+  if (upto < count) { /* a repeat: publish only what comes before it */
+    LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_pipe_publish", p->tensors + have, upto - have, &unused,
+                                            p->flags, p->n_flags, &bytes));
+  }
   pthread_mutex_lock(&p->lock);
-  __atomic_store_n(&p->published, count, __ATOMIC_RELAXED);
+  __atomic_store_n(&p->published, upto, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&p->lock);
+  if (published) *published = upto;
   p->published_bytes += bytes;
-  if (p->n_workers == 0 && p->published_bytes >= START_BYTES) {
-    for (size_t k = 0; k < p->want_workers; k++) {
-      if (pthread_create(&p->workers[p->n_workers], NULL, worker_main, p) != 0) break; /* fewer is fine */
-      p->n_workers++;
+  while (p->n_workers < p->want_workers && p->published_bytes >= START_BYTES + p->n_workers * MORE_BYTES) {
+    if (pthread_create(&p->workers[p->n_workers], NULL, worker_main, p) != 0) {
+      p->want_workers = p->n_workers; /* fewer is fine */
+      break;
     }
-    p->want_workers = 0; /* tried once */
+    p->n_workers++;
   }
   return LLMMEM_OK;
 }
@@ -223,6 +244,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_finish(llmmem_scaler_pipe_t *p, fl
   for (size_t k = 0; k < p->n_workers; k++) pthread_join(p->workers[k], NULL);
   int found = p->found;
   pthread_mutex_destroy(&p->lock);
+  _llmmem_addr_set_free(&p->seen);
   free(p);
   /* Checked last: the published work must complete whatever the caller passes. */
   LLMMEM_CHECK_ARG(found_inf != NULL, "llmmem_scaler_pipe_finish: found_inf must not be NULL (the pipe was "

@@ -115,7 +115,7 @@ static int run_matches_ref(list_t *l, const float *scale, int pipe, int threads,
     for (size_t done = 0; ok && done < upto;) {
       done += 1 + th_rand(rng) % 64;
       if (done > upto) done = upto;
-      ok = llmmem_scaler_pipe_publish(p, done) == LLMMEM_OK;
+      ok = llmmem_scaler_pipe_publish(p, done, NULL) == LLMMEM_OK;
     }
     ok = p && llmmem_scaler_pipe_finish(p, &fi1) == LLMMEM_OK && ok;
   }
@@ -574,18 +574,18 @@ int main(void) {
     CHECK(pipe == NULL);
     CHECK_STATUS(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, NULL, 0, 1, NULL), LLMMEM_ERR_INVALID);
     CHECK_STATUS(llmmem_scaler_pipe_start(NULL, 4, &scale, 0, NULL, 0, 1, &pipe), LLMMEM_ERR_INVALID);
-    CHECK_STATUS(llmmem_scaler_pipe_publish(NULL, 1), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_publish(NULL, 1, NULL), LLMMEM_ERR_INVALID);
     CHECK_STATUS(llmmem_scaler_pipe_finish(NULL, &found), LLMMEM_ERR_INVALID);
     uint8_t flags[2] = {0, 0};
     CHECK_OK(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, flags, 2, 1, &pipe));
-    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 2));                                /* flags 0, 1: fine */
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 1), LLMMEM_ERR_INVALID);        /* going back */
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 5), LLMMEM_ERR_INVALID);        /* past capacity */
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 3), LLMMEM_ERR_INVALID);        /* flag 2 >= n_flags 2 */
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 2, NULL));                                /* flags 0, 1: fine */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 1, NULL), LLMMEM_ERR_INVALID);        /* going back */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 5, NULL), LLMMEM_ERR_INVALID);        /* past capacity */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 3, NULL), LLMMEM_ERR_INVALID);        /* flag 2 >= n_flags 2 */
     CHECK(strstr(llmmem_last_error(), "flag") != NULL);
     l.t[2].flag = 0;
     l.t[3].dtype = 9;
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 4), LLMMEM_ERR_INVALID);        /* bad dtype: none of 2..3 */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 4, NULL), LLMMEM_ERR_INVALID);        /* bad dtype: none of 2..3 */
     CHECK_STATUS(llmmem_scaler_pipe_finish(pipe, NULL), LLMMEM_ERR_INVALID);      /* frees it all the same */
     l.t[3].dtype = 0;
     /* tensors 0 and 1 were unscaled (x 0.5); 2 and 3 never published */
@@ -595,6 +595,55 @@ int main(void) {
       for (int64_t k = 0; k < numels[i]; k++) ok = ok && got[k] == (i < 2 ? orig[k] * 0.5f : orig[k]);
     }
     CHECK(ok);
+    free_list(&l);
+  }
+
+  TEST("a tensor listed twice is processed twice, in order, whatever the thread count (torch's CPU result)") {
+    /* 17 MiB in all, so that four threads would be used; tensor 5 is tensor 1 again */
+    int64_t numels[8] = {1000000, 1250001, 7, 1000000, 1, 0, 4097, 1000003};
+    int32_t dtypes[8] = {0, 0, 2, 3, 1, 0, 0, 0};
+    unsigned long long seed = rng;
+    int ok = 1;
+    for (int threads = 1; threads <= 4 && ok; threads++) {
+      rng = seed;
+      list_t l = make_list(8, numels, dtypes, &rng);
+      void *own5 = l.t[5].data, *own5c = l.copy[5];
+      l.t[5] = l.t[1];
+      l.t[5].flag = 5;
+      l.copy[5] = l.copy[1];
+      float scale = 4.0f;
+      ok = fast_matches_ref(&l, &scale, threads);
+      l.copy[5] = own5c;
+      l.t[5].data = own5;
+      free_list(&l);
+    }
+    CHECK(ok);
+  }
+
+  TEST("pipe: a data pointer published again is refused with everything after it; the caller hands over") {
+    int64_t numels[6] = {1000, 2000, 3000, 4000, 5000, 6000};
+    int32_t dtypes[6] = {0, 0, 0, 0, 0, 0};
+    list_t l = make_list(6, numels, dtypes, &rng);
+    void *own = l.t[4].data;
+    l.t[4].data = l.t[2].data;
+    l.t[4].numel = l.t[2].numel;
+    float scale = 2.0f, found = 0.0f;
+    llmmem_scaler_pipe_t *pipe = NULL;
+    size_t published = 99;
+    CHECK_OK(llmmem_scaler_pipe_start(l.t, 6, &scale, 0, NULL, 0, 1, &pipe));
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 3, &published));
+    CHECK(published == 3);
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 6, &published));
+    CHECK(published == 4); /* tensor 4 repeats tensor 2: it and tensor 5 stay out */
+    CHECK_OK(llmmem_scaler_pipe_finish(pipe, &found));
+    int ok = 1;
+    for (int i = 0; i < 6; i++) {
+      const float *got = i == 4 ? own : l.t[i].data, *orig = l.copy[i];
+      for (int64_t k = 0; k < numels[i]; k++) ok = ok && got[k] == (i < 4 ? orig[k] * 0.5f : orig[k]);
+    }
+    CHECK(ok);
+    l.t[4].data = own;
+    l.t[4].numel = numels[4];
     free_list(&l);
   }
 
