@@ -113,9 +113,7 @@ static int run_piece(llmmem_scaler_pipe_t *p, pos_t from, pos_t to) {
   return found;
 }
 
-/* Works until the pipe is closed and drained. Waits for the publisher by spinning briefly, then
- * yielding, then sleeping: the publisher may be held up (a Python attribute read can run Python
- * code), and a waiting worker must not take its core. */
+/* A hint, read without the lock: nothing is published beyond the cursor and more may come. */
 static int nothing_new(llmmem_scaler_pipe_t *p) {
   return __atomic_load_n(&p->published, __ATOMIC_RELAXED) <= __atomic_load_n(&p->next_tensor, __ATOMIC_RELAXED) &&
          !__atomic_load_n(&p->closed, __ATOMIC_RELAXED);
