@@ -19,7 +19,8 @@ Tensors are checked (dtype, element count, device) before any ``data_ptr()`` rea
 ``GradScaler.unscale_`` on the CPU first tries :func:`unscale_param_groups_cpu_`: one C call that
 walks the optimizer's param_groups and reads and checks each gradient itself (on lists of
 thousands of small gradients the per-gradient Python work cost as much as the kernel), handing
-anything unusual back, untouched, to :func:`unscale_check_`.
+anything unusual back to :func:`unscale_check_`: untouched on short lists, and on long ones
+(pipelined: workers unscale what the walk has read while it reads on) from where it stopped.
 """
 
 from __future__ import annotations
@@ -210,10 +211,14 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     supported dtype (fp16 only with ``allow_fp16``), param_groups a list of dicts holding lists.
     Returns None having changed nothing when that is not the case (or the C core is not loaded,
     or the scale is not a CPU fp32 scalar): the caller then runs its general path, which handles
-    the case or raises its usual error. Else ``(n_grads, slots)``: the gradients' flat positions
-    in param_groups (None when every parameter has a gradient); ``flags[i]`` (uint8, CPU, at least
-    one slot per parameter) is set for the i-th gradient found non-finite. Nothing is cached:
-    addresses are read on every call.
+    the case or raises its usual error. Else ``(n_grads, slots, resume)``: ``slots`` the done
+    gradients' flat positions in param_groups (None when they are 0..n_grads-1); ``flags[i]``
+    (uint8, CPU, at least one slot per parameter) is set for the i-th gradient found non-finite.
+    ``resume`` is None when every gradient was done. On long lists with more than one thread the
+    walk is pipelined (worker threads unscale what it has read while it reads on) and cannot take
+    back what it did: meeting a gradient that is not the plain case, it finishes the ones before
+    and returns that parameter's flat position as ``resume``, for the caller's general path to
+    continue from there. Nothing is cached: addresses are read on every call.
     """
     global _KINDS
     if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):

@@ -279,11 +279,52 @@ class GradScaler(_ScalerVisibility):
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        fast = None
         if found_inf.device.type == "cpu":  # plain CPU gradients: the walk below, done in C
             fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
                                            allow_fp16)
-            if fast is not None:
-                return fast
+        if fast is None:
+            slots, flags_per_device = self._unscale_general_(optimizer, per_device_scale, is_inverse,
+                                                             per_device_found_inf, allow_fp16, 0)
+        elif fast[2] is None:
+            slots, flags_per_device = fast[0], fast[1]
+        else:
+            # The C walk unscaled the gradients before parameter fast[2] (not the plain case) and
+            # stopped there; the general walk takes over from it.
+            try:
+                rest = self._unscale_general_(optimizer, per_device_scale, is_inverse, per_device_found_inf,
+                                              allow_fp16, fast[2])
+            except BaseException as exc:
+                self._fail_partly_unscaled(optimizer, per_device_found_inf, len(fast[0]), exc, fast[0], fast[1])
+                raise
+            slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
+        self._record_overflow(optimizer, slots, flags_per_device)
+        return per_device_found_inf._per_device_tensors
+
+    def _fail_partly_unscaled(self, optimizer: torch.optim.Optimizer, per_device_found_inf: _MultiDeviceReplicator,
+                              n_done: int, exc: BaseException, slots: Any = (), flags_per_device: Any = None) -> None:
+        """An exception (an fp16 gradient, an unsupported dtype or layout, an interrupt) came after
+        the pipelined C walk had unscaled ``n_done`` gradients, which cannot be taken back. So that
+        no later call unscales them twice or steps on half-unscaled gradients, the optimizer is
+        recorded as unscaled with an overflow: ``step`` skips it and ``update`` takes it as an
+        overflow (backs off, or counts towards ``hysteresis``). The overflow record holds the culprits
+        found among the done gradients (``slots``, ``flags_per_device``). The exception says so."""
+        found = per_device_found_inf.get(per_device_found_inf.master.device)
+        found.fill_(1.0)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
+        state["stage"] = OptState.UNSCALED
+        self._record_overflow(optimizer, slots, flags_per_device or {})
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"llmmem.GradScaler: {n_done} gradients before this one were already unscaled (the CPU "
+                         "walk over many gradients is pipelined); this step is recorded as overflowed, so step() "
+                         "skips it and update() takes it as an overflow.")
+
+    def _unscale_general_(self, optimizer: torch.optim.Optimizer, per_device_scale: _MultiDeviceReplicator,
+                          is_inverse: bool, per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
+                          resume: int) -> tuple:
+        """The walk in Python, for every case the C walk does not take, over the parameters from
+        flat position ``resume`` on. Returns ``(slots, flags_per_device)`` (see :meth:`_record_overflow`)."""
         # The walk over parameters is the per-tensor cost that dominates lists of many small
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
@@ -295,6 +336,8 @@ class GradScaler(_ScalerVisibility):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 slot += 1
+                if slot < resume:
+                    continue
                 # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
                 if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
@@ -342,15 +385,31 @@ class GradScaler(_ScalerVisibility):
                 _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
                                   scale_is_inverse=is_inverse, codes=sub_codes)
                 flags_per_device[device] = (flags, pos)
-        self._record_overflow(optimizer, slots, flags_per_device)
-        return per_device_found_inf._per_device_tensors
+        return slots, flags_per_device
+
+    @staticmethod
+    def _merge_overflow(slots_a, flags_a: dict, slots_b: list, flags_b: dict) -> tuple:
+        """One overflow record out of two checks of one optimizer (the C walk's, then the general
+        walk's over the parameters after it): positions of the second shift past the first's."""
+        shift = len(slots_a)
+        merged = dict(flags_a)
+        for device, (flags, pos) in flags_b.items():
+            pos = [shift + k for k in pos]
+            if device in merged:
+                flags0, pos0 = merged[device]
+                merged[device] = (torch.cat([flags0, flags]), list(pos0) + pos)
+            else:
+                merged[device] = (flags, pos)
+        return list(slots_a) + slots_b, merged
 
     def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
-                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool
-                           ) -> Optional[dict[torch.device, torch.Tensor]]:
-        """:meth:`_unscale_grads_` in one C call when every gradient is a plain CPU tensor (see
-        :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`); None, having changed nothing,
-        when the general path must run (it then raises the usual errors)."""
+                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool) -> Optional[tuple]:
+        """:meth:`_unscale_grads_` in one C call when the gradients are plain CPU tensors (see
+        :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`). None, having changed nothing,
+        when the general path must run (it then raises the usual errors). Else ``(slots,
+        flags_per_device, resume)`` for the gradients it did (see :meth:`_record_overflow`);
+        ``resume`` is None, or the flat position of the first parameter it left to the general
+        path (the pipelined C walk, on long lists, stops there rather than undo its work)."""
         try:
             n_params = sum(len(group["params"]) for group in optimizer.param_groups)
         except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
@@ -358,17 +417,24 @@ class GradScaler(_ScalerVisibility):
         cpu = per_device_found_inf.master.device
         found = per_device_found_inf.get(cpu)
         flags = torch.zeros(n_params, dtype=torch.uint8)
-        done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
+        try:
+            done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
+        except BaseException as exc:  # an interrupt or MemoryError inside the C walk
+            n_done = getattr(exc, "_llmmem_partly_unscaled", 0)  # set when it had begun unscaling
+            if n_done:
+                self._fail_partly_unscaled(optimizer, per_device_found_inf, n_done, exc)
+            raise
         if done is None:
             return None
-        n_grads, slots = done
+        n_grads, slots, resume = done
+        if n_grads == 0 and resume is not None:
+            return None  # it stopped at the first gradient: nothing done
         if n_grads == 0:  # as the general path: nothing checked, nothing recorded for the device
             per_device_found_inf._per_device_tensors.pop(cpu)
             flags_per_device = {}
         else:
             flags_per_device = {cpu: (flags if n_grads == n_params else flags[:n_grads], range(n_grads))}
-        self._record_overflow(optimizer, range(n_grads) if slots is None else slots, flags_per_device)
-        return per_device_found_inf._per_device_tensors
+        return range(n_grads) if slots is None else slots, flags_per_device, resume
 
     def _record_overflow(self, optimizer: torch.optim.Optimizer, slots: Any, flags_per_device: dict) -> None:
         """Keeps this check's per-gradient flags for :meth:`overflowed_params` (see ``_overflow``)."""
@@ -392,6 +458,13 @@ class GradScaler(_ScalerVisibility):
         :meth:`step`, e.g. ``clip_grad_norm_``. At most once per optimizer per :meth:`update`.
 
         .. note:: :meth:`unscale_` does not synchronise with the GPU.
+
+        .. note:: On the CPU, with 256 parameters or more and more than one torch thread, worker
+           threads unscale the gradients already found while the rest are still being looked up.
+           If a later gradient then raises (fp16, an unsupported dtype or layout), or an interrupt
+           comes, the ones before it stay unscaled, which torch would not have done; the step is
+           then recorded as overflowed (:meth:`step` skips it, :meth:`update` takes it as an
+           overflow), so nothing is unscaled twice, and the exception carries a note saying so.
 
         Raises:
             RuntimeError: called twice for ``optimizer`` since the last :meth:`update`, or after :meth:`step`.

@@ -1,10 +1,18 @@
-"""Shared pytest set-up: seeded tests, and CUDA tests that skip cleanly without a GPU."""
+"""Shared pytest set-up: seeded tests, CUDA tests that skip cleanly without a GPU, and this folder
+on sys.path so test files can import the helper modules beside them (amp_testing). Only this
+folder: the repository root stays off sys.path, so the tests still import the installed llmmem."""
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.append(_HERE)
 
 
 def _cuda_usable() -> bool:

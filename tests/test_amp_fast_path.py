@@ -9,28 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from amp_testing import assert_same, p_with
+
 import llmmem
 from llmmem import _scaler_kernels as K
 
 SCALE = 1024.0
 
 
-def assert_same(a, b):
-    """Bitwise equal; NaN only has to be NaN."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    assert torch.equal(nan_a, nan_b)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    assert torch.equal(a[~nan_a].contiguous().view(ints), b[~nan_b].contiguous().view(ints))
-
-
-def p_with(grad):
-    """A parameter holding ``grad`` (None: no gradient)."""
-    if grad is None:
-        return torch.nn.Parameter(torch.zeros(1))
-    p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device))
-    p.grad = grad
-    return p
 
 
 def found_of(scaler, opt):
@@ -373,7 +359,7 @@ def test_no_reference_leaks_on_success_or_hand_over():
     found, flags, one = torch.zeros(()), torch.zeros(3, dtype=torch.uint8), torch.ones(())
     before = [sys.getrefcount(x) for x in grads + params]
     for _ in range(50):
-        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True) == (2, [0, 2])
+        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True) == (2, [0, 2], None)
     params.append(p_with(torch.randn(4, 4).t()))  # a strided view: the walk stops there and hands over
     opt2 = torch.optim.SGD(params, lr=0.1)
     flags4 = torch.zeros(4, dtype=torch.uint8)

@@ -12,6 +12,8 @@ import warnings
 import pytest
 import torch
 
+from amp_testing import assert_same
+
 import llmmem
 from llmmem import _scaler_kernels as K
 from llmmem._native import native
@@ -36,15 +38,6 @@ def rand_grad(n, dtype, gen):
     x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp2(torch.randint(-12, 12, (n,), generator=gen))
     return x.to(dtype)
 
-
-def assert_same(a, b):
-    """Bitwise equal, except that NaN only has to be NaN (torch itself writes different NaN bit
-    patterns for bf16 from its scalar and vector loops)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    assert torch.equal(nan_a, nan_b)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    assert torch.equal(a[~nan_a].view(ints), b[~nan_b].view(ints))  # bitwise: -0.0 != +0.0 here
 
 
 def torch_unscale(grads, scale):

@@ -16,6 +16,32 @@ llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler
                                              const float *found_inf, const uint8_t *tensor_flags, size_t n_flags,
                                              size_t *total_bytes);
 
+/* unscale_cpu.c: the unscale + check of elements [off, off + n) of one tensor, in the vector
+ * loops this CPU runs best (or the level a test forced); nonzero when one of them is inf or NaN.
+ * Writes x * inv when `write`. */
+typedef int (*_llmmem_scaler_range_fn)(const llmmem_scaler_tensor_t *t, int64_t off, int64_t n, float inv, int write);
+_llmmem_scaler_range_fn _llmmem_scaler_pick_range_fn(void);
+
+/* unscale_cpu.c: the multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or
+ * the given inverse. */
+llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);
+
+/* unscale_cpu.c: online CPUs, at least 1. */
+int _llmmem_scaler_online_cpus(void);
+
+#ifndef __CUDACC__
+/* Asks for the first bytes of a tensor while the one before it is unscaled. Small gradients lie
+ * scattered over the heap; each new one would otherwise start with a TLB miss and a stream the
+ * hardware prefetcher has not picked up yet. Measured on the 4000-small-tensor list, one thread:
+ * 8.9-9.5 ms without, 8.1-8.6 ms with 4 or 8 lines; prefetching two tensors ahead or each next
+ * 4 KiB page as well gained nothing more. */
+static inline void _llmmem_scaler_prefetch_start(const llmmem_scaler_tensor_t *t) {
+  const char *p = (const char *)t->data;
+  size_t bytes = (size_t)t->numel * llmmem_scaler_dtype_size(t->dtype);
+  for (size_t off = 0; off < 8 * 64 && off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
+}
+#endif
+
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */
 int _llmmem_scaler_force_isa(int isa);

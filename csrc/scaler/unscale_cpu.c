@@ -20,6 +20,7 @@
 
 #include <llmmem/scaler.h>
 
+#include "addr_set.h"
 #include "half.h"
 #include "internal.h"
 #include "scaler_internal.h"
@@ -68,7 +69,7 @@
 #undef LOOP_F16C
 #endif
 
-typedef int (*run_range_fn)(const llmmem_scaler_tensor_t *, int64_t, int64_t, float, int);
+typedef _llmmem_scaler_range_fn run_range_fn;
 
 /* -1: pick by CPU; else the ISA level the tests force (see _llmmem_scaler_force_isa). */
 static int forced_isa = -1;
@@ -78,7 +79,7 @@ int _llmmem_scaler_force_isa(int isa) {
   return _llmmem_cpu_isa_pick(isa);
 }
 
-static run_range_fn pick_run_range(void) {
+run_range_fn _llmmem_scaler_pick_range_fn(void) {
   int isa = _llmmem_cpu_isa_pick(forced_isa);
 #if LLMMEM_HAVE_X86_DISPATCH
   if (isa == 2) return run_range_avx512;
@@ -108,7 +109,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
 }
 
 /* The multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or the given inverse. */
-static llmmem_status_t resolve_inv(const float *scale, int scale_is_inverse, float *inv) {
+llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv) {
   *inv = 1.0f;
   if (!scale) return LLMMEM_OK;
   if (scale_is_inverse) {
@@ -154,7 +155,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_t
   LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check_ref", tensors, count, found_inf, tensor_flags,
                                           n_flags, &total));
   float inv = 1.0f;
-  LLMMEM_TRY(resolve_inv(scale, scale_is_inverse, &inv));
+  LLMMEM_TRY(_llmmem_scaler_resolve_inv(scale, scale_is_inverse, &inv));
   const int write = inv != 1.0f; /* torch leaves values untouched when inv_scale == 1 */
   for (size_t i = 0; i < count; i++) {
     const llmmem_scaler_tensor_t *t = &tensors[i];
@@ -220,6 +221,7 @@ static void run_share(share_t *s) {
     const llmmem_scaler_tensor_t *t = &s->tensors[i];
     int64_t lo = i == s->begin.tensor ? s->begin.offset : 0;
     int64_t hi = i == s->end.tensor ? s->end.offset : t->numel;
+    if (i + 1 < s->end.tensor) _llmmem_scaler_prefetch_start(&s->tensors[i + 1]);
     if (hi > lo && s->run(t, lo, hi - lo, s->inv, s->write)) {
       found = 1;
       if (s->flags) __atomic_store_n(&s->flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
@@ -233,7 +235,7 @@ static void *share_thread(void *arg) {
   return NULL;
 }
 
-static int online_cpus(void) {
+int _llmmem_scaler_online_cpus(void) {
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? (int)n : 1;
 }
@@ -257,6 +259,16 @@ static cut_t find_cut(const llmmem_scaler_tensor_t *tensors, size_t count, size_
   return (cut_t){count, 0};
 }
 
+/* Whether a tensor is listed twice (by address); also 1 when that cannot be checked. */
+static int has_repeat(const llmmem_scaler_tensor_t *tensors, size_t count) {
+  _llmmem_addr_set_t seen;
+  if (_llmmem_addr_set_init(&seen, count) != 0) return 1;
+  int repeat = 0;
+  for (size_t i = 0; i < count && !repeat; i++) repeat = !_llmmem_addr_set_add(&seen, tensors[i].data);
+  _llmmem_addr_set_free(&seen);
+  return repeat;
+}
+
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
                                                        const float *scale, int scale_is_inverse, float *found_inf,
                                                        uint8_t *tensor_flags, size_t n_flags, int num_threads) {
@@ -266,13 +278,14 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   LLMMEM_CHECK_ARG(num_threads >= 0, "llmmem_scaler_unscale_check: num_threads must be >= 0, got %d", num_threads);
   if (count == 0 || total == 0) return LLMMEM_OK;
   float inv = 1.0f;
-  LLMMEM_TRY(resolve_inv(scale, scale_is_inverse, &inv));
+  LLMMEM_TRY(_llmmem_scaler_resolve_inv(scale, scale_is_inverse, &inv));
 
-  size_t nt = (size_t)(num_threads > 0 ? num_threads : online_cpus());
+  size_t nt = (size_t)(num_threads > 0 ? num_threads : _llmmem_scaler_online_cpus());
   size_t by_size = total / MIN_BYTES_PER_THREAD;
   if (nt > by_size) nt = by_size;
   if (nt > MAX_THREADS) nt = MAX_THREADS;
   if (nt < 1) nt = 1;
+  if (nt > 1 && has_repeat(tensors, count)) nt = 1; /* one thread handles the listings in order */
 
   share_t shares[MAX_THREADS];
   cut_t cuts[MAX_THREADS + 1];
@@ -280,7 +293,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   cuts[0] = (cut_t){0, 0};
   for (size_t k = 1; k < nt; k++) cuts[k] = find_cut(tensors, count, total / nt * k, &cursor, &before);
   cuts[nt] = (cut_t){count - 1, tensors[count - 1].numel};
-  run_range_fn run = pick_run_range();
+  run_range_fn run = _llmmem_scaler_pick_range_fn();
   for (size_t k = 0; k < nt; k++) {
     /* Every cut lies inside the list: its byte target is below the total. */
     shares[k] = (share_t){tensors, cuts[k], cuts[k + 1], inv, inv != 1.0f, tensor_flags, run, 0};

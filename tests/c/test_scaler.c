@@ -78,8 +78,26 @@ static void free_list(list_t *l) {
   free(l->copy);
 }
 
-/* Runs the fast path on l and the reference on a copy; returns 1 when everything matches bitwise. */
-static int fast_matches_ref(list_t *l, const float *scale, int threads) {
+/* Whether every tensor of l equals its copy bitwise (the first `done` were processed on both sides,
+ * the others on neither); prints the first that does not. */
+static int tensors_match_copies(const list_t *l, size_t done) {
+  for (size_t i = 0; i < l->n; i++) {
+    size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
+    if (bytes && memcmp(l->t[i].data, l->copy[i], bytes) != 0) {
+      printf("  tensor %zu (dtype %d, numel %lld, %s) differs from the reference\n", i, (int)l->t[i].dtype,
+             (long long)l->t[i].numel, i < done ? "processed" : "not processed");
+      return 0;
+    }
+  }
+  return 1;
+}
+
+/* Runs the unscale on l and the reference on the copies; returns 1 when the results match bitwise.
+ * pipe 0: llmmem_scaler_unscale_check on `threads` threads. pipe 1: the pipe with `threads`
+ * workers besides the caller, published in random batches, stopped after the first `upto` tensors
+ * (the reference runs on those only, and the rest must stay untouched). */
+static int run_matches_ref(list_t *l, const float *scale, int pipe, int threads, size_t upto,
+                           unsigned long long *rng) {
   llmmem_scaler_tensor_t *ref = calloc(l->n ? l->n : 1, sizeof *ref);
   for (size_t i = 0; i < l->n; i++) {
     ref[i] = l->t[i];
@@ -87,21 +105,34 @@ static int fast_matches_ref(list_t *l, const float *scale, int threads) {
   }
   uint8_t *f1 = calloc(l->n + 1, 1), *f2 = calloc(l->n + 1, 1);
   float fi1 = 0.0f, fi2 = 0.0f;
-  int ok = llmmem_scaler_unscale_check(l->t, l->n, scale, 0, &fi1, f1, l->n + 1, threads) == LLMMEM_OK &&
-           llmmem_scaler_unscale_check_ref(ref, l->n, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
-  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0;
-  for (size_t i = 0; ok && i < l->n; i++) {
-    size_t bytes = (size_t)l->t[i].numel * llmmem_scaler_dtype_size(l->t[i].dtype);
-    if (bytes && memcmp(l->t[i].data, l->copy[i], bytes) != 0) {
-      printf("  tensor %zu (dtype %d, numel %lld) differs from the reference\n", i, (int)l->t[i].dtype,
-             (long long)l->t[i].numel);
-      ok = 0;
+  int ok;
+  if (!pipe) {
+    upto = l->n;
+    ok = llmmem_scaler_unscale_check(l->t, l->n, scale, 0, &fi1, f1, l->n + 1, threads) == LLMMEM_OK;
+  } else {
+    llmmem_scaler_pipe_t *p = NULL;
+    ok = llmmem_scaler_pipe_start(l->t, l->n, scale, 0, f1, l->n + 1, threads, &p) == LLMMEM_OK;
+    for (size_t done = 0; ok && done < upto;) {
+      done += 1 + th_rand(rng) % 64;
+      if (done > upto) done = upto;
+      ok = llmmem_scaler_pipe_publish(p, done, NULL) == LLMMEM_OK;
     }
+    ok = p && llmmem_scaler_pipe_finish(p, &fi1) == LLMMEM_OK && ok;
   }
+  ok = ok && llmmem_scaler_unscale_check_ref(ref, upto, scale, 0, &fi2, f2, l->n + 1) == LLMMEM_OK;
+  ok = ok && fi1 == fi2 && memcmp(f1, f2, l->n + 1) == 0 && tensors_match_copies(l, upto);
   free(ref);
   free(f1);
   free(f2);
   return ok;
+}
+
+static int fast_matches_ref(list_t *l, const float *scale, int threads) {
+  return run_matches_ref(l, scale, 0, threads, l->n, NULL);
+}
+
+static int pipe_matches_ref(list_t *l, const float *scale, int workers, size_t upto, unsigned long long *rng) {
+  return run_matches_ref(l, scale, 1, workers, upto, rng);
 }
 
 static llmmem_scaler_config_t torch_cfg(int64_t interval) {
@@ -464,6 +495,156 @@ int main(void) {
       ok = ok && scale == s2 && growth == g2;
     }
     CHECK(ok);
+  }
+
+  TEST("pipe: a list published in batches while workers run equals the reference (dtypes, slices, inf/NaN)") {
+    /* 1500 small tensors (1 KiB..36 KiB, as biases and norms) around three large ones that are
+     * claimed in 1 MiB slices; specials in small ones and in a late slice of a large one. */
+    enum { N = 1503 };
+    static int64_t numels[N];
+    static int32_t dtypes[N];
+    int ok = 1;
+    for (int round = 0; round < 6 && ok; round++) {
+      for (size_t i = 0; i < N; i++) {
+        numels[i] = (int64_t)(th_rand(&rng) % 9000);
+        dtypes[i] = (int32_t)(th_rand(&rng) % LLMMEM_SCALER_DTYPE_COUNT_);
+      }
+      numels[10] = 3000003;
+      numels[700] = 1 << 20;
+      numels[1502] = 777777;
+      list_t l = make_list(N, numels, dtypes, &rng);
+      const double specials[3] = {INFINITY, -INFINITY, NAN};
+      for (int k = 0; k < 5; k++) {
+        size_t i = round == 0 ? 0 : th_rand(&rng) % N;
+        if (!numels[i]) continue;
+        int64_t at = (int64_t)(th_rand(&rng) % (uint64_t)numels[i]);
+        put(l.t[i].data, dtypes[i], at, specials[k % 3]);
+        put(l.copy[i], dtypes[i], at, specials[k % 3]);
+      }
+      put(l.t[10].data, dtypes[10], 2900000, NAN); /* the third slice or later, whatever the dtype */
+      put(l.copy[10], dtypes[10], 2900000, NAN);
+      float scale = 4096.0f;
+      ok = pipe_matches_ref(&l, &scale, round % 4, N, &rng);
+      free_list(&l);
+    }
+    CHECK(ok);
+  }
+
+  TEST("pipe: a caller that stops early gets the published tensors done and the rest untouched") {
+    int64_t numels[400];
+    int32_t dtypes[400];
+    for (size_t i = 0; i < 400; i++) {
+      numels[i] = 4000 + (int64_t)i;
+      dtypes[i] = (int32_t)(i % 4);
+    }
+    list_t l = make_list(400, numels, dtypes, &rng);
+    put(l.t[350].data, dtypes[350], 5, INFINITY); /* never published: must not be seen */
+    put(l.copy[350], dtypes[350], 5, INFINITY);
+    float scale = 2.0f;
+    CHECK(pipe_matches_ref(&l, &scale, 1, 217, &rng));
+    free_list(&l);
+  }
+
+  TEST("pipe: check only (no scale) writes nothing; nothing published is a no-op") {
+    int64_t numels[300];
+    int32_t dtypes[300];
+    for (size_t i = 0; i < 300; i++) {
+      numels[i] = 3000;
+      dtypes[i] = LLMMEM_SCALER_F32;
+    }
+    list_t l = make_list(300, numels, dtypes, &rng);
+    put(l.t[299].data, 0, 2999, NAN);
+    put(l.copy[299], 0, 2999, NAN);
+    CHECK(pipe_matches_ref(&l, NULL, 2, 300, &rng));
+    float found = 0.0f;
+    llmmem_scaler_pipe_t *pipe = NULL;
+    CHECK_OK(llmmem_scaler_pipe_start(l.t, 300, NULL, 0, NULL, 0, 3, &pipe));
+    CHECK_OK(llmmem_scaler_pipe_finish(pipe, &found));
+    CHECK(found == 0.0f);
+    free_list(&l);
+  }
+
+  TEST("pipe: misuse is refused; the work already published still completes") {
+    int64_t numels[4] = {100, 200, 300, 400};
+    int32_t dtypes[4] = {0, 0, 0, 0};
+    list_t l = make_list(4, numels, dtypes, &rng);
+    float scale = 2.0f, found = 0.0f;
+    llmmem_scaler_pipe_t *pipe = NULL;
+    CHECK_STATUS(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, NULL, 0, -1, &pipe), LLMMEM_ERR_INVALID);
+    CHECK(pipe == NULL);
+    CHECK_STATUS(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, NULL, 0, 1, NULL), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_start(NULL, 4, &scale, 0, NULL, 0, 1, &pipe), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_publish(NULL, 1, NULL), LLMMEM_ERR_INVALID);
+    CHECK_STATUS(llmmem_scaler_pipe_finish(NULL, &found), LLMMEM_ERR_INVALID);
+    uint8_t flags[2] = {0, 0};
+    CHECK_OK(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, flags, 2, 1, &pipe));
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 2, NULL));                                /* flags 0, 1: fine */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 1, NULL), LLMMEM_ERR_INVALID);        /* going back */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 5, NULL), LLMMEM_ERR_INVALID);        /* past capacity */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 3, NULL), LLMMEM_ERR_INVALID);        /* flag 2 >= n_flags 2 */
+    CHECK(strstr(llmmem_last_error(), "flag") != NULL);
+    l.t[2].flag = 0;
+    l.t[3].dtype = 9;
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 4, NULL), LLMMEM_ERR_INVALID);        /* bad dtype: none of 2..3 */
+    CHECK_STATUS(llmmem_scaler_pipe_finish(pipe, NULL), LLMMEM_ERR_INVALID);      /* frees it all the same */
+    l.t[3].dtype = 0;
+    /* tensors 0 and 1 were unscaled (x 0.5); 2 and 3 never published */
+    int ok = 1;
+    for (int i = 0; i < 4; i++) {
+      const float *got = l.t[i].data, *orig = l.copy[i];
+      for (int64_t k = 0; k < numels[i]; k++) ok = ok && got[k] == (i < 2 ? orig[k] * 0.5f : orig[k]);
+    }
+    CHECK(ok);
+    free_list(&l);
+  }
+
+  TEST("a tensor listed twice is processed twice, in order, whatever the thread count (torch's CPU result)") {
+    /* 17 MiB in all, so that four threads would be used; tensor 5 is tensor 1 again */
+    int64_t numels[8] = {1000000, 1250001, 7, 1000000, 1, 0, 4097, 1000003};
+    int32_t dtypes[8] = {0, 0, 2, 3, 1, 0, 0, 0};
+    unsigned long long seed = rng;
+    int ok = 1;
+    for (int threads = 1; threads <= 4 && ok; threads++) {
+      rng = seed;
+      list_t l = make_list(8, numels, dtypes, &rng);
+      void *own5 = l.t[5].data, *own5c = l.copy[5];
+      l.t[5] = l.t[1];
+      l.t[5].flag = 5;
+      l.copy[5] = l.copy[1];
+      float scale = 4.0f;
+      ok = fast_matches_ref(&l, &scale, threads);
+      l.copy[5] = own5c;
+      l.t[5].data = own5;
+      free_list(&l);
+    }
+    CHECK(ok);
+  }
+
+  TEST("pipe: a data pointer published again is refused with everything after it; the caller hands over") {
+    int64_t numels[6] = {1000, 2000, 3000, 4000, 5000, 6000};
+    int32_t dtypes[6] = {0, 0, 0, 0, 0, 0};
+    list_t l = make_list(6, numels, dtypes, &rng);
+    void *own = l.t[4].data;
+    l.t[4].data = l.t[2].data;
+    l.t[4].numel = l.t[2].numel;
+    float scale = 2.0f, found = 0.0f;
+    llmmem_scaler_pipe_t *pipe = NULL;
+    size_t published = 99;
+    CHECK_OK(llmmem_scaler_pipe_start(l.t, 6, &scale, 0, NULL, 0, 1, &pipe));
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 3, &published));
+    CHECK(published == 3);
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 6, &published));
+    CHECK(published == 4); /* tensor 4 repeats tensor 2: it and tensor 5 stay out */
+    CHECK_OK(llmmem_scaler_pipe_finish(pipe, &found));
+    int ok = 1;
+    for (int i = 0; i < 6; i++) {
+      const float *got = i == 4 ? own : l.t[i].data, *orig = l.copy[i];
+      for (int64_t k = 0; k < numels[i]; k++) ok = ok && got[k] == (i < 4 ? orig[k] * 0.5f : orig[k]);
+    }
+    CHECK(ok);
+    l.t[4].data = own;
+    l.t[4].numel = numels[4];
+    free_list(&l);
   }
 
   TEST("a CPU-only build's CUDA entry points say so") {

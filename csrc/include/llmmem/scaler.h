@@ -57,11 +57,42 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
  *                 non-finite element; never cleared. Every t.flag must be < n_flags.
  *   num_threads   0 = the number of online CPUs; small inputs use fewer threads (spawning a thread
  *                 costs more than checking a few hundred KB).
- * The call blocks until done; it allocates only thread stacks. Tensors must not overlap.
+ * The call blocks until done. Tensors must not overlap, except that one tensor may be listed more
+ * than once (its data pointer repeated): it is then processed once per listing, in order, as torch
+ * does (such a list runs on one thread).
  */
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
                                                        const float *scale, int scale_is_inverse, float *found_inf,
                                                        uint8_t *tensor_flags, size_t n_flags, int num_threads);
+
+/*
+ * The same CPU unscale + check over a tensor list that is still being written: worker threads
+ * work on the tensors published so far while the caller describes the next ones. This overlaps
+ * the caller's per-tensor cost of finding its tensors (for Python, reading thousands of gradient
+ * attributes) with the memory traffic of the unscale. Results equal llmmem_scaler_unscale_check's.
+ *
+ *   start    tensors: the caller's array of `capacity` entries, filled in order; scale,
+ *            scale_is_inverse, tensor_flags, n_flags as above; workers: at most this many threads
+ *            besides the caller, started as the published bytes grow and never more than the
+ *            online CPUs less one (0 = none: everything runs in finish).
+ *   publish  tensors[0, count) are complete and checked here (as llmmem_scaler_unscale_check does;
+ *            on an error nothing more is published); workers may start on them at once, so the
+ *            caller must not change them afterwards. count never decreases; count <= capacity.
+ *            A tensor whose data pointer was published before is not published, nor anything
+ *            after it: its two listings could run at once. *published (if not NULL) is how many
+ *            are published now; less than count means tensors[*published] repeats one.
+ *   finish   the caller works too until every published tensor is done, then joins the workers,
+ *            sets *found_inf to 1.0f if any element was inf/NaN, and frees the pipe. Must be called
+ *            exactly once after a successful start, also when the caller gives up early: the work
+ *            already published is always completed (it may have begun).
+ */
+typedef struct llmmem_scaler_pipe_s llmmem_scaler_pipe_t;
+
+LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t *tensors, size_t capacity,
+                                                    const float *scale, int scale_is_inverse, uint8_t *tensor_flags,
+                                                    size_t n_flags, int workers, llmmem_scaler_pipe_t **out);
+LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *pipe, size_t count, size_t *published);
+LLMMEM_API llmmem_status_t llmmem_scaler_pipe_finish(llmmem_scaler_pipe_t *pipe, float *found_inf);
 
 /* The plain scalar reference of the above (one thread, no vector code): the oracle of the tests. */
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_tensor_t *tensors, size_t count,

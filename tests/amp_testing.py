@@ -1,0 +1,24 @@
+"""Helpers the GradScaler test files share (pytest puts this directory on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_same(a, b):
+    """Bitwise equal, except that NaN only has to be NaN (torch itself writes different NaN bit
+    patterns for bf16 from its scalar and vector loops); -0.0 and +0.0 differ here."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    assert torch.equal(nan_a, nan_b)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    assert torch.equal(a[~nan_a].contiguous().view(ints), b[~nan_b].contiguous().view(ints))
+
+
+def p_with(grad):
+    """A parameter holding ``grad`` (None: a parameter without a gradient)."""
+    if grad is None:
+        return torch.nn.Parameter(torch.zeros(1))
+    p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device))
+    p.grad = grad
+    return p
