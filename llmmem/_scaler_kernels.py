@@ -202,7 +202,8 @@ def _cpu_scalar(t) -> bool:
 
 
 def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor, flags: Optional[torch.Tensor],
-                              scale: Optional[torch.Tensor], scale_is_inverse: bool = False):
+                              scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
+                              done: Optional[torch.Tensor] = None):
     """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
     ``param_groups``, reads and checks every gradient and runs the unscale + check on them all.
 
@@ -218,7 +219,10 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     walk is pipelined (worker threads unscale what it has read while it reads on) and cannot take
     back what it did: meeting a gradient that is not the plain case, it finishes the ones before
     and returns that parameter's flat position as ``resume``, for the caller's general path to
-    continue from there. Nothing is cached: addresses are read on every call.
+    continue from there. ``done`` (a 1-element int64 CPU tensor, optional) gets the number of
+    gradients unscaled as soon as it is known, also when an exception is raised in the walk or
+    right after the call: read it in an ``except`` to learn whether any were. Nothing is cached:
+    addresses are read on every call.
     """
     global _KINDS
     if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):
@@ -226,13 +230,17 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     if flags is not None and not (type(flags) is torch.Tensor and flags.dtype == torch.uint8
                                   and flags.device.type == "cpu" and flags.is_contiguous()):
         return None
+    if done is not None and not (type(done) is torch.Tensor and done.dtype == torch.int64
+                                 and done.device.type == "cpu" and done.numel() == 1):
+        return None
     if _KINDS is None:
         _KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32, torch.float16, torch.bfloat16,
                   torch.float64)
     return native.scaler_unscale_param_groups(
         param_groups, _KINDS, allow_fp16, scale.data_ptr() if scale is not None else 0, scale_is_inverse,
         found_inf.data_ptr(), flags.data_ptr() if flags is not None else 0,
-        flags.numel() if flags is not None else 0, torch.get_num_threads())
+        flags.numel() if flags is not None else 0, torch.get_num_threads(),
+        done.data_ptr() if done is not None else 0)
 
 
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
@@ -265,11 +273,10 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
     why_not = _kernel_unsupported_reason(device)
     special = []  # positions that go to torch's op
     if why_not is None:
-        work = list(grads)
-        ptrs = [_address(t) for t in work]
-        numels = [t.numel() for t in work]
-        copies = []
-        for k, t in enumerate(work):
+        ptrs = [_address(t) for t in grads]
+        numels = [t.numel() for t in grads]
+        to_copy = []
+        for k, t in enumerate(grads):
             p = ptrs[k]
             if numels[k] == 0:
                 continue
@@ -281,19 +288,25 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
             # need a flat, aligned array, so work on an aligned copy and copy back. (`p & 7` first:
             # most addresses are 8-aligned, which settles alignment without element_size().)
             if not (t.is_contiguous() or _dense_span(t)) or (p & 7 and p % t.element_size()):
-                tmp = t.clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
-                work[k] = tmp
-                ptrs[k] = tmp.data_ptr()
-                copies.append((t, tmp))
+                to_copy.append(k)
         if codes is None:
-            codes = [DTYPE_CODES[t.dtype] for t in work]
+            codes = [DTYPE_CODES[t.dtype] for t in grads]
         flags_ptr = flags.data_ptr() if flags is not None else 0
         n_flags = flags.numel() if flags is not None else 0
         scale_ptr = scale.data_ptr() if scale is not None else 0
-        _launch_unscale(device, ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(), flags_ptr,
-                        n_flags)
-        for g, tmp in copies:
-            g.copy_(tmp)
+        if _must_go_in_order(grads, ptrs, numels, to_copy, device):
+            _unscale_in_order(grads, ptrs, numels, codes, set(to_copy), device, scale_ptr, scale_is_inverse,
+                              found_inf.data_ptr(), flags_ptr)
+        else:
+            copies = []
+            for k in to_copy:
+                tmp = grads[k].clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+                ptrs[k] = tmp.data_ptr()
+                copies.append((grads[k], tmp))
+            _launch_unscale(device, ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(), flags_ptr,
+                            n_flags)
+            for g, tmp in copies:
+                g.copy_(tmp)
     else:
         _warn_fallback(device, why_not)
         special = [k for k, g in enumerate(grads) if type(g) is not torch.Tensor]
@@ -301,6 +314,44 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
         _torch_unscale_check_(plain, found_inf, flags, scale, scale_is_inverse)
     if special:
         _torch_group_unscale_check_(grads, special, found_inf, flags, scale, scale_is_inverse)
+
+
+def _must_go_in_order(grads, ptrs, numels, to_copy, device) -> bool:
+    """Whether one kernel launch over the list could lose an update torch makes: a tensor listed
+    twice (the same parameter twice, or parameters sharing one .grad), which torch's CPU op
+    unscales twice, one after the other. On the CPU the C kernel itself runs such a list on one
+    thread, in order; on a GPU the two listings would be read and written by concurrent blocks.
+    A gradient that goes through a copy loses the writes of any other listing of its memory
+    (its copy back comes last), so it must not share storage with another gradient either."""
+    if device.type != "cpu":
+        seen = set()
+        for p, n in zip(ptrs, numels):
+            if n and p:
+                if p in seen:
+                    return True
+                seen.add(p)
+    if not to_copy:
+        return False
+    storages: dict = {}
+    for p, n, g in zip(ptrs, numels, grads):
+        if n and p:
+            key = g.untyped_storage().data_ptr()
+            storages[key] = storages.get(key, 0) + 1
+    return any(storages[grads[k].untyped_storage().data_ptr()] > 1 for k in to_copy)
+
+
+def _unscale_in_order(grads, ptrs, numels, codes, to_copy, device, scale_ptr, scale_is_inverse, found_ptr,
+                      flags_ptr) -> None:
+    """One launch per gradient, in list order, each copy taken after the listings before it were
+    unscaled (see _must_go_in_order): torch's result for lists that repeat memory. Slow, and rare."""
+    for k, g in enumerate(grads):
+        if numels[k] == 0:
+            continue
+        tmp = g.clone(memory_format=torch.contiguous_format) if k in to_copy else None
+        _launch_unscale(device, [tmp.data_ptr() if tmp is not None else ptrs[k]], [numels[k]], [codes[k]], scale_ptr,
+                        scale_is_inverse, found_ptr, flags_ptr + k if flags_ptr else 0, 1 if flags_ptr else 0)
+        if tmp is not None:
+            g.copy_(tmp)
 
 
 def _inverse(scale, scale_is_inverse, device):

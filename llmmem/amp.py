@@ -279,32 +279,39 @@ class GradScaler(_ScalerVisibility):
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        # On the CPU the walk is done in C; `done` counts the gradients it unscaled, which an
+        # exception from here on (one in the C walk, a signal handled right after it, an error of
+        # the general path after a hand-over) must not leave unrecorded.
+        done = torch.zeros(1, dtype=torch.int64) if found_inf.device.type == "cpu" else None
         fast = None
-        if found_inf.device.type == "cpu":  # plain CPU gradients: the walk below, done in C
-            fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
-                                           allow_fp16)
-        if fast is None:
-            slots, flags_per_device = self._unscale_general_(optimizer, per_device_scale, is_inverse,
-                                                             per_device_found_inf, allow_fp16, 0)
-        elif fast[2] is None:
-            slots, flags_per_device = fast[0], fast[1]
-        else:
-            # The C walk unscaled the gradients before parameter fast[2] (not the plain case) and
-            # stopped there; the general walk takes over from it.
-            try:
+        try:
+            if done is not None:
+                fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
+                                               allow_fp16, done)
+            if fast is None:
+                slots, flags_per_device = self._unscale_general_(optimizer, per_device_scale, is_inverse,
+                                                                 per_device_found_inf, allow_fp16, 0)
+            elif fast[2] is None:
+                slots, flags_per_device = fast[0], fast[1]
+            else:
+                # The C walk unscaled the gradients before parameter fast[2] (not the plain case)
+                # and stopped there; the general walk takes over from it.
                 rest = self._unscale_general_(optimizer, per_device_scale, is_inverse, per_device_found_inf,
                                               allow_fp16, fast[2])
-            except BaseException as exc:
-                self._fail_partly_unscaled(optimizer, per_device_found_inf, len(fast[0]), exc, fast[0], fast[1])
-                raise
-            slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
-        self._record_overflow(optimizer, slots, flags_per_device)
+                slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
+            self._record_overflow(optimizer, slots, flags_per_device)
+        except BaseException as exc:
+            n_done = int(done[0]) if done is not None else 0
+            if n_done:
+                self._fail_partly_unscaled(optimizer, per_device_found_inf, n_done, exc,
+                                           *(fast[:2] if fast is not None else ()))
+            raise
         return per_device_found_inf._per_device_tensors
 
     def _fail_partly_unscaled(self, optimizer: torch.optim.Optimizer, per_device_found_inf: _MultiDeviceReplicator,
                               n_done: int, exc: BaseException, slots: Any = (), flags_per_device: Any = None) -> None:
         """An exception (an fp16 gradient, an unsupported dtype or layout, an interrupt) came after
-        the pipelined C walk had unscaled ``n_done`` gradients, which cannot be taken back. So that
+        the C walk had unscaled ``n_done`` gradients, which cannot be taken back. So that
         no later call unscales them twice or steps on half-unscaled gradients, the optimizer is
         recorded as unscaled with an overflow: ``step`` skips it and ``update`` takes it as an
         overflow (backs off, or counts towards ``hysteresis``). The overflow record holds the culprits
@@ -403,13 +410,15 @@ class GradScaler(_ScalerVisibility):
         return list(slots_a) + slots_b, merged
 
     def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
-                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool) -> Optional[tuple]:
+                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
+                           done: torch.Tensor) -> Optional[tuple]:
         """:meth:`_unscale_grads_` in one C call when the gradients are plain CPU tensors (see
         :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`). None, having changed nothing,
         when the general path must run (it then raises the usual errors). Else ``(slots,
         flags_per_device, resume)`` for the gradients it did (see :meth:`_record_overflow`);
         ``resume`` is None, or the flat position of the first parameter it left to the general
-        path (the pipelined C walk, on long lists, stops there rather than undo its work)."""
+        path (the pipelined C walk, on long lists, stops there rather than undo its work).
+        ``done[0]`` gets the number of gradients unscaled (see :meth:`_unscale_grads_`)."""
         try:
             n_params = sum(len(group["params"]) for group in optimizer.param_groups)
         except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
@@ -417,16 +426,11 @@ class GradScaler(_ScalerVisibility):
         cpu = per_device_found_inf.master.device
         found = per_device_found_inf.get(cpu)
         flags = torch.zeros(n_params, dtype=torch.uint8)
-        try:
-            done = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse)
-        except BaseException as exc:  # an interrupt or MemoryError inside the C walk
-            n_done = getattr(exc, "_llmmem_partly_unscaled", 0)  # set when it had begun unscaling
-            if n_done:
-                self._fail_partly_unscaled(optimizer, per_device_found_inf, n_done, exc)
-            raise
-        if done is None:
+        result = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse,
+                                              done)
+        if result is None:
             return None
-        n_grads, slots, resume = done
+        n_grads, slots, resume = result
         if n_grads == 0 and resume is not None:
             return None  # it stopped at the first gradient: nothing done
         if n_grads == 0:  # as the general path: nothing checked, nothing recorded for the device

@@ -392,3 +392,46 @@ def test_an_interrupt_raised_during_the_walk_propagates():
     with InterruptOnce(), pytest.raises(KeyboardInterrupt):
         K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True)
     assert InterruptOnce.fired
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("how", ["shared-strided-view", "same-param-misaligned", "view-and-its-base"])
+def test_memory_listed_twice_through_copies_is_unscaled_twice_as_torch(threads, how):
+    # The general path copies non-dense or misaligned gradients; a copy must not drop the other
+    # listing's multiplication (its copy back would come last): such lists go one tensor at a time.
+    import warnings
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for cls in (torch.amp.GradScaler, llmmem.GradScaler):
+            if how == "shared-strided-view":
+                buf = torch.full((64, 8), SCALE * SCALE)
+                a, b = p_with(buf[:, ::2]), p_with(None)
+                b.data = torch.zeros(64, 4)
+                b.grad = a.grad
+                plist = [a, b]
+            elif how == "same-param-misaligned":
+                raw = bytearray(4 * 33 + 1)
+                g = torch.frombuffer(raw, dtype=torch.float32, offset=1, count=33)
+                g.fill_(SCALE * SCALE)
+                a = p_with(g)
+                plist = [a, a]
+            else:
+                base = torch.full((16, 6), SCALE * SCALE)
+                a, b = p_with(base), p_with(None)
+                b.data = torch.zeros(16, 3)
+                b.grad = base[:, ::2]  # strided: copied; its memory is also a's gradient
+                plist = [a, b]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns about a duplicated parameter
+                opt = torch.optim.SGD(plist, lr=0.1)
+            s = cls("cpu", init_scale=SCALE)
+            s.scale(torch.ones(()))
+            s.unscale_(opt)
+            results.append([p.grad.clone() for p in plist])
+        for t, ll in zip(*results):
+            assert_same(ll, t)
+    finally:
+        torch.set_num_threads(before)

@@ -267,3 +267,31 @@ def test_after_a_failed_hand_over_the_culprits_are_this_steps(two_threads):
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
         s.unscale_(opt)
     assert s.overflowed_params(optimizer=opt) == [(0, 7)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_signal_handled_just_after_the_c_walk_leaves_the_scaler_safe(monkeypatch, two_threads, threads):
+    # A real Ctrl-C during the C walk is raised once it returns; by then every gradient it read is
+    # unscaled. The count it wrote before returning tells the scaler to record the step as
+    # overflowed, so that a retry cannot unscale them twice.
+    torch.set_num_threads(threads)
+    real = K.unscale_param_groups_cpu_
+
+    def then_interrupt(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    grads = plain_grads(seed=8)
+    params = [p_with(g) for g in grads]
+    opt = torch.optim.SGD(params, lr=0.1)
+    s = llmmem.GradScaler("cpu", init_scale=SCALE)
+    s.scale(torch.ones(()))
+    monkeypatch.setattr(K, "unscale_param_groups_cpu_", then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        s.unscale_(opt)
+    monkeypatch.setattr(K, "unscale_param_groups_cpu_", real)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        s.unscale_(opt)
+    assert s.step(opt) is None
+    s.update()
+    assert s.get_scale() == SCALE / 2

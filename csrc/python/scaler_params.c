@@ -258,21 +258,6 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
  * instead. Few parameters are walked in microseconds: there the simpler contract is kept. */
 #define PIPE_MIN_PARAMS 256
 
-/* With an exception set: records on it (attribute _llmmem_partly_unscaled) that the first
- * `n_done` gradients were unscaled before it was raised, so that llmmem.GradScaler can keep a
- * retry from unscaling them twice. */
-static void mark_partly_unscaled(Py_ssize_t n_done) {
-  if (n_done <= 0) return;
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
-  PyErr_NormalizeException(&type, &value, &tb);
-  PyObject *count = PyLong_FromSsize_t(n_done);
-  if (count && value && PyObject_SetAttrString(value, "_llmmem_partly_unscaled", count) < 0)
-    PyErr_Clear(); /* an exception object that takes no attributes: it propagates unmarked */
-  Py_XDECREF(count);
-  PyErr_Restore(type, value, tb);
-}
-
 static PyObject *slot_list_of(const Py_ssize_t *slots, Py_ssize_t n, Py_ssize_t cap) {
   if (n == cap) Py_RETURN_NONE; /* None: the grads sit at slots 0..n-1 */
   PyObject *list = PyList_New(n);
@@ -285,17 +270,21 @@ static PyObject *slot_list_of(const Py_ssize_t *slots, Py_ssize_t n, Py_ssize_t 
 }
 
 /* unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr,
- *                      n_flags, num_threads) -> None | (n_grads, slots or None, resume_slot or None).
- * n_flags must cover every parameter (flags_ptr 0: no flags). */
+ *                      n_flags, num_threads, done_ptr) -> None | (n_grads, slots or None, resume_slot or None).
+ * n_flags must cover every parameter (flags_ptr 0: no flags); *done_ptr (an int64, 0: none) gets
+ * the number of gradients unscaled, also when an exception is raised. */
 static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *groups, *kinds_tuple;
-  unsigned long long scale_ptr, found_ptr, flags_ptr;
+  unsigned long long scale_ptr, found_ptr, flags_ptr, done_ptr;
   Py_ssize_t n_flags;
   int allow_fp16, inverse, num_threads;
-  if (!PyArg_ParseTuple(args, "OO!pKpKKni", &groups, &PyTuple_Type, &kinds_tuple, &allow_fp16, &scale_ptr, &inverse,
-                        &found_ptr, &flags_ptr, &n_flags, &num_threads))
+  if (!PyArg_ParseTuple(args, "OO!pKpKKniK", &groups, &PyTuple_Type, &kinds_tuple, &allow_fp16, &scale_ptr, &inverse,
+                        &found_ptr, &flags_ptr, &n_flags, &num_threads, &done_ptr))
     return NULL;
+  /* How many gradients are unscaled, written as soon as it is known: an exception (one raised in
+   * the walk, or a signal handled right after this call returns) must not hide that some are. */
+  int64_t *done_count = (int64_t *)(uintptr_t)done_ptr;
   if (PyTuple_GET_SIZE(kinds_tuple) != 3 + LLMMEM_SCALER_DTYPE_COUNT_)
     return PyErr_Format(PyExc_ValueError, "kinds must be (Tensor, Parameter, strided, float32, float16, bfloat16, "
                                           "float64)");
@@ -344,10 +333,8 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     llmmem_status_t st2;
     Py_BEGIN_ALLOW_THREADS st2 = llmmem_scaler_pipe_finish(pipe, found);
     Py_END_ALLOW_THREADS
-    if (rc < 0) { /* the walk's exception, which says how many gradients were unscaled before it */
-      mark_partly_unscaled(n_plain);
-      goto done;
-    }
+    if (done_count) *done_count = n_plain;
+    if (rc < 0) goto done; /* the walk's exception */
     if (st == LLMMEM_OK) st = st2;
     if (st != LLMMEM_OK) {
       llmmem_py_raise(st);
@@ -377,6 +364,7 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     llmmem_py_raise(st);
     goto done;
   }
+  if (done_count) *done_count = n;
   PyObject *slot_list = slot_list_of(slots, n, cap);
   if (slot_list) result = Py_BuildValue("(nNO)", n, slot_list, Py_None);
 done:
@@ -390,7 +378,7 @@ done:
 PyMethodDef llmmem_py_scaler_params_methods[] = {
     {"scaler_unscale_param_groups", py_unscale_param_groups, METH_VARARGS,
      "scaler_unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, "
-     "flags_ptr, n_flags, num_threads) -> None | (n_grads, slots, resume_slot): the CPU unscale + check of every "
+     "flags_ptr, n_flags, num_threads, done_ptr) -> None | (n_grads, slots, resume_slot): the CPU unscale + check of every "
      "gradient of param_groups in one call. With few parameters or one thread: None (nothing done) when any "
      "parameter or gradient is not the plain case. Otherwise (pipelined) the gradients before the first one that "
      "is not are done and resume_slot is that parameter's flat position (None when all were plain). "

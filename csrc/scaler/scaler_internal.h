@@ -26,7 +26,8 @@ _llmmem_scaler_range_fn _llmmem_scaler_pick_range_fn(void);
  * the given inverse. */
 llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);
 
-/* unscale_cpu.c: online CPUs, at least 1. */
+/* unscale_cpu.c: the CPUs this process may run on (its affinity mask where the OS has one, else
+ * the online CPUs), at least 1. */
 int _llmmem_scaler_online_cpus(void);
 
 #ifndef __CUDACC__

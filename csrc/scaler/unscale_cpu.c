@@ -12,8 +12,10 @@
  * What it does not do: strided tensors (ranges must be contiguous), or any allocation besides
  * thread stacks.
  */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -236,6 +238,11 @@ static void *share_thread(void *arg) {
 }
 
 int _llmmem_scaler_online_cpus(void) {
+#if defined(__linux__)
+  /* the CPUs this process may run on (taskset, cgroup cpusets), not all the machine has */
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
   long n = sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? (int)n : 1;
 }
@@ -280,7 +287,9 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   float inv = 1.0f;
   LLMMEM_TRY(_llmmem_scaler_resolve_inv(scale, scale_is_inverse, &inv));
 
-  size_t nt = (size_t)(num_threads > 0 ? num_threads : _llmmem_scaler_online_cpus());
+  /* never more threads than CPUs to run them: this is memory traffic, more would take turns */
+  const size_t cpus = (size_t)_llmmem_scaler_online_cpus();
+  size_t nt = num_threads > 0 && (size_t)num_threads < cpus ? (size_t)num_threads : cpus;
   size_t by_size = total / MIN_BYTES_PER_THREAD;
   if (nt > by_size) nt = by_size;
   if (nt > MAX_THREADS) nt = MAX_THREADS;

@@ -55,8 +55,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
  *                 caller zeroes it, as with torch)
  *   tensor_flags  NULL, or an array of n_flags bytes: flags[t.flag] is set to 1 when tensor t has a
  *                 non-finite element; never cleared. Every t.flag must be < n_flags.
- *   num_threads   0 = the number of online CPUs; small inputs use fewer threads (spawning a thread
- *                 costs more than checking a few hundred KB).
+ *   num_threads   0 = the CPUs this process may run on, and never more than those; small inputs
+ *                 use fewer threads (spawning a thread costs more than checking a few hundred KB).
  * The call blocks until done. Tensors must not overlap, except that one tensor may be listed more
  * than once (its data pointer repeated): it is then processed once per listing, in order, as torch
  * does (such a list runs on one thread).
