@@ -23,16 +23,16 @@
 #include <llmmem/scaler.h>
 
 /* Interned attribute names, made once. */
-static PyObject *s_params, *s_grad, *s_dtype, *s_layout, *s_is_cpu, *s_is_contiguous, *s_data_ptr, *s_numel;
+static PyObject *s_params, *s_grad, *s_dtype, *s_layout, *s_is_cpu, *s_is_contiguous, *s_data_ptr, *s_nbytes;
 
 static int intern_names(void) {
-  if (s_numel) return 0;
+  if (s_nbytes) return 0;
   struct {
     PyObject **slot;
     const char *name;
   } names[] = {{&s_params, "params"}, {&s_grad, "grad"},           {&s_dtype, "dtype"},
                {&s_layout, "layout"}, {&s_is_cpu, "is_cpu"},       {&s_is_contiguous, "is_contiguous"},
-               {&s_data_ptr, "data_ptr"}, {&s_numel, "numel"}};
+               {&s_data_ptr, "data_ptr"}, {&s_nbytes, "nbytes"}};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     if (*names[i].slot) continue;
     *names[i].slot = PyUnicode_InternFromString(names[i].name);
@@ -60,10 +60,10 @@ typedef struct {
   PyObject *descr; /* strong; NULL: read by name */
 } reader_t;
 
-enum { R_GRAD, R_DTYPE, R_LAYOUT, R_IS_CPU, R_IS_CONTIGUOUS, R_DATA_PTR, R_NUMEL, R_COUNT };
+enum { R_GRAD, R_DTYPE, R_LAYOUT, R_IS_CPU, R_IS_CONTIGUOUS, R_DATA_PTR, R_NBYTES, R_COUNT };
 static reader_t readers[R_COUNT] = {{&s_grad, 0, NULL},          {&s_dtype, 0, NULL},    {&s_layout, 0, NULL},
                                     {&s_is_cpu, 0, NULL},        {&s_is_contiguous, 1, NULL},
-                                    {&s_data_ptr, 1, NULL},      {&s_numel, 1, NULL}};
+                                    {&s_data_ptr, 1, NULL},      {&s_nbytes, 0, NULL}};
 static PyObject *readers_type;      /* the tensor type the descriptors were found on (strong) */
 static int grad_descr_fits_params;  /* Parameter resolves `grad` to the same descriptor */
 
@@ -115,7 +115,7 @@ static int must_propagate(void) {
 static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_t *out) {
   if ((PyObject *)Py_TYPE(grad) != k->tensor_type) return 0;
   int plain = 0;
-  PyObject *dtype = NULL, *layout = NULL, *is_cpu = NULL, *contig = NULL, *ptr = NULL, *numel = NULL;
+  PyObject *dtype = NULL, *layout = NULL, *is_cpu = NULL, *contig = NULL, *ptr = NULL, *nbytes = NULL;
   dtype = read_attr(R_DTYPE, grad);
   if (!dtype) goto done;
   int code = -1;
@@ -129,12 +129,15 @@ static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_
   contig = read_attr(R_IS_CONTIGUOUS, grad);
   if (contig != Py_True) goto done;
   ptr = read_attr(R_DATA_PTR, grad);
-  numel = ptr ? read_attr(R_NUMEL, grad) : NULL;
-  if (!numel || !PyLong_Check(ptr) || !PyLong_Check(numel)) goto done;
+  /* the size from the `nbytes` getter: a getter call skips the argument parsing of numel() */
+  nbytes = ptr ? read_attr(R_NBYTES, grad) : NULL;
+  if (!nbytes || !PyLong_Check(ptr) || !PyLong_Check(nbytes)) goto done;
   out->data = PyLong_AsVoidPtr(ptr);
-  out->numel = PyLong_AsLongLong(numel);
+  long long size = PyLong_AsLongLong(nbytes);
+  const long long es = (long long)llmmem_scaler_dtype_size(code);
+  out->numel = size / es;
   out->dtype = code;
-  if (PyErr_Occurred() || out->numel < 0) goto done;
+  if (PyErr_Occurred() || size < 0 || size % es) goto done;
   if (out->numel == 0) out->data = NULL; /* nothing to touch; its address need not be aligned */
   else if (!out->data || (uintptr_t)out->data % llmmem_scaler_dtype_size(code)) goto done;
   plain = 1;
@@ -144,7 +147,7 @@ done:
   Py_XDECREF(is_cpu);
   Py_XDECREF(contig);
   Py_XDECREF(ptr);
-  Py_XDECREF(numel);
+  Py_XDECREF(nbytes);
   if (PyErr_Occurred()) {
     if (must_propagate()) return -1;
     PyErr_Clear(); /* the general path reads the same attribute and reports the error itself */
