@@ -22,3 +22,21 @@ def p_with(grad):
     p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device))
     p.grad = grad
     return p
+
+
+def interrupt_once_on(target):
+    """A TorchFunctionMode that raises KeyboardInterrupt the first time ``target.is_contiguous()`` is
+    called, as a signal handler would from Python code the walk's attribute reads run (under a
+    mode, they do). Its ``fired`` attribute says whether it did."""
+    from torch.overrides import TorchFunctionMode
+
+    class InterruptOnce(TorchFunctionMode):
+        fired = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.is_contiguous and args[0] is target and not InterruptOnce.fired:
+                InterruptOnce.fired = True
+                raise KeyboardInterrupt
+            return func(*args, **(kwargs or {}))
+
+    return InterruptOnce()

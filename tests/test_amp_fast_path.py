@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_testing import assert_same, p_with
+from amp_testing import assert_same, interrupt_once_on, p_with
 
 import llmmem
 from llmmem import _scaler_kernels as K
@@ -374,24 +374,15 @@ def test_an_interrupt_raised_during_the_walk_propagates():
     # Under a TorchFunctionMode the walk's attribute reads run Python code, where a signal handler
     # can raise KeyboardInterrupt; the walk hands other errors over to the general path (which
     # reports them itself), but an interrupt must not be swallowed.
-    from torch.overrides import TorchFunctionMode
-
     grad = torch.randn(4)
 
-    class InterruptOnce(TorchFunctionMode):
-        fired = False
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.is_contiguous and args[0] is grad and not InterruptOnce.fired:
-                InterruptOnce.fired = True
-                raise KeyboardInterrupt
-            return func(*args, **(kwargs or {}))
+    mode = interrupt_once_on(grad)
 
     opt = torch.optim.SGD([p_with(grad)], lr=0.1)
     found, flags, one = torch.zeros(()), torch.zeros(1, dtype=torch.uint8), torch.ones(())
-    with InterruptOnce(), pytest.raises(KeyboardInterrupt):
+    with mode, pytest.raises(KeyboardInterrupt):
         K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True)
-    assert InterruptOnce.fired
+    assert mode.fired
 
 
 @pytest.mark.parametrize("threads", [1, 2])

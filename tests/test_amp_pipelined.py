@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from amp_testing import assert_same, p_with
+from amp_testing import assert_same, interrupt_once_on, p_with
 
 import llmmem
 from llmmem import _scaler_kernels as K
@@ -156,26 +156,17 @@ def test_no_reference_leaks_when_pipelined(two_threads):
 
 
 def test_an_interrupt_during_a_pipelined_walk_propagates_after_the_workers_finish(two_threads):
-    from torch.overrides import TorchFunctionMode
-
     grads = plain_grads(seed=4)
     target = grads[280]
     before = [g.clone() for g in grads]
 
-    class InterruptOnce(TorchFunctionMode):
-        fired = False
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.is_contiguous and args[0] is target and not InterruptOnce.fired:
-                InterruptOnce.fired = True
-                raise KeyboardInterrupt
-            return func(*args, **(kwargs or {}))
+    mode = interrupt_once_on(target)
 
     opt = torch.optim.SGD([p_with(g) for g in grads], lr=0.1)
     found, flags = torch.zeros(()), torch.zeros(N, dtype=torch.uint8)
-    with InterruptOnce(), pytest.raises(KeyboardInterrupt):
+    with mode, pytest.raises(KeyboardInterrupt):
         K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, torch.full((), 2.0))
-    assert InterruptOnce.fired
+    assert mode.fired
     # what the walk had read is done (it may have begun), the rest untouched: nothing half-written
     for k, (g, b) in enumerate(zip(grads, before)):
         assert torch.equal(g, (b.double() / 2).to(b.dtype) if k < 280 else b), k
@@ -219,25 +210,16 @@ def test_a_gradient_listed_twice_is_unscaled_twice_as_torch_does(two_threads, ho
 
 
 def test_an_interrupt_inside_the_pipelined_walk_leaves_the_scaler_safe(two_threads):
-    from torch.overrides import TorchFunctionMode
-
     grads = plain_grads(seed=6)
     target = grads[280]
 
-    class InterruptOnce(TorchFunctionMode):
-        fired = False
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.is_contiguous and args[0] is target and not InterruptOnce.fired:
-                InterruptOnce.fired = True
-                raise KeyboardInterrupt
-            return func(*args, **(kwargs or {}))
+    mode = interrupt_once_on(target)
 
     params = [p_with(g) for g in grads]
     opt = torch.optim.SGD(params, lr=0.1)
     s = llmmem.GradScaler("cpu", init_scale=SCALE)
     s.scale(torch.ones(()))
-    with InterruptOnce(), pytest.raises(KeyboardInterrupt) as info:
+    with mode, pytest.raises(KeyboardInterrupt) as info:
         s.unscale_(opt)
     if sys.version_info >= (3, 11):
         assert any("280 gradients before this one were already unscaled" in n for n in info.value.__notes__)
