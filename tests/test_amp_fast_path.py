@@ -426,3 +426,16 @@ def test_memory_listed_twice_through_copies_is_unscaled_twice_as_torch(threads, 
             assert_same(ll, t)
     finally:
         torch.set_num_threads(before)
+
+
+def test_on_a_gpu_a_repeated_address_sends_the_list_one_tensor_at_a_time():
+    # On CUDA one launch would run both listings in concurrent blocks; the decision is made on the
+    # host from addresses, so it is checked here with CPU tensors standing in.
+    a, b = torch.randn(8), torch.randn(8)
+    cuda = torch.device("cuda")
+    ptrs = [a.data_ptr(), b.data_ptr(), a.data_ptr()]
+    assert K._must_go_in_order([a, b, a], ptrs, [8, 8, 8], [], cuda)
+    assert not K._must_go_in_order([a, b], ptrs[:2], [8, 8], [], cuda)
+    assert not K._must_go_in_order([a, b, a], ptrs, [8, 8, 8], [], torch.device("cpu"))  # the C kernel orders it
+    empty = torch.empty(0)
+    assert not K._must_go_in_order([empty, empty], [0, 0], [0, 0], [], cuda)  # no memory, no repeat
