@@ -22,6 +22,18 @@ llmmem_status_t _llmmem_scaler_check_tensors(const char *fn, const llmmem_scaler
 typedef int (*_llmmem_scaler_range_fn)(const llmmem_scaler_tensor_t *t, int64_t off, int64_t n, float inv, int write);
 _llmmem_scaler_range_fn _llmmem_scaler_pick_range_fn(void);
 
+/* A position in a tensor list: element `offset` of tensor `tensor`. */
+typedef struct {
+  size_t tensor;
+  int64_t offset;
+} _llmmem_scaler_pos_t;
+
+/* unscale_cpu.c: runs `run` over the elements [from, to) of the list, in (tensor, element) order,
+ * setting flags[t.flag] (relaxed atomic stores: two spans can meet in one tensor) for each tensor
+ * that held inf/NaN; nonzero when one did. `to` may be (count, 0). */
+int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
+                            float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run);
+
 /* unscale_cpu.c: the multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or
  * the given inverse. */
 llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);

@@ -202,10 +202,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_t
 
 /* ---------------------------------------------------------------- threaded fast path */
 
-typedef struct {
-  size_t tensor;   /* index of the first tensor of the share */
-  int64_t offset;  /* first element within it */
-} cut_t;
+typedef _llmmem_scaler_pos_t cut_t;
 
 typedef struct {
   const llmmem_scaler_tensor_t *tensors;
@@ -217,19 +214,24 @@ typedef struct {
   int found;            /* out */
 } share_t;
 
-static void run_share(share_t *s) {
+int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
+                            float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run) {
   int found = 0;
-  for (size_t i = s->begin.tensor; i <= s->end.tensor; i++) {
-    const llmmem_scaler_tensor_t *t = &s->tensors[i];
-    int64_t lo = i == s->begin.tensor ? s->begin.offset : 0;
-    int64_t hi = i == s->end.tensor ? s->end.offset : t->numel;
-    if (i + 1 < s->end.tensor) _llmmem_scaler_prefetch_start(&s->tensors[i + 1]);
-    if (hi > lo && s->run(t, lo, hi - lo, s->inv, s->write)) {
+  for (size_t i = from.tensor; i < to.tensor || (i == to.tensor && to.offset > 0); i++) {
+    const llmmem_scaler_tensor_t *t = &tensors[i];
+    int64_t lo = i == from.tensor ? from.offset : 0;
+    int64_t hi = i == to.tensor ? to.offset : t->numel;
+    if (i + 1 < to.tensor) _llmmem_scaler_prefetch_start(&tensors[i + 1]);
+    if (hi > lo && run(t, lo, hi - lo, inv, write)) {
       found = 1;
-      if (s->flags) __atomic_store_n(&s->flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
+      if (flags) __atomic_store_n(&flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
     }
   }
-  s->found = found;
+  return found;
+}
+
+static void run_share(share_t *s) {
+  s->found = _llmmem_scaler_run_span(s->tensors, s->begin, s->end, s->inv, s->write, s->flags, s->run);
 }
 
 static void *share_thread(void *arg) {

@@ -40,7 +40,7 @@
 struct llmmem_scaler_pipe_s {
   const llmmem_scaler_tensor_t *tensors;
   size_t capacity;
-  uint8_t *flags; /* written with relaxed atomic stores: slices of one tensor may run on two threads */
+  uint8_t *flags; /* slices of one tensor may run on two threads: see _llmmem_scaler_run_span */
   size_t n_flags;
   float inv;
   int write;
@@ -61,10 +61,7 @@ struct llmmem_scaler_pipe_s {
   pthread_t workers[MAX_WORKERS];
 };
 
-typedef struct {
-  size_t tensor;
-  int64_t offset;
-} pos_t;
+typedef _llmmem_scaler_pos_t pos_t;
 
 /* Claims the next piece [*from, *to) of published work under the lock; 0 when none is published
  * now. A piece is whole tensors up to CLAIM_BYTES, or one slice of at most SLICE_BYTES of a tensor
@@ -97,22 +94,6 @@ static int claim(llmmem_scaler_pipe_t *p, pos_t *from, pos_t *to) {
   return 1;
 }
 
-/* Runs piece [from, to); nonzero when it held inf/NaN. */
-static int run_piece(llmmem_scaler_pipe_t *p, pos_t from, pos_t to) {
-  int found = 0;
-  for (size_t i = from.tensor; i < to.tensor || (i == to.tensor && to.offset > 0); i++) {
-    const llmmem_scaler_tensor_t *t = &p->tensors[i];
-    int64_t lo = i == from.tensor ? from.offset : 0;
-    int64_t hi = i == to.tensor ? to.offset : t->numel;
-    if (i + 1 < to.tensor) _llmmem_scaler_prefetch_start(&p->tensors[i + 1]);
-    if (hi > lo && p->run(t, lo, hi - lo, p->inv, p->write)) {
-      found = 1;
-      if (p->flags) __atomic_store_n(&p->flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
-    }
-  }
-  return found;
-}
-
 /* A hint, read without the lock: nothing is published beyond the cursor and more may come. */
 static int nothing_new(llmmem_scaler_pipe_t *p) {
   return __atomic_load_n(&p->published, __ATOMIC_RELAXED) <= __atomic_load_n(&p->next_tensor, __ATOMIC_RELAXED) &&
@@ -134,7 +115,7 @@ static void work(llmmem_scaler_pipe_t *p, int is_caller) {
       int done = !got && p->closed;
       pthread_mutex_unlock(&p->lock);
       if (got) {
-        found |= run_piece(p, from, to);
+        found |= _llmmem_scaler_run_span(p->tensors, from, to, p->inv, p->write, p->flags, p->run);
         idle = 0;
         continue;
       }
@@ -209,15 +190,12 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, s
                    "llmmem_scaler_pipe_publish: count %zu must be in [%zu, capacity %zu]", count, have, p->capacity);
   if (count == have) return LLMMEM_OK;
   float unused = 0.0f;
-  size_t bytes;
+  size_t checked_bytes;
   LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_pipe_publish", p->tensors + have, count - have, &unused,
-                                          p->flags, p->n_flags, &bytes));
-  size_t upto = have;
-  while (upto < count && _llmmem_addr_set_add(&p->seen, p->tensors[upto].data)) upto++;
-  if (upto < count) { /* a repeat: publish only what comes before it */
-    LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_pipe_publish", p->tensors + have, upto - have, &unused,
-                                            p->flags, p->n_flags, &bytes));
-  }
+                                          p->flags, p->n_flags, &checked_bytes));
+  size_t upto = have, bytes = 0; /* up to a repeat, if any, and the bytes before it */
+  for (; upto < count && _llmmem_addr_set_add(&p->seen, p->tensors[upto].data); upto++)
+    bytes += (size_t)p->tensors[upto].numel * llmmem_scaler_dtype_size(p->tensors[upto].dtype);
   pthread_mutex_lock(&p->lock);
   __atomic_store_n(&p->published, upto, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&p->lock);
