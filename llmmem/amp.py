@@ -323,9 +323,9 @@ class GradScaler(_ScalerVisibility):
         state["stage"] = OptState.UNSCALED
         self._record_overflow(optimizer, slots, flags_per_device or {})
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"llmmem.GradScaler: {n_done} gradients before this one were already unscaled (the CPU "
-                         "walk over many gradients is pipelined); this step is recorded as overflowed, so step() "
-                         "skips it and update() takes it as an overflow.")
+            exc.add_note(f"llmmem.GradScaler: {n_done} gradients were already unscaled when this was raised (the "
+                         "C walk cannot take that back); this step is recorded as overflowed, so step() skips it "
+                         "and update() takes it as an overflow.")
 
     def _unscale_general_(self, optimizer: torch.optim.Optimizer, per_device_scale: _MultiDeviceReplicator,
                           is_inverse: bool, per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
