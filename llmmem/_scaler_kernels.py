@@ -193,7 +193,9 @@ def _address(t: torch.Tensor) -> int:
         return 0
 
 
-_KINDS: Optional[tuple] = None  # what the C walk compares parameters and gradients against
+# What the C walk compares parameters and gradients against: the tensor types, the strided layout,
+# then the gradient dtypes in the order of their codes.
+_KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided) + tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
 
 
 def _cpu_scalar(t) -> bool:
@@ -224,7 +226,6 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     right after the call: read it in an ``except`` to learn whether any were. Nothing is cached:
     addresses are read on every call.
     """
-    global _KINDS
     if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):
         return None  # the general path checks them and raises torch's messages
     if flags is not None and not (type(flags) is torch.Tensor and flags.dtype == torch.uint8
@@ -233,9 +234,6 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     if done is not None and not (type(done) is torch.Tensor and done.dtype == torch.int64
                                  and done.device.type == "cpu" and done.numel() == 1):
         return None
-    if _KINDS is None:
-        _KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided, torch.float32, torch.float16, torch.bfloat16,
-                  torch.float64)
     return native.scaler_unscale_param_groups(
         param_groups, _KINDS, allow_fp16, scale.data_ptr() if scale is not None else 0, scale_is_inverse,
         found_inf.data_ptr(), flags.data_ptr() if flags is not None else 0,

@@ -20,7 +20,7 @@ import torch
 
 from llmmem import _scaler_kernels as _k
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPES = tuple(_k.DTYPE_CODES)  # every dtype the kernels take
 _SIZES = (0, 1, 7, 4097, 70001)  # odd sizes; 70001 spans two chunks of the CUDA kernel (65536)
 # 3 * 2**14: its inverse is inexact (the kernel must round as torch does), and dividing by it
 # takes the small fp16 values below into fp16's subnormals.

@@ -48,7 +48,7 @@ REBUILDABLE = {
     "SiluBackward0": lambda node, ops: torch.nn.functional.silu(ops[0]),
     "MulBackward0": lambda node, ops: torch.mul(ops[0], ops[1]),
 }
-_ARITY = {"GeluBackward0": 1, "SiluBackward0": 1, "MulBackward0": 2}
+# Where each REBUILDABLE node keeps its operands (their count is the node's arity).
 _OPERAND_FIELDS = {"GeluBackward0": ("_saved_self",), "SiluBackward0": ("_saved_self",),
                    "MulBackward0": ("_saved_self", "_saved_other")}
 # Nodes whose output autograd keeps (as ``_saved_result``): an operand they made is available.
@@ -85,7 +85,7 @@ def _rebuildable(node) -> bool:
     name = _name(node) if node is not None else ""
     if name not in REBUILDABLE:
         return False
-    return all(_operand_ok(node, i) for i in range(_ARITY[name]))
+    return all(_operand_ok(node, i) for i in range(len(_OPERAND_FIELDS[name])))
 
 
 class _Memo:
@@ -101,7 +101,7 @@ class _Memo:
             if done is not None:
                 return done
         name = _name(node)
-        ops = [self.operand(node, i) for i in range(_ARITY[name])]
+        ops = [self.operand(node, i) for i in range(len(_OPERAND_FIELDS[name]))]
         out = REBUILDABLE[name](node, ops)
         key = id(node)
         # The entry (which holds the node) goes when the rebuilt output does: a node held here for

@@ -59,6 +59,11 @@ double _llmmem_shm_now(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+void _llmmem_shm_nap_us(long us) {
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+  nanosleep(&ts, NULL);
+}
+
 /* Sleeps while *word == seen, at most `us` microseconds (a nap where futexes do not exist). */
 static void sleep_on(_Atomic uint32_t *word, uint32_t seen, long us) {
 #ifdef __linux__
@@ -67,8 +72,7 @@ static void sleep_on(_Atomic uint32_t *word, uint32_t seen, long us) {
   syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
 #else
   (void)word, (void)seen;
-  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-  nanosleep(&ts, NULL);
+  _llmmem_shm_nap_us(us);
 #endif
 }
 
@@ -100,6 +104,10 @@ int _llmmem_shm_process_dead(int pid) {
 uint64_t _llmmem_shm_pid_namespace(void) {
   struct stat st;
   return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+int _llmmem_shm_dead_in_namespace(int pid, uint64_t ns, uint64_t ours) {
+  return ours != 0 && ns == ours && _llmmem_shm_process_dead(pid);
 }
 
 /* The calling thread's wait poll: a thread-local, because it belongs to the caller's blocking
@@ -175,8 +183,7 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
       if (_llmmem_shm_poll_says_stop())
         return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem shm %s: interrupted on rank %d while waiting for rank %d",
                                 what, c->rank, peer);
-      if (c->ctl[peer].pid_ns != 0 && c->ctl[peer].pid_ns == c->ctl[c->rank].pid_ns &&
-          _llmmem_shm_process_dead(c->ctl[peer].pid) &&
+      if (_llmmem_shm_dead_in_namespace(c->ctl[peer].pid, c->ctl[peer].pid_ns, c->ctl[c->rank].pid_ns) &&
           atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
         return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
                                 "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it",

@@ -90,6 +90,11 @@ double _llmmem_shm_now(void);
 int _llmmem_shm_process_dead(int pid);
 /* Identity of this process's PID namespace (0 if unknown). */
 uint64_t _llmmem_shm_pid_namespace(void);
+/* 1 when `pid`, of PID namespace `ns`, is known to be dead to a process of namespace `ours` (a
+ * pid of another namespace, or of an unknown one, means nothing here). */
+int _llmmem_shm_dead_in_namespace(int pid, uint64_t ns, uint64_t ours);
+/* Sleeps `us` microseconds. */
+void _llmmem_shm_nap_us(long us);
 /* 1 when the calling thread's wait poll (llmmem_comm_set_wait_poll) asks to stop waiting. */
 int _llmmem_shm_poll_says_stop(void);
 /* Seconds between two looks at the poll and at the liveness of awaited processes while waiting. */

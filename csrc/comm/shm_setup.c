@@ -26,11 +26,6 @@
 
 #define SWEEP_PREFIX "llmmem-"
 
-static void nap_us(long us) {
-  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-  nanosleep(&ts, NULL);
-}
-
 static void path_of(char *out, size_t cap, const char *name) { snprintf(out, cap, "/dev/shm/%s", name); }
 
 static void unmap(llmmem_shm_comm_t *c) {
@@ -40,8 +35,7 @@ static void unmap(llmmem_shm_comm_t *c) {
 
 /* 1 when `pid` (of PID namespace `ns`) is known to be dead to this process. */
 static int dead_in_our_namespace(int pid, uint64_t ns) {
-  uint64_t ours = _llmmem_shm_pid_namespace();
-  return ours != 0 && ns == ours && _llmmem_shm_process_dead(pid);
+  return _llmmem_shm_dead_in_namespace(pid, ns, _llmmem_shm_pid_namespace());
 }
 
 /* Removes the names of our segments (prefix, owner, magic, version) whose creator is dead: left
@@ -189,7 +183,7 @@ static llmmem_status_t attach_segment(llmmem_shm_comm_t *c, const char *path, do
         return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_shm_comm_open: interrupted on rank %d while waiting for "
                                              "segment %s to appear", c->rank, path);
     }
-    nap_us(500);
+    _llmmem_shm_nap_us(500);
   }
 }
 
@@ -198,7 +192,8 @@ static int dead_joined_rank(llmmem_shm_comm_t *c) {
   for (int q = 0; q < c->world_size; q++) {
     if (q == c->rank) continue;
     int pid = c->ctl[q].pid;
-    if (pid != 0 && dead_in_our_namespace(pid, c->ctl[q].pid_ns)) return q;
+    /* our own namespace is in our slot already: no stat() per peer every check period */
+    if (pid != 0 && _llmmem_shm_dead_in_namespace(pid, c->ctl[q].pid_ns, c->ctl[c->rank].pid_ns)) return q;
   }
   return -1;
 }
@@ -225,7 +220,7 @@ static llmmem_status_t wait_for_all(llmmem_shm_comm_t *c, double deadline) {
         return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem_shm_comm_open: rank %d (pid %d) exited during set-up "
                                 "of segment %s", dead, c->ctl[dead].pid, c->name);
     }
-    nap_us(200);
+    _llmmem_shm_nap_us(200);
   }
   return LLMMEM_OK;
 }

@@ -365,11 +365,13 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
     cut = r->size - new_size;
     if (cut == 0) return 0;
   }
-  size_t dropped = 0;  /* decommitted pages wholly inside the cut */
-  for (size_t p = (new_size + PAGE - 1) / PAGE; (p + 1) * PAGE <= r->size; p++) dropped += _llmmem_page_decommitted(r, p);
   if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, new_size) != LLMMEM_OK) return 0;
+  size_t dropped = 0;  /* decommitted pages wholly inside the cut, forgotten with it */
   for (size_t p = (new_size + PAGE - 1) / PAGE; (p + 1) * PAGE <= r->size; p++)
-    if (_llmmem_page_decommitted(r, p)) page_mark(r, p, 0);
+    if (_llmmem_page_decommitted(r, p)) {
+      page_mark(r, p, 0);
+      dropped++;
+    }
   r->decommitted_pages -= dropped;
   _llmmem_heap_remove(&pool->large, end);
   if (cut == end->size) {

@@ -23,6 +23,7 @@ typedef struct {
    * and the last call to leave closes. */
   int busy;
   int close_pending;
+  int is_shm; /* which kind comm is */
 } holder_t;
 
 /* Closes a communicator of either kind; both accept NULL (already closed). */
@@ -42,22 +43,22 @@ static void shm_capsule_free(PyObject *cap) { free_holder(cap, 1); }
 
 static void cuda_ar_capsule_free(PyObject *cap) { free_holder(cap, 0); }
 
-/* The live communicator inside a capsule, or NULL with an exception set. */
-static void *live(PyObject *cap, const char *kind) {
+/* The holder of a live communicator inside a capsule, or NULL with an exception set. */
+static holder_t *live(PyObject *cap, const char *kind) {
   holder_t *h = PyCapsule_GetPointer(cap, kind);
   if (!h) return NULL;
   if (!h->comm || h->close_pending) {
     PyErr_SetString(PyExc_ValueError, "llmmem: the communicator is closed");
     return NULL;
   }
-  return h->comm;
+  return h;
 }
 
 /* Ends a blocking call counted in h->busy (GIL held): the last one to leave performs a close that
  * was asked for meanwhile. */
-static void leave_busy(holder_t *h, int is_shm) {
+static void leave_busy(holder_t *h) {
   if (--h->busy == 0 && h->close_pending) {
-    close_comm(h->comm, is_shm);
+    close_comm(h->comm, h->is_shm);
     h->comm = NULL;
     h->close_pending = 0;
   }
@@ -73,6 +74,7 @@ static PyObject *wrap(void *comm, int is_shm) {
   h->comm = comm;
   h->busy = 0;
   h->close_pending = 0;
+  h->is_shm = is_shm;
   PyObject *cap = PyCapsule_New(h, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE,
                                 is_shm ? shm_capsule_free : cuda_ar_capsule_free);
   if (!cap) {
@@ -118,7 +120,8 @@ static int poll_signals(void *p) {
 }
 
 /* Brackets a blocking C call: GIL released, the calling thread's wait poll set, the holder (if
- * any) counted busy so that a close meanwhile is deferred to end_wait. */
+ * any) counted busy so that a close meanwhile is deferred to end_wait. The CUDA all-reduce's
+ * blocking calls use it too: they never call the poll, only the busy count matters to them. */
 static void begin_wait(wait_ctx_t *w, holder_t *h) {
   w->h = h;
   if (h) h->busy++;
@@ -129,7 +132,7 @@ static void begin_wait(wait_ctx_t *w, holder_t *h) {
 static void end_wait(wait_ctx_t *w) {
   llmmem_comm_set_wait_poll(NULL, NULL);
   PyEval_RestoreThread(w->ts);
-  if (w->h) leave_busy(w->h, 1);
+  if (w->h) leave_busy(w->h);
 }
 
 /* The exception for a failed blocking call: the one a signal handler raised, else the status. */
@@ -167,19 +170,19 @@ static PyObject *py_shm_comm_set_timeout(PyObject *self, PyObject *args) {
   PyObject *cap;
   double timeout;
   if (!PyArg_ParseTuple(args, "Od", &cap, &timeout)) return NULL;
-  llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
-  if (!comm) return NULL;
-  llmmem_status_t st = llmmem_shm_comm_set_timeout(comm, timeout);
+  holder_t *h = live(cap, SHM_CAPSULE);
+  if (!h) return NULL;
+  llmmem_status_t st = llmmem_shm_comm_set_timeout(h->comm, timeout);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
 }
 
 static PyObject *py_shm_comm_slot_bytes(PyObject *self, PyObject *cap) {
   (void)self;
-  llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
-  if (!comm) return NULL;
+  holder_t *h = live(cap, SHM_CAPSULE);
+  if (!h) return NULL;
   size_t n = 0;
-  llmmem_status_t st = llmmem_shm_comm_slot_bytes(comm, &n);
+  llmmem_status_t st = llmmem_shm_comm_slot_bytes(h->comm, &n);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   return PyLong_FromSize_t(n);
 }
@@ -192,9 +195,8 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   unsigned long long in_ptr, out_ptr, count;
   int dtype;
   if (!PyArg_ParseTuple(args, "OKKKi", &cap, &in_ptr, &out_ptr, &count, &dtype)) return NULL;
-  llmmem_shm_comm_t *comm = live(cap, SHM_CAPSULE);
-  if (!comm) return NULL;
-  holder_t *h = PyCapsule_GetPointer(cap, SHM_CAPSULE); /* the capsule is the caller's: alive meanwhile */
+  holder_t *h = live(cap, SHM_CAPSULE); /* the capsule is the caller's: alive meanwhile */
+  if (!h) return NULL;
   if (h->busy) {
     /* The communicator's epoch and step counters belong to the call in progress: a second one
      * would advance them under it. */
@@ -205,7 +207,7 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   }
   wait_ctx_t w;
   begin_wait(&w, h);
-  llmmem_status_t st = fn(comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
+  llmmem_status_t st = fn(h->comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr, (size_t)count,
                           (llmmem_comm_dtype_t)dtype);
   end_wait(&w);
   if (st != LLMMEM_OK) return raise_after_wait(st);
@@ -255,21 +257,18 @@ static PyObject *py_cuda_ar_connect(PyObject *self, PyObject *args) {
   const char *handles;
   Py_ssize_t len;
   if (!PyArg_ParseTuple(args, "Oy#", &cap, &handles, &len)) return NULL;
-  llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
-  if (!ar) return NULL;
+  holder_t *h = live(cap, CUDA_AR_CAPSULE);
+  if (!h) return NULL;
   if (len <= 0 || len % LLMMEM_CUDA_IPC_HANDLE_BYTES != 0) {
     PyErr_Format(PyExc_ValueError, "cuda_ar_connect: handles must be world_size * %d bytes, got %zd",
                  LLMMEM_CUDA_IPC_HANDLE_BYTES, len);
     return NULL;
   }
-  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
-  h->busy++; /* a close from another thread meanwhile waits for us (see holder_t) */
-  llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_cuda_ar_connect(ar, handles);
-  Py_END_ALLOW_THREADS
-  leave_busy(h, 0);
-  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  wait_ctx_t w; /* a close from another thread meanwhile waits for us (see holder_t) */
+  begin_wait(&w, h);
+  llmmem_status_t st = llmmem_cuda_ar_connect(h->comm, handles);
+  end_wait(&w);
+  if (st != LLMMEM_OK) return raise_after_wait(st);
   Py_RETURN_NONE;
 }
 
@@ -280,9 +279,9 @@ static PyObject *py_cuda_ar_all_reduce(PyObject *self, PyObject *args) {
   unsigned long long in_ptr, out_ptr, count, stream;
   int dtype;
   if (!PyArg_ParseTuple(args, "OKKKiK", &cap, &in_ptr, &out_ptr, &count, &dtype, &stream)) return NULL;
-  llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
-  if (!ar) return NULL;
-  llmmem_status_t st = llmmem_cuda_ar_all_reduce(ar, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr,
+  holder_t *h = live(cap, CUDA_AR_CAPSULE);
+  if (!h) return NULL;
+  llmmem_status_t st = llmmem_cuda_ar_all_reduce(h->comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr,
                                                  (size_t)count, (llmmem_comm_dtype_t)dtype, (void *)(uintptr_t)stream);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   Py_RETURN_NONE;
@@ -294,16 +293,13 @@ static PyObject *py_cuda_ar_check(PyObject *self, PyObject *args) {
   PyObject *cap;
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "OK", &cap, &stream)) return NULL;
-  llmmem_cuda_ar_t *ar = live(cap, CUDA_AR_CAPSULE);
-  if (!ar) return NULL;
-  holder_t *h = PyCapsule_GetPointer(cap, CUDA_AR_CAPSULE);
-  h->busy++; /* a close from another thread meanwhile waits for us (see holder_t) */
-  llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_cuda_ar_check(ar, (void *)(uintptr_t)stream);
-  Py_END_ALLOW_THREADS
-  leave_busy(h, 0);
-  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  holder_t *h = live(cap, CUDA_AR_CAPSULE);
+  if (!h) return NULL;
+  wait_ctx_t w; /* a close from another thread meanwhile waits for us (see holder_t) */
+  begin_wait(&w, h);
+  llmmem_status_t st = llmmem_cuda_ar_check(h->comm, (void *)(uintptr_t)stream);
+  end_wait(&w);
+  if (st != LLMMEM_OK) return raise_after_wait(st);
   Py_RETURN_NONE;
 }
 
