@@ -285,25 +285,21 @@ llmmem_status_t granule_span(vmm_ctx *ctx, void *ptr, size_t bytes, vmm_region *
   return LLMMEM_FAIL(LLMMEM_ERR_INVALID, "cuda vmm: [%p, +%zu) is not whole granules of a region", ptr, bytes);
 }
 
-llmmem_status_t vmm_decommit(void *vctx, void *ptr, size_t bytes) {
+/* Runs `op` (map_range or unmap_range) on the granules [ptr, ptr + bytes) of a region. */
+llmmem_status_t on_granules(void *vctx, void *ptr, size_t bytes,
+                            llmmem_status_t (*op)(vmm_ctx *, vmm_region *, size_t, size_t)) {
   vmm_ctx *ctx = ctx_of(vctx);
   vmm_region *r = nullptr;
   size_t g0 = 0, g1 = 0;
   LLMMEM_TRY(granule_span(ctx, ptr, bytes, &r, &g0, &g1));
   device_guard g(ctx->device);
   LLMMEM_CUDA_TRY(g.err);
-  return unmap_range(ctx, r, g0, g1);
+  return op(ctx, r, g0, g1);
 }
 
-llmmem_status_t vmm_commit(void *vctx, void *ptr, size_t bytes) {
-  vmm_ctx *ctx = ctx_of(vctx);
-  vmm_region *r = nullptr;
-  size_t g0 = 0, g1 = 0;
-  LLMMEM_TRY(granule_span(ctx, ptr, bytes, &r, &g0, &g1));
-  device_guard g(ctx->device);
-  LLMMEM_CUDA_TRY(g.err);
-  return map_range(ctx, r, g0, g1);
-}
+llmmem_status_t vmm_decommit(void *vctx, void *ptr, size_t bytes) { return on_granules(vctx, ptr, bytes, unmap_range); }
+
+llmmem_status_t vmm_commit(void *vctx, void *ptr, size_t bytes) { return on_granules(vctx, ptr, bytes, map_range); }
 
 void vmm_destroy(void *vctx) {
   vmm_ctx *ctx = ctx_of(vctx);
