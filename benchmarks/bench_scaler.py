@@ -14,6 +14,13 @@ For each list it reports the median time of
   copy         dst.copy_(src) of the same bytes, one read and one write per element: the limit
 and GB/s = 2 x bytes / time (one read + one write of every gradient byte).
 
+Every timed call, of every candidate, starts from the state backward leaves: just before it,
+every gradient is rewritten in place (last parameter first, the order backward produces them),
+untimed. Without that, each candidate would find the caches as the one timed before it left
+them: a candidate timed right after another unscale of the same gradients finds them, and
+torch's per-tensor objects, already in cache (on the 4000-small-tensor list, on the 2-vCPU CI
+machine, the same code measured 2.2x to 3x torch depending on what ran just before it).
+
 CUDA (--device cuda, for a lent GPU): the same for fp32 and bf16 gradients of the 1B list with
 CUDA-event timing, torch's op vs llmmem's kernel (bf16 is compared with torch on fp16, as torch's
 CUDA op rejects bf16), plus a fused-AdamW training step under set_sync_debug_mode("error").
@@ -109,14 +116,17 @@ def op_fns(grads, device):
     return torch_op, ours_op
 
 
-def interleaved(fns: dict, repeats: int, device: str) -> dict:
+def interleaved(fns: dict, repeats: int, device: str, before=None) -> dict:
     """Median seconds per call of each fn, timed in alternating rounds (A, B, C, A, B, C, ...) so
-    that load from other jobs on a shared machine falls on all candidates alike."""
+    that load from other jobs on a shared machine falls on all candidates alike. ``before`` (untimed)
+    runs before every timed call, so that each starts from the same state."""
     samples = {k: [] for k in fns}
     for k, fn in fns.items():  # warm-up: page faults, lazy initialisation
         fn()
     for _ in range(repeats):
         for k, fn in fns.items():
+            if before is not None:
+                before()
             samples[k].append(_harness.time_fn(fn, repeats=1, warmup=0, device=device)["median_s"])
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -140,7 +150,9 @@ def bench_list(name, shapes, device, dtype, repeats, torch_dtype_for_op=None):
         torch_op, _ = op_fns(proxy, device)
     fns["torch-op"] = torch_op
     fns["llmmem-op"] = ours_op
-    times = interleaved(fns, repeats, device)
+    # what backward leaves: every gradient just written, the first parameter's last
+    backward_order = grads[::-1] + (proxy[::-1] if torch_dtype_for_op is not None else [])
+    times = interleaved(fns, repeats, device, before=lambda: torch._foreach_mul_(backward_order, 1.0))
     gbs = {k: 2 * (copy_bytes if k == "copy" else nbytes) / v / 1e9 for k, v in times.items()}
     del src, dst
     row = {"list": name, "dtype": str(dtype).replace("torch.", ""), "tensors": len(shapes),

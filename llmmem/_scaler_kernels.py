@@ -26,7 +26,8 @@ anything unusual back to :func:`unscale_check_`: untouched on short lists, and o
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence
+from array import array
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -203,9 +204,19 @@ def _cpu_scalar(t) -> bool:
     return type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == 1
 
 
-def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor, flags: Optional[torch.Tensor],
-                              scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
-                              done: Optional[torch.Tensor] = None):
+def _host_buffer(buf, dtype: torch.dtype, typecode: str) -> Optional[tuple[int, int]]:
+    """(address, element count) of a writable host buffer the C core may fill: a contiguous CPU
+    tensor of ``dtype`` or an :class:`array.array` of ``typecode``; None for anything else."""
+    if type(buf) is array:
+        return buf.buffer_info() if buf.typecode == typecode else None
+    if type(buf) is torch.Tensor and buf.dtype == dtype and buf.device.type == "cpu" and buf.is_contiguous():
+        return buf.data_ptr(), buf.numel()
+    return None
+
+
+def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor,
+                              flags: Union[torch.Tensor, array, None], scale: Optional[torch.Tensor],
+                              scale_is_inverse: bool = False, done: Union[torch.Tensor, array, None] = None):
     """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
     ``param_groups``, reads and checks every gradient and runs the unscale + check on them all.
 
@@ -216,29 +227,26 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     or the scale is not a CPU fp32 scalar): the caller then runs its general path, which handles
     the case or raises its usual error. Else ``(n_grads, slots, resume)``: ``slots`` the done
     gradients' flat positions in param_groups (None when they are 0..n_grads-1); ``flags[i]``
-    (uint8, CPU, at least one slot per parameter) is set for the i-th gradient found non-finite.
+    (a uint8 CPU tensor or an ``array("B")``, zeroed, at least one slot per parameter) is set for
+    the i-th gradient found non-finite.
     ``resume`` is None when every gradient was done. On long lists with more than one thread the
     walk is pipelined (worker threads unscale what it has read while it reads on) and cannot take
     back what it did: meeting a gradient that is not the plain case, it finishes the ones before
     and returns that parameter's flat position as ``resume``, for the caller's general path to
-    continue from there. ``done`` (a 1-element int64 CPU tensor, optional) gets the number of
+    continue from there. ``done`` (a 1-element int64 CPU tensor or ``array("q")``, optional) gets the number of
     gradients unscaled as soon as it is known, also when an exception is raised in the walk or
     right after the call: read it in an ``except`` to learn whether any were. Nothing is cached:
     addresses are read on every call.
     """
     if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):
         return None  # the general path checks them and raises torch's messages
-    if flags is not None and not (type(flags) is torch.Tensor and flags.dtype == torch.uint8
-                                  and flags.device.type == "cpu" and flags.is_contiguous()):
-        return None
-    if done is not None and not (type(done) is torch.Tensor and done.dtype == torch.int64
-                                 and done.device.type == "cpu" and done.numel() == 1):
+    flags_buf = _host_buffer(flags, torch.uint8, "B") if flags is not None else (0, 0)
+    done_buf = _host_buffer(done, torch.int64, "q") if done is not None else (0, 1)
+    if flags_buf is None or done_buf is None or done_buf[1] != 1:
         return None
     return native.scaler_unscale_param_groups(
         param_groups, _KINDS, allow_fp16, scale.data_ptr() if scale is not None else 0, scale_is_inverse,
-        found_inf.data_ptr(), flags.data_ptr() if flags is not None else 0,
-        flags.numel() if flags is not None else 0, torch.get_num_threads(),
-        done.data_ptr() if done is not None else 0)
+        found_inf.data_ptr(), flags_buf[0], flags_buf[1], torch.get_num_threads(), done_buf[0])
 
 
 def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],

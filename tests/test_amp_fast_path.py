@@ -317,6 +317,37 @@ def test_odd_scalars_are_handed_over_not_raised():
         assert torch.equal(params[0].grad, before)
 
 
+def test_flags_and_done_may_be_python_arrays_of_the_right_type():
+    from array import array
+
+    grads = [torch.tensor([1.0, 2.0]), torch.tensor([float("inf")]), torch.tensor([4.0])]
+    params = [p_with(g.clone()) for g in grads]
+    opt = torch.optim.SGD(params, lr=0.1)
+    found, flags, done = torch.zeros(()), array("B", bytes(3)), array("q", [-1])
+    assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, torch.full((), 2.0),
+                                       done=done) == (3, None, None)
+    assert flags.tolist() == [0, 1, 0] and done[0] == 3 and float(found) == 1.0
+    assert torch.equal(params[0].grad, torch.tensor([0.5, 1.0]))
+    # arrays of another element type, or a done cell of more than one element, are handed over untouched
+    for fl, dn in [(array("b", bytes(3)), None), (array("H", [0, 0, 0]), None), (array("B", bytes(3)), array("l", [0])),
+                   (array("B", bytes(3)), array("q", [0, 0]))]:
+        before = [p.grad.clone() for p in params]
+        assert K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), fl, torch.full((), 2.0),
+                                           done=dn) is None
+        assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_the_found_inf_of_the_scale_device_is_the_tensor_unscale_made():
+    # no copy on the master's own device (one tensor op fewer per unscale_); other devices get copies
+    from llmmem.amp import _MultiDeviceReplicator
+
+    master = torch.zeros(())
+    rep = _MultiDeviceReplicator(master)
+    assert rep.get(torch.device("cpu")) is master
+    meta = rep.get(torch.device("meta"))
+    assert meta is not master and meta.device.type == "meta" and rep.get(torch.device("meta")) is meta
+
+
 def test_float64_scale_goes_the_general_way_and_matches_torch():
     results = []
     for cls in (torch.amp.GradScaler, llmmem.GradScaler):
