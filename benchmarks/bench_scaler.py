@@ -118,15 +118,16 @@ def op_fns(grads, device):
 
 def interleaved(fns: dict, repeats: int, device: str, before=None) -> dict:
     """Median seconds per call of each fn, timed in alternating rounds (A, B, C, A, B, C, ...) so
-    that load from other jobs on a shared machine falls on all candidates alike. ``before`` (untimed)
-    runs before every timed call, so that each starts from the same state."""
+    that load from other jobs on a shared machine falls on all candidates alike. ``before(name)``
+    (untimed) runs before every timed call of candidate ``name``, so that each starts from the
+    same state."""
     samples = {k: [] for k in fns}
     for k, fn in fns.items():  # warm-up: page faults, lazy initialisation
         fn()
     for _ in range(repeats):
         for k, fn in fns.items():
             if before is not None:
-                before()
+                before(k)
             samples[k].append(_harness.time_fn(fn, repeats=1, warmup=0, device=device)["median_s"])
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -150,9 +151,15 @@ def bench_list(name, shapes, device, dtype, repeats, torch_dtype_for_op=None):
         torch_op, _ = op_fns(proxy, device)
     fns["torch-op"] = torch_op
     fns["llmmem-op"] = ours_op
-    # what backward leaves: every gradient just written, the first parameter's last
-    backward_order = grads[::-1] + (proxy[::-1] if torch_dtype_for_op is not None else [])
-    times = interleaved(fns, repeats, device, before=lambda: torch._foreach_mul_(backward_order, 1.0))
+    # what backward leaves: every gradient just written, the first parameter's last; the fp16
+    # proxies for torch's op are rewritten alone before it, the real gradients before the others
+    backward_order = grads[::-1]
+    proxy_order = proxy[::-1] if torch_dtype_for_op is not None else backward_order
+
+    def rewrite(name):
+        torch._foreach_mul_(proxy_order if name == "torch-op" else backward_order, 1.0)
+
+    times = interleaved(fns, repeats, device, before=rewrite)
     gbs = {k: 2 * (copy_bytes if k == "copy" else nbytes) / v / 1e9 for k, v in times.items()}
     del src, dst
     row = {"list": name, "dtype": str(dtype).replace("torch.", ""), "tensors": len(shapes),

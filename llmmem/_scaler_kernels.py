@@ -325,8 +325,9 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
 def _must_go_in_order(grads, ptrs, numels, to_copy, device) -> bool:
     """Whether one kernel launch over the list could lose an update torch makes: a tensor listed
     twice (the same parameter twice, or parameters sharing one .grad), which torch's CPU op
-    unscales twice, one after the other. On the CPU the C kernel itself runs such a list on one
-    thread, in order; on a GPU the two listings would be read and written by concurrent blocks.
+    unscales twice, one after the other. On the CPU the C kernel itself keeps the listings in
+    order (threads up to the first repeat, the rest on the calling thread after them); on a GPU
+    the two listings would be read and written by concurrent blocks.
     A gradient that goes through a copy loses the writes of any other listing of its memory
     (its copy back comes last), so it must not share storage with another gradient either."""
     if device.type != "cpu":

@@ -45,19 +45,25 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
 
 
 class _MultiDeviceReplicator:
-    """One master tensor, copied lazily to each other device asked for (copies cached). Its own
-    device gets the master itself: the callers create a fresh master per call and keep only what
-    ``get`` returned, so a copy (one more tensor op per unscale) would serve nobody."""
+    """One master tensor, copied lazily to each device asked for (copies cached). With
+    ``share_own_device`` the master's own device gets the master itself: for the found_inf of
+    :meth:`GradScaler._unscale_grads_`, which its callers create afresh per call and keep only
+    through what ``get`` returned, so a copy (one more tensor op per unscale) would serve nobody.
+    The scale's replicators copy, as torch's: a scaled output records its own copy for backward."""
 
-    def __init__(self, master_tensor: torch.Tensor) -> None:
+    def __init__(self, master_tensor: torch.Tensor, share_own_device: bool = False) -> None:
         self.master = master_tensor
+        self._share_own_device = share_own_device
         self._per_device_tensors: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device) -> torch.Tensor:
         retval = self._per_device_tensors.get(device)
         if retval is None:
             master = self.master
-            retval = master if device == master.device else master.to(device=device, non_blocking=True, copy=True)
+            if self._share_own_device and device == master.device:
+                retval = master
+            else:
+                retval = master.to(device=device, non_blocking=True, copy=True)
             self._per_device_tensors[device] = retval
         return retval
 
@@ -276,13 +282,14 @@ class GradScaler(_ScalerVisibility):
 
         ``inv_scale``: a tensor holding the inverse scale (torch's contract, kept for subclasses), or
         :class:`_InverseOf` the scale. Returns ``{device: found_inf}``; also records which gradient
-        overflowed for :meth:`overflowed_params`.
+        overflowed for :meth:`overflowed_params`. Unlike torch's, the entry for ``found_inf``'s own
+        device is ``found_inf`` itself, not a copy: pass a fresh zero tensor on every call.
         """
         if isinstance(inv_scale, _InverseOf):
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale.scale), False
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
-        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf, share_own_device=True)
         # On the CPU the walk is done in C; `done` counts the gradients it unscaled, which an
         # exception from here on (one in the C walk, a signal handled right after it, an error of
         # the general path after a hand-over) must not leave unrecorded.
@@ -415,7 +422,7 @@ class GradScaler(_ScalerVisibility):
 
     def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
                            per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
-                           done: torch.Tensor) -> Optional[tuple]:
+                           done: array) -> Optional[tuple]:
         """:meth:`_unscale_grads_` in one C call when the gradients are plain CPU tensors (see
         :func:`llmmem._scaler_kernels.unscale_param_groups_cpu_`). None, having changed nothing,
         when the general path must run (it then raises the usual errors). Else ``(slots,

@@ -342,10 +342,17 @@ def test_the_found_inf_of_the_scale_device_is_the_tensor_unscale_made():
     from llmmem.amp import _MultiDeviceReplicator
 
     master = torch.zeros(())
-    rep = _MultiDeviceReplicator(master)
+    rep = _MultiDeviceReplicator(master, share_own_device=True)
     assert rep.get(torch.device("cpu")) is master
     meta = rep.get(torch.device("meta"))
     assert meta is not master and meta.device.type == "meta" and rep.get(torch.device("meta")) is meta
+    # the scale's replicators copy, as torch's: a scaled output must not record the live scale
+    copied = _MultiDeviceReplicator(master).get(torch.device("cpu"))
+    assert copied is not master and torch.equal(copied, master)
+    s = llmmem.GradScaler("cpu", init_scale=4.0)
+    outs = s.scale([torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)])
+    s._scale.fill_(8.0)  # an in-place change of the scale before backward, as update(new_scale=...) makes
+    outs[0].sum().backward()  # torch's list path keeps a copy: no "modified by an inplace operation"
 
 
 def test_float64_scale_goes_the_general_way_and_matches_torch():

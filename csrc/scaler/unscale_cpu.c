@@ -10,7 +10,8 @@
  * Without a usable thread the work runs on the calling thread.
  *
  * What it does not do: strided tensors (ranges must be contiguous), or any allocation besides
- * thread stacks.
+ * the pipe (its address set: about 16 bytes per tensor) and thread stacks, and only with more
+ * than one thread; when the pipe cannot be allocated everything runs on the calling thread.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <math.h>

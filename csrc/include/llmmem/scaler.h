@@ -59,7 +59,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_inv_scale(float scale, float *inv_scale
  *                 use fewer threads (spawning a thread costs more than checking a few hundred KB).
  * The call blocks until done. Tensors must not overlap, except that one tensor may be listed more
  * than once (its data pointer repeated): it is then processed once per listing, in order, as torch
- * does (such a list runs on one thread).
+ * does (the threads share the list up to the first repeated address; the rest runs in order on
+ * the calling thread once they are done).
  */
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
                                                        const float *scale, int scale_is_inverse, float *found_inf,
