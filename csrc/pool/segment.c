@@ -217,7 +217,8 @@ static void decommit_holes(llmmem_pool_t *pool) {
   }
   for (pool_block_t *b = r->first; b; b = b->next) {
     if (!b->is_free || b->event || !b->next) continue;
-    size_t lo = (b->addr - r->base + PAGE - 1) / PAGE, hi = (b->addr + b->size - r->base) / PAGE;
+    size_t lo, hi;
+    _llmmem_pages_inside(r, b->addr, b->size, &lo, &hi);
     if (lo < kept_pages) lo = kept_pages;
     size_t p = lo;
     while (p < hi) {
@@ -366,8 +367,9 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
     if (cut == 0) return 0;
   }
   if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, new_size) != LLMMEM_OK) return 0;
-  size_t dropped = 0;  /* decommitted pages wholly inside the cut, forgotten with it */
-  for (size_t p = (new_size + PAGE - 1) / PAGE; (p + 1) * PAGE <= r->size; p++)
+  size_t dropped = 0, lo, hi;  /* decommitted pages wholly inside the cut, forgotten with it */
+  _llmmem_pages_inside(r, r->base + new_size, r->size - new_size, &lo, &hi);
+  for (size_t p = lo; p < hi; p++)
     if (_llmmem_page_decommitted(r, p)) {
       page_mark(r, p, 0);
       dropped++;
