@@ -4,7 +4,7 @@
  * new one); polling and waiting on stream events of free blocks.
  *
  * Growth, two ways. A backend that can resize regions in place (host memory over reserved
- * address space; CUDA VMM would be the device counterpart, not built yet) gets one contiguous
+ * address space; CUDA VMM, backend_cuda_vmm.cu, the device counterpart) gets one contiguous
  * "top" segment that grows by what a request lacks, rounded to 2 MiB, merging with its free end
  * (PyTorch's expandable segments do the same with 20 MiB pages). When it must take memory beyond
  * what it has held, it first decommits the whole 2 MiB pages inside free holes (a hole too small
