@@ -150,27 +150,34 @@ vmm_region *find(vmm_ctx *ctx, void *ptr) {
   return nullptr;
 }
 
-/* Unmaps and frees the mapped granules in [g0, g1). Errors are counted, not stopped at: the rest
- * is still given back. */
-llmmem_status_t unmap_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
-  llmmem_status_t st = LLMMEM_OK;
-  for (size_t g = g0; g < g1; g++) {
-    if (!r->handles[g]) continue;
-    CUresult e = drv.MemUnmap(r->base + g * ctx->gran, ctx->gran);
-    if (e == CUDA_SUCCESS) e = drv.MemRelease(r->handles[g]);
-    if (e != CUDA_SUCCESS) {
-      st = cu_fail(e, "cuMemUnmap/cuMemRelease", ctx->gran);
-      continue;  /* the handle stays recorded: a later release tries again */
-    }
-    r->handles[g] = 0;
-  }
-  return st;
+/* Unmaps granule g (mapped) and frees its memory. When the unmap fails the granule stays mapped
+ * and recorded; once it is unmapped it is recorded as unmapped even if the driver then refuses to
+ * free its memory (that handle is lost: nothing could free it later either, and a recorded handle
+ * over an unmapped granule would make map_range skip a granule the pool then uses). */
+CUresult unmap_granule(vmm_ctx *ctx, vmm_region *r, size_t g) {
+  CUresult e = drv.MemUnmap(r->base + g * ctx->gran, ctx->gran);
+  if (e != CUDA_SUCCESS) return e;
+  CUmemGenericAllocationHandle h = r->handles[g];
+  r->handles[g] = 0;
+  return drv.MemRelease(h);
+}
+
+/* Gives back every mapped granule of a region that goes away. Errors do not stop it: the rest is
+ * still given back. */
+void unmap_all(vmm_ctx *ctx, vmm_region *r) {
+  for (size_t g = 0; g < r->handles.size(); g++)
+    if (r->handles[g]) (void)unmap_granule(ctx, r, g);
 }
 
 /* Maps fresh physical memory at every unmapped granule in [g0, g1) and makes it accessible from
  * the device. All or nothing: on failure what this call mapped is given back. */
 llmmem_status_t map_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
   std::vector<size_t> mapped;
+  try {
+    mapped.reserve(g1 - g0);
+  } catch (const std::bad_alloc &) {
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cuda vmm: no host memory to map %zu granules", g1 - g0);
+  }
   llmmem_status_t st = LLMMEM_OK;
   for (size_t g = g0; g < g1 && st == LLMMEM_OK; g++) {
     if (r->handles[g]) continue;
@@ -187,7 +194,7 @@ llmmem_status_t map_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
       break;
     }
     r->handles[g] = h;
-    mapped.push_back(g);
+    mapped.push_back(g);  /* capacity reserved above: cannot throw */
   }
   /* Access is granted per run of granules mapped here (one call per contiguous run). */
   for (size_t i = 0; i < mapped.size() && st == LLMMEM_OK;) {
@@ -199,8 +206,40 @@ llmmem_status_t map_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
     i = j;
   }
   if (st != LLMMEM_OK)
-    for (size_t g : mapped) (void)unmap_range(ctx, r, g, g + 1);
+    for (size_t g : mapped) (void)unmap_granule(ctx, r, g);
   return st;
+}
+
+/* Unmaps and frees the mapped granules in [g0, g1). All or nothing, as the pool relies on (a
+ * failed decommit or shrink counts as nothing given back, and the pool may then hand out those
+ * addresses): on failure the granules this call unmapped are mapped again (fresh memory; the pool
+ * gives back only free memory, whose contents do not matter). */
+llmmem_status_t unmap_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
+  std::vector<size_t> unmapped;
+  try {
+    unmapped.reserve(g1 - g0);
+  } catch (const std::bad_alloc &) {
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cuda vmm: no host memory to unmap %zu granules", g1 - g0);
+  }
+  for (size_t g = g0; g < g1; g++) {
+    if (!r->handles[g]) continue;
+    CUresult e = unmap_granule(ctx, r, g);
+    if (!r->handles[g]) unmapped.push_back(g);  /* capacity reserved above: cannot throw */
+    if (e == CUDA_SUCCESS) continue;
+    llmmem_status_t st = cu_fail(e, "cuMemUnmap/cuMemRelease", ctx->gran);
+    /* One map_range per run of granules unmapped here (it maps only unmapped granules). */
+    for (size_t i = 0, j; i < unmapped.size(); i = j) {
+      for (j = i + 1; j < unmapped.size() && unmapped[j] == unmapped[j - 1] + 1;) j++;
+      if (map_range(ctx, r, unmapped[i], unmapped[j - 1] + 1) != LLMMEM_OK) {
+        char why[256]; /* copied: the message below is written over llmmem_last_error()'s buffer */
+        snprintf(why, sizeof why, "%s", llmmem_last_error());
+        return LLMMEM_FAIL(LLMMEM_ERR_CUDA, "cuda vmm: unmapping failed (%s) and mapping granules %zu..%zu "
+                           "again failed too: %s", cu_name(e), unmapped[i], unmapped[j - 1], why);
+      }
+    }
+    return st;
+  }
+  return LLMMEM_OK;
 }
 
 size_t granules(const vmm_ctx *ctx, size_t bytes) { return (bytes + ctx->gran - 1) / ctx->gran; }
@@ -244,7 +283,7 @@ void vmm_release(void *vctx, void *ptr, size_t bytes) {
   vmm_region *r = find(ctx, ptr);
   if (!r) return;
   device_guard g(ctx->device);
-  (void)unmap_range(ctx, r, 0, r->handles.size());
+  unmap_all(ctx, r);
   (void)drv.MemAddressFree(r->base, r->va_bytes);
   for (size_t i = 0; i < ctx->regions.size(); i++)
     if (ctx->regions[i] == r) {
@@ -304,7 +343,7 @@ llmmem_status_t vmm_commit(void *vctx, void *ptr, size_t bytes) { return on_gran
 void vmm_destroy(void *vctx) {
   vmm_ctx *ctx = ctx_of(vctx);
   for (vmm_region *r : ctx->regions) {  /* the pool released every region; this is a safety net */
-    (void)unmap_range(ctx, r, 0, r->handles.size());
+    unmap_all(ctx, r);
     (void)drv.MemAddressFree(r->base, r->va_bytes);
     delete r;
   }

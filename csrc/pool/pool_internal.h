@@ -183,6 +183,12 @@ llmmem_status_t _llmmem_commit_block(llmmem_pool_t *pool, pool_block_t *b);
 static inline int _llmmem_page_decommitted(const pool_region_t *r, size_t page) {
   return page / 64 < r->decommitted_words && (r->decommitted[page / 64] >> (page % 64)) & 1;
 }
+/* The 2 MiB pages (indices counted from r->base) lying wholly inside [addr, addr + bytes): [*lo,
+ * *hi), empty when *lo >= *hi. Only those pages of a free block can be decommitted. */
+static inline void _llmmem_pages_inside(const pool_region_t *r, uintptr_t addr, size_t bytes, size_t *lo, size_t *hi) {
+  *lo = (addr - r->base + LLMMEM_POOL_CHUNK_SIZE - 1) / LLMMEM_POOL_CHUNK_SIZE;
+  *hi = (addr + bytes - r->base) / LLMMEM_POOL_CHUNK_SIZE;
+}
 
 /* pool_query.c: the longest free stretch of committed memory (stats' largest_free_block). Lock held. */
 size_t _llmmem_largest_free(llmmem_pool_t *pool);

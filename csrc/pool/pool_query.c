@@ -11,13 +11,13 @@
 static size_t committed_run(const pool_region_t *r, const pool_block_t *b) {
   const size_t page = LLMMEM_POOL_CHUNK_SIZE;
   uintptr_t end = b->addr + b->size, run_start = b->addr;
-  size_t best = 0;
-  /* pages wholly inside b: only these can be decommitted */
-  for (size_t p = (b->addr - r->base + page - 1) / page; r->base + (p + 1) * page <= end; p++) {
+  size_t best = 0, lo, hi;
+  _llmmem_pages_inside(r, b->addr, b->size, &lo, &hi);
+  for (size_t p = lo; p < hi; p++) {
     if (!_llmmem_page_decommitted(r, p)) continue;
-    uintptr_t lo = r->base + p * page;
-    if (lo - run_start > best) best = lo - run_start;
-    run_start = lo + page;
+    uintptr_t at = r->base + p * page;
+    if (at - run_start > best) best = at - run_start;
+    run_start = at + page;
   }
   if (end - run_start > best) best = end - run_start;
   return best;

@@ -4,7 +4,7 @@
  * new one); polling and waiting on stream events of free blocks.
  *
  * Growth, two ways. A backend that can resize regions in place (host memory over reserved
- * address space; CUDA VMM would be the device counterpart, not built yet) gets one contiguous
+ * address space; CUDA VMM, backend_cuda_vmm.cu, the device counterpart) gets one contiguous
  * "top" segment that grows by what a request lacks, rounded to 2 MiB, merging with its free end
  * (PyTorch's expandable segments do the same with 20 MiB pages). When it must take memory beyond
  * what it has held, it first decommits the whole 2 MiB pages inside free holes (a hole too small
@@ -217,7 +217,8 @@ static void decommit_holes(llmmem_pool_t *pool) {
   }
   for (pool_block_t *b = r->first; b; b = b->next) {
     if (!b->is_free || b->event || !b->next) continue;
-    size_t lo = (b->addr - r->base + PAGE - 1) / PAGE, hi = (b->addr + b->size - r->base) / PAGE;
+    size_t lo, hi;
+    _llmmem_pages_inside(r, b->addr, b->size, &lo, &hi);
     if (lo < kept_pages) lo = kept_pages;
     size_t p = lo;
     while (p < hi) {
@@ -366,8 +367,9 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
     if (cut == 0) return 0;
   }
   if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, new_size) != LLMMEM_OK) return 0;
-  size_t dropped = 0;  /* decommitted pages wholly inside the cut, forgotten with it */
-  for (size_t p = (new_size + PAGE - 1) / PAGE; (p + 1) * PAGE <= r->size; p++)
+  size_t dropped = 0, lo, hi;  /* decommitted pages wholly inside the cut, forgotten with it */
+  _llmmem_pages_inside(r, r->base + new_size, r->size - new_size, &lo, &hi);
+  for (size_t p = lo; p < hi; p++)
     if (_llmmem_page_decommitted(r, p)) {
       page_mark(r, p, 0);
       dropped++;

@@ -43,6 +43,7 @@ struct fake_state {
   size_t physical = 0;           // bytes of live handles
   int misuse = 0;                // calls the real driver would refuse
   int fail_map_after = -1;       // >= 0: that many more cuMemMap calls succeed, then one fails
+  int fail_unmap_after = -1;     // the same for cuMemUnmap (the failing call unmaps nothing)
   std::map<uintptr_t, size_t> ranges;          // reserved virtual ranges: base -> bytes
   std::map<uintptr_t, fake_handle *> mapped;   // granule address -> handle
   std::map<uintptr_t, bool> accessible;        // granule address -> cuMemSetAccess done
@@ -134,6 +135,11 @@ static CUresult f_MemMap(CUdeviceptr p, size_t size, size_t offset, CUmemGeneric
   return CUDA_SUCCESS;
 }
 static CUresult f_MemUnmap(CUdeviceptr p, size_t size) {
+  if (F.fail_unmap_after == 0) {
+    F.fail_unmap_after = -1;
+    return CUDA_ERROR_UNKNOWN;
+  }
+  if (F.fail_unmap_after > 0) F.fail_unmap_after--;
   for (uintptr_t a = (uintptr_t)p; a < (uintptr_t)p + size; a += GRAN) {
     auto it = F.mapped.find(a);
     if (it == F.mapped.end()) {
@@ -348,6 +354,25 @@ int main() {
     CHECK_OK(llmmem_pool_free(p, a, nullptr));
     CHECK_OK(llmmem_pool_destroy(p));
     CHECK(F.physical == 0 && F.ranges.empty() && F.misuse == 0);
+  }
+
+  TEST("a decommit that fails partway maps again what it unmapped: the pool's hole stays usable") {
+    llmmem_pool_t *p = vmm_pool(0, 0);
+    void *a, *b, *c, *d;
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &a));
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, nullptr, &b));
+    CHECK_OK(llmmem_pool_free(p, a, nullptr));
+    F.fail_unmap_after = 2;  // the hole's 4 granules: two unmap, the third fails
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, nullptr, &c));
+    CHECK(F.fail_unmap_after == -1);
+    CHECK(stats(p).decommitted_bytes == 0 && physical_matches(p) && accessible(a, 8 * MiB) && F.misuse == 0);
+    CHECK_OK(_llmmem_pool_check(p));
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &d));
+    CHECK(d == a);
+    memset(d, 3, 8 * MiB);  // faults if a granule the pool counts as committed were left unmapped
+    for (void *x : {b, c, d}) CHECK_OK(llmmem_pool_free(p, x, nullptr));
+    CHECK_OK(llmmem_pool_destroy(p));
+    CHECK(F.physical == 0 && F.ranges.empty() && F.handles_live == 0 && F.misuse == 0);
   }
 
   TEST("seeded random sequences: data intact, mapped memory = reserved, all given back") {

@@ -56,12 +56,15 @@ typedef struct llmmem_pool_backend_s {
    * behind it, physical memory committed or given back). LLMMEM_ERR_NOMEM when the region cannot
    * grow there; the pool then reserves a new region. A shrink gives the tail's memory back. With
    * it the pool grows one contiguous region by what a request lacks (like PyTorch's expandable
-   * segments), so free space never strands at the ends of separate segments. */
+   * segments), so free space never strands at the ends of separate segments. All or nothing: a
+   * failed resize leaves the region as it was (the pool keeps using its old size). */
   llmmem_status_t (*resize)(void *ctx, void *ptr, size_t old_bytes, size_t new_bytes);
   /* Optional, both or neither (needs resize): give back the memory under `bytes` at `ptr` inside a
    * region while keeping the addresses (decommit), and make it usable again (commit). The pool
    * decommits whole 2 MiB pages inside free holes when it must grow, so memory a hole holds is
-   * not counted twice; it commits them again when a block over them is handed out. */
+   * not counted twice; it commits them again when a block over them is handed out. Both all or
+   * nothing: after a failed decommit every byte of the range is still usable (the pool counts it
+   * as committed and may hand it out), after a failed commit none of it needs to be. */
   llmmem_status_t (*decommit)(void *ctx, void *ptr, size_t bytes);
   llmmem_status_t (*commit)(void *ctx, void *ptr, size_t bytes);
 } llmmem_pool_backend_t;
