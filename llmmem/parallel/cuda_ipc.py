@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from llmmem._devices import cuda_index
 from llmmem._native import available, native
 from llmmem.parallel.shm import DTYPE_CODES, SetupError, agree_or_raise, fail_setup, host_identity
 
@@ -46,9 +47,7 @@ class CudaIpcCommunicator:
             error = f"group of {world} ranks is larger than 8"
         else:
             try:
-                handle, ipc = native.cuda_ar_create(device.index if device.index is not None
-                                                    else torch.cuda.current_device(), rank, world, max_bytes,
-                                                    float(timeout))
+                handle, ipc = native.cuda_ar_create(cuda_index(device), rank, world, max_bytes, float(timeout))
             except Exception as exc:  # noqa: BLE001
                 error = f"rank {rank}: {exc}"
         info = [None] * world
