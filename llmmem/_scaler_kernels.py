@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from llmmem._devices import cuda_index as _cuda_index
 from llmmem._native import available, native
 
 # dtype -> code of llmmem_scaler_dtype_t (csrc/include/llmmem/scaler.h)
@@ -121,11 +122,6 @@ def _self_check(device: torch.device) -> Optional[str]:
     from llmmem._scaler_selfcheck import self_check  # imports this module: loaded on first use
 
     return self_check(device)
-
-
-def _cuda_index(device: torch.device) -> int:
-    """The GPU index of a CUDA ``device``; ``"cuda"`` without one means the current GPU."""
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _kernel_unsupported_reason(device: torch.device) -> Optional[str]:

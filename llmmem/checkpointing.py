@@ -41,6 +41,7 @@ import torch.utils.checkpoint as _torch_ckpt
 from torch.utils import _pytree as pytree
 
 from llmmem import selective as _selective
+from llmmem._devices import cuda_index
 from llmmem.errors import LlmmemError
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError", "noop_context_fn", "feature_status"]
@@ -417,8 +418,7 @@ class _RngState:
         self.cuda_devices: list[int] = []
         self.cuda_states: list[torch.Tensor] = []
         if self.cuda_was_initialized:
-            devs = {t.device.index if t.device.index is not None else torch.cuda.current_device()
-                    for t in tensors if t.device.type == "cuda"}
+            devs = {cuda_index(t.device) for t in tensors if t.device.type == "cuda"}
             devs.add(torch.cuda.current_device())
             self.cuda_devices = sorted(devs)
             self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]

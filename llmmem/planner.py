@@ -341,11 +341,17 @@ def profile_blocks(blocks, sample_input, *, modes: Sequence[str] = MODES, repeat
         xi = x.clone().requires_grad_(x.is_floating_point())
         fwd, nostore, bwd, saved, ftmp, btmp, kept_out = _profile_one(blocks[0], xi, modes, repeats, warmup, device)
         n = len(blocks)
-        prof.fwd_time, prof.fwd_nostore_time, prof.bwd_time = [fwd] * n, [nostore] * n, [bwd] * n
-        prof.saved_bytes, prof.fwd_tmp_bytes, prof.bwd_tmp_bytes = [saved] * n, [ftmp] * n, [btmp] * n
+
+        def per_block(row: list) -> list:
+            # a list of its own per block, not n references to one: editing one block's costs in
+            # the returned profile must not change the others'
+            return [list(row) for _ in range(n)]
+
+        prof.fwd_time, prof.fwd_nostore_time, prof.bwd_time = per_block(fwd), [nostore] * n, per_block(bwd)
+        prof.saved_bytes, prof.fwd_tmp_bytes, prof.bwd_tmp_bytes = per_block(saved), [ftmp] * n, per_block(btmp)
         prof.saved_bytes[-1] = [s + o for s, o in zip(saved, kept_out)]
         prof.input_bytes = [prof.input_bytes[0]] * (n + 1)
-        prof.output_kept = [[int(o > 0) for o in kept_out]] * n
+        prof.output_kept = per_block([int(o > 0) for o in kept_out])
         return prof
     for i, block in enumerate(blocks):
         xi = x.clone().requires_grad_(x.is_floating_point())

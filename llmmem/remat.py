@@ -81,10 +81,8 @@ def _operand_ok(node, i: int) -> bool:
     return _name(maker) in _RESULT_SAVED
 
 
-def _rebuildable(node) -> bool:
-    name = _name(node) if node is not None else ""
-    if name not in REBUILDABLE:
-        return False
+def _operands_available(node, name: str) -> bool:
+    """Can every operand of ``node``, a REBUILDABLE node named ``name``, be had at backward time?"""
     return all(_operand_ok(node, i) for i in range(len(_OPERAND_FIELDS[name])))
 
 
@@ -210,7 +208,7 @@ class _Hooks:
         node = base.grad_fn if base is not None else None
         # (the name test first: it rejects most saved tensors, and this runs once per saved tensor)
         name = type(node).__name__ if node is not None else ""
-        if name in REBUILDABLE and self._droppable(base) and _rebuildable(node):
+        if name in REBUILDABLE and self._droppable(base) and _operands_available(node, name):
             return _Handle(node, self.memo, base, t)
         if name == "NativeLayerNormBackward0" and self.ln_outputs and self._droppable(base):
             hit = self.ln_outputs.get(id(base))

@@ -45,6 +45,9 @@
 #include <llmmem/comm.h>
 
 #include "cuda_check.h"
+#include "cuda_device_guard.h"
+
+using llmmem_cuda::device_guard;
 
 #define AR_MAX_WORLD 8
 #define AR_MAX_BLOCKS 32
@@ -281,17 +284,6 @@ __global__ void two_shot_all_reduce_kernel(ArCall c, T *out) {
   }
 }
 
-/* Runs `body` with `device` current, restoring the caller's device afterwards. */
-#define WITH_DEVICE(dev, body)                        \
-  do {                                                \
-    int prev_ = -1;                                   \
-    LLMMEM_CUDA_TRY(cudaGetDevice(&prev_));           \
-    if (prev_ != (dev)) LLMMEM_CUDA_TRY(cudaSetDevice(dev)); \
-    llmmem_status_t st_ = (body);                     \
-    if (prev_ != (dev)) (void)cudaSetDevice(prev_);   \
-    return st_;                                       \
-  } while (0)
-
 static llmmem_status_t create_on_device(llmmem_cuda_ar_t *ar, void *handle_out) {
   size_t total = AR_FLAG_BYTES + 2 * ar->max_bytes;
   LLMMEM_CUDA_TRY(cudaMalloc((void **)&ar->local, total));
@@ -309,8 +301,7 @@ static llmmem_status_t create_on_device(llmmem_cuda_ar_t *ar, void *handle_out) 
 }
 
 static void release(llmmem_cuda_ar_t *ar) {
-  int prev = -1;
-  if (cudaGetDevice(&prev) == cudaSuccess && prev != ar->device) (void)cudaSetDevice(ar->device);
+  device_guard guard(ar->device); /* best effort: the frees below run whatever its outcome */
   /* Kernels of ours may still be queued on a stream, reading the peers' buffers through the
    * mappings closed below (cudaIpcCloseMemHandle does not wait for them): wait first. Bounded:
    * a kernel waiting for a peer gives up after the timeout. */
@@ -320,7 +311,6 @@ static void release(llmmem_cuda_ar_t *ar) {
   if (ar->local) (void)cudaFree(ar->local);
   if (ar->error_host) (void)cudaFreeHost((void *)ar->error_host);
   (void)cudaGetLastError();
-  if (prev >= 0 && prev != ar->device) (void)cudaSetDevice(prev);
   delete ar;
 }
 
@@ -345,17 +335,14 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_create(int device, int rank
   ar->world = world_size;
   ar->max_bytes = max_bytes;
   ar->timeout_s = timeout_s;
-  int prev = -1;
-  cudaError_t e = cudaGetDevice(&prev);
-  if (e == cudaSuccess && prev != device) e = cudaSetDevice(device);
-  if (e != cudaSuccess) {
+  device_guard guard(device); /* the caller's device is current again on every return below */
+  if (guard.err != cudaSuccess) {
     (void)cudaGetLastError();
     delete ar;
-    return LLMMEM_FAIL(_llmmem_cuda_is_no_device(e) ? LLMMEM_ERR_NO_DEVICE : LLMMEM_ERR_CUDA,
-                       "llmmem_cuda_ar_create: cannot use device %d: %s", device, cudaGetErrorString(e));
+    return LLMMEM_FAIL(_llmmem_cuda_is_no_device(guard.err) ? LLMMEM_ERR_NO_DEVICE : LLMMEM_ERR_CUDA,
+                       "llmmem_cuda_ar_create: cannot use device %d: %s", device, cudaGetErrorString(guard.err));
   }
   llmmem_status_t st = create_on_device(ar, handle_out);
-  if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
   if (st != LLMMEM_OK) {
     release(ar);
     return st;
@@ -379,7 +366,9 @@ static llmmem_status_t connect_on_device(llmmem_cuda_ar_t *ar, const void *handl
 extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_connect(llmmem_cuda_ar_t *ar, const void *handles) {
   LLMMEM_CHECK_ARG(ar != NULL && handles != NULL, "llmmem_cuda_ar_connect: ar and handles must not be NULL");
   LLMMEM_CHECK_ARG(!ar->connected, "llmmem_cuda_ar_connect: already connected");
-  WITH_DEVICE(ar->device, connect_on_device(ar, handles));
+  device_guard guard(ar->device);
+  LLMMEM_CUDA_TRY(guard.err);
+  return connect_on_device(ar, handles);
 }
 
 extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_close(llmmem_cuda_ar_t *ar) {
@@ -395,7 +384,9 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_cuda_ar_all_reduce(llmmem_cuda_ar_t
                                                                 size_t count, llmmem_comm_dtype_t dtype,
                                                                 void *stream) {
   LLMMEM_CHECK_ARG(ar != NULL, "llmmem_cuda_ar_all_reduce: ar must not be NULL");
-  WITH_DEVICE(ar->device, all_reduce_on_device(ar, in, out, count, dtype, stream));
+  device_guard guard(ar->device);
+  LLMMEM_CUDA_TRY(guard.err);
+  return all_reduce_on_device(ar, in, out, count, dtype, stream);
 }
 
 /* The recorded failure of this rank's kernels as an error naming the collective (LLMMEM_OK if none). */

@@ -32,10 +32,17 @@ static void close_comm(void *comm, int is_shm) {
   else (void)llmmem_cuda_ar_close(comm);
 }
 
+/* Closes the holder's communicator now (a pending close is then done). */
+static void close_now(holder_t *h) {
+  close_comm(h->comm, h->is_shm);
+  h->comm = NULL;
+  h->close_pending = 0;
+}
+
 static void free_holder(PyObject *cap, int is_shm) {
   holder_t *h = PyCapsule_GetPointer(cap, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE);
   if (!h) return;
-  close_comm(h->comm, is_shm);
+  close_now(h);
   PyMem_Free(h);
 }
 
@@ -57,11 +64,7 @@ static holder_t *live(PyObject *cap, const char *kind) {
 /* Ends a blocking call counted in h->busy (GIL held): the last one to leave performs a close that
  * was asked for meanwhile. */
 static void leave_busy(holder_t *h) {
-  if (--h->busy == 0 && h->close_pending) {
-    close_comm(h->comm, h->is_shm);
-    h->comm = NULL;
-    h->close_pending = 0;
-  }
+  if (--h->busy == 0 && h->close_pending) close_now(h);
 }
 
 /* The capsule owning `comm`; on failure `comm` is closed and NULL returned with an exception set. */
@@ -89,12 +92,8 @@ static PyObject *wrap(void *comm, int is_shm) {
 static PyObject *close_capsule(PyObject *cap, int is_shm) {
   holder_t *h = PyCapsule_GetPointer(cap, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE);
   if (!h) return NULL;
-  if (h->busy) {
-    h->close_pending = 1;
-    Py_RETURN_NONE;
-  }
-  close_comm(h->comm, is_shm);
-  h->comm = NULL;
+  if (h->busy) h->close_pending = 1;
+  else close_now(h);
   Py_RETURN_NONE;
 }
 

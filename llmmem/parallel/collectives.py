@@ -168,11 +168,11 @@ def _shm_for(dtype: torch.dtype, nbytes: int, group):
 
 def _cuda_for(tensor: torch.Tensor, group):
     """The CUDA IPC all-reduce engine for this call, or None to use torch.distributed."""
-    if not tensor.is_cuda or tensor.dtype not in _SUPPORTED:
+    # (the engine is opt-in: when it is off, that is the first and only test)
+    if not _engines_on["cuda_ipc"] or not tensor.is_cuda or tensor.dtype not in _SUPPORTED:
         return None
-    if tensor.numel() * tensor.element_size() > _thresholds["cuda_ipc_max_bytes"]:
-        return None
-    if not _engines_on["cuda_ipc"]:
+    nbytes = tensor.nbytes
+    if nbytes > _thresholds["cuda_ipc_max_bytes"]:
         return None
     if torch.cuda.is_current_stream_capturing():
         return None  # the IPC kernel's epochs are host-side: a replayed graph would reuse a stale one
@@ -186,7 +186,7 @@ def _cuda_for(tensor: torch.Tensor, group):
             _warn_fallback("CUDA IPC all-reduce", exc)
             _cuda_comms[key] = None
     comm = _cuda_comms[key]
-    if comm is not None and tensor.numel() * tensor.element_size() > comm.max_bytes:
+    if comm is not None and nbytes > comm.max_bytes:
         return None
     return comm
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from llmmem._devices import cuda_index
 from llmmem._native import available, native
-from llmmem.parallel.shm import DTYPE_CODES, SetupError, agree_or_raise, host_identity
+from llmmem.parallel.shm import DTYPE_CODES, SetupError, agree_or_raise, fail_setup, host_identity
 
 __all__ = ["CudaIpcCommunicator", "SetupError"]
 
@@ -46,9 +47,7 @@ class CudaIpcCommunicator:
             error = f"group of {world} ranks is larger than 8"
         else:
             try:
-                handle, ipc = native.cuda_ar_create(device.index if device.index is not None
-                                                    else torch.cuda.current_device(), rank, world, max_bytes,
-                                                    float(timeout))
+                handle, ipc = native.cuda_ar_create(cuda_index(device), rank, world, max_bytes, float(timeout))
             except Exception as exc:  # noqa: BLE001
                 error = f"rank {rank}: {exc}"
         info = [None] * world
@@ -56,16 +55,13 @@ class CudaIpcCommunicator:
         failures = [e for _, _, e in info if e]
         if len({h for h, _, _ in info}) != 1:
             failures.append("the group spans several hosts")
-        if not failures:
-            try:
-                native.cuda_ar_connect(handle, b"".join(h for _, h, _ in info))
-            except Exception as exc:  # noqa: BLE001
-                error = f"rank {rank}: {exc}"
-            agree_or_raise(error, world, group, handle, native.cuda_ar_close)
-        else:
-            if handle is not None:
-                native.cuda_ar_close(handle)
-            raise SetupError("; ".join(failures))
+        if failures:
+            fail_setup(failures, handle, native.cuda_ar_close)
+        try:
+            native.cuda_ar_connect(handle, b"".join(h for _, h, _ in info))
+        except Exception as exc:  # noqa: BLE001
+            error = f"rank {rank}: {exc}"
+        agree_or_raise(error, world, group, handle, native.cuda_ar_close)
         return cls(handle, rank, world, max_bytes, device)
 
     def set_timeout(self, seconds: float) -> None:

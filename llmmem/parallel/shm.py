@@ -35,9 +35,15 @@ def agree_or_raise(error, world: int, group, handle, close) -> None:
     dist.all_gather_object(outcomes, error, group=group)
     failures = [e for e in outcomes if e]
     if failures:
-        if handle is not None:
-            close(handle)
-        raise SetupError("; ".join(failures))
+        fail_setup(failures, handle, close)
+
+
+def fail_setup(failures: list, handle, close) -> None:
+    """Closes ``handle`` (if any) with ``close`` and raises SetupError naming every failure (the
+    outcome every rank has learnt, so that they fall back together)."""
+    if handle is not None:
+        close(handle)
+    raise SetupError("; ".join(failures))
 
 
 def host_identity() -> str:
