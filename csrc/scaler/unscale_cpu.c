@@ -33,7 +33,6 @@
  * own. Measured (2-core x86 VM, lists of 1K-element fp32 tensors, unscale with write): 1 thread
  * wins up to 4 MiB in all, 2 threads from 6 MiB (8 MiB: 1.2-1.5x faster). */
 #define MIN_BYTES_PER_THREAD ((size_t)3 << 20)
-#define MAX_THREADS 64
 
 /* ---------------------------------------------------------------- loops, per instruction set */
 
@@ -241,7 +240,6 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   size_t nt = num_threads > 0 && (size_t)num_threads < cpus ? (size_t)num_threads : cpus;
   size_t by_size = total / MIN_BYTES_PER_THREAD;
   if (nt > by_size) nt = by_size;
-  if (nt > MAX_THREADS) nt = MAX_THREADS;
   if (nt < 1) nt = 1;
 
   /* The threads claim the list in order, piece by piece (unscale_pipe.c), rather than each taking a
