@@ -248,23 +248,20 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
    * can lose its CPU for a while: one thread then waits for the other. Claimed in pieces, they
    * finish together. GPT-2-small list (148 tensors, 498 MB, 2-vCPU VM), gradients rewritten in
    * backward order before each call: 0.93-1.06x torch with fixed shares, 0.99-1.14x claimed. */
+  size_t done = 0; /* tensors [0, done) went through the pipe */
   llmmem_scaler_pipe_t *pipe = NULL;
-  if (nt == 1 || llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags, (int)nt - 1,
-                                          &pipe) != LLMMEM_OK) { /* no memory for the pipe: all on this thread */
-    _llmmem_scaler_pos_t from = {0, 0}, to = {count - 1, tensors[count - 1].numel};
-    if (_llmmem_scaler_run_span(tensors, from, to, inv, inv != 1.0f, tensor_flags, _llmmem_scaler_pick_range_fn()))
-      *found_inf = 1.0f;
-    return LLMMEM_OK;
+  if (nt > 1 && llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags, (int)nt - 1,
+                                         &pipe) == LLMMEM_OK) {
+    llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, count, &done);
+    llmmem_status_t st_finish = llmmem_scaler_pipe_finish(pipe, found_inf);
+    LLMMEM_TRY(st);
+    LLMMEM_TRY(st_finish);
   }
-  size_t published = 0;
-  llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, count, &published);
-  llmmem_status_t st_finish = llmmem_scaler_pipe_finish(pipe, found_inf);
-  LLMMEM_TRY(st);
-  LLMMEM_TRY(st_finish);
-  if (published < count) {
-    /* tensor `published` repeats an earlier one's memory: the pipe took the list up to it and has
-     * finished; the rest runs here in order, so every listing is unscaled, one after the other */
-    _llmmem_scaler_pos_t from = {published, 0}, to = {count - 1, tensors[count - 1].numel};
+  if (done < count) {
+    /* On this thread, in order: the whole list (one thread, or no memory for the pipe), or what
+     * follows tensor `done`, which repeats an earlier one's memory: the pipe took the list up to
+     * it and has finished, so every listing is unscaled, one after the other. */
+    _llmmem_scaler_pos_t from = {done, 0}, to = {count - 1, tensors[count - 1].numel};
     if (_llmmem_scaler_run_span(tensors, from, to, inv, inv != 1.0f, tensor_flags, _llmmem_scaler_pick_range_fn()))
       *found_inf = 1.0f;
   }
