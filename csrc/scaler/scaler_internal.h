@@ -34,6 +34,11 @@ typedef struct {
 int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
                             float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run);
 
+/* unscale_pipe.c: llmmem_scaler_pipe_publish without its argument checks, for a caller that has
+ * checked the pipe's tensors [0, count) itself (llmmem_scaler_unscale_check) against the
+ * tensor_flags and n_flags it started the pipe with; count >= what is published already. */
+void _llmmem_scaler_pipe_publish_checked(llmmem_scaler_pipe_t *p, size_t count, size_t *published);
+
 /* unscale_cpu.c: the multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or
  * the given inverse. */
 llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);

@@ -252,10 +252,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   llmmem_scaler_pipe_t *pipe = NULL;
   if (nt > 1 && llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags, (int)nt - 1,
                                          &pipe) == LLMMEM_OK) {
-    llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, count, &done);
-    llmmem_status_t st_finish = llmmem_scaler_pipe_finish(pipe, found_inf);
-    LLMMEM_TRY(st);
-    LLMMEM_TRY(st_finish);
+    _llmmem_scaler_pipe_publish_checked(pipe, count, &done); /* the tensors were checked above */
+    LLMMEM_TRY(llmmem_scaler_pipe_finish(pipe, found_inf));
   }
   if (done < count) {
     /* On this thread, in order: the whole list (one thread, or no memory for the pipe), or what
