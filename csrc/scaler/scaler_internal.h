@@ -47,19 +47,6 @@ llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inve
  * the online CPUs), at least 1. */
 int _llmmem_scaler_online_cpus(void);
 
-#ifndef __CUDACC__
-/* Asks for the first bytes of a tensor while the one before it is unscaled. Small gradients lie
- * scattered over the heap; each new one would otherwise start with a TLB miss and a stream the
- * hardware prefetcher has not picked up yet. Measured on the 4000-small-tensor list, one thread:
- * 8.9-9.5 ms without, 8.1-8.6 ms with 4 or 8 lines; prefetching two tensors ahead or each next
- * 4 KiB page as well gained nothing more. */
-static inline void _llmmem_scaler_prefetch_start(const llmmem_scaler_tensor_t *t) {
-  const char *p = (const char *)t->data;
-  size_t bytes = (size_t)t->numel * llmmem_scaler_dtype_size(t->dtype);
-  for (size_t off = 0; off < 8 * 64 && off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
-}
-#endif
-
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */
 int _llmmem_scaler_force_isa(int isa);

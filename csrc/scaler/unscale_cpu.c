@@ -198,6 +198,17 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_t
 
 /* ---------------------------------------------------------------- threaded fast path */
 
+/* Asks for the first bytes of a tensor while the one before it is unscaled. Small gradients lie
+ * scattered over the heap; each new one would otherwise start with a TLB miss and a stream the
+ * hardware prefetcher has not picked up yet. Measured on the 4000-small-tensor list, one thread:
+ * 8.9-9.5 ms without, 8.1-8.6 ms with 4 or 8 lines; prefetching two tensors ahead or each next
+ * 4 KiB page as well gained nothing more. */
+static inline void prefetch_start(const llmmem_scaler_tensor_t *t) {
+  const char *p = (const char *)t->data;
+  size_t bytes = (size_t)t->numel * llmmem_scaler_dtype_size(t->dtype);
+  for (size_t off = 0; off < 8 * 64 && off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
+}
+
 int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
                             float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run) {
   int found = 0;
@@ -205,7 +216,7 @@ int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scale
     const llmmem_scaler_tensor_t *t = &tensors[i];
     int64_t lo = i == from.tensor ? from.offset : 0;
     int64_t hi = i == to.tensor ? to.offset : t->numel;
-    if (i + 1 < to.tensor) _llmmem_scaler_prefetch_start(&tensors[i + 1]);
+    if (i + 1 < to.tensor) prefetch_start(&tensors[i + 1]);
     if (hi > lo && run(t, lo, hi - lo, inv, write)) {
       found = 1;
       if (flags) __atomic_store_n(&flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
