@@ -67,8 +67,6 @@
 #undef LOOP_F16C
 #endif
 
-typedef _llmmem_scaler_range_fn run_range_fn;
-
 /* -1: pick by CPU; else the ISA level the tests force (see _llmmem_scaler_force_isa). */
 static int forced_isa = -1;
 
@@ -77,7 +75,7 @@ int _llmmem_scaler_force_isa(int isa) {
   return _llmmem_cpu_isa_pick(isa);
 }
 
-run_range_fn _llmmem_scaler_pick_range_fn(void) {
+_llmmem_scaler_range_fn _llmmem_scaler_pick_range_fn(void) {
   int isa = _llmmem_cpu_isa_pick(forced_isa);
 #if LLMMEM_HAVE_X86_DISPATCH
   if (isa == 2) return run_range_avx512;
