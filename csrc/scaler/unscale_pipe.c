@@ -14,7 +14,6 @@
  *
  * What it does not do: strided tensors, or any allocation besides the pipe and thread stacks.
  */
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
