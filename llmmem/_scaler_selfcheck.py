@@ -70,16 +70,21 @@ def _expected(orig: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return (orig.float() * inv).to(orig.dtype)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A device bool: bitwise equal, or NaN at the same places (NaN payloads of conversions differ)."""
+def _agree(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: bitwise equal, or NaN in both (NaN payloads of conversions differ)."""
     ints = _INTS[a.element_size()]
-    return ((a.view(ints) == b.view(ints)) | (torch.isnan(a) & torch.isnan(b))).all()
+    return (a.view(ints) == b.view(ints)) | (torch.isnan(a) & torch.isnan(b))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A device bool: every element agrees (see :func:`_agree`)."""
+    return _agree(a, b).all()
 
 
 def _first_difference(label: str, got: torch.Tensor, want: torch.Tensor) -> str:
     got, want = got.cpu(), want.cpu()
     ints = _INTS[got.element_size()]
-    bad = ~((got.view(ints) == want.view(ints)) | (torch.isnan(got) & torch.isnan(want)))
+    bad = ~_agree(got, want)
     i = int(bad.nonzero()[0, 0])
     width = 2 * got.element_size()
     g_bits, w_bits = int(got.view(ints)[i]) & ((1 << 4 * width) - 1), int(want.view(ints)[i]) & ((1 << 4 * width) - 1)

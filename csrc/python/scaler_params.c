@@ -139,7 +139,7 @@ static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_
   out->dtype = code;
   if (PyErr_Occurred() || size < 0 || size % es) goto done;
   if (out->numel == 0) out->data = NULL; /* nothing to touch; its address need not be aligned */
-  else if (!out->data || (uintptr_t)out->data % llmmem_scaler_dtype_size(code)) goto done;
+  else if (!out->data || (uintptr_t)out->data % (uintptr_t)es) goto done;
   plain = 1;
 done:
   Py_XDECREF(dtype);

@@ -34,6 +34,11 @@ typedef struct {
 int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
                             float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run);
 
+/* unscale_pipe.c: llmmem_scaler_pipe_publish without its argument checks, for a caller that has
+ * checked the pipe's tensors [0, count) itself (llmmem_scaler_unscale_check) against the
+ * tensor_flags and n_flags it started the pipe with; count >= what is published already. */
+void _llmmem_scaler_pipe_publish_checked(llmmem_scaler_pipe_t *p, size_t count, size_t *published);
+
 /* unscale_cpu.c: the multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or
  * the given inverse. */
 llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);
@@ -41,19 +46,6 @@ llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inve
 /* unscale_cpu.c: the CPUs this process may run on (its affinity mask where the OS has one, else
  * the online CPUs), at least 1. */
 int _llmmem_scaler_online_cpus(void);
-
-#ifndef __CUDACC__
-/* Asks for the first bytes of a tensor while the one before it is unscaled. Small gradients lie
- * scattered over the heap; each new one would otherwise start with a TLB miss and a stream the
- * hardware prefetcher has not picked up yet. Measured on the 4000-small-tensor list, one thread:
- * 8.9-9.5 ms without, 8.1-8.6 ms with 4 or 8 lines; prefetching two tensors ahead or each next
- * 4 KiB page as well gained nothing more. */
-static inline void _llmmem_scaler_prefetch_start(const llmmem_scaler_tensor_t *t) {
-  const char *p = (const char *)t->data;
-  size_t bytes = (size_t)t->numel * llmmem_scaler_dtype_size(t->dtype);
-  for (size_t off = 0; off < 8 * 64 && off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
-}
-#endif
 
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */

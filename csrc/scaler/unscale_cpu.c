@@ -33,7 +33,6 @@
  * own. Measured (2-core x86 VM, lists of 1K-element fp32 tensors, unscale with write): 1 thread
  * wins up to 4 MiB in all, 2 threads from 6 MiB (8 MiB: 1.2-1.5x faster). */
 #define MIN_BYTES_PER_THREAD ((size_t)3 << 20)
-#define MAX_THREADS 64
 
 /* ---------------------------------------------------------------- loops, per instruction set */
 
@@ -68,8 +67,6 @@
 #undef LOOP_F16C
 #endif
 
-typedef _llmmem_scaler_range_fn run_range_fn;
-
 /* -1: pick by CPU; else the ISA level the tests force (see _llmmem_scaler_force_isa). */
 static int forced_isa = -1;
 
@@ -78,7 +75,7 @@ int _llmmem_scaler_force_isa(int isa) {
   return _llmmem_cpu_isa_pick(isa);
 }
 
-run_range_fn _llmmem_scaler_pick_range_fn(void) {
+_llmmem_scaler_range_fn _llmmem_scaler_pick_range_fn(void) {
   int isa = _llmmem_cpu_isa_pick(forced_isa);
 #if LLMMEM_HAVE_X86_DISPATCH
   if (isa == 2) return run_range_avx512;
@@ -199,6 +196,17 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_t
 
 /* ---------------------------------------------------------------- threaded fast path */
 
+/* Asks for the first bytes of a tensor while the one before it is unscaled. Small gradients lie
+ * scattered over the heap; each new one would otherwise start with a TLB miss and a stream the
+ * hardware prefetcher has not picked up yet. Measured on the 4000-small-tensor list, one thread:
+ * 8.9-9.5 ms without, 8.1-8.6 ms with 4 or 8 lines; prefetching two tensors ahead or each next
+ * 4 KiB page as well gained nothing more. */
+static inline void prefetch_start(const llmmem_scaler_tensor_t *t) {
+  const char *p = (const char *)t->data;
+  size_t bytes = (size_t)t->numel * llmmem_scaler_dtype_size(t->dtype);
+  for (size_t off = 0; off < 8 * 64 && off < bytes; off += 64) __builtin_prefetch(p + off, 1, 3);
+}
+
 int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
                             float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run) {
   int found = 0;
@@ -206,7 +214,7 @@ int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scale
     const llmmem_scaler_tensor_t *t = &tensors[i];
     int64_t lo = i == from.tensor ? from.offset : 0;
     int64_t hi = i == to.tensor ? to.offset : t->numel;
-    if (i + 1 < to.tensor) _llmmem_scaler_prefetch_start(&tensors[i + 1]);
+    if (i + 1 < to.tensor) prefetch_start(&tensors[i + 1]);
     if (hi > lo && run(t, lo, hi - lo, inv, write)) {
       found = 1;
       if (flags) __atomic_store_n(&flags[t->flag], (uint8_t)1, __ATOMIC_RELAXED);
@@ -241,7 +249,6 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   size_t nt = num_threads > 0 && (size_t)num_threads < cpus ? (size_t)num_threads : cpus;
   size_t by_size = total / MIN_BYTES_PER_THREAD;
   if (nt > by_size) nt = by_size;
-  if (nt > MAX_THREADS) nt = MAX_THREADS;
   if (nt < 1) nt = 1;
 
   /* The threads claim the list in order, piece by piece (unscale_pipe.c), rather than each taking a
@@ -250,23 +257,18 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
    * can lose its CPU for a while: one thread then waits for the other. Claimed in pieces, they
    * finish together. GPT-2-small list (148 tensors, 498 MB, 2-vCPU VM), gradients rewritten in
    * backward order before each call: 0.93-1.06x torch with fixed shares, 0.99-1.14x claimed. */
+  size_t done = 0; /* tensors [0, done) went through the pipe */
   llmmem_scaler_pipe_t *pipe = NULL;
-  if (nt == 1 || llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags, (int)nt - 1,
-                                          &pipe) != LLMMEM_OK) { /* no memory for the pipe: all on this thread */
-    _llmmem_scaler_pos_t from = {0, 0}, to = {count - 1, tensors[count - 1].numel};
-    if (_llmmem_scaler_run_span(tensors, from, to, inv, inv != 1.0f, tensor_flags, _llmmem_scaler_pick_range_fn()))
-      *found_inf = 1.0f;
-    return LLMMEM_OK;
+  if (nt > 1 && llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags, (int)nt - 1,
+                                         &pipe) == LLMMEM_OK) {
+    _llmmem_scaler_pipe_publish_checked(pipe, count, &done); /* the tensors were checked above */
+    LLMMEM_TRY(llmmem_scaler_pipe_finish(pipe, found_inf));
   }
-  size_t published = 0;
-  llmmem_status_t st = llmmem_scaler_pipe_publish(pipe, count, &published);
-  llmmem_status_t st_finish = llmmem_scaler_pipe_finish(pipe, found_inf);
-  LLMMEM_TRY(st);
-  LLMMEM_TRY(st_finish);
-  if (published < count) {
-    /* tensor `published` repeats an earlier one's memory: the pipe took the list up to it and has
-     * finished; the rest runs here in order, so every listing is unscaled, one after the other */
-    _llmmem_scaler_pos_t from = {published, 0}, to = {count - 1, tensors[count - 1].numel};
+  if (done < count) {
+    /* On this thread, in order: the whole list (one thread, or no memory for the pipe), or what
+     * follows tensor `done`, which repeats an earlier one's memory: the pipe took the list up to
+     * it and has finished, so every listing is unscaled, one after the other. */
+    _llmmem_scaler_pos_t from = {done, 0}, to = {count - 1, tensors[count - 1].numel};
     if (_llmmem_scaler_run_span(tensors, from, to, inv, inv != 1.0f, tensor_flags, _llmmem_scaler_pick_range_fn()))
       *found_inf = 1.0f;
   }

@@ -14,7 +14,6 @@
  *
  * What it does not do: strided tensors, or any allocation besides the pipe and thread stacks.
  */
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -180,20 +179,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t
   return LLMMEM_OK;
 }
 
-LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, size_t count, size_t *published) {
-  LLMMEM_CHECK_ARG(p != NULL, "llmmem_scaler_pipe_publish: pipe must not be NULL");
-  /* Only the publishing thread changes `published`, so reading it unlocked here is exact. */
-  size_t have = p->published;
-  if (published) *published = have;
-  LLMMEM_CHECK_ARG(!p->closed, "llmmem_scaler_pipe_publish: the pipe is finished");
-  LLMMEM_CHECK_ARG(count >= have && count <= p->capacity,
-                   "llmmem_scaler_pipe_publish: count %zu must be in [%zu, capacity %zu]", count, have, p->capacity);
-  if (count == have) return LLMMEM_OK;
-  float unused = 0.0f;
-  size_t checked_bytes;
-  LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_pipe_publish", p->tensors + have, count - have, &unused,
-                                          p->flags, p->n_flags, &checked_bytes));
-  size_t upto = have, bytes = 0; /* up to a repeat, if any, and the bytes before it */
+void _llmmem_scaler_pipe_publish_checked(llmmem_scaler_pipe_t *p, size_t count, size_t *published) {
+  size_t upto = p->published, bytes = 0; /* up to a repeat, if any, and the bytes before it */
   for (; upto < count && _llmmem_addr_set_add(&p->seen, p->tensors[upto].data); upto++)
     bytes += (size_t)p->tensors[upto].numel * llmmem_scaler_dtype_size(p->tensors[upto].dtype);
   pthread_mutex_lock(&p->lock);
@@ -208,6 +195,22 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, s
     }
     p->n_workers++;
   }
+}
+
+LLMMEM_API llmmem_status_t llmmem_scaler_pipe_publish(llmmem_scaler_pipe_t *p, size_t count, size_t *published) {
+  LLMMEM_CHECK_ARG(p != NULL, "llmmem_scaler_pipe_publish: pipe must not be NULL");
+  /* Only the publishing thread changes `published`, so reading it unlocked here is exact. */
+  size_t have = p->published;
+  if (published) *published = have;
+  LLMMEM_CHECK_ARG(!p->closed, "llmmem_scaler_pipe_publish: the pipe is finished");
+  LLMMEM_CHECK_ARG(count >= have && count <= p->capacity,
+                   "llmmem_scaler_pipe_publish: count %zu must be in [%zu, capacity %zu]", count, have, p->capacity);
+  if (count == have) return LLMMEM_OK;
+  float unused = 0.0f;
+  size_t checked_bytes;
+  LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_pipe_publish", p->tensors + have, count - have, &unused,
+                                          p->flags, p->n_flags, &checked_bytes));
+  _llmmem_scaler_pipe_publish_checked(p, count, published);
   return LLMMEM_OK;
 }
 
