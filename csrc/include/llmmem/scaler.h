@@ -88,6 +88,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
  *            already published is always completed (it may have begun).
  */
 typedef struct llmmem_scaler_pipe_s llmmem_scaler_pipe_t;
+/* start, publish and finish of one pipe must be called on one thread (its workers may be that
+ * thread's OpenMP team, which only it can wait for). */
 
 LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t *tensors, size_t capacity,
                                                     const float *scale, int scale_is_inverse, uint8_t *tensor_flags,
