@@ -47,10 +47,9 @@ llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inve
  * the online CPUs), at least 1. */
 int _llmmem_scaler_online_cpus(void);
 
-/* unscale_pipe.c: 1 when the workers run on the process's OpenMP team, 0 on threads of our own
- * (no OpenMP runtime in the process, or forced off). force_off: 1 forces own threads, 0 lifts
- * that, -1 leaves it (the tests' hook; no caller sets it otherwise). */
-int _llmmem_scaler_workers_openmp(int force_off);
+/* unscale_pipe.c: 1 when the pipe's workers run on the process's OpenMP team (its runtime is
+ * loaded), 0 on threads of our own. */
+int _llmmem_scaler_workers_openmp(void);
 
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */

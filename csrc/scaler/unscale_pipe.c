@@ -164,26 +164,25 @@ static struct {
   omp_start_fn start;
   omp_end_fn end;
 } omp;
-static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
-static int omp_forced_off;
+static int omp_found; /* set (release) once both are in `omp`; then never looked up again */
 
-static void find_omp(void) {
+/* Looked up until found, not once: llmmem's core may be loaded before torch, whose import loads
+ * the runtime. A miss costs a dlsym per threaded call, in processes without OpenMP only. */
+int _llmmem_scaler_workers_openmp(void) {
+  if (__atomic_load_n(&omp_found, __ATOMIC_ACQUIRE)) return 1;
   /* dlsym returns data pointers; POSIX guarantees they convert to function pointers */
   void *start_sym = dlsym(RTLD_DEFAULT, "GOMP_parallel_start"), *end_sym = dlsym(RTLD_DEFAULT, "GOMP_parallel_end");
-  omp_start_fn start;
-  omp_end_fn end;
-  memcpy(&start, &start_sym, sizeof start);
-  memcpy(&end, &end_sym, sizeof end);
-  if (start && end) {
-    omp.start = start;
-    omp.end = end;
-  }
+  if (!start_sym || !end_sym) return 0;
+  memcpy(&omp.start, &start_sym, sizeof omp.start); /* racing finders write the same values */
+  memcpy(&omp.end, &end_sym, sizeof omp.end);
+  __atomic_store_n(&omp_found, 1, __ATOMIC_RELEASE);
+  return 1;
 }
 
-int _llmmem_scaler_workers_openmp(int force_off) {
-  pthread_once(&omp_once, find_omp);
-  if (force_off >= 0) omp_forced_off = force_off;
-  return omp.start != NULL && !omp_forced_off;
+LLMMEM_API llmmem_status_t llmmem_scaler_cpu_workers(int *uses_openmp) {
+  LLMMEM_CHECK_ARG(uses_openmp != NULL, "llmmem_scaler_cpu_workers: uses_openmp must not be NULL");
+  *uses_openmp = _llmmem_scaler_workers_openmp();
+  return LLMMEM_OK;
 }
 
 static void omp_worker(void *arg) {
@@ -236,7 +235,7 @@ void _llmmem_scaler_pipe_publish_checked(llmmem_scaler_pipe_t *p, size_t count, 
   if (published) *published = upto;
   p->published_bytes += bytes;
   if (!p->omp_team && p->n_workers == 0 && p->want_workers > 0 && p->published_bytes >= START_BYTES &&
-      _llmmem_scaler_workers_openmp(-1)) {
+      _llmmem_scaler_workers_openmp()) {
     /* the whole team at once: threads cannot join a running team later */
     omp.start(omp_worker, p, (unsigned)p->want_workers + 1);
     p->omp_team = 1;
