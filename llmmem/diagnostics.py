@@ -17,7 +17,8 @@ from llmmem._native import available, load_error, native
 def _probe_native() -> dict:
     if not available():
         return {"loaded": False, "error": repr(load_error)}
-    info = {"loaded": True, "version": native.version(), "path": getattr(native, "__file__", "?")}
+    info = {"loaded": True, "version": native.version(), "path": getattr(native, "__file__", "?"),
+            "scaler_cpu_workers": native.scaler_cpu_workers()}
     info.update(native.build_info())
     try:
         info["driver_version"] = native.cuda_driver_version()
@@ -107,8 +108,8 @@ def _feature_status(module: str) -> tuple[bool, str]:
 
 def collect() -> dict:
     """All diagnostics as a dict (what ``info`` prints)."""
+    tor = _probe_torch()  # first: importing torch loads the OpenMP runtime the native probe reports on
     nat = _probe_native()
-    tor = _probe_torch()
     return {
         "llmmem": {"version": llmmem.__version__, "path": llmmem.__file__},
         "python": {"version": sys.version.split()[0], "platform": platform.platform()},
@@ -143,6 +144,9 @@ def info() -> str:
         else:
             lines.append(f"  CUDA driver    none ({nat.get('driver_error', '')})")
         lines.append(f"  GPUs (llmmem)  {nat['device_count']}" + (f"  ({nat['device_error']})" if nat.get("device_error") else ""))
+    if nat["loaded"]:
+        workers = {"openmp": "the OpenMP team (torch's threads)", "own": "threads of llmmem's own"}
+        lines.append(f"  CPU unscale    {workers[nat['scaler_cpu_workers']]}")
     if tor["imported"]:
         lines.append(f"  torch          {tor['version']} (built for CUDA {tor['cuda_version']})")
         lines.append(f"  torch CUDA     {yes[tor['cuda_available']]}" + "".join(f"\n                 {x}" for x in tor["devices"]))

@@ -38,6 +38,11 @@ def test_info_reports_build_and_runtime_truthfully():
     if not torch.cuda.is_available():
         assert "[ ] CUDA kernels" in out
     assert "[x] memory estimator" in out
+    # the CPU unscale's workers are torch's OpenMP team wherever torch runs on OpenMP
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert "CPU unscale    the OpenMP team (torch's threads)" in out
+    else:
+        assert "CPU unscale    " in out
 
 
 def test_info_json_is_parseable_and_matches():

@@ -211,7 +211,19 @@ static PyObject *py_inv_scale(PyObject *self, PyObject *arg) {
   return PyFloat_FromDouble((double)inv);
 }
 
+static PyObject *py_cpu_workers(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  int uses_openmp = 0;
+  llmmem_status_t st = llmmem_scaler_cpu_workers(&uses_openmp);
+  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  return PyUnicode_FromString(uses_openmp ? "openmp" : "own");
+}
+
 PyMethodDef llmmem_py_scaler_methods[] = {
+    {"scaler_cpu_workers", py_cpu_workers, METH_NOARGS,
+     "scaler_cpu_workers() -> 'openmp' | 'own': whether the CPU unscale's workers are the process's OpenMP team "
+     "(torch's) or threads of llmmem's own."},
     {"scaler_unscale_check", (PyCFunction)(void (*)(void))py_unscale_check, METH_VARARGS | METH_KEYWORDS,
      "scaler_unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
      "num_threads, "

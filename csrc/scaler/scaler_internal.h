@@ -47,6 +47,10 @@ llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inve
  * the online CPUs), at least 1. */
 int _llmmem_scaler_online_cpus(void);
 
+/* unscale_pipe.c: 1 when the pipe's workers run on the process's OpenMP team (its runtime is
+ * loaded), 0 on threads of our own. */
+int _llmmem_scaler_workers_openmp(void);
+
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */
 int _llmmem_scaler_force_isa(int isa);

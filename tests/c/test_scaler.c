@@ -15,7 +15,12 @@
 #include "internal.h"
 #include "testhelper.h"
 
+#ifdef LLMMEM_TEST_OPENMP
+#include <omp.h>
+#endif
+
 int _llmmem_scaler_force_isa(int isa); /* unscale_cpu.c test hook */
+int _llmmem_scaler_workers_openmp(void); /* unscale_pipe.c: 1 = the OpenMP team */
 
 static const int64_t SIZES[] = {0, 1, 7, 64, 65, 4097, 100003};
 #define N_SIZES (sizeof SIZES / sizeof SIZES[0])
@@ -160,6 +165,17 @@ static void *concurrent_worker(void *p) {
 
 int main(void) {
   unsigned long long rng = 12345;
+
+#ifdef LLMMEM_TEST_OPENMP
+  TEST("with an OpenMP runtime in the process the pipe's workers are its team") {
+    CHECK(omp_get_max_threads() >= 1); /* also keeps the runtime linked */
+    CHECK(_llmmem_scaler_workers_openmp() == 1);
+  }
+#else
+  TEST("without an OpenMP runtime the pipe's workers are threads of its own") {
+    CHECK(_llmmem_scaler_workers_openmp() == 0);
+  }
+#endif
 
   TEST("fp16 -> fp32 -> fp16 is the identity on every non-NaN pattern, NaN stays NaN") {
     int bad = 0;

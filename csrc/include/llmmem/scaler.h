@@ -88,6 +88,13 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
  *            already published is always completed (it may have begun).
  */
 typedef struct llmmem_scaler_pipe_s llmmem_scaler_pipe_t;
+/* start, publish and finish of one pipe must be called on one thread (its workers may be that
+ * thread's OpenMP team, which only it can wait for). */
+
+/* *uses_openmp = 1 when the CPU unscale's worker threads are the process's OpenMP team (an OpenMP
+ * runtime with the GNU entry points is loaded, as torch's libgomp is), 0 when they are threads of
+ * llmmem's own. */
+LLMMEM_API llmmem_status_t llmmem_scaler_cpu_workers(int *uses_openmp);
 
 LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t *tensors, size_t capacity,
                                                     const float *scale, int scale_is_inverse, uint8_t *tensor_flags,
