@@ -57,10 +57,12 @@ build/ctests/test_pool_vmm: tests/c/test_pool_vmm.cc csrc/pool/backend_cuda_vmm.
 
 c-tests: $(CTEST_BIN)
 
-# The scaler's tests again with an OpenMP runtime linked in, as in a torch process (see the file).
+# The scaler's tests again with an OpenMP runtime linked in, as in a torch process (see the file);
+# a compiler without OpenMP builds them plain.
+OPENMP_FLAG := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
 build/ctests/test_scaler_openmp: tests/c/test_scaler_openmp.c tests/c/test_scaler.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)
-	$(CC) $(CTEST_CFLAGS) -fopenmp -o $@ $< $(CORE_SRC) -lm
+	$(CC) $(CTEST_CFLAGS) $(OPENMP_FLAG) -o $@ $< $(CORE_SRC) -lm
 
 build/ctests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)

@@ -145,7 +145,7 @@ def info() -> str:
             lines.append(f"  CUDA driver    none ({nat.get('driver_error', '')})")
         lines.append(f"  GPUs (llmmem)  {nat['device_count']}" + (f"  ({nat['device_error']})" if nat.get("device_error") else ""))
     if nat["loaded"]:
-        workers = {"openmp": "the OpenMP team (torch's threads)", "own": "threads of llmmem's own"}
+        workers = {"openmp": "the process's OpenMP team (torch's threads)", "own": "threads of llmmem's own"}
         lines.append(f"  CPU unscale    {workers[nat['scaler_cpu_workers']]}")
     if tor["imported"]:
         lines.append(f"  torch          {tor['version']} (built for CUDA {tor['cuda_version']})")

@@ -222,8 +222,8 @@ static PyObject *py_cpu_workers(PyObject *self, PyObject *unused) {
 
 PyMethodDef llmmem_py_scaler_methods[] = {
     {"scaler_cpu_workers", py_cpu_workers, METH_NOARGS,
-     "scaler_cpu_workers() -> 'openmp' | 'own': whether the CPU unscale's workers are the process's OpenMP team "
-     "(torch's) or threads of llmmem's own."},
+     "scaler_cpu_workers() -> 'openmp' | 'own': whether the threaded CPU unscale, called now from this thread, "
+     "runs on the process's OpenMP team (torch's) or on threads of llmmem's own."},
     {"scaler_unscale_check", (PyCFunction)(void (*)(void))py_unscale_check, METH_VARARGS | METH_KEYWORDS,
      "scaler_unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
      "num_threads, "

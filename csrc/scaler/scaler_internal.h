@@ -47,9 +47,18 @@ llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inve
  * the online CPUs), at least 1. */
 int _llmmem_scaler_online_cpus(void);
 
-/* unscale_pipe.c: 1 when the pipe's workers run on the process's OpenMP team (its runtime is
- * loaded), 0 on threads of our own. */
-int _llmmem_scaler_workers_openmp(void);
+/* omp_team.c: whether a team of the process's OpenMP runtime can run work now (a runtime is
+ * loaded, this thread is not in an active parallel region, this is not a child forked after the
+ * runtime was found, its teams have 2 threads or more). */
+int _llmmem_omp_team_usable(void);
+/* omp_team.c: runs fn(data) on every thread of a team of the runtime's default size, the caller
+ * included, and returns 1 when they are all done; 0 (nothing run) when no team is usable. */
+int _llmmem_omp_team_run(void (*fn)(void *), void *data);
+
+/* unscale_pipe.c: drains a pipe (everything published, no workers of its own) on an OpenMP team,
+ * at most `threads` of its threads taking part. 1 when it ran; 0 when no team was usable (finish
+ * then drains it on the calling thread). */
+int _llmmem_scaler_pipe_drain_on_team(llmmem_scaler_pipe_t *p, size_t threads);
 
 /* unscale_cpu.c test hook (not exported): 0 = plain C, 1 = AVX2+F16C, 2 = AVX-512, -1 = automatic.
  * Levels the CPU lacks fall back to the best it has. Returns the level that will run. */

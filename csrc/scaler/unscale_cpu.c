@@ -5,9 +5,10 @@
  * All gradients of a call are one list that the threads claim in order, several small tensors
  * or a slice of a large one at a time (the machinery of unscale_pipe.c, here with the whole list
  * published at once), so a list of 4000 tiny tensors costs one spread of threads, not 4000. Each
- * element is read and written once. Threads are created per call and joined before returning:
- * no pool outlives a call, so nothing breaks across fork() and nothing needs shutting down.
- * Without a usable thread the work runs on the calling thread.
+ * element is read and written once. The threads are the process's OpenMP team when it has a
+ * usable one (torch's; omp_team.c says when it is not used, e.g. in a child forked after it was
+ * found), else threads created per call and joined before returning. Without a usable thread
+ * the work runs on the calling thread.
  *
  * What it does not do: strided tensors (ranges must be contiguous), or any allocation besides
  * the pipe (its address set: about 16 bytes per tensor) and thread stacks, and only with more
@@ -257,11 +258,15 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
    * can lose its CPU for a while: one thread then waits for the other. Claimed in pieces, they
    * finish together. GPT-2-small list (148 tensors, 498 MB, 2-vCPU VM), gradients rewritten in
    * backward order before each call: 0.93-1.06x torch with fixed shares, 0.99-1.14x claimed. */
+  /* The threads are the process's OpenMP team when it has one (torch's: see omp_team.c), else
+   * threads the pipe starts. */
   size_t done = 0; /* tensors [0, done) went through the pipe */
   llmmem_scaler_pipe_t *pipe = NULL;
-  if (nt > 1 && llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags, (int)nt - 1,
-                                         &pipe) == LLMMEM_OK) {
+  const int team = nt > 1 && _llmmem_omp_team_usable();
+  if (nt > 1 && llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags,
+                                         team ? 0 : (int)nt - 1, &pipe) == LLMMEM_OK) {
     _llmmem_scaler_pipe_publish_checked(pipe, count, &done); /* the tensors were checked above */
+    if (team) (void)_llmmem_scaler_pipe_drain_on_team(pipe, nt); /* not run: finish drains it here */
     LLMMEM_TRY(llmmem_scaler_pipe_finish(pipe, found_inf));
   }
   if (done < count) {

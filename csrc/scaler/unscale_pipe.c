@@ -12,24 +12,12 @@
  * so a 400 MB embedding is shared by all threads rather than left to one. A claim costs one
  * uncontended lock, about as long as checking a few hundred bytes; a piece is tens of KiB.
  *
- * Workers: the process's OpenMP team when it has an OpenMP runtime (torch's libgomp, or a runtime
- * with its GNU entry points such as Intel's), else threads of our own. After a parallel torch op,
- * torch's OpenMP threads keep spinning for a few milliseconds for the next one; threads of ours
- * would share the CPUs with them meanwhile, the team's own threads pick the work up at once.
- * Measured on the GPT-2-small list (2-vCPU VM, gradients rewritten in backward order before each
- * call, rotated order): llmmem 0.98-1.04x torch with threads of its own, 1.19-1.26x on the team.
- * The runtime is looked up by name in the process (dlsym), never linked: a build without it, or a
- * process without torch, uses its own threads.
- *
  * What it does not do: strided tensors, or any allocation besides the pipe and thread stacks.
  */
-#define _GNU_SOURCE /* RTLD_DEFAULT */
-#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include <llmmem/scaler.h>
@@ -67,8 +55,8 @@ struct llmmem_scaler_pipe_s {
   int found;              /* any claimed piece held inf/NaN */
 
   size_t published_bytes; /* the publisher's own count, to decide when to start the workers */
-  size_t want_workers, n_workers; /* n_workers: threads of our own started */
-  int omp_team;                    /* the OpenMP team runs the workers (started by the publisher) */
+  size_t want_workers, n_workers;
+  size_t team_size, team_members; /* _llmmem_scaler_pipe_drain_on_team: how many join, joined so far */
   _llmmem_addr_set_t seen; /* data pointers published so far, to refuse a second listing */
   pthread_t workers[MAX_WORKERS];
 };
@@ -156,37 +144,22 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-/* The OpenMP runtime's GNU entry points: a team whose thread 0 is the caller, which returns at
- * once from start (to go on publishing) and waits for the others in end. Both or neither. */
-typedef void (*omp_start_fn)(void (*fn)(void *), void *data, unsigned num_threads);
-typedef void (*omp_end_fn)(void);
-static struct {
-  omp_start_fn start;
-  omp_end_fn end;
-} omp;
-static int omp_found; /* set (release) once both are in `omp`; then never looked up again */
+static void team_member(void *arg) {
+  llmmem_scaler_pipe_t *p = arg;
+  /* the team has the runtime's size; members beyond the wanted count leave at once */
+  if (__atomic_fetch_add(&p->team_members, 1, __ATOMIC_RELAXED) >= p->team_size) return;
+  work(p, 1); /* everything is published: claim until nothing is left */
+}
 
-/* Looked up until found, not once: llmmem's core may be loaded before torch, whose import loads
- * the runtime. A miss costs a dlsym per threaded call, in processes without OpenMP only. */
-int _llmmem_scaler_workers_openmp(void) {
-  if (__atomic_load_n(&omp_found, __ATOMIC_ACQUIRE)) return 1;
-  /* dlsym returns data pointers; POSIX guarantees they convert to function pointers */
-  void *start_sym = dlsym(RTLD_DEFAULT, "GOMP_parallel_start"), *end_sym = dlsym(RTLD_DEFAULT, "GOMP_parallel_end");
-  if (!start_sym || !end_sym) return 0;
-  memcpy(&omp.start, &start_sym, sizeof omp.start); /* racing finders write the same values */
-  memcpy(&omp.end, &end_sym, sizeof omp.end);
-  __atomic_store_n(&omp_found, 1, __ATOMIC_RELEASE);
-  return 1;
+int _llmmem_scaler_pipe_drain_on_team(llmmem_scaler_pipe_t *p, size_t threads) {
+  p->team_size = threads;
+  return _llmmem_omp_team_run(team_member, p);
 }
 
 LLMMEM_API llmmem_status_t llmmem_scaler_cpu_workers(int *uses_openmp) {
   LLMMEM_CHECK_ARG(uses_openmp != NULL, "llmmem_scaler_cpu_workers: uses_openmp must not be NULL");
-  *uses_openmp = _llmmem_scaler_workers_openmp();
+  *uses_openmp = _llmmem_omp_team_usable();
   return LLMMEM_OK;
-}
-
-static void omp_worker(void *arg) {
-  work((llmmem_scaler_pipe_t *)arg, 0);
 }
 
 LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t *tensors, size_t capacity,
@@ -234,14 +207,7 @@ void _llmmem_scaler_pipe_publish_checked(llmmem_scaler_pipe_t *p, size_t count, 
   pthread_mutex_unlock(&p->lock);
   if (published) *published = upto;
   p->published_bytes += bytes;
-  if (!p->omp_team && p->n_workers == 0 && p->want_workers > 0 && p->published_bytes >= START_BYTES &&
-      _llmmem_scaler_workers_openmp()) {
-    /* the whole team at once: threads cannot join a running team later */
-    omp.start(omp_worker, p, (unsigned)p->want_workers + 1);
-    p->omp_team = 1;
-  }
-  while (!p->omp_team && p->n_workers < p->want_workers &&
-         p->published_bytes >= START_BYTES + p->n_workers * MORE_BYTES) {
+  while (p->n_workers < p->want_workers && p->published_bytes >= START_BYTES + p->n_workers * MORE_BYTES) {
     if (pthread_create(&p->workers[p->n_workers], NULL, worker_main, p) != 0) {
       p->want_workers = p->n_workers; /* fewer is fine */
       break;
@@ -273,7 +239,6 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_finish(llmmem_scaler_pipe_t *p, fl
   __atomic_store_n(&p->closed, 1, __ATOMIC_RELAXED);
   pthread_mutex_unlock(&p->lock);
   work(p, 1);
-  if (p->omp_team) omp.end(); /* the team's threads leave once the pipe is closed and drained */
   for (size_t k = 0; k < p->n_workers; k++) pthread_join(p->workers[k], NULL);
   int found = p->found;
   pthread_mutex_destroy(&p->lock);

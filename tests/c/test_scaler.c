@@ -17,10 +17,12 @@
 
 #ifdef LLMMEM_TEST_OPENMP
 #include <omp.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #endif
 
 int _llmmem_scaler_force_isa(int isa); /* unscale_cpu.c test hook */
-int _llmmem_scaler_workers_openmp(void); /* unscale_pipe.c: 1 = the OpenMP team */
+int _llmmem_omp_team_usable(void); /* omp_team.c: 1 = the threaded unscale runs on the OpenMP team */
 
 static const int64_t SIZES[] = {0, 1, 7, 64, 65, 4097, 100003};
 #define N_SIZES (sizeof SIZES / sizeof SIZES[0])
@@ -167,13 +169,55 @@ int main(void) {
   unsigned long long rng = 12345;
 
 #ifdef LLMMEM_TEST_OPENMP
-  TEST("with an OpenMP runtime in the process the pipe's workers are its team") {
+  /* Big enough (19 MB) for llmmem_scaler_unscale_check to use 2 threads. */
+  static const int64_t big_numels[8] = {600000, 600001, 599999, 600000, 64, 600000, 1, 600000};
+  static const int32_t big_dtypes[8] = {0, 0, 0, 0, 3, 0, 2, 0};
+  TEST("with an OpenMP runtime in the process the threaded unscale runs on its team") {
     CHECK(omp_get_max_threads() >= 1); /* also keeps the runtime linked */
-    CHECK(_llmmem_scaler_workers_openmp() == 1);
+    CHECK(_llmmem_omp_team_usable() == (omp_get_max_threads() >= 2));
+    list_t l = make_list(8, big_numels, big_dtypes, &rng);
+    put(l.t[5].data, 0, 599999, NAN);
+    put(l.copy[5], 0, 599999, NAN);
+    float scale = 512.0f;
+    CHECK(fast_matches_ref(&l, &scale, 2));
+    free_list(&l);
+  }
+
+  TEST("called from inside a parallel region it uses threads of its own, correctly, on each thread") {
+    int ok[2] = {0, 0}, usable[2] = {1, 1};
+#pragma omp parallel num_threads(2)
+    {
+      int me = omp_get_thread_num();
+      unsigned long long my_rng = 77 + (unsigned long long)me;
+      list_t l = make_list(8, big_numels, big_dtypes, &my_rng);
+      float scale = 8.0f;
+      usable[me] = _llmmem_omp_team_usable();
+      ok[me] = fast_matches_ref(&l, &scale, 2);
+      free_list(&l);
+    }
+    CHECK(ok[0] && ok[1]);
+    CHECK(omp_get_max_threads() < 2 || (usable[0] == 0 && usable[1] == 0));
+  }
+
+  TEST("a child forked after the team ran unscales on threads of its own (the runtime does not survive fork)") {
+    list_t l = make_list(8, big_numels, big_dtypes, &rng);
+    float scale = 4.0f;
+    CHECK(fast_matches_ref(&l, &scale, 2)); /* the team has run in this process */
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+      alarm(60); /* a hang fails the test instead of stalling it */
+      int fine = _llmmem_omp_team_usable() == 0 && fast_matches_ref(&l, &scale, 2);
+      _exit(fine ? 0 : 1);
+    }
+    int status = 0;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    free_list(&l);
   }
 #else
-  TEST("without an OpenMP runtime the pipe's workers are threads of its own") {
-    CHECK(_llmmem_scaler_workers_openmp() == 0);
+  TEST("without an OpenMP runtime the threaded unscale uses threads of its own") {
+    CHECK(_llmmem_omp_team_usable() == 0);
   }
 #endif
 

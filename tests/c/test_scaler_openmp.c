@@ -1,7 +1,10 @@
 /*
  * test_scaler_openmp.c — the scaler tests of test_scaler.c again, in a program linked with an
- * OpenMP runtime (built with -fopenmp, see the Makefile), as a process that imported torch is:
- * the pipe's workers then run on the OpenMP team (unscale_pipe.c), which this checks first.
+ * OpenMP runtime, as a process that imported torch is: the threaded unscale then runs on the
+ * OpenMP team (omp_team.c). Built with -fopenmp where the compiler has it (see the Makefile);
+ * without it this is test_scaler.c once more.
  */
+#ifdef _OPENMP
 #define LLMMEM_TEST_OPENMP 1
+#endif
 #include "test_scaler.c"

@@ -88,12 +88,10 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
  *            already published is always completed (it may have begun).
  */
 typedef struct llmmem_scaler_pipe_s llmmem_scaler_pipe_t;
-/* start, publish and finish of one pipe must be called on one thread (its workers may be that
- * thread's OpenMP team, which only it can wait for). */
-
-/* *uses_openmp = 1 when the CPU unscale's worker threads are the process's OpenMP team (an OpenMP
- * runtime with the GNU entry points is loaded, as torch's libgomp is), 0 when they are threads of
- * llmmem's own. */
+/* *uses_openmp = 1 when llmmem_scaler_unscale_check, called now from this thread, would run its
+ * threads on the process's OpenMP team (an OpenMP runtime with the GNU entry points is loaded, as
+ * torch's libgomp is, and this thread is not inside an active parallel region), 0 when on threads
+ * of llmmem's own. The pipe always uses threads of its own. */
 LLMMEM_API llmmem_status_t llmmem_scaler_cpu_workers(int *uses_openmp);
 
 LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t *tensors, size_t capacity,
