@@ -53,20 +53,22 @@ build/ctests/test_pool_vmm: tests/c/test_pool_vmm.cc csrc/pool/backend_cuda_vmm.
 	@set -e; for f in $(VMM_TEST_CORE); do \
 	  $(CC) $(CTEST_CFLAGS) -c $$f -o build/ctests/vmm-core/$$(echo $$f | tr / _).o; done
 	$(CXX) $(CTEST_CXXFLAGS) -o $@ tests/c/test_pool_vmm.cc -x c++ csrc/pool/backend_cuda_vmm.cu -x none \
-	  $(addprefix build/ctests/vmm-core/,$(addsuffix .o,$(subst /,_,$(VMM_TEST_CORE)))) -lm
+	  $(addprefix build/ctests/vmm-core/,$(addsuffix .o,$(subst /,_,$(VMM_TEST_CORE)))) -lm -ldl
 
 c-tests: $(CTEST_BIN)
 
 # The scaler's tests again with an OpenMP runtime linked in, as in a torch process (see the file);
 # a compiler without OpenMP builds them plain.
-OPENMP_FLAG := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
+HASH := \#
+OPENMP_FLAG = $(shell printf '$(HASH)include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n' | \
+  $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
 build/ctests/test_scaler_openmp: tests/c/test_scaler_openmp.c tests/c/test_scaler.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)
-	$(CC) $(CTEST_CFLAGS) $(OPENMP_FLAG) -o $@ $< $(CORE_SRC) -lm
+	$(CC) $(CTEST_CFLAGS) $(OPENMP_FLAG) -o $@ $< $(CORE_SRC) -lm -ldl
 
 build/ctests/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)
-	$(CC) $(CTEST_CFLAGS) -o $@ $< $(CORE_SRC) -lm
+	$(CC) $(CTEST_CFLAGS) -o $@ $< $(CORE_SRC) -lm -ldl
 
 test-c: c-tests
 	@set -e; for t in $(CTEST_BIN); do echo "== $$t"; $$t; done
@@ -77,7 +79,7 @@ FUZZ_SECONDS ?= 30
 build/fuzz/fuzz_pool: tests/fuzz/fuzz_pool.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-	  -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -o $@ $< $(CORE_SRC) -lm
+	  -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -o $@ $< $(CORE_SRC) -lm -ldl
 
 fuzz-pool: build/fuzz/fuzz_pool
 	@mkdir -p build/fuzz/corpus-pool

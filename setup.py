@@ -81,7 +81,7 @@ c_flags = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-missing-field-initialize
 if _env_flag("LLMMEM_WERROR"):
     c_flags.append("-Werror")
 macros = []
-link_args = ["-pthread"]
+link_args = ["-pthread", "-ldl"]  # -ldl: dlsym (the OpenMP lookup) lives in libdl before glibc 2.34
 if USE_CUDA:
     ARCHS = _cuda_archs()
     arch_names = [f"sm_{a}" for a in ARCHS] + [f"compute_{ARCHS[-1]}"]
@@ -98,7 +98,7 @@ if USE_CUDA:
         raise SystemExit(f"nvcc found under {CUDA_HOME}, but not libcudart_static.a (looked in {', '.join(lib_dirs)}); "
                          "install the CUDA runtime's static library, set CUDA_HOME, or build with LLMMEM_CUDA=0")
     # --exclude-libs keeps the static runtime's symbols out of our dynamic symbol table.
-    link_args += [f"-L{cudart_dir}", "-lcudart_static", "-lrt", "-ldl", "-lstdc++", "-Wl,--exclude-libs,ALL"]
+    link_args += [f"-L{cudart_dir}", "-lcudart_static", "-lrt", "-lstdc++", "-Wl,--exclude-libs,ALL"]
 
 # Only PyInit__C and llmmem_* leave the module (see the map for why -fvisibility alone is not enough).
 EXPORTS_MAP = os.path.join("csrc", "exports.map")

@@ -58,6 +58,8 @@ def _probe_torch() -> dict:
     except Exception as exc:  # noqa: BLE001
         info.update(distributed=False, nccl=False, gloo=False, distributed_error=repr(exc))
     info["mempool"] = hasattr(torch.cuda, "MemPool")
+    # as a training process does before unscale_: torch sets its OpenMP threads up here
+    info["num_threads"] = torch.get_num_threads()
     return info
 
 

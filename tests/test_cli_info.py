@@ -38,14 +38,7 @@ def test_info_reports_build_and_runtime_truthfully():
     if not torch.cuda.is_available():
         assert "[ ] CUDA kernels" in out
     assert "[x] memory estimator" in out
-    # the threaded CPU unscale runs on the OpenMP team wherever one is loaded where llmmem finds it
-    # (GOMP_parallel in the process's global symbols) and has 2 threads or more
-    import ctypes
-
-    if hasattr(ctypes.CDLL(None), "GOMP_parallel") and torch.get_num_threads() >= 2:
-        assert "CPU unscale    the process's OpenMP team (torch's threads)" in out
-    else:
-        assert "CPU unscale    threads of llmmem's own" in out
+    assert "CPU unscale    " in out
 
 
 def test_info_json_is_parseable_and_matches():
@@ -55,6 +48,13 @@ def test_info_json_is_parseable_and_matches():
     assert data["native"]["loaded"] is True
     assert data["torch"]["version"] == torch.__version__
     assert data["torch"]["cuda_available"] == torch.cuda.is_available()
+    # the threaded CPU unscale runs on the OpenMP team wherever one is loaded where llmmem finds it
+    # (GOMP_parallel among the process's global symbols) with 2 threads or more (what torch set up
+    # in that process: recorded there)
+    import ctypes
+
+    team = hasattr(ctypes.CDLL(None), "GOMP_parallel") and data["torch"]["num_threads"] >= 2
+    assert data["native"]["scaler_cpu_workers"] == ("openmp" if team else "own")
     names = [f["name"] for f in data["features"]]
     assert "memory estimator" in names and "GradScaler" in names
 

@@ -12,9 +12,10 @@
  * (no torch, or a torch on another threading backend) the callers use threads of their own.
  * The team is never used:
  *   - from inside an active parallel region (a nested team would get one thread);
- *   - in a child process forked after the lookup (the GNU runtime does not survive fork: a child's
- *     first region can wait for threads that exist only in the parent);
- *   - when the runtime's team would have fewer than 2 threads.
+ *   - in a child process forked after llmmem was loaded (the GNU runtime does not survive fork: a
+ *     child's first region can wait for threads that exist only in the parent);
+ *   - when the runtime's default team size (omp_get_max_threads) is below 2. (A team can still
+ *     come out smaller, e.g. under OMP_DYNAMIC: the caller then drains the work alone.)
  * Teams always have the runtime's default size: one of another size makes the runtime stop or
  * start threads of the pool that torch's next op then starts or stops again. The work decides
  * how many of the team's threads join it (see _llmmem_scaler_pipe_drain_on_team).
@@ -37,12 +38,14 @@ static int state = NOT_FOUND;
 static parallel_fn gomp_parallel; /* written once, by the thread that moves state to LOOKING */
 static query_fn omp_in_parallel_, omp_get_max_threads_;
 
+static int runs; /* teams run: the tests' evidence that the team path was taken */
+
 static void off_in_child(void) { __atomic_store_n(&state, OFF_AFTER_FORK, __ATOMIC_RELEASE); }
-static pthread_once_t fork_guard = PTHREAD_ONCE_INIT;
-/* Registered at the first look, found or not: a child forked after it never uses the team (a
- * child forked before llmmem first looked cannot be told from the parent; torch's own ops there
- * would meet the same runtime). */
-static void guard_fork(void) { (void)pthread_atfork(NULL, NULL, off_in_child); }
+/* Registered when the library is loaded: a child forked any time after that never uses the team,
+ * also when its parent ran OpenMP regions (torch's) before llmmem first looked for the runtime
+ * (DataLoader workers, fork-based pools). Only a child forked before llmmem was loaded cannot be
+ * told from its parent. */
+__attribute__((constructor)) static void guard_fork(void) { (void)pthread_atfork(NULL, NULL, off_in_child); }
 
 /* Whether the runtime is found. Looked up until found, not once: llmmem's core may be loaded
  * before torch, whose import loads the runtime (a miss costs a dlsym per threaded call, in
@@ -50,21 +53,20 @@ static void guard_fork(void) { (void)pthread_atfork(NULL, NULL, off_in_child); }
  * meanwhile. */
 static int runtime_found(void) {
   int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-  if (s == FOUND) return 1;
-  pthread_once(&fork_guard, guard_fork);
-  if (s != NOT_FOUND) return 0;
+  if (s != NOT_FOUND) return s == FOUND;
   if (!__atomic_compare_exchange_n(&state, &s, LOOKING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return s == FOUND;
-  void *par = dlsym(RTLD_DEFAULT, "GOMP_parallel"), *inp = dlsym(RTLD_DEFAULT, "omp_in_parallel"),
-       *maxt = dlsym(RTLD_DEFAULT, "omp_get_max_threads");
+  void *par = dlsym(RTLD_DEFAULT, "GOMP_parallel");
+  void *inp = par ? dlsym(RTLD_DEFAULT, "omp_in_parallel") : NULL;
+  void *maxt = inp ? dlsym(RTLD_DEFAULT, "omp_get_max_threads") : NULL;
   int next = NOT_FOUND;
-  if (par && inp && maxt) {
+  if (maxt) {
     /* dlsym returns data pointers; POSIX guarantees they convert to function pointers */
     memcpy(&gomp_parallel, &par, sizeof gomp_parallel);
     memcpy(&omp_in_parallel_, &inp, sizeof omp_in_parallel_);
     memcpy(&omp_get_max_threads_, &maxt, sizeof omp_get_max_threads_);
     next = FOUND;
   }
-  /* a fork while looking turned the child OFF: keep that */
+  /* defensive: only a fork from a signal handler while looking could have turned this OFF */
   int looking = LOOKING;
   __atomic_compare_exchange_n(&state, &looking, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   return next == FOUND && looking == LOOKING;
@@ -77,5 +79,10 @@ int _llmmem_omp_team_usable(void) {
 int _llmmem_omp_team_run(void (*fn)(void *), void *data) {
   if (!_llmmem_omp_team_usable()) return 0;
   gomp_parallel(fn, data, 0, 0); /* 0 threads: the runtime's default size */
+  __atomic_fetch_add(&runs, 1, __ATOMIC_RELAXED);
   return 1;
+}
+
+int _llmmem_omp_team_runs(void) {
+  return __atomic_load_n(&runs, __ATOMIC_RELAXED);
 }

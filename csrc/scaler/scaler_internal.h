@@ -48,9 +48,11 @@ llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inve
 int _llmmem_scaler_online_cpus(void);
 
 /* omp_team.c: whether a team of the process's OpenMP runtime can run work now (a runtime is
- * loaded, this thread is not in an active parallel region, this is not a child forked after the
- * runtime was found, its teams have 2 threads or more). */
+ * loaded, this thread is not in an active parallel region, this is not a child forked after
+ * llmmem was loaded, omp_get_max_threads() >= 2). */
 int _llmmem_omp_team_usable(void);
+/* omp_team.c test hook: how many teams _llmmem_omp_team_run has run in this process. */
+int _llmmem_omp_team_runs(void);
 /* omp_team.c: runs fn(data) on every thread of a team of the runtime's default size, the caller
  * included, and returns 1 when they are all done; 0 (nothing run) when no team is usable. */
 int _llmmem_omp_team_run(void (*fn)(void *), void *data);

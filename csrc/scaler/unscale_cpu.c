@@ -6,8 +6,8 @@
  * or a slice of a large one at a time (the machinery of unscale_pipe.c, here with the whole list
  * published at once), so a list of 4000 tiny tensors costs one spread of threads, not 4000. Each
  * element is read and written once. The threads are the process's OpenMP team when it has a
- * usable one (torch's; omp_team.c says when it is not used, e.g. in a child forked after it was
- * found), else threads created per call and joined before returning. Without a usable thread
+ * usable one (torch's; omp_team.c says when it is not used, e.g. in a child forked after llmmem
+ * was loaded), else threads created per call and joined before returning. Without a usable thread
  * the work runs on the calling thread.
  *
  * What it does not do: strided tensors (ranges must be contiguous), or any allocation besides

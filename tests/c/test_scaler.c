@@ -23,6 +23,8 @@
 
 int _llmmem_scaler_force_isa(int isa); /* unscale_cpu.c test hook */
 int _llmmem_omp_team_usable(void); /* omp_team.c: 1 = the threaded unscale runs on the OpenMP team */
+int _llmmem_omp_team_runs(void);   /* omp_team.c: teams run so far */
+int _llmmem_scaler_online_cpus(void);
 
 static const int64_t SIZES[] = {0, 1, 7, 64, 65, 4097, 100003};
 #define N_SIZES (sizeof SIZES / sizeof SIZES[0])
@@ -172,6 +174,29 @@ int main(void) {
   /* Big enough (19 MB) for llmmem_scaler_unscale_check to use 2 threads. */
   static const int64_t big_numels[8] = {600000, 600001, 599999, 600000, 64, 600000, 1, 600000};
   static const int32_t big_dtypes[8] = {0, 0, 0, 0, 3, 0, 2, 0};
+  TEST("a child forked after OpenMP ran but before llmmem first looked for it does not use the team") {
+    /* first in the program: llmmem has not looked for the runtime yet (DataLoader workers and
+     * fork-based pools start like this, after torch ops but before the first unscale) */
+    int members = 0;
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp atomic
+      members++;
+    }
+    list_t l = make_list(8, big_numels, big_dtypes, &rng);
+    float scale = 2.0f;
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+      alarm(60); /* a hang fails the test instead of stalling it */
+      _exit(_llmmem_omp_team_usable() == 0 && fast_matches_ref(&l, &scale, 2) ? 0 : 1);
+    }
+    int status = 0;
+    CHECK(members >= 1 && child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    free_list(&l);
+  }
+
   TEST("with an OpenMP runtime in the process the threaded unscale runs on its team") {
     CHECK(omp_get_max_threads() >= 1); /* also keeps the runtime linked */
     CHECK(_llmmem_omp_team_usable() == (omp_get_max_threads() >= 2));
@@ -179,15 +204,22 @@ int main(void) {
     put(l.t[5].data, 0, 599999, NAN);
     put(l.copy[5], 0, 599999, NAN);
     float scale = 512.0f;
+    int runs = _llmmem_omp_team_runs();
     CHECK(fast_matches_ref(&l, &scale, 2));
+    if (_llmmem_omp_team_usable() && _llmmem_scaler_online_cpus() >= 2)
+      CHECK(_llmmem_omp_team_runs() == runs + 1); /* the team did run it */
+    else
+      printf("  (one CPU or no team here: the team path is not exercised)\n");
     free_list(&l);
   }
 
   TEST("called from inside a parallel region it uses threads of its own, correctly, on each thread") {
-    int ok[2] = {0, 0}, usable[2] = {1, 1};
+    /* threads the runtime did not give (OMP_THREAD_LIMIT, OMP_DYNAMIC) count as fine */
+    int ok[2] = {1, 1}, usable[2] = {0, 0}, in_team = 1;
 #pragma omp parallel num_threads(2)
     {
       int me = omp_get_thread_num();
+      if (me == 0) in_team = omp_get_num_threads();
       unsigned long long my_rng = 77 + (unsigned long long)me;
       list_t l = make_list(8, big_numels, big_dtypes, &my_rng);
       float scale = 8.0f;
@@ -196,7 +228,7 @@ int main(void) {
       free_list(&l);
     }
     CHECK(ok[0] && ok[1]);
-    CHECK(omp_get_max_threads() < 2 || (usable[0] == 0 && usable[1] == 0));
+    CHECK(in_team < 2 || (usable[0] == 0 && usable[1] == 0)); /* an active region: never nested teams */
   }
 
   TEST("a child forked after the team ran unscales on threads of its own (the runtime does not survive fork)") {

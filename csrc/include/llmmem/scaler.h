@@ -88,10 +88,11 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
  *            already published is always completed (it may have begun).
  */
 typedef struct llmmem_scaler_pipe_s llmmem_scaler_pipe_t;
-/* *uses_openmp = 1 when llmmem_scaler_unscale_check, called now from this thread, would run its
- * threads on the process's OpenMP team (an OpenMP runtime with the GNU entry points is loaded, as
- * torch's libgomp is, and this thread is not inside an active parallel region), 0 when on threads
- * of llmmem's own. The pipe always uses threads of its own. */
+/* *uses_openmp = 1 when llmmem_scaler_unscale_check, called now from this thread on a list big
+ * enough for more than one thread, would run them on the process's OpenMP team: an OpenMP runtime
+ * with the GNU entry points is loaded (as torch's libgomp is), this thread is not inside an active
+ * parallel region, the process is not a child forked after llmmem was loaded, and the runtime's
+ * default team size is 2 or more. 0: on threads of llmmem's own. The pipe always uses its own. */
 LLMMEM_API llmmem_status_t llmmem_scaler_cpu_workers(int *uses_openmp);
 
 LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t *tensors, size_t capacity,
