@@ -169,15 +169,22 @@ void unmap_all(vmm_ctx *ctx, vmm_region *r) {
     if (r->handles[g]) (void)unmap_granule(ctx, r, g);
 }
 
+/* Room for n granule indices, taken before any driver call: push_back may then not throw, and no
+ * C++ exception reaches the C callers. */
+llmmem_status_t reserve_granules(std::vector<size_t> &v, size_t n, const char *what) {
+  try {
+    v.reserve(n);
+  } catch (const std::bad_alloc &) {
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cuda vmm: no host memory to %s %zu granules", what, n);
+  }
+  return LLMMEM_OK;
+}
+
 /* Maps fresh physical memory at every unmapped granule in [g0, g1) and makes it accessible from
  * the device. All or nothing: on failure what this call mapped is given back. */
 llmmem_status_t map_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
   std::vector<size_t> mapped;
-  try {
-    mapped.reserve(g1 - g0);
-  } catch (const std::bad_alloc &) {
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cuda vmm: no host memory to map %zu granules", g1 - g0);
-  }
+  LLMMEM_TRY(reserve_granules(mapped, g1 - g0, "map"));
   llmmem_status_t st = LLMMEM_OK;
   for (size_t g = g0; g < g1 && st == LLMMEM_OK; g++) {
     if (r->handles[g]) continue;
@@ -216,11 +223,7 @@ llmmem_status_t map_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
  * gives back only free memory, whose contents do not matter). */
 llmmem_status_t unmap_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
   std::vector<size_t> unmapped;
-  try {
-    unmapped.reserve(g1 - g0);
-  } catch (const std::bad_alloc &) {
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cuda vmm: no host memory to unmap %zu granules", g1 - g0);
-  }
+  LLMMEM_TRY(reserve_granules(unmapped, g1 - g0, "unmap"));
   for (size_t g = g0; g < g1; g++) {
     if (!r->handles[g]) continue;
     CUresult e = unmap_granule(ctx, r, g);
