@@ -190,9 +190,9 @@ def _address(t: torch.Tensor) -> int:
         return 0
 
 
-# What the C walk compares parameters and gradients against: the tensor types, the strided layout,
-# then the gradient dtypes in the order of their codes.
-_KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided) + tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
+# What the C walk compares parameters and gradients against: the tensor types, then the gradient
+# dtypes in the order of their codes.
+_KINDS = (torch.Tensor, torch.nn.Parameter) + tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
 
 
 def _cpu_scalar(t) -> bool:
