@@ -222,8 +222,9 @@ static size_t prefetch_head(const llmmem_scaler_tensor_t *tensors, size_t i, _ll
                             _llmmem_scaler_pos_t to, int write) {
   int64_t lo;
   size_t bytes = bytes_in_span(tensors, i, from, to, &lo);
+  if (!bytes) return 0; /* data may be NULL (numel 0): no address is formed from it, not even NULL + 0 */
   const char *p = (const char *)tensors[i].data + (size_t)lo * llmmem_scaler_dtype_size(tensors[i].dtype);
-  if (bytes) prefetch_lines(p, bytes < STREAM_AHEAD ? bytes : STREAM_AHEAD, write);
+  prefetch_lines(p, bytes < STREAM_AHEAD ? bytes : STREAM_AHEAD, write);
   return bytes;
 }
 
