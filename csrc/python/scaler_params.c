@@ -121,10 +121,12 @@ static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_
   for (int c = 0; c < LLMMEM_SCALER_DTYPE_COUNT_; c++)
     if (dtype == k->dtypes[c]) code = c;
   if (code < 0 || (code == LLMMEM_SCALER_F16 && !k->allow_fp16)) goto done;
-  /* The layout is not read: every other one fails a test below. Sparse and mkldnn tensors have no
-   * storage, so data_ptr() raises; the sparse compressed ones also raise in is_contiguous(), and
-   * COO ones return False (tests/test_amp_fast_path.py tries each). Reading it cost about a tenth
-   * of the walk: 4000 small gradients, one thread, 2.78-2.93 ms with it, 2.30-2.78 ms without. */
+  /* The layout is not read: every other one fails another test. Sparse and mkldnn tensors have no
+   * storage, so data_ptr() raises (it must: the compressed and mkldnn ones give the dense size as
+   * nbytes); the sparse compressed ones also raise in is_contiguous(), and COO ones return False
+   * (tests/test_amp_fast_path.py tries each). Jagged nested tensors are a Python subclass (the
+   * type test above; their data_ptr() is 0). Reading it cost about a tenth of the walk: 4000 small
+   * gradients, one thread, 2.78-2.93 ms with it, 2.30-2.78 ms without. */
   is_cpu = read_attr(R_IS_CPU, grad);
   if (is_cpu != Py_True) goto done;
   contig = read_attr(R_IS_CONTIGUOUS, grad);
