@@ -299,7 +299,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
    * still in cache (backward wrote it last) goes several times faster than the rest, and a thread
    * can lose its CPU for a while: one thread then waits for the other. Claimed in pieces, they
    * finish together. GPT-2-small list (148 tensors, 498 MB, 2-vCPU VM), gradients rewritten in
-   * backward order before each call: 0.93-1.06x torch with fixed shares, 0.99-1.14x claimed. */
+   * backward order before each call: 0.93-1.06x torch with fixed shares, 0.99-1.14x claimed
+   * (both before the prefetching of _llmmem_scaler_run_span). */
   /* The threads are the process's OpenMP team when it has one (torch's: see omp_team.c), else
    * threads the pipe starts. */
   size_t done = 0; /* tensors [0, done) went through the pipe */

@@ -103,8 +103,9 @@ LOOP_TARGET static int LOOP_NAME(loop_f16)(uint16_t *restrict p, size_t n, float
   return bad != 0;
 }
 
-/* Runs `fn` over p[0..n) of type T in blocks of STREAM_BLOCK bytes, asking for the memory
- * STREAM_AHEAD bytes on before each block, up to the range's end (see unscale_cpu.c). */
+/* Runs `fn` over p[0..n) of type T in blocks of STREAM_BLOCK bytes, asking before each block for
+ * the block STREAM_AHEAD bytes on while that block lies wholly inside the range (see
+ * unscale_cpu.c); the range's first STREAM_AHEAD bytes are the caller's to ask for. */
 #define LOOP_STREAM(fn, T)                                                                            \
   do {                                                                                                \
     T *q = (T *)t->data + off;                                                                        \
