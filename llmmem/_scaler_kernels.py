@@ -190,14 +190,16 @@ def _address(t: torch.Tensor) -> int:
         return 0
 
 
-# What the C walk compares parameters and gradients against: the tensor types, the strided layout,
-# then the gradient dtypes in the order of their codes.
-_KINDS = (torch.Tensor, torch.nn.Parameter, torch.strided) + tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
+# What the C walk compares parameters and gradients against: the tensor types, then the gradient
+# dtypes in the order of their codes.
+_KINDS = (torch.Tensor, torch.nn.Parameter) + tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
 
 
 def _cpu_scalar(t) -> bool:
     """A plain 1-element fp32 CPU tensor, whose data_ptr() the C core may read and write."""
-    return type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == 1
+    # is_cpu rather than device.type: no torch.device object made (on a cold cache, after backward,
+    # that made this check 50 us rather than 18 for the two tensors of an unscale_)
+    return type(t) is torch.Tensor and t.dtype is torch.float32 and t.is_cpu and t.numel() == 1
 
 
 def _host_buffer(buf, dtype: torch.dtype, typecode: str) -> Optional[tuple[int, int]]:

@@ -293,7 +293,7 @@ class GradScaler(_ScalerVisibility):
         # On the CPU the walk is done in C; `done` counts the gradients it unscaled, which an
         # exception from here on (one in the C walk, a signal handled right after it, an error of
         # the general path after a hand-over) must not leave unrecorded.
-        done = array("q", (0,)) if found_inf.device.type == "cpu" else None
+        done = array("q", (0,)) if found_inf.is_cpu else None  # is_cpu: no torch.device object made
         fast = None
         try:
             if done is not None:
@@ -434,8 +434,9 @@ class GradScaler(_ScalerVisibility):
             n_params = sum(len(group["params"]) for group in optimizer.param_groups)
         except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
             return None
-        cpu = per_device_found_inf.master.device
-        found = per_device_found_inf.get(cpu)
+        found = per_device_found_inf.master  # what get() would return for its own device
+        cpu = found.device
+        per_device_found_inf._per_device_tensors[cpu] = found
         # Python arrays, not tensors: two fewer tensor ops per call, which on a cold cache (after
         # backward) cost tens of microseconds each. overflowed_params reads either kind with tolist().
         flags = array("B", bytes(n_params))

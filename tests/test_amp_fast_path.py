@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amp_testing import assert_same, interrupt_once_on, p_with
+from amp_testing import ODD_LAYOUTS, assert_same, interrupt_once_on, odd_layout_param, p_with
 
 import llmmem
 from llmmem import _scaler_kernels as K
@@ -224,6 +224,18 @@ def test_subclasses_and_other_devices_are_handed_over():
     plain_tensor_param.grad = torch.randn(3)
     assert fast_taken([plain_tensor_param])
     assert torch.equal(g, before)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+def test_gradients_of_every_other_layout_are_handed_over(layout):
+    g = torch.randn(5) * SCALE
+    before = g.clone()
+    odd = odd_layout_param(layout)
+    odd_before = odd.grad.to_dense()
+    assert not fast_taken([p_with(g), odd])
+    assert torch.equal(g, before)
+    assert torch.equal(odd.grad.to_dense(), odd_before)
 
 
 def test_cpu_and_meta_gradients_agree_with_torch_on_the_cpu_ones():

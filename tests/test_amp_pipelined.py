@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from amp_testing import assert_same, interrupt_once_on, p_with
+from amp_testing import ODD_LAYOUTS, assert_same, interrupt_once_on, odd_layout_param, p_with
 
 import llmmem
 from llmmem import _scaler_kernels as K
@@ -69,6 +69,23 @@ def test_the_walk_hands_over_at_a_strided_gradient_with_two_threads_and_not_with
     assert (n, resume) == (200, 200) and list(slots) == list(range(200))
     assert all(torch.equal(g, (b.double() / 2).to(b.dtype)) for g, b in zip(grads[:200], before[:200]))
     assert all(torch.equal(g, b) for g, b in zip(grads[200:], before[200:]))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+def test_the_walk_stops_at_a_gradient_of_any_other_layout(two_threads, layout):
+    grads = plain_grads()
+    params = [p_with(g) for g in grads]
+    params[150] = odd_layout_param(layout)
+    odd_before = params[150].grad.to_dense()
+    before = [g.clone() for g in grads]
+    opt = torch.optim.SGD(params, lr=0.1)
+    n, slots, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()),
+                                                   torch.zeros(N, dtype=torch.uint8), torch.full((), 2.0))
+    assert (n, resume) == (150, 150) and list(slots) == list(range(150))
+    assert all(torch.equal(g, (b.double() / 2).to(b.dtype)) for g, b in zip(grads[:150], before[:150]))
+    assert torch.equal(params[150].grad.to_dense(), odd_before)
+    assert all(torch.equal(g, b) for g, b in zip(grads[151:], before[151:]))
 
 
 @pytest.mark.parametrize("kind", ["strided", "sparse", "no-grad-then-strided", "subclass"])

@@ -14,6 +14,7 @@
 #include "half.h"
 #include "internal.h"
 #include "testhelper.h"
+#include "../../csrc/scaler/scaler_internal.h" /* _llmmem_scaler_run_span (internal) */
 
 #ifdef LLMMEM_TEST_OPENMP
 #include <omp.h>
@@ -142,6 +143,32 @@ static int fast_matches_ref(list_t *l, const float *scale, int threads) {
 
 static int pipe_matches_ref(list_t *l, const float *scale, int workers, size_t upto, unsigned long long *rng) {
   return run_matches_ref(l, scale, 1, workers, upto, rng);
+}
+
+/* A numel near where the loops of unscale_cpu.c change course for `dtype`: their 256-byte blocks,
+ * the 4 KiB they ask for ahead, the first block that asks (4 KiB + 256 B), or anywhere below 3
+ * such spans. */
+static int64_t numel_near_thresholds(int32_t dtype, unsigned long long *rng) {
+  const int64_t es = (int64_t)llmmem_scaler_dtype_size(dtype), blk = 256 / es, ahead = 4096 / es;
+  const int64_t marks[] = {0, 1, blk, ahead, ahead + blk, ahead + 2 * blk, 2 * ahead + 3 * blk};
+  int64_t n = marks[th_rand(rng) % (sizeof marks / sizeof marks[0])] + (int64_t)(th_rand(rng) % 5) - 2;
+  if (th_rand(rng) % 4 == 0) n = (int64_t)(th_rand(rng) % (uint64_t)(3 * (ahead + blk)));
+  return n < 0 ? 0 : n;
+}
+
+/* An element index where a non-finite value tests the block and range edges of a tensor of n
+ * elements (n > 0): either side of a block edge, of the first prefetching block's end, the last
+ * element, or anywhere. */
+static int64_t edge_index(int32_t dtype, int64_t n, unsigned long long *rng) {
+  const int64_t es = (int64_t)llmmem_scaler_dtype_size(dtype), blk = 256 / es, ahead = 4096 / es;
+  int64_t at;
+  switch (th_rand(rng) % 5) {
+    case 0: at = blk * (int64_t)(th_rand(rng) % (uint64_t)(n / blk + 1)) - (int64_t)(th_rand(rng) % 2); break;
+    case 1: at = ahead + blk - 1 + (int64_t)(th_rand(rng) % 2); break;
+    case 2: at = n - 1 - (int64_t)(th_rand(rng) % 3); break;
+    default: at = (int64_t)(th_rand(rng) % (uint64_t)n); break;
+  }
+  return at < 0 ? 0 : at >= n ? n - 1 : at;
 }
 
 static llmmem_scaler_config_t torch_cfg(int64_t interval) {
@@ -369,6 +396,71 @@ int main(void) {
         free(numels);
         free(dtypes);
       }
+    }
+
+    TEST("spans cut anywhere (odd offsets, mid-tensor ends, empty tensors, to.offset 0) == reference on their "
+         "elements, every dtype, around the 256 B / 4 KiB loop thresholds, data off 64 B, write and check only") {
+      /* The pipe only cuts large tensors at multiples of 64 elements; _llmmem_scaler_run_span takes
+       * any span, and asks for memory ahead inside it (the tensors after the current one, and 4 KiB
+       * ahead in each range): every element of the span exactly once, none outside, flags as the
+       * reference on the same elements. */
+      enum { MAXN = 12 };
+      _llmmem_scaler_range_fn run = _llmmem_scaler_pick_range_fn();
+      const double specials[3] = {INFINITY, -INFINITY, NAN};
+      int ok = 1;
+      for (int round = 0; round < 400 && ok; round++) {
+        size_t n = 1 + th_rand(&rng) % MAXN;
+        llmmem_scaler_tensor_t t[MAXN], ref[MAXN];
+        void *base[MAXN], *copy[MAXN];
+        size_t bytes[MAXN];
+        for (size_t i = 0; i < n; i++) {
+          int32_t dt = (int32_t)(th_rand(&rng) % LLMMEM_SCALER_DTYPE_COUNT_);
+          int64_t numel = numel_near_thresholds(dt, &rng);
+          size_t es = llmmem_scaler_dtype_size(dt);
+          bytes[i] = (size_t)numel * es;
+          /* element-aligned, but 1..15 elements past a 64-byte line */
+          base[i] = aligned_alloc(64, (bytes[i] + 16 * es + 63) / 64 * 64); /* C11: a multiple of 64 */
+          char *data = (char *)base[i] + es * (1 + th_rand(&rng) % 15);
+          fill(data, dt, numel, &rng);
+          if (numel && th_rand(&rng) % 3 == 0) put(data, dt, edge_index(dt, numel, &rng), specials[th_rand(&rng) % 3]);
+          copy[i] = malloc(bytes[i] ? bytes[i] : 1);
+          memcpy(copy[i], data, bytes[i]);
+          t[i] = (llmmem_scaler_tensor_t){numel ? data : NULL, numel, dt, (int32_t)i}; /* empty: NULL, as the walk */
+        }
+        /* from <= to, each anywhere in [0, numel] of its tensor; to may be (n, 0) */
+        size_t a = th_rand(&rng) % n, b = a + th_rand(&rng) % (n - a + 1);
+        _llmmem_scaler_pos_t from = {a, (int64_t)(th_rand(&rng) % (uint64_t)(t[a].numel + 1))};
+        _llmmem_scaler_pos_t to = {b, 0};
+        if (b < n) {
+          int64_t lo = b == a ? from.offset : 0;
+          to.offset = lo + (int64_t)(th_rand(&rng) % (uint64_t)(t[b].numel - lo + 1));
+          if (th_rand(&rng) % 4 == 0) to.offset = b == a ? lo : 0;
+        }
+        const int write = (int)(th_rand(&rng) % 3); /* 0: check only; 1: x 1/4096; 2: x 3 (fp16 may overflow) */
+        const float inv = write == 0 ? 1.0f : write == 1 ? 1.0f / 4096.0f : 3.0f;
+        /* the reference on the same elements: one tensor per part of the span */
+        size_t nref = 0;
+        for (size_t i = a; i < n && (i < b || (i == b && to.offset > 0)); i++) {
+          int64_t lo = i == a ? from.offset : 0, hi = i == b ? to.offset : t[i].numel;
+          size_t es = llmmem_scaler_dtype_size(t[i].dtype);
+          ref[nref++] = (llmmem_scaler_tensor_t){hi > lo ? (char *)copy[i] + (size_t)lo * es : NULL,
+                                                 hi > lo ? hi - lo : 0, t[i].dtype, (int32_t)i};
+        }
+        uint8_t f1[MAXN] = {0}, f2[MAXN] = {0};
+        float fi2 = 0.0f;
+        int found = _llmmem_scaler_run_span(t, from, to, inv, write != 0, f1, run);
+        ok = llmmem_scaler_unscale_check_ref(ref, nref, &inv, 1, &fi2, f2, MAXN) == LLMMEM_OK;
+        ok = ok && (found != 0) == (fi2 == 1.0f) && memcmp(f1, f2, MAXN) == 0;
+        for (size_t i = 0; i < n; i++) {
+          ok = ok && (!bytes[i] || memcmp(t[i].data, copy[i], bytes[i]) == 0);
+          free(base[i]);
+          free(copy[i]);
+        }
+        if (!ok)
+          printf("  round %d: %zu tensors, span (%zu, %lld) -> (%zu, %lld), write %d\n", round, n, from.tensor,
+                 (long long)from.offset, to.tensor, (long long)to.offset, write);
+      }
+      CHECK(ok);
     }
   }
   _llmmem_scaler_force_isa(-1);
