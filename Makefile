@@ -55,6 +55,17 @@ build/ctests/test_pool_vmm: tests/c/test_pool_vmm.cc csrc/pool/backend_cuda_vmm.
 	$(CXX) $(CTEST_CXXFLAGS) -o $@ tests/c/test_pool_vmm.cc -x c++ csrc/pool/backend_cuda_vmm.cu -x none \
 	  $(addprefix build/ctests/vmm-core/,$(addsuffix .o,$(subst /,_,$(VMM_TEST_CORE)))) -lm -ldl
 
+# Where clang is installed, the plain C tests are built with it too: its UBSan checks more than
+# gcc's (arithmetic on a NULL pointer, for one, which gcc's build let through in the scaler).
+CLANG ?= $(shell command -v clang 2>/dev/null)
+ifneq ($(CLANG),)
+CTEST_BIN += $(patsubst tests/c/%.c,build/ctests/clang/%,$(filter-out %_openmp.c,$(CTEST_SRC)))
+endif
+
+build/ctests/clang/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(dir $@)
+	$(CLANG) $(CTEST_CFLAGS) -o $@ $< $(CORE_SRC) -lm -ldl
+
 c-tests: $(CTEST_BIN)
 
 # The scaler's tests again with an OpenMP runtime linked in, as in a torch process (see the file);

@@ -1,4 +1,5 @@
-"""Builds the C unit tests (tests/c/test_*.c) under AddressSanitizer + UBSan and runs each one.
+"""Builds the C unit tests (tests/c/test_*.c) under AddressSanitizer + UBSan and runs each one
+(the plain C ones a second time built with clang, where it is installed).
 
 Each C test program ends with the line "N passed, N failed"; a program passes when it exits 0,
 reports no failure, and its sanitizers stay silent.
@@ -22,13 +23,19 @@ _CUDA_INC = pathlib.Path(os.environ.get("CUDA_INC") or
                          os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "include"))
 if (_CUDA_INC / "cuda.h").exists():
     C_TESTS += sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.cc"))
+# The plain C tests again, built with clang where it is on PATH (the Makefile looks the same way):
+# its UBSan checks more than gcc's.
+if shutil.which("clang"):
+    C_TESTS += sorted("clang/" + p.stem for p in (ROOT / "tests" / "c").glob("test_*.c")
+                      if not p.stem.endswith("_openmp"))
 
 
 @pytest.fixture(scope="module")
 def built():
     if shutil.which("make") is None or shutil.which("cc") is None:
         pytest.fail("building the C tests needs `make` and a C compiler (cc)")
-    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "c-tests"], capture_output=True, text=True)
+    jobs = str(max(1, min(4, os.cpu_count() or 1)))
+    proc = subprocess.run(["make", "-s", "-j", jobs, "-C", str(ROOT), "c-tests"], capture_output=True, text=True)
     assert proc.returncode == 0, f"building the C tests failed:\n{proc.stdout}\n{proc.stderr}"
     return ROOT / "build" / "ctests"
 
