@@ -67,6 +67,15 @@ class _MultiDeviceReplicator:
             self._per_device_tensors[device] = retval
         return retval
 
+    def get_own(self) -> tuple[torch.device, torch.Tensor]:
+        """``(device, get(device))`` for the master's own device. A sharing replicator skips get()'s
+        device comparison, which makes one more torch.device object on the unscale_ hot path."""
+        device = self.master.device
+        if not self._share_own_device:
+            return device, self.get(device)
+        self._per_device_tensors[device] = self.master
+        return device, self.master
+
 
 class _InverseOf:
     """Marks "the inverse of this scale tensor": the kernels take the fp64 reciprocal themselves,
@@ -327,7 +336,7 @@ class GradScaler(_ScalerVisibility):
         recorded as unscaled with an overflow: ``step`` skips it and ``update`` takes it as an
         overflow (backs off, or counts towards ``hysteresis``). The overflow record holds the culprits
         found among the done gradients (``slots``, ``flags_per_device``). The exception says so."""
-        found = per_device_found_inf.get(per_device_found_inf.master.device)
+        _, found = per_device_found_inf.get_own()
         found.fill_(1.0)
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
@@ -434,9 +443,7 @@ class GradScaler(_ScalerVisibility):
             n_params = sum(len(group["params"]) for group in optimizer.param_groups)
         except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
             return None
-        found = per_device_found_inf.master  # what get() would return for its own device
-        cpu = found.device
-        per_device_found_inf._per_device_tensors[cpu] = found
+        cpu, found = per_device_found_inf.get_own()
         # Python arrays, not tensors: two fewer tensor ops per call, which on a cold cache (after
         # backward) cost tens of microseconds each. overflowed_params reads either kind with tolist().
         flags = array("B", bytes(n_params))
