@@ -73,7 +73,7 @@ c-tests: $(CTEST_BIN)
 HASH := \#
 OPENMP_FLAG = $(shell printf '$(HASH)include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n' | \
   $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
-build/ctests/test_scaler_openmp: tests/c/test_scaler_openmp.c tests/c/test_scaler.c $(CORE_SRC) $(CORE_HDR)
+build/ctests/test_amp_openmp: tests/c/test_amp_openmp.c tests/c/test_amp.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)
 	$(CC) $(CTEST_CFLAGS) $(OPENMP_FLAG) -o $@ $< $(CORE_SRC) -lm -ldl
 

@@ -1,4 +1,4 @@
-/* Timing helpers shared by the C probes in benchmarks/ (comm_phases.c, comm_tune.c): a monotonic
+/* Timing helpers shared by the C probes in benchmarks/ (parallel_comm_phases.c, parallel_comm_tune.c): a monotonic
  * clock in seconds and a comparator for qsort-ing samples to take medians. Header-only because the
  * probes are built by hand, one cc line each (see their file headers). */
 #ifndef LLMMEM_BENCH_CLOCK_H

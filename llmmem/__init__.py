@@ -7,16 +7,14 @@ needs them is first used. ``python -m llmmem info`` says what this installation 
 from __future__ import annotations
 
 import importlib
-import sys as _sys
-import types as _types
 
 __version__ = "0.1.0"
 
 # Public name -> module that defines it. Resolved lazily (PEP 562) so that importing llmmem does
 # not import torch; `python -m llmmem estimate llama-7b` needs neither torch nor a GPU.
 _LAZY = {
-    "estimate": "llmmem.estimate",
-    "Estimate": "llmmem.estimate",
+    "estimate": "llmmem.estimation",
+    "Estimate": "llmmem.estimation",
     "parse_bytes": "llmmem.units",
     "format_bytes": "llmmem.units",
     "LlmmemError": "llmmem.errors",
@@ -29,25 +27,23 @@ _LAZY = {
     "StateError": "llmmem.errors",
     "InternalError": "llmmem.errors",
     "info": "llmmem.diagnostics",
-    # activation checkpointing and the recompute planner (issue 4). The module is not named
-    # llmmem/checkpoint.py: importing a submodule sets it as an attribute of the package, which
-    # would replace the function llmmem.checkpoint by a module depending on import order.
+    # activation checkpointing and the recompute planner
     "checkpoint": "llmmem.checkpointing",
     "checkpoint_sequential": "llmmem.checkpointing",
     "CheckpointError": "llmmem.checkpointing",
-    "profile_blocks": "llmmem.planner",
-    "plan_checkpoints": "llmmem.planner",
-    "auto_checkpoint": "llmmem.planner",
-    "selective_context_fn": "llmmem.selective",
-    "recompute_cheap": "llmmem.remat",
-    # dynamic loss scaling (issue 3)
+    "profile_blocks": "llmmem.checkpointing",
+    "plan_checkpoints": "llmmem.checkpointing",
+    "auto_checkpoint": "llmmem.checkpointing",
+    "selective_context_fn": "llmmem.checkpointing",
+    "recompute_cheap": "llmmem.checkpointing",
+    # mixed precision
     "GradScaler": "llmmem.amp",
-    # caching memory pool (issue 5)
+    # caching memory pool
     "MemoryPool": "llmmem.pool",
     "use_pool": "llmmem.pool",
     "install_allocator": "llmmem.pool",
     "torch_oom_errors": "llmmem.pool",
-    # tensor parallelism (issue 6)
+    # tensor parallelism
     "ColumnParallelLinear": "llmmem.parallel",
     "RowParallelLinear": "llmmem.parallel",
     "VocabParallelEmbedding": "llmmem.parallel",
@@ -69,16 +65,3 @@ def __getattr__(name: str):
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
-
-class _Package(_types.ModuleType):
-    # Importing a submodule binds it as an attribute of its package. llmmem/estimate.py shares its
-    # name with the function llmmem.estimate, so `import llmmem.estimate` (or llmmem.Estimate, which
-    # imports it) would replace the function by the module. Public names keep their objects; the
-    # submodule stays reachable through sys.modules and `from llmmem.estimate import ...`.
-    def __setattr__(self, name, value):
-        if name in _LAZY and isinstance(value, _types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package

@@ -13,8 +13,8 @@ import sys
 # subcommand -> module exposing register_cli(subparsers), which adds a parser whose
 # defaults carry `func(args) -> int`.
 _SUBCOMMANDS = {
-    "info": "llmmem.diagnostics",
-    "estimate": "llmmem.estimate",
+    "info": "llmmem.diagnostics.info",
+    "estimate": "llmmem.estimation.cli",
 }
 
 

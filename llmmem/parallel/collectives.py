@@ -2,9 +2,9 @@
 
 ``all_reduce_`` (sum, in place), ``all_gather`` and ``reduce_scatter`` (along any dimension) go to:
 
-- llmmem's shared-memory collectives (``csrc/comm/shm_*.c``) for CPU tensors when every rank of
+- llmmem's shared-memory collectives (``csrc/parallel/shm_*.c``) for CPU tensors when every rank of
   the group is on this host and the message is at most ``cpu_shm_max_bytes``;
-- llmmem's CUDA IPC all-reduce (``csrc/comm/cuda_allreduce.cu``) for small CUDA all-reduces when
+- llmmem's CUDA IPC all-reduce (``csrc/parallel/cuda_allreduce.cu``) for small CUDA all-reduces when
   every rank is on this node and peer buffers could be opened (``cuda_ipc_max_bytes``). **Opt-in**
   (``LLMMEM_TP_CUDA_IPC=1``): it has not yet been validated on GPUs, so by default CUDA tensors go
   to NCCL;
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
-# Defaults from benchmarks/bench_comm.py: on CPU our shared-memory path beat gloo at every size we
+# Defaults from benchmarks/bench_parallel_comm.py: on CPU our shared-memory path beat gloo at every size we
 # measured (4 KiB .. 64 MiB), so it is used for everything; on CUDA the one-shot kernel is meant for
 # latency-bound messages, NCCL's bandwidth-optimal rings win above a few hundred KiB.
 _DEFAULT_SHM_MAX = 1 << 62
@@ -181,7 +181,8 @@ def _cuda_for(tensor: torch.Tensor, group):
         from llmmem.parallel import cuda_ipc
 
         try:
-            _cuda_comms[key] = cuda_ipc.CudaIpcCommunicator.setup(key, tensor.device, timeout=_timeout_s)
+            _cuda_comms[key] = cuda_ipc.CudaIpcCommunicator.setup(
+                key, tensor.device, timeout=_timeout_s, max_bytes=_thresholds["cuda_ipc_max_bytes"])
         except cuda_ipc.SetupError as exc:
             _warn_fallback("CUDA IPC all-reduce", exc)
             _cuda_comms[key] = None

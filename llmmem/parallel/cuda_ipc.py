@@ -31,12 +31,11 @@ class CudaIpcCommunicator:
         self.rank, self.world_size, self.max_bytes, self.device = rank, world_size, max_bytes, device
 
     @classmethod
-    def setup(cls, group, device: torch.device, *, timeout: float, max_bytes: int | None = None):
-        from llmmem.parallel.collectives import get_collective_thresholds
-
+    def setup(cls, group, device: torch.device, *, timeout: float, max_bytes: int):
+        """``max_bytes``: the largest message the engine serves (its buffers are sized for it,
+        rounded up to 256 B and capped at 64 MiB)."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if max_bytes is None:
-            max_bytes = min(get_collective_thresholds()["cuda_ipc_max_bytes"], 64 << 20)
+        max_bytes = min(max_bytes, 64 << 20)
         max_bytes = max(256, (max_bytes + 255) // 256 * 256)
         handle, ipc, error = None, None, None
         if not available():

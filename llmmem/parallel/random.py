@@ -77,9 +77,9 @@ class RNGStatesTracker:
         self._states: dict[str, dict] = {}   # name -> {"cpu": state, <cuda index>: state}
         self._active: set[str] = set()
         self._lock = threading.Lock()
-        from llmmem.checkpointing import _register_rng_tracker
+        from llmmem.checkpointing.replay import register_rng_tracker
 
-        _register_rng_tracker(self)
+        register_rng_tracker(self)
 
     def reset(self) -> None:
         """Forget every stream."""

@@ -1,11 +1,11 @@
-"""Shared-memory collectives between the CPU ranks of one host (the Python side of csrc/comm/shm_*.c).
+"""Shared-memory collectives between the CPU ranks of one host (the Python side of csrc/parallel/shm_*.c).
 
 Set-up is collective over the torch.distributed group: the ranks exchange their host identity
 (hostname + kernel boot id), rank 0 picks a fresh segment name, every rank joins it, and all ranks
 agree on the outcome, so either every rank uses the segment or none does. The segment's name is
 removed as soon as every rank has mapped it, so a crash after set-up leaves nothing in /dev/shm; a
 crash during set-up is cleaned up by the surviving ranks or, if none survives, by the next set-up
-on the host (csrc/comm/shm_setup.c). Waits poll for signals: Ctrl-C raises KeyboardInterrupt
+on the host (csrc/parallel/shm_setup.c). Waits poll for signals: Ctrl-C raises KeyboardInterrupt
 within ~50 ms (the peers then fail with an error naming the interrupted rank).
 """
 

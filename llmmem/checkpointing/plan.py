@@ -1,0 +1,240 @@
+"""Memory-budgeted activation checkpointing: measure a chain of blocks, plan it in C, run the plan.
+
+* :func:`profile_blocks` measures, per block and per mode, forward and backward times (median of
+  repeats) and the bytes autograd keeps for backward (every storage counted once, parameters and
+  buffers excluded), on the CPU or a CUDA device.
+* :func:`plan_checkpoints` hands those costs to the C planner (Rotor's dynamic program,
+  csrc/checkpointing/) and returns a :class:`CheckpointPlan`: which blocks run normally, which selectively,
+  which inside (nested) checkpointed regions; with its predicted peak, held bytes and time.
+* :func:`auto_checkpoint` does both and returns a module that runs the plan.
+
+Modes of a block: ``"store-all"`` (autograd keeps its tape), ``"selective"`` (keeps matmul and
+attention outputs, recomputes the rest: :mod:`llmmem.checkpointing.selective`), ``"recompute-cheap"`` (keeps the
+tape but rebuilds in backward the tensors one elementwise operator or a LayerNorm makes from kept
+ones, such as GELU outputs and dropped-out attention probabilities: :mod:`llmmem.checkpointing.remat`), and,
+from regions of one block, ``"store-input-only"``. Budgets: bytes (``int``), a string (``"6GB"``,
+``"512MiB"``) or a fraction (``float`` in (0, 1]) of the activation memory of the chain without
+checkpointing.
+
+With ``offload=True`` the planner may also keep the input of a top-level region in host memory
+(``llmmem.checkpoint(offload=True)``): zero device bytes for that input between the region's forward
+and its backward, at a transfer cost of ``bytes / host_bandwidth`` for the copy back (on the critical
+path: these regions are not prefetched, so the memory model stays exact) plus whatever part of the
+copy out is not hidden behind the region's own forward. That is what fits budgets below the
+every-layer checkpointing minimum. The model is in csrc/include/llmmem/checkpointing.h.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from llmmem._native import native
+from llmmem.checkpointing.profile import ChainProfile, median_time, profile_blocks
+from llmmem.errors import InfeasibleError
+from llmmem.units import format_bytes, parse_bytes
+
+__all__ = ["plan_checkpoints", "CheckpointPlan", "measure_host_bandwidth", "DEFAULT_HOST_BANDWIDTH",
+           "DEFAULT_SLOTS"]
+
+DEFAULT_SLOTS = None  # 2000 for identical blocks or short chains (cheap), else 500
+# Bytes per second of a host<->device copy when none is measured: a PCIe 4.0 x16 link moves about
+# 25 GB/s of pinned memory in practice (the theoretical 32 GB/s less protocol overhead). On the CPU
+# there is no link at all (the "device" is host memory), so offload costs there are this model only.
+DEFAULT_HOST_BANDWIDTH = 25e9
+
+
+def _default_slots(profile) -> int:
+    chain = profile.to_chain()
+    identical = all(chain[k][i] == chain[k][0] for k in ("fwd_time", "bwd_time", "saved_bytes")
+                    for i in range(profile.n_blocks))
+    return 2000 if identical or profile.n_blocks <= 32 else 500
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass
+class CheckpointPlan:
+    """The planner's answer for one chain and budget (all byte figures are predictions).
+
+    ``modes[i]`` is the mode block ``i`` keeps its tape in (inside a region: during the recompute);
+    ``regions`` are the checkpointed ranges ``[start, end)`` in pre-order (outer before inner);
+    ``offloaded`` the (top-level) ones among them whose input is kept in host memory. With
+    offloading, ``predicted_time`` includes ``predicted_transfer_time`` (modelled from
+    ``host_bandwidth``, bytes/s), and ``predicted_held_bytes`` counts device bytes only
+    (``predicted_host_bytes`` are on the host).
+    """
+
+    modes: list
+    regions: list
+    budget_bytes: int
+    min_budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_held_bytes: int
+    predicted_time: float
+    predicted_overhead_time: float
+    no_checkpoint_peak_bytes: int
+    profile: ChainProfile = field(repr=False)
+    offloaded: list = field(default_factory=list)
+    predicted_transfer_time: float = 0.0
+    predicted_host_bytes: int = 0
+    host_bandwidth: float | None = None
+    host_bandwidth_measured: bool = False
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.modes)
+
+    def depth(self, i: int) -> int:
+        """How many regions contain block ``i``."""
+        return sum(1 for s, e in self.regions if s <= i < e)
+
+    def block_label(self, i: int) -> str:
+        inner = [(s, e) for s, e in self.regions if s <= i < e]
+        if not inner:
+            return self.modes[i]
+        host = ", input on host" if any(s <= i < e for s, e in self.offloaded) else ""
+        if len(inner) == 1 and inner[0] == (i, i + 1):
+            return "store-input-only" + host
+        s, e = min(inner, key=lambda r: r[1] - r[0])
+        return f"recomputed in [{s},{e}) depth {len(inner)}{host}"
+
+    def describe(self) -> str:
+        """A readable table of the plan and its predictions."""
+        p = self.profile
+        rows = [f"{'block':>5}  {'plan':<32} {'fwd ms':>8} {'bwd ms':>8} {'input':>11} {'kept (store-all)':>17}"]
+        for i in range(self.n_blocks):
+            k = p.modes.index(self.modes[i])
+            rows.append(f"{i:>5}  {self.block_label(i):<32} {1e3 * p.fwd_time[i][k]:>8.3f} {1e3 * p.bwd_time[i][k]:>8.3f} "
+                        f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}")
+        base = self.predicted_time - self.predicted_overhead_time
+        what = "recompute and transfers" if self.offloaded else "recompute"
+        rows += ["",
+                 f"budget                {format_bytes(self.budget_bytes)}  (least feasible "
+                 f"{format_bytes(self.min_budget_bytes)}; no checkpointing needs {format_bytes(self.no_checkpoint_peak_bytes)})",
+                 f"predicted peak        {format_bytes(self.predicted_peak_bytes)}",
+                 f"held after forward    {format_bytes(self.predicted_held_bytes)}"
+                 + (" on the device" if self.offloaded else ""),
+                 f"predicted step time   {1e3 * self.predicted_time:.2f} ms  (+{100 * self.predicted_overhead_time / base:.1f}% "
+                 f"{what} over no checkpointing)" if base > 0 else
+                 f"predicted step time   {1e3 * self.predicted_time:.2f} ms",
+                 f"regions               {self.regions if self.regions else 'none'}"]
+        if self.host_bandwidth is not None:
+            source = "measured" if self.host_bandwidth_measured else "assumed, not measured"
+            if self.offloaded:
+                rows += [f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} "
+                         f"on the host after the forward",
+                         f"transfer time         {1e3 * self.predicted_transfer_time:.2f} ms of the step (modelled at "
+                         f"{self.host_bandwidth / 1e9:.1f} GB/s, {source}: copy back not prefetched, copy out hidden "
+                         f"behind the region's forward)"]
+            else:
+                rows.append(f"offloaded to host     none (allowed at {self.host_bandwidth / 1e9:.1f} GB/s, {source})")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _resolve_budget(budget, reference_peak: int, who: str) -> int:
+    if isinstance(budget, bool):
+        raise ValueError(f"{who}: budget must be bytes, a string like '6GB' or a fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"{who}: a fractional budget must be in (0, 1], got {budget!r}")
+        return int(budget * reference_peak)
+    return parse_bytes(budget, name=f"{who}: budget")
+
+
+def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, bool]:
+    """Bytes per second of a copy between pinned host memory and ``device``, and whether it was measured.
+
+    On a CUDA device: the slower direction of ``nbytes`` copies each way (median of ``repeats``).
+    On the CPU there is nothing to copy across, so :data:`DEFAULT_HOST_BANDWIDTH` is returned with
+    ``measured=False``. Memory: ``nbytes`` on the device and pinned on the host, briefly;
+    synchronises the device.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_HOST_BANDWIDTH, False
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        seconds = median_time(lambda: dst.copy_(src, non_blocking=True), repeats, device)
+        rates.append(nbytes / max(seconds, 1e-9))
+    del host, dev
+    return min(rates), True
+
+
+def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainProfile | None = None,
+                     slots: int = DEFAULT_SLOTS, fast_path: bool = True, offload: bool = False,
+                     host_bandwidth: float | None = None, **profile_options) -> CheckpointPlan:
+    """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``.
+
+    :param blocks: the chain (as for :func:`profile_blocks`); may be ``None`` with ``profile=``.
+    :param sample_input: input of the first block (not needed with ``profile=``).
+    :param budget: bytes, a string (``"6GB"``), or a fraction of the no-checkpoint peak.
+    :param profile: reuse a :class:`ChainProfile` instead of measuring.
+    :param slots: memory discretisation of the DP (more: closer to optimal, slower); default 2000
+        for identical blocks or chains of at most 32 blocks, else 500.
+    :param offload: also consider keeping the inputs of top-level regions in host memory (see the
+        module docstring for the cost model); the plan says which in ``.offloaded``.
+    :param host_bandwidth: bytes per second of a host<->device copy, for ``offload=True``. Default:
+        measured on a CUDA device (:func:`measure_host_bandwidth`), :data:`DEFAULT_HOST_BANDWIDTH` on the CPU.
+    :raises llmmem.InfeasibleError: (a ``ValueError``) when no plan fits; the message states the
+        smallest feasible budget, also in ``.min_budget_bytes``.
+
+    Memory and time: profiling (see :func:`profile_blocks`), then the C solver (milliseconds for
+    identical blocks; O(L³·slots) otherwise), which runs without the GIL.
+    """
+    if not isinstance(offload, bool):
+        raise ValueError(f"plan_checkpoints: offload must be True or False, got {offload!r}")
+    if host_bandwidth is not None:
+        if (isinstance(host_bandwidth, bool) or not isinstance(host_bandwidth, (int, float))
+                or not math.isfinite(host_bandwidth) or host_bandwidth <= 0):
+            raise ValueError(f"plan_checkpoints: host_bandwidth must be a finite number of bytes per second > 0, "
+                             f"got {host_bandwidth!r}")
+        if not offload:
+            raise ValueError("plan_checkpoints: host_bandwidth is only used with offload=True")
+    if profile is None:
+        if blocks is None or sample_input is None:
+            raise ValueError("plan_checkpoints: give blocks and sample_input, or profile=")
+        profile = profile_blocks(blocks, sample_input, **profile_options)
+    elif profile_options:
+        raise ValueError(f"plan_checkpoints: {sorted(profile_options)} only apply when profiling (profile=None)")
+    if slots is None:
+        slots = _default_slots(profile)
+    if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 100000:
+        raise ValueError(f"plan_checkpoints: slots must be an int in 1..100000, got {slots!r}")
+    measured = False
+    if offload and host_bandwidth is None:
+        host_bandwidth, measured = measure_host_bandwidth(profile.device)
+    chain = profile.to_chain(host_bandwidth if offload else 0.0)
+    reference = native.plan_simulate(chain, [0] * profile.n_blocks, [])["peak_bytes"]
+    budget_bytes = _resolve_budget(budget, reference, "plan_checkpoints")
+    try:
+        result = native.plan_solve(chain, budget_bytes, slots, fast_path=fast_path)
+    except InfeasibleError:
+        least = native.plan_min_budget(chain)
+        with_offload = " with offloading" if offload else " (offload=True may lower it)"
+        err = InfeasibleError(
+            f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); the smallest "
+            f"feasible budget for these blocks and this input{with_offload} is {least} bytes ({format_bytes(least)}), "
+            f"{100 * least / reference:.1f}% of the {format_bytes(reference)} needed without checkpointing")
+        err.min_budget_bytes = least
+        raise err from None
+    return CheckpointPlan(modes=[profile.modes[k] for k in result["modes"]],
+                          regions=[tuple(r) for r in result["regions"]], budget_bytes=budget_bytes,
+                          min_budget_bytes=result["min_budget_bytes"], predicted_peak_bytes=result["peak_bytes"],
+                          predicted_held_bytes=result["held_bytes"], predicted_time=result["time"],
+                          predicted_overhead_time=result["overhead_time"], no_checkpoint_peak_bytes=reference,
+                          profile=profile, offloaded=[tuple(r) for r in result["offloaded"]],
+                          predicted_transfer_time=result["transfer_time"], predicted_host_bytes=result["host_bytes"],
+                          host_bandwidth=float(host_bandwidth) if offload else None,
+                          host_bandwidth_measured=measured)
+

@@ -1,0 +1,142 @@
+"""What a recompute replays: the RNG streams (default generators, accelerators, and registered
+trackers such as tensor-parallel dropout's), the autocast state, and the operator log of
+``debug=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable
+
+import torch
+import torch.utils._python_dispatch
+
+from llmmem._devices import cuda_index
+
+__all__ = ["register_rng_tracker", "has_rng_trackers", "ReplayTrackers", "RngState", "autocast_state",
+           "accelerator_type", "OpLog"]
+
+
+def accelerator_type(tensors) -> str | None:
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device.type
+    return None
+
+
+# Random streams kept outside the default generators (llmmem.parallel.random.RNGStatesTracker,
+# whose fork() swaps a stream into the default generators for split-region dropout). A region that
+# forks one draws from the stream's state at forward time; the recompute runs later, after the
+# stream has moved on, so the stream's state must be stashed and replayed like the default
+# generators', or the recomputed mask (and so every gradient) differs from the forward's.
+# Objects with get_states() -> states and set_states(states); held weakly.
+_RNG_TRACKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_rng_tracker(tracker) -> None:
+    """Have every checkpoint replay ``tracker``'s streams (``get_states()``/``set_states()``) in its
+    recompute, as it replays the default generators. Held weakly."""
+    _RNG_TRACKERS.add(tracker)
+
+
+def has_rng_trackers() -> bool:
+    return len(_RNG_TRACKERS) > 0
+
+
+class ReplayTrackers:
+    """For torch's reentrant checkpoint, which replays only the default generators: the first call
+    (the forward) stashes the registered trackers' streams, later calls (recomputes) replay them."""
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        self.states = None
+
+    def __call__(self, *args):
+        if self.states is None:
+            self.states = _stash_trackers()
+            return self.function(*args)
+        with _replayed_trackers(self.states):
+            return self.function(*args)
+
+
+def _stash_trackers() -> list:
+    return [(t, t.get_states()) for t in list(_RNG_TRACKERS)]
+
+
+@contextlib.contextmanager
+def _replayed_trackers(stashed: list):
+    """The trackers' streams as stashed, for a recompute; as fork_rng does for the default
+    generators, the streams' current (backward-time) states come back afterwards, so the
+    recompute does not move them on."""
+    current = [(t, t.get_states()) for t, _ in stashed]
+    for t, states in stashed:
+        t.set_states(states)
+    try:
+        yield
+    finally:
+        for t, states in current:
+            t.set_states(states)
+
+
+class RngState:
+    """CPU RNG, the RNG of the CUDA devices the inputs are on (and the current one), the RNG of any
+    other accelerator the inputs are on (XPU, MPS, ...), and the streams of the registered RNG
+    trackers (tensor-parallel dropout): dropout must replay identically on recompute."""
+
+    def __init__(self, tensors) -> None:
+        self.cpu = torch.get_rng_state()
+        self.trackers = _stash_trackers()
+        self.cuda_was_initialized = torch.cuda.is_initialized()
+        self.cuda_devices: list[int] = []
+        self.cuda_states: list[torch.Tensor] = []
+        if self.cuda_was_initialized:
+            devs = {cuda_index(t.device) for t in tensors if t.device.type == "cuda"}
+            devs.add(torch.cuda.current_device())
+            self.cuda_devices = sorted(devs)
+            self.cuda_states = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        # Other accelerators go through torch's own per-device-type helpers (first type found, as torch).
+        others = sorted({t.device.type for t in tensors} - {"cpu", "cuda", "meta"})
+        self.other_type = others[0] if others else None
+        self.other_devices: list[int] = []
+        self.other_states: list[torch.Tensor] = []
+        if self.other_type is not None:
+            from torch.utils.checkpoint import get_device_states
+
+            self.other_devices, self.other_states = get_device_states(
+                *[t for t in tensors if t.device.type == self.other_type])
+
+    @contextlib.contextmanager
+    def restored(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices, enabled=True, device_type="cuda"))
+            if self.other_type is not None:
+                stack.enter_context(torch.random.fork_rng(devices=self.other_devices, enabled=True,
+                                                          device_type=self.other_type))
+            torch.set_rng_state(self.cpu)
+            for d, s in zip(self.cuda_devices, self.cuda_states):
+                torch.cuda.set_rng_state(s, d)
+            if self.other_type is not None:
+                from torch.utils.checkpoint import set_device_states
+
+                set_device_states(self.other_devices, self.other_states, device_type=self.other_type)
+            with _replayed_trackers(self.trackers):
+                yield
+
+
+def autocast_state(device_type: str) -> dict:
+    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """debug=True: the names of the operators run, in order."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.log.append(str(func))
+        return func(*args, **(kwargs or {}))
+

@@ -1,0 +1,85 @@
+"""Selective recompute (Megatron-LM style) as a ``context_fn`` for :func:`llmmem.checkpoint`.
+
+``llmmem.checkpoint(block, x, context_fn=selective_context_fn)`` keeps the outputs of the
+expensive operators (matrix multiplies: the Linear layers; fused attention kernels) and recomputes
+everything else in backward: normalisations, activations, softmax, dropout, and the explicit
+attention products ``QK^T`` / ``PV`` whose ``(b, heads, s, s)`` tensors are the large term of a
+transformer layer's activations (Korthikanti et al. 2022: keep ``34·sbh``, drop ``5·as²b``).
+
+How: during the forward a dispatch mode stores a detached reference to each kept operator's output;
+during the recompute a second mode hands those outputs back, in order, instead of running the
+operator again. Memory cost: the kept outputs (plus the block input, kept by the checkpoint) until
+backward has used them. Time cost: recomputing the cheap operators.
+
+Not nestable: the kept outputs are held by this mode, outside the saved-tensor mechanism, so a
+selective block inside a checkpointed region would still hold them during the forward. The planner
+only uses this mode at the top level.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmmem.checkpointing.errors import CheckpointError
+from llmmem.checkpointing.observers import notify_kept
+
+__all__ = ["selective_context_fn", "KEPT_OPERATORS"]
+
+_aten = torch.ops.aten
+
+
+def _overloads(*names):
+    found = []
+    for name in names:
+        packet = getattr(_aten, name, None)
+        if packet is not None:
+            found.append(packet)
+    return frozenset(found)
+
+
+# Operators whose outputs are kept: they are the costly ones to recompute (matmul FLOPs).
+KEPT_OPERATORS = _overloads(
+    "mm", "addmm", "_scaled_mm", "_int_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+
+class _Keep(TorchDispatchMode):
+    def __init__(self, store: deque) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in KEPT_OPERATORS:
+            kept = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+            versions = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, out)
+            self.store.append((func, kept, versions))
+            torch.utils._pytree.tree_map_only(torch.Tensor, notify_kept, kept)
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    def __init__(self, store: deque) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in KEPT_OPERATORS and self.store and self.store[0][0] == func:
+            _, kept, versions = self.store.popleft()
+            now = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, kept)
+            if now != versions:
+                raise CheckpointError(f"llmmem selective recompute: the output of {func} was modified in place after "
+                                      "the forward kept it; run this block in store-all mode instead")
+            return kept
+        return func(*args, **(kwargs or {}))
+
+
+def selective_context_fn():
+    """``context_fn`` for :func:`llmmem.checkpoint`: keep matmul/attention outputs, recompute the rest."""
+    store: deque = deque()
+    return _Keep(store), _Replay(store)

@@ -1,0 +1,197 @@
+"""Live tensor bytes, counted exactly on any device: the allocator-free measure of memory that the
+tracker, the planner's CPU profiles and ``python -m llmmem compare`` share.
+
+:class:`LiveBytes` is a dispatch mode. Every storage that an operator run inside it returns is
+counted, once, from the moment it appears until the storage is freed (a weak reference to the
+storage's Python object, which PyTorch keeps exactly as long as the storage itself). Views share
+their storage, so they cost nothing more; in-place operators that grow a storage (``resize_``,
+``out=``) are re-read. Storages made before the mode was entered are counted when given to
+:meth:`LiveBytes.track` (a model's parameters, an optimizer's state) or, with ``existing="gc"``,
+every tensor the garbage collector can see when the mode starts.
+
+What it does not see: memory that no tensor storage owns (an allocator's cache, a kernel's
+scratch buffer), and tensors made on threads the mode is not active on (autograd's backward
+threads inherit it; other threads do not).
+
+Cost: a Python call per operator and a weak reference per new storage, so it is a diagnostic,
+not something to leave on in production; it never changes what the operators compute.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes", "device_key"]
+
+# (event, storage id, device key, bytes): event is "alloc", "free" or "resize" (bytes is then the change)
+Listener = Callable[[str, int, str, int], None]
+
+
+def device_key(device: torch.device) -> str:
+    """``"cpu"`` or ``"cuda:0"``: the key of a device in :class:`LiveBytes`' counters."""
+    if device.type == "cpu":
+        return "cpu"
+    return f"{device.type}:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Context manager counting the bytes of live tensor storages, per device, and their peak.
+
+    :param existing: ``"gc"`` to count, on entry, every tensor the garbage collector can reach
+        (so that ``allocated()`` is the process's live tensor bytes, not only those made inside);
+        ``None`` (default) to count only what is made inside or given to :meth:`track`.
+
+    ``allocated(device)`` and ``max_allocated(device)`` mirror ``torch.cuda.memory_allocated`` and
+    ``torch.cuda.max_memory_allocated`` (bytes of storages, not of an allocator's rounded blocks).
+    """
+
+    def __init__(self, existing: str | None = None) -> None:
+        super().__init__()
+        if existing not in (None, "gc"):
+            raise ValueError(f"existing: expected None or 'gc', got {existing!r}")
+        self._existing = existing
+        # id(storage) -> [weakref, device key, bytes]. A storage may be freed on another thread
+        # (autograd's), and a weak-reference callback may run inside any allocation, so every
+        # change holds a re-entrant lock.
+        self._entries: dict[int, list] = {}
+        self._lock = threading.RLock()
+        self._current: dict[str, int] = defaultdict(int)
+        self._peak: dict[str, int] = defaultdict(int)
+        self.listeners: list[Listener] = []
+
+    # -- counting -------------------------------------------------------------------------------
+    def track(self, tensors: Iterable) -> None:
+        """Count the storages of ``tensors`` (any nesting of lists, tuples and dicts; modules'
+        parameters and buffers; an optimizer's state) if they are not counted yet."""
+        for t in _tensors_of(tensors):
+            self._see(t)
+
+    def _see(self, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+            return
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return  # wrapper subclasses (DTensor, FakeTensor): their inner tensors are counted
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # no storage (functional or sparse tensors)
+        nbytes = storage.nbytes()
+        key = id(storage)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]() is storage:
+                if entry[2] != nbytes:  # grown or shrunk in place
+                    self._change(entry[1], nbytes - entry[2])
+                    entry[2] = nbytes
+                    self._notify("resize", key, entry[1], nbytes)
+                return
+            if nbytes == 0:
+                return
+            dev = device_key(t.device)
+            ref = weakref.ref(storage, self._freed_callback(key))
+            self._entries[key] = [ref, dev, nbytes]
+            self._change(dev, nbytes)
+            self._notify("alloc", key, dev, nbytes)
+
+    def _freed_callback(self, key: int):
+        # A closure over a weak reference to the counter, so that a storage outliving the counter
+        # does not keep the counter alive.
+        me = weakref.ref(self)
+
+        def freed(ref) -> None:
+            owner = me()
+            if owner is None:
+                return
+            with owner._lock:
+                entry = owner._entries.get(key)
+                if entry is None or entry[0] is not ref:
+                    return  # the id was reused by a storage counted since
+                del owner._entries[key]
+                owner._change(entry[1], -entry[2])
+                owner._notify("free", key, entry[1], entry[2])
+
+        return freed
+
+    def _change(self, dev: str, delta: int) -> None:
+        now = self._current[dev] + delta
+        self._current[dev] = now
+        if now > self._peak[dev]:
+            self._peak[dev] = now
+
+    def _notify(self, event: str, key: int, dev: str, nbytes: int) -> None:
+        for listener in self.listeners:
+            listener(event, key, dev, nbytes)
+
+    # -- reading --------------------------------------------------------------------------------
+    def allocated(self, device="cpu") -> int:
+        """Bytes of live counted storages on ``device`` now."""
+        return self._current.get(_as_key(device), 0)
+
+    def max_allocated(self, device="cpu") -> int:
+        """The most :meth:`allocated` has been since the start or the last :meth:`reset_peak`."""
+        return self._peak.get(_as_key(device), 0)
+
+    def reset_peak(self, device=None) -> None:
+        """Start the peak over from what is live now (on ``device``, or on every device)."""
+        with self._lock:
+            for dev in ([_as_key(device)] if device is not None else list(self._current)):
+                self._peak[dev] = self._current.get(dev, 0)
+
+    def devices(self) -> list[str]:
+        return sorted(set(self._current) | set(self._peak))
+
+    def storage_bytes(self, t: torch.Tensor) -> int | None:
+        """The counted bytes of ``t``'s storage, or None if it is not counted."""
+        storage = t.untyped_storage()
+        entry = self._entries.get(id(storage))
+        return entry[2] if entry is not None and entry[0]() is storage else None
+
+    # -- the mode -------------------------------------------------------------------------------
+    def __enter__(self):
+        out = super().__enter__()
+        if self._existing == "gc":
+            self.track(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        if func is torch.ops.aten.resize_.default or func is torch.ops.aten.set_.source_Storage:
+            self._see(args[0])
+        return out
+
+
+def _as_key(device) -> str:
+    if isinstance(device, str) and (device == "cpu" or ":" in device):
+        return device
+    return device_key(torch.device(device))
+
+
+def _tensors_of(obj) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if isinstance(obj, torch.nn.Parameter) and obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+        yield from (p.grad for p in obj.parameters() if p.grad is not None)
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from _tensors_of(state)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple, set)) or hasattr(obj, "__next__"):
+        for v in obj:
+            yield from _tensors_of(v)

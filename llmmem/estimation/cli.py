@@ -1,0 +1,72 @@
+"""``python -m llmmem estimate``: the estimator on a named model or explicit dimensions."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from llmmem.estimation import model_configs
+from llmmem.estimation.estimator import OPTIMIZERS, PRECISIONS, estimate
+from llmmem.estimation.model_configs import ModelConfig
+
+__all__ = ["register_cli"]
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="memory needed to train a model, and what makes it fit",
+        description="Per-device training memory (bytes) for a named model or explicit dimensions.")
+    p.add_argument("model", nargs="?", help=f"one of: {', '.join(model_configs.NAMED_MODELS)} "
+                                            "(or give --layers --hidden --heads --vocab ...)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch per data-parallel rank (default 1)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--precision", default="bf16-mixed", help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
+    p.add_argument("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
+    p.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (default 0)")
+    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel size (default 1)")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument("--checkpointing", default="none", help="none, selective, full or every-K (default none)")
+    p.add_argument("--attention", default=None, help="explicit or sdpa (default: the model's; explicit)")
+    p.add_argument("--device-type", default="cuda", help="cuda or cpu (default cuda)")
+    p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB, 80GiB or bytes")
+    p.add_argument("--json", action="store_true", help="print every number as JSON (bytes)")
+    dims = p.add_argument_group("explicit dimensions (override a named model's, or describe an unnamed one)")
+    for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
+        dims.add_argument(f"--{flag}", type=int, default=None)
+    dims.add_argument("--mlp", default=None, help="gelu or swiglu")
+    dims.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                      help="output head shares the token embedding")
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args) -> int:
+    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp",
+                                               "tied_embeddings") if getattr(args, k) is not None}
+    if args.model is not None:
+        model = model_configs.lookup(args.model)
+        if overrides:
+            fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+            if "mlp" in overrides and "ffn" not in overrides:
+                fields["ffn"] = None  # re-derive the width for the new MLP kind
+            if "heads" in overrides and "kv_heads" not in overrides:
+                fields["kv_heads"] = None
+            fields.update(overrides, name=f"{model.name} (modified)")
+            model = ModelConfig(**fields)
+    elif overrides:
+        model = model_configs.from_mapping(overrides)
+    else:
+        raise ValueError(f"model: give a model name ({', '.join(model_configs.NAMED_MODELS)}) "
+                         "or explicit dimensions (--layers --hidden --heads --vocab)")
+    est = estimate(model, batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
+                   zero_stage=args.zero_stage, data_parallel=args.data_parallel,
+                   tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel,
+                   checkpointing=args.checkpointing, attention=args.attention, device_type=args.device_type,
+                   device_memory=args.device_memory)
+    if args.json:
+        import json
+
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(est)
+    return 0
