@@ -2,7 +2,8 @@
 # the README commands, the sanitized C unit tests and the benchmarks.
 #
 #   make demo        the main job (see README), setting up the environment first
-#   make test        the whole test suite (C tests under ASan+UBSan, then pytest), set-up included
+#   make test        the whole test suite (lint, C tests under ASan+UBSan, pytest), set-up included
+#   make lint        ruff (lint + format check) and clang-format --dry-run; make format fixes
 #   make test-c      only the C unit tests, built with the system compiler, no Python involved
 #   make bench       the CPU benchmarks (JSON under benchmarks/results/)
 #   make fuzz-pool   libFuzzer on the pool's C API for FUZZ_SECONDS (default 30), clang needed
@@ -25,7 +26,7 @@ CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initial
 export ASAN_OPTIONS ?= detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS ?= print_stacktrace=1
 
-.PHONY: demo test test-c c-tests env bench clean fuzz-pool
+.PHONY: demo test test-c c-tests env bench clean fuzz-pool lint format
 
 env:
 	@bash scripts/setup_env.sh
@@ -35,8 +36,28 @@ demo: env
 
 # pytest builds and runs the C tests too (tests/test_c_core.py), so this is the one test command.
 # The pytest script (not `python -m pytest`) keeps the checkout off sys.path: the installed llmmem is tested.
-test: env
+test: env lint
 	$(LLMMEM_VENV)/bin/pytest
+
+# Style is checked, never fixed, by the test command: ruff (lint + format) on Python, clang-format
+# on C/CUDA. `make format` fixes what it can.
+C_FORMATTED = $(shell git ls-files 'csrc/*.c' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests/c/*.c' 'tests/c/*.h' \
+  'tests/c/*.cc' 'tests/fuzz/*.c' 'benchmarks/*.c' 'benchmarks/*.h' 2>/dev/null)
+CLANG_FORMAT ?= $(shell command -v clang-format 2>/dev/null)
+
+lint: env
+	$(LLMMEM_VENV)/bin/ruff check --no-cache .
+	$(LLMMEM_VENV)/bin/ruff format --no-cache --check .
+ifneq ($(CLANG_FORMAT),)
+	$(CLANG_FORMAT) --dry-run --Werror $(C_FORMATTED)
+else
+	@echo "lint: clang-format not found; C formatting not checked (Debian: apt-get install clang-format)"
+endif
+
+format: env
+	$(LLMMEM_VENV)/bin/ruff check --no-cache --fix .
+	$(LLMMEM_VENV)/bin/ruff format --no-cache .
+	$(if $(CLANG_FORMAT),$(CLANG_FORMAT) -i $(C_FORMATTED))
 
 # The CUDA VMM backend is also tested without a GPU: compiled as host C++ against the CUDA headers
 # (types only) and driven over a simulated driver (tests/c/test_pool_vmm.cc). Needs cuda.h.

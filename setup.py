@@ -72,12 +72,22 @@ CU_SOURCES = _rel(glob.glob(os.path.join(ROOT, "csrc", "*", "*.cu")))
 # C files that only exist to stand in for the CUDA part in a CPU-only build end in _stub.c.
 if USE_CUDA:
     C_SOURCES = [s for s in C_SOURCES if not s.endswith("_stub.c")]
-HEADERS = _rel(glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
-               + glob.glob(os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True))
+HEADERS = _rel(
+    glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
+    + glob.glob(os.path.join(ROOT, "csrc", "**", "*.cuh"), recursive=True)
+)
 INCLUDE_DIRS = ["csrc/include", "csrc/common"]
 
-c_flags = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-missing-field-initializers", "-fvisibility=hidden",
-           "-pthread", f"-DLLMMEM_DEBUG={DEBUG}"]
+c_flags = [
+    "-std=c11",
+    "-O3",
+    "-Wall",
+    "-Wextra",
+    "-Wno-missing-field-initializers",
+    "-fvisibility=hidden",
+    "-pthread",
+    f"-DLLMMEM_DEBUG={DEBUG}",
+]
 if _env_flag("LLMMEM_WERROR"):
     c_flags.append("-Werror")
 macros = []
@@ -86,8 +96,13 @@ if USE_CUDA:
     ARCHS = _cuda_archs()
     arch_names = [f"sm_{a}" for a in ARCHS] + [f"compute_{ARCHS[-1]}"]
     macros.append(("LLMMEM_CUDA_ARCHS", '"' + ",".join(arch_names) + '"'))
-    nvcc_version = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], capture_output=True,
-                                  text=True, check=True).stdout.strip().splitlines()
+    nvcc_version = (
+        subprocess.run(
+            [os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], capture_output=True, text=True, check=True
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     release = next((line for line in nvcc_version if "release" in line), nvcc_version[-1])
     macros.append(("LLMMEM_NVCC_VERSION", '"' + release.replace('"', "") + '"'))
     macros.append(("LLMMEM_WITH_CUDA", "1"))
@@ -95,8 +110,10 @@ if USE_CUDA:
     lib_dirs = [os.path.join(CUDA_HOME, d) for d in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))]
     cudart_dir = next((d for d in lib_dirs if os.path.exists(os.path.join(d, "libcudart_static.a"))), None)
     if cudart_dir is None:
-        raise SystemExit(f"nvcc found under {CUDA_HOME}, but not libcudart_static.a (looked in {', '.join(lib_dirs)}); "
-                         "install the CUDA runtime's static library, set CUDA_HOME, or build with LLMMEM_CUDA=0")
+        raise SystemExit(
+            f"nvcc found under {CUDA_HOME}, but not libcudart_static.a (looked in {', '.join(lib_dirs)}); "
+            "install the CUDA runtime's static library, set CUDA_HOME, or build with LLMMEM_CUDA=0"
+        )
     # --exclude-libs keeps the static runtime's symbols out of our dynamic symbol table.
     link_args += [f"-L{cudart_dir}", "-lcudart_static", "-lrt", "-lstdc++", "-Wl,--exclude-libs,ALL"]
 
@@ -134,8 +151,15 @@ class BuildExt(build_ext):
         nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
         gencode.append(f"-gencode=arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}")
-        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden,-Wall", "--expt-relaxed-constexpr",
-                 f"-DLLMMEM_DEBUG={DEBUG}", "-DLLMMEM_WITH_CUDA=1"] + gencode
+        flags = [
+            "-O3",
+            "-std=c++17",
+            "-Xcompiler",
+            "-fPIC,-fvisibility=hidden,-Wall",
+            "--expt-relaxed-constexpr",
+            f"-DLLMMEM_DEBUG={DEBUG}",
+            "-DLLMMEM_WITH_CUDA=1",
+        ] + gencode
         flags += [f"-I{os.path.join(ROOT, d)}" if not os.path.isabs(d) else f"-I{d}" for d in INCLUDE_DIRS]
         if _env_flag("LLMMEM_WERROR"):
             flags += ["-Werror=all-warnings"]

@@ -25,8 +25,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_fn(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2, device: str = "cpu",
-            inner: int = 1) -> dict:
+def time_fn(
+    fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2, device: str = "cpu", inner: int = 1
+) -> dict:
     """Median, min and max seconds of one call of ``fn`` over ``repeats`` samples.
 
     Each sample runs ``fn`` ``inner`` times (use it for calls far shorter than a millisecond).
@@ -51,8 +52,7 @@ def time_fn(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2, devi
             for _ in range(inner):
                 fn()
             samples.append((time.perf_counter() - t0) / inner)
-    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples),
-            "repeats": repeats}
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples), "repeats": repeats}
 
 
 # A benchmark run in spawned ranks (llmmem.parallel.testing.run_ranks) gets rank 0's result back
@@ -67,7 +67,7 @@ def print_rank_result(payload: object) -> None:
 def rank_result(output: str) -> object:
     """The payload a rank printed with print_rank_result."""
     line = next(ln for ln in output.splitlines() if ln.startswith(_RANK_MARK))
-    return json.loads(line[len(_RANK_MARK):])
+    return json.loads(line[len(_RANK_MARK) :])
 
 
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
@@ -90,8 +90,12 @@ def write_json(name: str, payload: dict, path: str | None = None) -> str:
     """Writes ``payload`` (plus machine facts) to ``path`` or benchmarks/results/<name>.json."""
     path = path or os.path.join(RESULTS_DIR, f"{name}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    meta = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": platform.platform(), "cpus": os.cpu_count()}
+    meta = {
+        "benchmark": name,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
     try:
         import torch
 

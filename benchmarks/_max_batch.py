@@ -15,10 +15,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-import llmmem  # noqa: E402
-from llmmem.models.gpt import GPT, GPTConfig  # noqa: E402
+import llmmem
+from llmmem.models.gpt import GPT, GPTConfig
 
 CFG = dict(layers=12, hidden=768, heads=12, seq_len=512, vocab_size=8192)
 

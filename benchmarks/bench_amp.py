@@ -36,11 +36,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness  # noqa: E402
+import _harness
 
-import llmmem  # noqa: E402
-from llmmem.amp import kernels as K  # noqa: E402
-from llmmem._native import native  # noqa: E402
+import llmmem
+from llmmem._native import native
+from llmmem.amp import kernels as K
 
 # Slightly above 1 so repeated unscales neither change magnitudes much nor skip the write
 # (both implementations write when inv_scale != 1).
@@ -104,6 +104,7 @@ def op_fns(grads, device):
     codes = [K.DTYPE_CODES[g.dtype] for g in grads]
     threads = torch.get_num_threads()
     if device == "cpu":
+
         def ours_op():
             native.scaler_unscale_check(ptrs, numels, codes, scale.data_ptr(), False, found.data_ptr(), 0, 0, threads)
     else:
@@ -111,8 +112,10 @@ def op_fns(grads, device):
         index = torch.cuda.current_device()
 
         def ours_op():
-            native.scaler_unscale_check_cuda(ptrs, numels, codes, scale.data_ptr(), False, found.data_ptr(), 0, 0,
-                                             index, stream)
+            native.scaler_unscale_check_cuda(
+                ptrs, numels, codes, scale.data_ptr(), False, found.data_ptr(), 0, 0, index, stream
+            )
+
     return torch_op, ours_op
 
 
@@ -122,7 +125,7 @@ def interleaved(fns: dict, repeats: int, device: str, before=None) -> dict:
     (untimed) runs before every timed call of candidate ``name``, so that each starts from the
     same state."""
     samples = {k: [] for k in fns}
-    for k, fn in fns.items():  # warm-up: page faults, lazy initialisation
+    for fn in fns.values():  # warm-up: page faults, lazy initialisation
         fn()
     for _ in range(repeats):
         for k, fn in fns.items():
@@ -141,7 +144,7 @@ def bench_list(name, shapes, device, dtype, repeats, torch_dtype_for_op=None):
     copy_bytes = min(nbytes, 2**30)
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    fns = {"copy": lambda: dst.copy_(src)}
+    fns = {"copy": lambda: dst.copy_(src)}  # noqa: F821 - both are deleted only after the timing
     if torch_dtype_for_op is None:
         fns["torch"] = scaler_fn(torch.amp.GradScaler, device, params)
     fns["llmmem"] = scaler_fn(llmmem.GradScaler, device, params)
@@ -162,12 +165,19 @@ def bench_list(name, shapes, device, dtype, repeats, torch_dtype_for_op=None):
     times = interleaved(fns, repeats, device, before=rewrite)
     gbs = {k: 2 * (copy_bytes if k == "copy" else nbytes) / v / 1e9 for k, v in times.items()}
     del src, dst
-    row = {"list": name, "dtype": str(dtype).replace("torch.", ""), "tensors": len(shapes),
-           "params_M": sum(torch.Size(s).numel() for s in shapes) / 1e6, "bytes": nbytes,
-           "times_s": times, "GB_s": gbs,
-           "llmmem_vs_torch": (times["torch"] / times["llmmem"]) if "torch" in times else None,
-           "op_vs_torch_op": times["torch-op"] / times["llmmem-op"],
-           "llmmem_vs_copy_bw": gbs["llmmem"] / gbs["copy"], "op_vs_copy_bw": gbs["llmmem-op"] / gbs["copy"]}
+    row = {
+        "list": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tensors": len(shapes),
+        "params_M": sum(torch.Size(s).numel() for s in shapes) / 1e6,
+        "bytes": nbytes,
+        "times_s": times,
+        "GB_s": gbs,
+        "llmmem_vs_torch": (times["torch"] / times["llmmem"]) if "torch" in times else None,
+        "op_vs_torch_op": times["torch-op"] / times["llmmem-op"],
+        "llmmem_vs_copy_bw": gbs["llmmem"] / gbs["copy"],
+        "op_vs_copy_bw": gbs["llmmem-op"] / gbs["copy"],
+    }
     return row
 
 
@@ -198,16 +208,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads for both torch and llmmem (torch.set_num_threads); default: torch's")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for both torch and llmmem (torch.set_num_threads); default: torch's",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 5 if args.quick else 9
     rows = []
     if args.device == "cpu":
-        lists = [("gpt2-small", gpt2_small_shapes()), ("1b" if not args.quick else "1b-quick(0.32B)",
-                                                        one_b_shapes(args.quick)), ("small-4000", small_shapes())]
+        lists = [
+            ("gpt2-small", gpt2_small_shapes()),
+            ("1b" if not args.quick else "1b-quick(0.32B)", one_b_shapes(args.quick)),
+            ("small-4000", small_shapes()),
+        ]
         for name, shapes in lists:
             rows.append(bench_list(name, shapes, "cpu", torch.float32, repeats))
     else:
@@ -217,17 +234,49 @@ def main(argv=None) -> int:
         for dtype, proxy in [(torch.float32, None), (torch.bfloat16, torch.float16)]:
             rows.append(bench_list("1b", one_b_shapes(False), "cuda", dtype, repeats, torch_dtype_for_op=proxy))
         rows.append(bench_list("small-4000", small_shapes(), "cuda", torch.float32, repeats))
-    header = ["list", "dtype", "tensors", "MB", "torch ms", "llmmem ms", "x torch", "torch-op ms", "llmmem-op ms",
-              "op x torch-op", "copy GB/s", "llmmem GB/s", "% copy bw", "op % copy bw"]
+    header = [
+        "list",
+        "dtype",
+        "tensors",
+        "MB",
+        "torch ms",
+        "llmmem ms",
+        "x torch",
+        "torch-op ms",
+        "llmmem-op ms",
+        "op x torch-op",
+        "copy GB/s",
+        "llmmem GB/s",
+        "% copy bw",
+        "op % copy bw",
+    ]
     table = []
     for r in rows:
         t = r["times_s"]
-        table.append([r["list"], r["dtype"], r["tensors"], r["bytes"] / 1e6, t.get("torch", float("nan")) * 1e3,
-                      t["llmmem"] * 1e3, r["llmmem_vs_torch"] or float("nan"), t["torch-op"] * 1e3,
-                      t["llmmem-op"] * 1e3, r["op_vs_torch_op"], r["GB_s"]["copy"], r["GB_s"]["llmmem"],
-                      100 * r["llmmem_vs_copy_bw"], 100 * r["op_vs_copy_bw"]])
-    _harness.print_table(f"GradScaler.unscale_ ({args.device}, {torch.get_num_threads()} threads; "
-                         "bf16 torch-op column measured on fp16)", header, table)
+        table.append(
+            [
+                r["list"],
+                r["dtype"],
+                r["tensors"],
+                r["bytes"] / 1e6,
+                t.get("torch", float("nan")) * 1e3,
+                t["llmmem"] * 1e3,
+                r["llmmem_vs_torch"] or float("nan"),
+                t["torch-op"] * 1e3,
+                t["llmmem-op"] * 1e3,
+                r["op_vs_torch_op"],
+                r["GB_s"]["copy"],
+                r["GB_s"]["llmmem"],
+                100 * r["llmmem_vs_copy_bw"],
+                100 * r["op_vs_copy_bw"],
+            ]
+        )
+    _harness.print_table(
+        f"GradScaler.unscale_ ({args.device}, {torch.get_num_threads()} threads; "
+        "bf16 torch-op column measured on fp16)",
+        header,
+        table,
+    )
     payload = {"device": args.device, "threads": torch.get_num_threads(), "rows": rows}
     if args.device == "cuda":
         payload["sync_free_fused_adamw_step"] = sync_free_step()

@@ -37,14 +37,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch.utils.checkpoint as tuc  # noqa: E402
+import _harness
+import torch
+import torch.utils.checkpoint as tuc
 
-import _harness  # noqa: E402
-import llmmem  # noqa: E402
-from llmmem import _C  # noqa: E402
-from llmmem.models.gpt import GPT, GPTConfig  # noqa: E402
-from llmmem.checkpointing import AutoCheckpointed, measure_saved_bytes  # noqa: E402
+import llmmem
+from llmmem import _C
+from llmmem.checkpointing import AutoCheckpointed, measure_saved_bytes
+from llmmem.models.gpt import GPT, GPTConfig
 
 MiB = 2**20
 
@@ -104,7 +104,7 @@ def _interleaved_times(configs, blocks, x0, device, rounds):
         blocks.zero_grad(set_to_none=True)
 
     samples = {key: [] for key in configs}
-    for key, (kind, arg) in configs.items():  # warm-up
+    for kind, arg in configs.values():  # warm-up
         step(kind, arg)
     order = list(configs.items())
     shuffler = random.Random(0)
@@ -142,10 +142,15 @@ def bench_chain(args, device) -> dict:
     rounds = 30
 
     prof = llmmem.profile_blocks(blocks, x0, repeats=rounds)
-    print("profile of block 0 (ms): " + ", ".join(
-        f"{m} fwd {1e3 * prof.fwd_time[0][k]:.2f} bwd {1e3 * prof.bwd_time[0][k]:.2f} kept "
-        f"{prof.saved_bytes[0][k] / MiB:.2f} MiB" for k, m in enumerate(prof.modes))
-        + f"; in a region: forward/recompute {1e3 * prof.fwd_nostore_time[0]:.2f}")
+    print(
+        "profile of block 0 (ms): "
+        + ", ".join(
+            f"{m} fwd {1e3 * prof.fwd_time[0][k]:.2f} bwd {1e3 * prof.bwd_time[0][k]:.2f} kept "
+            f"{prof.saved_bytes[0][k] / MiB:.2f} MiB"
+            for k, m in enumerate(prof.modes)
+        )
+        + f"; in a region: forward/recompute {1e3 * prof.fwd_nostore_time[0]:.2f}"
+    )
     chain = prof.to_chain()
     no_ckpt = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
     reference = no_ckpt.no_checkpoint_peak_bytes
@@ -155,8 +160,14 @@ def bench_chain(args, device) -> dict:
 
     offload_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
     offload_plan = llmmem.plan_checkpoints(None, budget=offload_least, profile=prof, offload=True)
-    budgets = [("100%", reference), ("75%", int(0.75 * reference)), ("50%", reference // 2),
-               ("33%", reference // 3), ("minimum", no_ckpt.min_budget_bytes), ("min+offload", offload_least)]
+    budgets = [
+        ("100%", reference),
+        ("75%", int(0.75 * reference)),
+        ("50%", reference // 2),
+        ("33%", reference // 3),
+        ("minimum", no_ckpt.min_budget_bytes),
+        ("min+offload", offload_least),
+    ]
     every_regions = [(i, i + 1) for i in range(layers)]
     uniform_peaks = {seg: simulated_peak(_torch_uniform_regions(layers, seg)) for seg in range(2, layers + 1)}
     uniform_peaks[1] = simulated_peak([])
@@ -187,12 +198,34 @@ def bench_chain(args, device) -> dict:
         seconds = times[key]
         fits = peak_pred <= budget
         overhead = seconds / base_time - 1.0
-        rows.append([budget_name, f"{budget / MiB:.2f}", label, "yes" if fits else "no", f"{peak_pred / MiB:.2f}",
-                     f"{held / MiB:.2f}", f"{peak / MiB:.2f}" if peak is not None else "-", f"{1e3 * seconds:.1f}",
-                     f"{100 * overhead:+.1f}%", note])
-        records.append({"budget": budget_name, "budget_bytes": budget, "strategy": label, "fits": fits,
-                        "predicted_peak_bytes": peak_pred, "held_bytes": held, "peak_allocated_bytes": peak,
-                        "step_s": seconds, "overhead": overhead, "note": note})
+        rows.append(
+            [
+                budget_name,
+                f"{budget / MiB:.2f}",
+                label,
+                "yes" if fits else "no",
+                f"{peak_pred / MiB:.2f}",
+                f"{held / MiB:.2f}",
+                f"{peak / MiB:.2f}" if peak is not None else "-",
+                f"{1e3 * seconds:.1f}",
+                f"{100 * overhead:+.1f}%",
+                note,
+            ]
+        )
+        records.append(
+            {
+                "budget": budget_name,
+                "budget_bytes": budget,
+                "strategy": label,
+                "fits": fits,
+                "predicted_peak_bytes": peak_pred,
+                "held_bytes": held,
+                "peak_allocated_bytes": peak,
+                "step_s": seconds,
+                "overhead": overhead,
+                "note": note,
+            }
+        )
         return fits, overhead, seconds
 
     every_peak = simulated_peak(every_regions)
@@ -213,68 +246,108 @@ def bench_chain(args, device) -> dict:
             continue
         n_sel = sum(1 for m in plan.modes if m == "selective")
         n_cheap = sum(1 for i, m in enumerate(plan.modes) if m == "recompute-cheap" and plan.depth(i) == 0)
-        note = (f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, "
-                f"{n_sel} selective, {n_cheap} recompute-cheap")
+        note = (
+            f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, "
+            f"{n_sel} selective, {n_cheap} recompute-cheap"
+        )
         _, over, t = add(name, budget, "llmmem/auto", f"llmmem/{name}", plan.predicted_peak_bytes, note)
         held, alloc = measured[f"llmmem/{name}"]
         if alloc is not None:
-            print(f"  {name}: peak allocated {alloc / MiB:.1f} MiB vs predicted peak {plan.predicted_peak_bytes / MiB:.1f} MiB "
-                  f"({100 * (alloc / plan.predicted_peak_bytes - 1):+.1f}%)")
-        targets.append({"budget": name, "llmmem_overhead": over, "torch_every_overhead": every_over,
-                        "best_torch_fitting_s": best_torch, "llmmem_s": t,
-                        "llmmem_not_slower": None if best_torch is None else t <= 1.03 * best_torch,
-                        "held_within_10pct": abs(held - plan.predicted_held_bytes) <= 0.1 * plan.predicted_held_bytes})
+            print(
+                f"  {name}: peak allocated {alloc / MiB:.1f} MiB vs predicted peak {plan.predicted_peak_bytes / MiB:.1f} MiB "
+                f"({100 * (alloc / plan.predicted_peak_bytes - 1):+.1f}%)"
+            )
+        targets.append(
+            {
+                "budget": name,
+                "llmmem_overhead": over,
+                "torch_every_overhead": every_over,
+                "best_torch_fitting_s": best_torch,
+                "llmmem_s": t,
+                "llmmem_not_slower": None if best_torch is None else t <= 1.03 * best_torch,
+                "held_within_10pct": abs(held - plan.predicted_held_bytes) <= 0.1 * plan.predicted_held_bytes,
+            }
+        )
     plan = offload_plan
     base_pred = plan.predicted_time - plan.predicted_overhead_time
     pred_over = plan.predicted_overhead_time / base_pred
     source = "measured" if plan.host_bandwidth_measured else "modelled, not measured on the CPU"
-    note = (f"{len(plan.offloaded)} inputs on host ({plan.predicted_host_bytes / MiB:.2f} MiB); predicted overhead "
-            f"{100 * pred_over:+.1f}% incl. transfers {1e3 * plan.predicted_transfer_time:.2f} ms at "
-            f"{plan.host_bandwidth / 1e9:.0f} GB/s ({source})")
-    fits, over, _ = add("min+offload", offload_least, "llmmem/auto+off", "llmmem/auto+off", plan.predicted_peak_bytes,
-                        note)
+    note = (
+        f"{len(plan.offloaded)} inputs on host ({plan.predicted_host_bytes / MiB:.2f} MiB); predicted overhead "
+        f"{100 * pred_over:+.1f}% incl. transfers {1e3 * plan.predicted_transfer_time:.2f} ms at "
+        f"{plan.host_bandwidth / 1e9:.0f} GB/s ({source})"
+    )
+    fits, over, _ = add(
+        "min+offload", offload_least, "llmmem/auto+off", "llmmem/auto+off", plan.predicted_peak_bytes, note
+    )
     held, alloc = measured["llmmem/auto+off"]
-    offload_summary = {"budget_bytes": offload_least, "every_layer_peak_bytes": every_peak,
-                       "planner_min_without_offload_bytes": no_ckpt.min_budget_bytes,
-                       "predicted_peak_bytes": plan.predicted_peak_bytes,
-                       "predicted_held_bytes": plan.predicted_held_bytes,
-                       "predicted_host_bytes": plan.predicted_host_bytes, "predicted_overhead": pred_over,
-                       "predicted_transfer_s": plan.predicted_transfer_time, "host_bandwidth": plan.host_bandwidth,
-                       "host_bandwidth_measured": plan.host_bandwidth_measured, "measured_overhead": over,
-                       "offloaded": plan.offloaded, "fits": fits}
+    offload_summary = {
+        "budget_bytes": offload_least,
+        "every_layer_peak_bytes": every_peak,
+        "planner_min_without_offload_bytes": no_ckpt.min_budget_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_held_bytes": plan.predicted_held_bytes,
+        "predicted_host_bytes": plan.predicted_host_bytes,
+        "predicted_overhead": pred_over,
+        "predicted_transfer_s": plan.predicted_transfer_time,
+        "host_bandwidth": plan.host_bandwidth,
+        "host_bandwidth_measured": plan.host_bandwidth_measured,
+        "measured_overhead": over,
+        "offloaded": plan.offloaded,
+        "fits": fits,
+    }
     if alloc is not None:
-        print(f"  min+offload: peak allocated {alloc / MiB:.1f} MiB vs predicted peak "
-              f"{plan.predicted_peak_bytes / MiB:.1f} MiB ({100 * (alloc / plan.predicted_peak_bytes - 1):+.1f}%)")
+        print(
+            f"  min+offload: peak allocated {alloc / MiB:.1f} MiB vs predicted peak "
+            f"{plan.predicted_peak_bytes / MiB:.1f} MiB ({100 * (alloc / plan.predicted_peak_bytes - 1):+.1f}%)"
+        )
     if device.type == "cuda":
         add("any", 0, "llmmem/offload", "llmmem/offload", every_peak, "every block, inputs in pinned host memory")
 
-    title = (f"checkpointing strategies: GPT {layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, batch {args.batch}, "
-             f"{device.type}, {torch.get_num_threads()} torch threads, median of {rounds} interleaved rounds\n"
-             "  budget: fraction of the no-checkpoint peak; fits: the strategy's simulated peak (same C model and "
-             "profile for every strategy) <= budget;\n  held: bytes kept for backward after the forward, measured")
-    _harness.print_table(title, ["budget", "MiB", "strategy", "fits", "peak MiB", "held MiB", "alloc MiB", "step ms",
-                                 "overhead", "note"], rows)
+    title = (
+        f"checkpointing strategies: GPT {layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}, batch {args.batch}, "
+        f"{device.type}, {torch.get_num_threads()} torch threads, median of {rounds} interleaved rounds\n"
+        "  budget: fraction of the no-checkpoint peak; fits: the strategy's simulated peak (same C model and "
+        "profile for every strategy) <= budget;\n  held: bytes kept for backward after the forward, measured"
+    )
+    _harness.print_table(
+        title,
+        ["budget", "MiB", "strategy", "fits", "peak MiB", "held MiB", "alloc MiB", "step ms", "overhead", "note"],
+        rows,
+    )
     print("\nclosing note:")
     for t in targets:
         half = t["llmmem_overhead"] <= 0.5 * max(t["torch_every_overhead"], 0.0)
-        print(f"  {t['budget']:>8}: llmmem overhead {100 * t['llmmem_overhead']:+.1f}% vs torch every-layer "
-              f"{100 * t['torch_every_overhead']:+.1f}% (at most half: {'yes' if half else 'no'}); "
-              f"not slower than the best fitting torch strategy (+3%): {t['llmmem_not_slower']}; "
-              f"held within 10% of prediction: {t['held_within_10pct']}")
+        print(
+            f"  {t['budget']:>8}: llmmem overhead {100 * t['llmmem_overhead']:+.1f}% vs torch every-layer "
+            f"{100 * t['torch_every_overhead']:+.1f}% (at most half: {'yes' if half else 'no'}); "
+            f"not slower than the best fitting torch strategy (+3%): {t['llmmem_not_slower']}; "
+            f"held within 10% of prediction: {t['held_within_10pct']}"
+        )
     o = offload_summary
-    print(f"  below torch's every-layer minimum ({every_peak / MiB:.2f} MiB; planner without offload "
-          f"{no_ckpt.min_budget_bytes / MiB:.2f} MiB): the offload plan fits {o['budget_bytes'] / MiB:.2f} MiB "
-          f"(predicted peak {o['predicted_peak_bytes'] / MiB:.2f} MiB, fits: {o['fits']}), predicted overhead "
-          f"{100 * o['predicted_overhead']:+.1f}% of which transfers {1e3 * o['predicted_transfer_s']:.2f} ms "
-          f"({'bandwidth measured' if o['host_bandwidth_measured'] else 'modelled, not measured'}); "
-          f"measured step overhead {100 * o['measured_overhead']:+.1f}%")
+    print(
+        f"  below torch's every-layer minimum ({every_peak / MiB:.2f} MiB; planner without offload "
+        f"{no_ckpt.min_budget_bytes / MiB:.2f} MiB): the offload plan fits {o['budget_bytes'] / MiB:.2f} MiB "
+        f"(predicted peak {o['predicted_peak_bytes'] / MiB:.2f} MiB, fits: {o['fits']}), predicted overhead "
+        f"{100 * o['predicted_overhead']:+.1f}% of which transfers {1e3 * o['predicted_transfer_s']:.2f} ms "
+        f"({'bandwidth measured' if o['host_bandwidth_measured'] else 'modelled, not measured'}); "
+        f"measured step overhead {100 * o['measured_overhead']:+.1f}%"
+    )
     if device.type != "cuda":
-        print("  offload on the CPU: the inputs already live in host memory, so offload=True copies nothing and frees "
-              "nothing; its held MiB (all host) and step time show the recompute only; the transfer cost is the "
-              "model's (run with --device cuda to measure it)")
-    return {"config": vars(cfg), "batch": args.batch, "records": records, "targets": targets,
-            "no_checkpoint_peak_bytes": reference, "min_budget_bytes": no_ckpt.min_budget_bytes,
-            "offload": offload_summary}
+        print(
+            "  offload on the CPU: the inputs already live in host memory, so offload=True copies nothing and frees "
+            "nothing; its held MiB (all host) and step time show the recompute only; the transfer cost is the "
+            "model's (run with --device cuda to measure it)"
+        )
+    return {
+        "config": vars(cfg),
+        "batch": args.batch,
+        "records": records,
+        "targets": targets,
+        "no_checkpoint_peak_bytes": reference,
+        "min_budget_bytes": no_ckpt.min_budget_bytes,
+        "offload": offload_summary,
+    }
 
 
 def _random_chain(L, identical, rnd):
@@ -284,8 +357,13 @@ def _random_chain(L, identical, rnd):
         return [fn, fn * 1.05], [2 * fn, 2.3 * fn], [full, full // 3]
 
     blocks = [block()] * L if identical else [block() for _ in range(L)]
-    return {"fwd_time": [b[0] for b in blocks], "bwd_time": [b[1] for b in blocks], "input_bytes": [96 * 2**10] * (L + 1),
-            "saved_bytes": [b[2] for b in blocks], "mode_nestable": [1, 0]}
+    return {
+        "fwd_time": [b[0] for b in blocks],
+        "bwd_time": [b[1] for b in blocks],
+        "input_bytes": [96 * 2**10] * (L + 1),
+        "saved_bytes": [b[2] for b in blocks],
+        "mode_nestable": [1, 0],
+    }
 
 
 def bench_solver(args) -> list:
@@ -304,19 +382,39 @@ def bench_solver(args) -> list:
                 if slots == 1000 and not (L == 96 and not identical):
                     continue
                 reps = 1 if (not identical and L >= 96) else 5
-                t = _harness.time_fn(lambda: _C.plan_solve(chain, budget, slots), repeats=reps, warmup=0 if reps == 1 else 1)
+                t = _harness.time_fn(
+                    lambda: _C.plan_solve(chain, budget, slots), repeats=reps, warmup=0 if reps == 1 else 1
+                )
                 res = _C.plan_solve(chain, budget, slots)
                 target = ""
                 if L == 96 and not identical and slots == 1000:
                     target = f"target < 1 s: {'met' if t['median_s'] < 1 else 'MISSED'}"
                 if L == 256 and identical:
                     target = f"target < 10 ms: {'met' if t['median_s'] < 0.01 else 'MISSED'}"
-                rows.append([L, "identical" if identical else "heterogeneous", slots, f"{1e3 * t['median_s']:.2f}",
-                             len(res["regions"]), target])
-                out.append({"blocks": L, "identical": identical, "slots": slots, "solve_s": t["median_s"],
-                            "regions": len(res["regions"])})
-    _harness.print_table("planner solve time (C, one thread, GIL released)",
-                         ["blocks", "chain", "slots", "solve ms", "regions", "note"], rows)
+                rows.append(
+                    [
+                        L,
+                        "identical" if identical else "heterogeneous",
+                        slots,
+                        f"{1e3 * t['median_s']:.2f}",
+                        len(res["regions"]),
+                        target,
+                    ]
+                )
+                out.append(
+                    {
+                        "blocks": L,
+                        "identical": identical,
+                        "slots": slots,
+                        "solve_s": t["median_s"],
+                        "regions": len(res["regions"]),
+                    }
+                )
+    _harness.print_table(
+        "planner solve time (C, one thread, GIL released)",
+        ["blocks", "chain", "slots", "solve ms", "regions", "note"],
+        rows,
+    )
     return out
 
 
@@ -329,12 +427,20 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: steadier timings on a shared machine; 0 = torch's choice)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: steadier timings on a shared machine; 0 = torch's choice)",
+    )
     parser.add_argument("--skip-chain", action="store_true")
     parser.add_argument("--skip-solver", action="store_true")
-    parser.add_argument("--preset", choices=["small", "1b"], default="small",
-                        help="1b: a ~1B-parameter GPT (20 layers, hidden 2048, seq 2048, batch 1) for a large GPU")
+    parser.add_argument(
+        "--preset",
+        choices=["small", "1b"],
+        default="small",
+        help="1b: a ~1B-parameter GPT (20 layers, hidden 2048, seq 2048, batch 1) for a large GPU",
+    )
     args = parser.parse_args(argv)
     if args.preset == "1b":
         args.layers, args.hidden, args.seq, args.batch = args.layers or 20, 2048, 2048, 1

@@ -50,8 +50,8 @@ def _cpu_rank(rank, world, sizes, repeats):
 
     import torch
     import torch.distributed as dist
-
     from _harness import print_rank_result
+
     from llmmem.parallel import collectives
 
     torch.set_num_threads(1)
@@ -92,9 +92,16 @@ def _cpu_rank(rank, world, sizes, repeats):
             s_ours.append(sample(ours, inner))
             s_gloo.append(sample(gloo, inner))
             s_copy.append(sample(copy, inner))
-        rows.append({"bytes": nbytes, "llmmem_s": statistics.median(s_ours), "gloo_s": statistics.median(s_gloo),
-                     "copy_s": statistics.median(s_copy), "repeats": reps,
-                     "paired_speedup_median": statistics.median(g / o for g, o in zip(s_gloo, s_ours))})
+        rows.append(
+            {
+                "bytes": nbytes,
+                "llmmem_s": statistics.median(s_ours),
+                "gloo_s": statistics.median(s_gloo),
+                "copy_s": statistics.median(s_copy),
+                "repeats": reps,
+                "paired_speedup_median": statistics.median(g / o for g, o in zip(s_gloo, s_ours)),
+            }
+        )
     if rank == 0:
         print_rank_result(rows)
 
@@ -102,13 +109,12 @@ def _cpu_rank(rank, world, sizes, repeats):
 def _cuda_rank(rank, world, sizes, repeats):
     import torch
     import torch.distributed as dist
-
     from _harness import print_rank_result, time_fn
+
     from llmmem.parallel.cuda_ipc import CudaIpcCommunicator
 
     torch.cuda.set_device(0)
-    comm = CudaIpcCommunicator.setup(dist.group.WORLD, torch.device("cuda", 0), timeout=30.0,
-                                     max_bytes=max(sizes))
+    comm = CudaIpcCommunicator.setup(dist.group.WORLD, torch.device("cuda", 0), timeout=30.0, max_bytes=max(sizes))
     rows = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for nbytes in sizes:
@@ -126,12 +132,14 @@ def _cuda_rank(rank, world, sizes, repeats):
             if dtype == torch.float32:
                 z = torch.zeros(n, device="cuda")
                 dist.barrier()
-                row["llmmem_s"] = time_fn(lambda: comm.all_reduce_(z), repeats=repeats, device="cuda",
-                                          inner=20)["median_s"]
+                row["llmmem_s"] = time_fn(lambda: comm.all_reduce_(z), repeats=repeats, device="cuda", inner=20)[
+                    "median_s"
+                ]
                 comm.check()
                 dist.barrier()
-                row["gloo_s"] = time_fn(lambda: dist.all_reduce(z), repeats=max(3, repeats // 2), device="cuda",
-                                        inner=2)["median_s"]
+                row["gloo_s"] = time_fn(
+                    lambda: dist.all_reduce(z), repeats=max(3, repeats // 2), device="cuda", inner=2
+                )["median_s"]
             rows.append(row)
     comm.close()
     if rank == 0:
@@ -140,7 +148,6 @@ def _cuda_rank(rank, world, sizes, repeats):
 
 def _copy_bandwidth(nbytes: int = 64 << 20) -> float:
     import torch
-
     from _harness import time_fn
 
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
@@ -159,36 +166,54 @@ def _print_spread(world: int, launches: list) -> None:
     from _harness import print_table
 
     def spread(values):
-        return " / ".join(f"{v:.3g}" if v < 1000 else f"{v:.0f}" for v in (min(values), statistics.median(values),
-                                                                          max(values)))
+        return " / ".join(
+            f"{v:.3g}" if v < 1000 else f"{v:.0f}" for v in (min(values), statistics.median(values), max(values))
+        )
 
     table = []
     for i, first in enumerate(launches[0]):
         rows = [rows[i] for rows in launches]
-        table.append([_human(first["bytes"]), spread([r["llmmem_s"] * 1e6 for r in rows]),
-                      spread([r["gloo_s"] * 1e6 for r in rows]), spread([r["gloo_s"] / r["llmmem_s"] for r in rows])])
-    print_table(f"fp32 all-reduce, {world} ranks: min / median / max over {len(launches)} launches",
-                ["size", "llmmem us", "gloo us", "speed-up"], table)
+        table.append(
+            [
+                _human(first["bytes"]),
+                spread([r["llmmem_s"] * 1e6 for r in rows]),
+                spread([r["gloo_s"] * 1e6 for r in rows]),
+                spread([r["gloo_s"] / r["llmmem_s"] for r in rows]),
+            ]
+        )
+    print_table(
+        f"fp32 all-reduce, {world} ranks: min / median / max over {len(launches)} launches",
+        ["size", "llmmem us", "gloo us", "speed-up"],
+        table,
+    )
 
 
 def main(argv=None) -> int:
     from _harness import print_table, rank_result, write_json
+
     from llmmem.parallel.testing import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--ranks", type=int, nargs="*", default=None)
-    p.add_argument("--launches", type=int, default=1,
-                   help="CPU: start the ranks this many times and also print the spread over the launches")
+    p.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="CPU: start the ranks this many times and also print the spread over the launches",
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.launches < 1:
         p.error("--launches must be >= 1")
     payload = {}
     if a.device == "cpu":
-        sizes = ([4 << 10, 64 << 10, 1 << 20, 16 << 20] if a.quick
-                 else [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20])
+        sizes = (
+            [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+            if a.quick
+            else [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+        )
         repeats = 5 if a.quick else 9
         copy_bw = _copy_bandwidth()
         payload["copy_bandwidth_Bps"] = copy_bw
@@ -196,21 +221,44 @@ def main(argv=None) -> int:
             launches = []
             for launch in range(a.launches):
                 t0 = time.time()
-                res = run_ranks(__file__, "_cpu_rank", world, args=(sizes, repeats), timeout=600,
-                                env={"LLMMEM_TP_TIMEOUT": "120"})
+                res = run_ranks(
+                    __file__, "_cpu_rank", world, args=(sizes, repeats), timeout=600, env={"LLMMEM_TP_TIMEOUT": "120"}
+                )
                 rows = rank_result(res[0].output)
                 launches.append(rows)
                 table = []
                 for r in rows:
                     bus = 2 * (world - 1) / world * r["bytes"]
-                    table.append([_human(r["bytes"]), r["llmmem_s"] * 1e6, r["gloo_s"] * 1e6,
-                                  r["gloo_s"] / r["llmmem_s"], r["paired_speedup_median"], bus / r["llmmem_s"] / 1e9,
-                                  bus / r["gloo_s"] / 1e9, r["copy_s"] * 1e6, r["llmmem_s"] / r["copy_s"]])
+                    table.append(
+                        [
+                            _human(r["bytes"]),
+                            r["llmmem_s"] * 1e6,
+                            r["gloo_s"] * 1e6,
+                            r["gloo_s"] / r["llmmem_s"],
+                            r["paired_speedup_median"],
+                            bus / r["llmmem_s"] / 1e9,
+                            bus / r["gloo_s"] / 1e9,
+                            r["copy_s"] * 1e6,
+                            r["llmmem_s"] / r["copy_s"],
+                        ]
+                    )
                 which = f", launch {launch + 1} of {a.launches}" if a.launches > 1 else ""
-                print_table(f"fp32 all-reduce, {world} ranks on one host with {os.cpu_count()} CPUs (copy bandwidth "
-                            f"{copy_bw / 1e9:.1f} GB/s at 64 MiB; {time.time() - t0:.0f} s{which})",
-                            ["size", "llmmem us", "gloo us", "speed-up", "paired speed-up", "llmmem busbw GB/s",
-                             "gloo busbw GB/s", "1 copy us", "llmmem / copy"], table)
+                print_table(
+                    f"fp32 all-reduce, {world} ranks on one host with {os.cpu_count()} CPUs (copy bandwidth "
+                    f"{copy_bw / 1e9:.1f} GB/s at 64 MiB; {time.time() - t0:.0f} s{which})",
+                    [
+                        "size",
+                        "llmmem us",
+                        "gloo us",
+                        "speed-up",
+                        "paired speed-up",
+                        "llmmem busbw GB/s",
+                        "gloo busbw GB/s",
+                        "1 copy us",
+                        "llmmem / copy",
+                    ],
+                    table,
+                )
             if a.launches > 1:
                 _print_spread(world, launches)
             payload[f"ranks_{world}"] = launches[0]
@@ -220,10 +268,20 @@ def main(argv=None) -> int:
         sizes = [4 << 10, 64 << 10, 256 << 10, 512 << 10]
         res = run_ranks(__file__, "_cuda_rank", 2, args=(sizes, 5 if a.quick else 9), timeout=300)
         rows = rank_result(res[0].output)
-        print_table("CUDA IPC one-shot all-reduce, 2 processes sharing GPU 0",
-                    ["dtype", "size", "bitwise = fp32 CPU sum", "llmmem us", "gloo us"],
-                    [[r["dtype"], _human(r["bytes"]), r["correct"], r.get("llmmem_s", float("nan")) * 1e6,
-                      r.get("gloo_s", float("nan")) * 1e6] for r in rows])
+        print_table(
+            "CUDA IPC one-shot all-reduce, 2 processes sharing GPU 0",
+            ["dtype", "size", "bitwise = fp32 CPU sum", "llmmem us", "gloo us"],
+            [
+                [
+                    r["dtype"],
+                    _human(r["bytes"]),
+                    r["correct"],
+                    r.get("llmmem_s", float("nan")) * 1e6,
+                    r.get("gloo_s", float("nan")) * 1e6,
+                ]
+                for r in rows
+            ],
+        )
         payload["cuda_2_procs_1_gpu"] = rows
         if not all(r["correct"] for r in rows):
             print("FAILED: the IPC all-reduce differs from the reference")

@@ -39,9 +39,9 @@ def _tp_rank(rank, world, hidden, tokens, repeats):
 
     import torch
     import torch.distributed as dist
+    from _harness import print_rank_result
 
     import llmmem
-    from _harness import print_rank_result
     from llmmem.parallel import collectives
 
     torch.set_num_threads(1)
@@ -67,8 +67,8 @@ def _tp_rank(rank, world, hidden, tokens, repeats):
 def main(argv=None) -> int:
     import torch
     import torch.nn as nn
-
     from _harness import print_table, rank_result, time_fn, write_json
+
     from llmmem.parallel.testing import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +77,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.device != "cpu":
-        print("bench_parallel_layers: the TP step benchmark runs on CPU ranks only (one GPU cannot host two NCCL ranks)")
+        print(
+            "bench_parallel_layers: the TP step benchmark runs on CPU ranks only (one GPU cannot host two NCCL ranks)"
+        )
         return 0
     world = 2
     configs = [(512, 256)] if a.quick else [(512, 256), (1024, 512), (2048, 512)]
@@ -93,11 +95,22 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads_before)
         res = run_ranks(__file__, "_tp_rank", world, args=(hidden, tokens, repeats), timeout=600)
         tp = rank_result(res[0].output)
-        rows.append([f"h={hidden}, tokens={tokens}", single * 1e3, tp["llmmem"] * 1e3, tp["gloo"] * 1e3,
-                     tp["gloo"] / tp["llmmem"], single / tp["llmmem"]])
+        rows.append(
+            [
+                f"h={hidden}, tokens={tokens}",
+                single * 1e3,
+                tp["llmmem"] * 1e3,
+                tp["gloo"] * 1e3,
+                tp["gloo"] / tp["llmmem"],
+                single / tp["llmmem"],
+            ]
+        )
         payload[f"h{hidden}_t{tokens}"] = {"single_s": single, "tp2_llmmem_s": tp["llmmem"], "tp2_gloo_s": tp["gloo"]}
-    print_table(f"TP MLP forward+backward, {world} ranks x 1 thread vs 1 process x {world} threads (ms)",
-                ["shape", "1 process", "TP llmmem", "TP gloo", "llmmem vs gloo", "1 proc / TP llmmem"], rows)
+    print_table(
+        f"TP MLP forward+backward, {world} ranks x 1 thread vs 1 process x {world} threads (ms)",
+        ["shape", "1 process", "TP llmmem", "TP gloo", "llmmem vs gloo", "1 proc / TP llmmem"],
+        rows,
+    )
     path = write_json("tp", payload, a.json)
     print(f"\nwrote {path}")
     return 0

@@ -122,14 +122,22 @@ def fragmentation(traces: dict) -> list[dict]:
         ours = replay_llmmem(events)
         fixed = replay_llmmem(events, fixed_segments=True)
         pre = replay_llmmem(events, initial_size=-(-peak // (2 * MiB)) * 2 * MiB)
-        rows.append({"trace": name, "held_out": name in HELD_OUT, "allocs": sum(1 for e in events if e[0]),
-                     "peak_requested": peak,
-                     "torch_policy_ratio": sim.peak_reserved / peak, "torch_policy_segments": sim.segments,
-                     "torch_expandable_ratio": es.peak_reserved / peak,
-                     "llmmem_ratio": ours["reserved_bytes.peak"] / peak, "llmmem_segments": ours["segment.peak"],
-                     "llmmem_fixed_segments_ratio": fixed["reserved_bytes.peak"] / peak,
-                     "llmmem_fixed_segments_segments": fixed["segment.peak"],
-                     "llmmem_preallocated_ratio": pre["reserved_bytes.peak"] / peak})
+        rows.append(
+            {
+                "trace": name,
+                "held_out": name in HELD_OUT,
+                "allocs": sum(1 for e in events if e[0]),
+                "peak_requested": peak,
+                "torch_policy_ratio": sim.peak_reserved / peak,
+                "torch_policy_segments": sim.segments,
+                "torch_expandable_ratio": es.peak_reserved / peak,
+                "llmmem_ratio": ours["reserved_bytes.peak"] / peak,
+                "llmmem_segments": ours["segment.peak"],
+                "llmmem_fixed_segments_ratio": fixed["reserved_bytes.peak"] / peak,
+                "llmmem_fixed_segments_segments": fixed["segment.peak"],
+                "llmmem_preallocated_ratio": pre["reserved_bytes.peak"] / peak,
+            }
+        )
     return rows
 
 
@@ -142,9 +150,23 @@ def c_latency(events, pairs: int) -> dict | None:
         exe, trace = os.path.join(tmp, "pool_latency"), os.path.join(tmp, "trace.txt")
         with open(trace, "w") as f:
             f.write("\n".join(f"a {i} {s}" if op else f"f {i}" for op, i, s in events))
-        subprocess.run([cc, "-O2", "-std=c11", "-pthread", "-DLLMMEM_DEBUG=0", f"-I{ROOT}/csrc/include",
-                        f"-I{ROOT}/csrc/common", "-o", exe, os.path.join(HERE, "pool_latency.c"), *srcs, "-lm"],
-                       check=True)
+        subprocess.run(
+            [
+                cc,
+                "-O2",
+                "-std=c11",
+                "-pthread",
+                "-DLLMMEM_DEBUG=0",
+                f"-I{ROOT}/csrc/include",
+                f"-I{ROOT}/csrc/common",
+                "-o",
+                exe,
+                os.path.join(HERE, "pool_latency.c"),
+                *srcs,
+                "-lm",
+            ],
+            check=True,
+        )
         out = subprocess.run([exe, trace, str(pairs)], check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -229,10 +251,17 @@ def gpu_part(traces: dict, quick: bool) -> dict:
     # the largest GPT batch under a fixed cap, each allocator in a fresh process
     cap = "4"
     for mode in ("native", "llmmem"):
-        r = subprocess.run([sys.executable, os.path.join(HERE, "_max_batch.py"), mode, cap], capture_output=True,
-                           text=True, timeout=300)
-        out[f"max_batch_{mode}"] = json.loads(r.stdout.strip().splitlines()[-1])["max_batch"] if r.returncode == 0 \
+        r = subprocess.run(
+            [sys.executable, os.path.join(HERE, "_max_batch.py"), mode, cap],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        out[f"max_batch_{mode}"] = (
+            json.loads(r.stdout.strip().splitlines()[-1])["max_batch"]
+            if r.returncode == 0
             else f"failed: {r.stderr.strip()[-300:]}"
+        )
     out["max_batch_cap_gib"] = float(cap)
     return out
 
@@ -261,65 +290,121 @@ def main(argv=None) -> int:
         "llmmem_ratio": ["host (device='cpu')", "cuda_vmm (device='cuda', expandable=True)"],
         "llmmem_fixed_segments_ratio": ["cuda (device='cuda', cudaMalloc, default)", "pinned"],
     }
-    print_table("Fragmentation by trace replay: peak reserved / peak requested (lower is better; 1.00 = none)",
-                ["trace", "allocs", "peak req MiB", "PyTorch", "PyTorch ES", "llmmem in place", "in place/PyTorch",
-                 "in place/ES", "llmmem fixed segs", "llmmem prealloc", "segs PyTorch", "segs llmmem"],
-                [[r["trace"] + (" (held out)" if r["held_out"] else ""), r["allocs"], r["peak_requested"] / MiB,
-                  f"{r['torch_policy_ratio']:.3f}", f"{r['torch_expandable_ratio']:.3f}", f"{r['llmmem_ratio']:.3f}",
-                  f"{r['llmmem_ratio'] / r['torch_policy_ratio']:.3f}",
-                  f"{r['llmmem_ratio'] / r['torch_expandable_ratio']:.3f}",
-                  f"{r['llmmem_fixed_segments_ratio']:.3f}", f"{r['llmmem_preallocated_ratio']:.3f}",
-                  r["torch_policy_segments"], r["llmmem_segments"]]
-                 for r in rows])
-    print("  PyTorch: simulated caching-allocator policy, default settings; PyTorch ES: the same with\n"
-          "  expandable_segments:True. llmmem: initial_size=0, one region grown in place = the policy of\n"
-          "  device='cpu' (host backend) and of device='cuda', expandable=True (cuda_vmm backend, opt-in);\n"
-          "  fixed segs: every growth a separate segment = the policy of device='cuda' by default\n"
-          "  (cudaMalloc backend) and of 'pinned'; prealloc: in place with initial_size = peak requested.")
+    print_table(
+        "Fragmentation by trace replay: peak reserved / peak requested (lower is better; 1.00 = none)",
+        [
+            "trace",
+            "allocs",
+            "peak req MiB",
+            "PyTorch",
+            "PyTorch ES",
+            "llmmem in place",
+            "in place/PyTorch",
+            "in place/ES",
+            "llmmem fixed segs",
+            "llmmem prealloc",
+            "segs PyTorch",
+            "segs llmmem",
+        ],
+        [
+            [
+                r["trace"] + (" (held out)" if r["held_out"] else ""),
+                r["allocs"],
+                r["peak_requested"] / MiB,
+                f"{r['torch_policy_ratio']:.3f}",
+                f"{r['torch_expandable_ratio']:.3f}",
+                f"{r['llmmem_ratio']:.3f}",
+                f"{r['llmmem_ratio'] / r['torch_policy_ratio']:.3f}",
+                f"{r['llmmem_ratio'] / r['torch_expandable_ratio']:.3f}",
+                f"{r['llmmem_fixed_segments_ratio']:.3f}",
+                f"{r['llmmem_preallocated_ratio']:.3f}",
+                r["torch_policy_segments"],
+                r["llmmem_segments"],
+            ]
+            for r in rows
+        ],
+    )
+    print(
+        "  PyTorch: simulated caching-allocator policy, default settings; PyTorch ES: the same with\n"
+        "  expandable_segments:True. llmmem: initial_size=0, one region grown in place = the policy of\n"
+        "  device='cpu' (host backend) and of device='cuda', expandable=True (cuda_vmm backend, opt-in);\n"
+        "  fixed segs: every growth a separate segment = the policy of device='cuda' by default\n"
+        "  (cudaMalloc backend) and of 'pinned'; prealloc: in place with initial_size = peak requested."
+    )
 
     first = next(iter(traces.values()))
     lat = c_latency(first, 50_000 if args.quick else 200_000)
     result["c_latency"] = lat
     if lat:
-        print_table(f"C API latency (trace {next(iter(traces))}, {lat['pairs']} pairs; timer cost "
-                    f"{lat['timer_ns']:.0f} ns subtracted)",
-                    ["allocator", "pair median ns", "pair p99 ns", "trace replay ns/op"],
-                    [["llmmem pool", lat["pool_pair_median_ns"], lat["pool_pair_p99_ns"],
-                      lat["pool_replay_ns_per_op"]],
-                     ["malloc/free", lat["malloc_pair_median_ns"], lat["malloc_pair_p99_ns"],
-                      lat["malloc_replay_ns_per_op"]]])
+        print_table(
+            f"C API latency (trace {next(iter(traces))}, {lat['pairs']} pairs; timer cost "
+            f"{lat['timer_ns']:.0f} ns subtracted)",
+            ["allocator", "pair median ns", "pair p99 ns", "trace replay ns/op"],
+            [
+                ["llmmem pool", lat["pool_pair_median_ns"], lat["pool_pair_p99_ns"], lat["pool_replay_ns_per_op"]],
+                [
+                    "malloc/free",
+                    lat["malloc_pair_median_ns"],
+                    lat["malloc_pair_p99_ns"],
+                    lat["malloc_replay_ns_per_op"],
+                ],
+            ],
+        )
     else:
         print("\n(no C compiler found: C latency skipped)")
 
     py = python_replay(first, 2 if args.quick else 5)
     result["python_replay"] = py
-    print_table("From Python, CPU tensors: replaying the trace (best of repeats)",
-                ["allocator", "ns per op", "ratio to torch.empty"],
-                [["pool.empty", py["pool_ns_per_op"], py["pool_ns_per_op"] / py["torch_ns_per_op"]],
-                 ["torch.empty", py["torch_ns_per_op"], 1.0]])
+    print_table(
+        "From Python, CPU tensors: replaying the trace (best of repeats)",
+        ["allocator", "ns per op", "ratio to torch.empty"],
+        [
+            ["pool.empty", py["pool_ns_per_op"], py["pool_ns_per_op"] / py["torch_ns_per_op"]],
+            ["torch.empty", py["torch_ns_per_op"], 1.0],
+        ],
+    )
 
     if args.device == "cuda":
         g = gpu_part(traces, args.quick)
         result["gpu"] = g
-        print_table("GPU: torch.empty + del (ns per pair)", ["setting", "ns", "ratio"],
-                    [["PyTorch default", g["empty_free_ns_default"], 1.0],
-                     ["inside use_pool", g["empty_free_ns_use_pool"], g["use_pool_over_default"]]])
-        print_table("GPU: real PyTorch allocator on the traces (peak reserved / peak requested)",
-                    ["trace", "real", "simulated"],
-                    [[k, v, next(r["torch_policy_ratio"] for r in rows if r["trace"] == k)]
-                     for k, v in g["torch_real_ratio"].items()])
+        print_table(
+            "GPU: torch.empty + del (ns per pair)",
+            ["setting", "ns", "ratio"],
+            [
+                ["PyTorch default", g["empty_free_ns_default"], 1.0],
+                ["inside use_pool", g["empty_free_ns_use_pool"], g["use_pool_over_default"]],
+            ],
+        )
+        print_table(
+            "GPU: real PyTorch allocator on the traces (peak reserved / peak requested)",
+            ["trace", "real", "simulated"],
+            [
+                [k, v, next(r["torch_policy_ratio"] for r in rows if r["trace"] == k)]
+                for k, v in g["torch_real_ratio"].items()
+            ],
+        )
         b = g["llmmem_cuda_backends_ratio"]
         if isinstance(b["cuda"], dict):
             vmm = b["cuda_vmm"]
-            print_table("GPU: llmmem's CUDA backends on the traces (peak reserved / peak requested)",
-                        ["trace", "cuda (cudaMalloc)", "replayed fixed segs", "cuda_vmm", "replayed in place"],
-                        [[k, v, next(r["llmmem_fixed_segments_ratio"] for r in rows if r["trace"] == k),
-                          vmm.get(k, "-") if isinstance(vmm, dict) else vmm,
-                          next(r["llmmem_ratio"] for r in rows if r["trace"] == k)]
-                         for k, v in b["cuda"].items()])
-        print_table(f"GPU: largest GPT batch under a {g['max_batch_cap_gib']:.0f} GiB cap",
-                    ["allocator", "max batch"],
-                    [["PyTorch default", g["max_batch_native"]], ["llmmem install_allocator", g["max_batch_llmmem"]]])
+            print_table(
+                "GPU: llmmem's CUDA backends on the traces (peak reserved / peak requested)",
+                ["trace", "cuda (cudaMalloc)", "replayed fixed segs", "cuda_vmm", "replayed in place"],
+                [
+                    [
+                        k,
+                        v,
+                        next(r["llmmem_fixed_segments_ratio"] for r in rows if r["trace"] == k),
+                        vmm.get(k, "-") if isinstance(vmm, dict) else vmm,
+                        next(r["llmmem_ratio"] for r in rows if r["trace"] == k),
+                    ]
+                    for k, v in b["cuda"].items()
+                ],
+            )
+        print_table(
+            f"GPU: largest GPT batch under a {g['max_batch_cap_gib']:.0f} GiB cap",
+            ["allocator", "max batch"],
+            [["PyTorch default", g["max_batch_native"]], ["llmmem install_allocator", g["max_batch_llmmem"]]],
+        )
     path = write_json("pool", result, args.json)
     print(f"\nwrote {path}")
     return 0

@@ -96,11 +96,13 @@ static int run_rank(const char *name, int rank, int world, const size_t *sizes, 
           for (int i = 0; i < 5; i++) phases[i][k - WARMUP] = t[i + 1] - t[i];
       }
       double total[REPS];
-      for (int k = 0; k < REPS; k++) total[k] = phases[0][k] + phases[1][k] + phases[2][k] + phases[3][k] + phases[4][k];
+      for (int k = 0; k < REPS; k++)
+        total[k] = phases[0][k] + phases[1][k] + phases[2][k] + phases[3][k] + phases[4][k];
       double m[5];
       for (int i = 0; i < 5; i++) m[i] = median(phases[i], REPS) * 1e6;
-      printf("rank %d %s %8zu B: copy-in %6.1f  wait %6.1f  reduce %6.1f  wait %6.1f  copy-out %6.1f  | total %6.1f us\n",
-             rank, two_shot ? "two-shot" : "one-shot", nb, m[0], m[1], m[2], m[3], m[4], median(total, REPS) * 1e6);
+      printf(
+          "rank %d %s %8zu B: copy-in %6.1f  wait %6.1f  reduce %6.1f  wait %6.1f  copy-out %6.1f  | total %6.1f us\n",
+          rank, two_shot ? "two-shot" : "one-shot", nb, m[0], m[1], m[2], m[3], m[4], median(total, REPS) * 1e6);
     }
     /* the physical references, same run: a local copy, and a copy of what the next rank just wrote */
     double local[REPS], cross[REPS];

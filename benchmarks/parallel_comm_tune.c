@@ -34,12 +34,16 @@ static double samples[MAX_VARIANTS][REPS];
 enum { KNOB_CHUNK, KNOB_SPIN, KNOB_YIELD };
 
 static void set_knob(int knob, size_t value) {
-  if (knob == KNOB_SPIN) _llmmem_shm_force_spin((long)value);
-  else if (knob == KNOB_YIELD) _llmmem_shm_force_yield_us((long)value);
-  else _llmmem_shm_force_chunk_bytes(value);
+  if (knob == KNOB_SPIN)
+    _llmmem_shm_force_spin((long)value);
+  else if (knob == KNOB_YIELD)
+    _llmmem_shm_force_yield_us((long)value);
+  else
+    _llmmem_shm_force_chunk_bytes(value);
 }
 
-static int run_rank(const char *name, int rank, int world, size_t nbytes, int knob, const size_t *values, int nvalues) {
+static int run_rank(const char *name, int rank, int world, size_t nbytes, int knob, const size_t *values,
+                    int nvalues) {
   llmmem_shm_comm_t *c;
   if (llmmem_shm_comm_open(name, rank, world, 0, 30.0, &c) != LLMMEM_OK) {
     fprintf(stderr, "rank %d: %s\n", rank, llmmem_last_error());
@@ -61,8 +65,8 @@ static int run_rank(const char *name, int rank, int world, size_t nbytes, int kn
     for (int v = 0; v < nvalues; v++) {
       qsort(samples[v], REPS, sizeof(double), cmp_double);
       const char *what = knob == KNOB_SPIN ? "spin" : knob == KNOB_YIELD ? "yield us" : "chunk bytes";
-      printf("%d ranks, %zu B, %s %7zu: median %7.1f us  (quartiles %.1f .. %.1f)\n", world, nbytes, what,
-             values[v], samples[v][REPS / 2] * 1e6, samples[v][REPS / 4] * 1e6, samples[v][3 * REPS / 4] * 1e6);
+      printf("%d ranks, %zu B, %s %7zu: median %7.1f us  (quartiles %.1f .. %.1f)\n", world, nbytes, what, values[v],
+             samples[v][REPS / 2] * 1e6, samples[v][REPS / 4] * 1e6, samples[v][3 * REPS / 4] * 1e6);
     }
   fflush(stdout);
   free(x);
@@ -71,11 +75,11 @@ static int run_rank(const char *name, int rank, int world, size_t nbytes, int kn
 }
 
 int main(int argc, char **argv) {
-  int knob = argc < 5 ? -1
+  int knob = argc < 5                        ? -1
              : strcmp(argv[3], "chunk") == 0 ? KNOB_CHUNK
-             : strcmp(argv[3], "spin") == 0 ? KNOB_SPIN
+             : strcmp(argv[3], "spin") == 0  ? KNOB_SPIN
              : strcmp(argv[3], "yield") == 0 ? KNOB_YIELD
-             : -1;
+                                             : -1;
   if (knob < 0) {
     fprintf(stderr, "usage: %s WORLD MESSAGE_BYTES chunk|spin|yield VALUES...\n", argv[0]);
     return 2;
@@ -84,7 +88,8 @@ int main(int argc, char **argv) {
   size_t nbytes = (size_t)atol(argv[2]), values[MAX_VARIANTS];
   for (int i = 4; i < argc && nvalues < MAX_VARIANTS; i++) values[nvalues++] = (size_t)atol(argv[i]);
   if (world < 1 || world > LLMMEM_SHM_MAX_WORLD || nbytes < 4 || nbytes % 4 != 0 || nbytes > (64u << 20)) {
-    fprintf(stderr, "world must be in 1..%d and the message a multiple of 4 bytes up to 64 MiB\n", LLMMEM_SHM_MAX_WORLD);
+    fprintf(stderr, "world must be in 1..%d and the message a multiple of 4 bytes up to 64 MiB\n",
+            LLMMEM_SHM_MAX_WORLD);
     return 2;
   }
   for (int v = 0; v < nvalues; v++)

@@ -98,7 +98,7 @@ int main(int argc, char **argv) {
         llmmem_pool_free(pool, p, NULL);
       } else {
         void *p = malloc(s);
-        *(volatile char *)p = 0;  /* keep the pair from being optimised away */
+        *(volatile char *)p = 0; /* keep the pair from being optimised away */
         free(p);
       }
       t[i] = now_ns() - a - timer;
@@ -116,18 +116,24 @@ int main(int argc, char **argv) {
       double a = now_ns();
       for (size_t i = 0; i < n; i++) {
         if (ops[i].alloc) {
-          if (which == 0) llmmem_pool_alloc(pool, ops[i].size, NULL, &live[ops[i].id]);
-          else live[ops[i].id] = malloc(ops[i].size);
+          if (which == 0)
+            llmmem_pool_alloc(pool, ops[i].size, NULL, &live[ops[i].id]);
+          else
+            live[ops[i].id] = malloc(ops[i].size);
         } else if (live[ops[i].id]) {
-          if (which == 0) llmmem_pool_free(pool, live[ops[i].id], NULL);
-          else free(live[ops[i].id]);
+          if (which == 0)
+            llmmem_pool_free(pool, live[ops[i].id], NULL);
+          else
+            free(live[ops[i].id]);
           live[ops[i].id] = NULL;
         }
       }
       for (int k = 0; k <= max_id; k++)
         if (live[k]) {
-          if (which == 0) llmmem_pool_free(pool, live[k], NULL);
-          else free(live[k]);
+          if (which == 0)
+            llmmem_pool_free(pool, live[k], NULL);
+          else
+            free(live[k]);
           live[k] = NULL;
         }
       double el = (now_ns() - a) / (double)n;
@@ -137,11 +143,12 @@ int main(int argc, char **argv) {
   }
   llmmem_pool_stats_t st;
   llmmem_pool_stats(pool, &st);
-  printf("{\"pairs\": %zu, \"timer_ns\": %.1f, \"pool_pair_median_ns\": %.1f, \"pool_pair_p99_ns\": %.1f, "
-         "\"malloc_pair_median_ns\": %.1f, \"malloc_pair_p99_ns\": %.1f, \"trace_ops\": %zu, "
-         "\"pool_replay_ns_per_op\": %.1f, \"malloc_replay_ns_per_op\": %.1f, \"pool_ooms\": %llu}\n",
-         pairs, timer, res[0][0], res[0][1], res[1][0], res[1][1], n, replay[0], replay[1],
-         (unsigned long long)st.num_ooms);
+  printf(
+      "{\"pairs\": %zu, \"timer_ns\": %.1f, \"pool_pair_median_ns\": %.1f, \"pool_pair_p99_ns\": %.1f, "
+      "\"malloc_pair_median_ns\": %.1f, \"malloc_pair_p99_ns\": %.1f, \"trace_ops\": %zu, "
+      "\"pool_replay_ns_per_op\": %.1f, \"malloc_replay_ns_per_op\": %.1f, \"pool_ooms\": %llu}\n",
+      pairs, timer, res[0][0], res[0][1], res[1][0], res[1][1], n, replay[0], replay[1],
+      (unsigned long long)st.num_ooms);
   llmmem_pool_destroy(pool);
   free(live);
   free(t);

@@ -30,8 +30,12 @@ CONFIGS = [
     ("gpt_tiny", dict(layers=4, hidden=128, heads=4, seq_len=128, vocab_size=512), 8, [128] * 3),
     ("gpt_small", dict(layers=6, hidden=256, heads=8, seq_len=256, vocab_size=2048), 8, [256] * 3),
     ("gpt_medium", dict(layers=8, hidden=384, heads=6, seq_len=256, vocab_size=4096), 4, [256] * 3),
-    ("gpt_varlen", dict(layers=6, hidden=256, heads=8, seq_len=320, vocab_size=2048), 6,
-     [96, 160, 224, 288, 320, 128]),
+    (
+        "gpt_varlen",
+        dict(layers=6, hidden=256, heads=8, seq_len=320, vocab_size=2048),
+        6,
+        [96, 160, 224, 288, 320, 128],
+    ),
     # recorded after the pool's growth policy was tuned on the four above: held-out checks
     ("gpt_sdpa", dict(layers=6, hidden=320, heads=5, seq_len=192, vocab_size=3000, attention="sdpa"), 10, [192] * 3),
     ("gpt_varlen2", dict(layers=5, hidden=192, heads=6, seq_len=256, vocab_size=5000), 8, [200, 64, 256, 144, 256]),
@@ -118,8 +122,11 @@ def main(argv=None) -> int:
         ops = (record_cuda if args.device == "cuda" else record_cpu)(cfg, batch, seqs)
         path = os.path.join(args.out, f"{name}_{args.device}.json.gz")
         with gzip.open(path, "wt") as f:
-            json.dump({"name": name, "device": args.device, "config": cfg, "batch": batch, "seqs": seqs,
-                       "events": ops}, f, separators=(",", ":"))
+            json.dump(
+                {"name": name, "device": args.device, "config": cfg, "batch": batch, "seqs": seqs, "events": ops},
+                f,
+                separators=(",", ":"),
+            )
         print(f"{path}: {len(ops)} events")
     return 0
 

@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def available() -> dict[str, str]:
-    return {os.path.basename(p)[len("bench_"):-3]: p for p in sorted(glob.glob(os.path.join(HERE, "bench_*.py")))}
+    return {os.path.basename(p)[len("bench_") : -3]: p for p in sorted(glob.glob(os.path.join(HERE, "bench_*.py")))}
 
 
 def main(argv: list[str] | None = None) -> int:

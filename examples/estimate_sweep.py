@@ -45,8 +45,10 @@ def main() -> None:
     for label, b in rows:
         state = b["parameters"] + b["gradients"] + b["master_weights"] + b["optimizer_state"]
         saved = "" if previous is None else format_bytes(previous - b["total"])
-        print(f"  {label:<32}{format_bytes(state):>14}{format_bytes(b['activations']):>14}"
-              f"{format_bytes(b['total']):>14}{saved:>12}")
+        print(
+            f"  {label:<32}{format_bytes(state):>14}{format_bytes(b['activations']):>14}"
+            f"{format_bytes(b['total']):>14}{saved:>12}"
+        )
         previous = b["total"]
 
 

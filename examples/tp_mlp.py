@@ -39,8 +39,9 @@ def main() -> None:
     torch.manual_seed(0)  # same seed on every rank: TP shards are slices of the reference weights
     ref = nn.Sequential(nn.Linear(h, 4 * h, device=dev), nn.GELU(), nn.Linear(4 * h, h, device=dev))
     torch.manual_seed(0)
-    model = nn.Sequential(llmmem.ColumnParallelLinear(h, 4 * h, device=dev), nn.GELU(),
-                          llmmem.RowParallelLinear(4 * h, h, device=dev))
+    model = nn.Sequential(
+        llmmem.ColumnParallelLinear(h, 4 * h, device=dev), nn.GELU(), llmmem.RowParallelLinear(4 * h, h, device=dev)
+    )
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator(device="cpu").manual_seed(1)
@@ -57,8 +58,10 @@ def main() -> None:
     diff = (model[0].full_weight() - ref[0].weight).abs().max().item()
     params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"TP={world}: max |W_tp - W_ref| after {a.steps} steps = {diff:.2e}; "
-              f"parameters per rank {params} vs {sum(p.numel() for p in ref.parameters())} on one device")
+        print(
+            f"TP={world}: max |W_tp - W_ref| after {a.steps} steps = {diff:.2e}; "
+            f"parameters per rank {params} vs {sum(p.numel() for p in ref.parameters())} on one device"
+        )
     tp.destroy()
     dist.destroy_process_group()
 

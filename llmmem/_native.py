@@ -16,8 +16,7 @@ class _MissingNative:
 
     def __getattr__(self, name: str):
         raise ImportError(
-            f"llmmem: the C core (llmmem._C) could not be loaded, so `{name}` is unavailable: "
-            f"{self._error!r}; {_FIX}"
+            f"llmmem: the C core (llmmem._C) could not be loaded, so `{name}` is unavailable: {self._error!r}; {_FIX}"
         ) from self._error
 
     def __bool__(self) -> bool:

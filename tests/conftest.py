@@ -20,7 +20,7 @@ def _cuda_usable() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 

@@ -23,9 +23,21 @@ def _exported_symbols(path: str) -> list[str]:
 def _build(tmp_path, **env) -> pathlib.Path:
     """Builds _C into tmp_path (not the checkout) with these environment settings; returns the module."""
     build = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-         "--build-temp", str(tmp_path / "tmp")],
-        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "setup.py",
+            "-q",
+            "build_ext",
+            "--build-lib",
+            str(tmp_path / "lib"),
+            "--build-temp",
+            str(tmp_path / "tmp"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert build.returncode == 0, build.stdout + build.stderr
     built = list((tmp_path / "lib" / "llmmem").glob("_C*.so"))
@@ -36,9 +48,11 @@ def _build(tmp_path, **env) -> pathlib.Path:
 def _run_with_module(path: pathlib.Path, body: str) -> subprocess.CompletedProcess:
     """Runs body in a fresh interpreter with the module at path loaded as C. It is loaded as '_C'
     because PyInit__C is its init symbol whatever the file is called."""
-    code = ("import importlib.util\n"
-            f"spec = importlib.util.spec_from_file_location('_C', {str(path)!r})\n"
-            "C = importlib.util.module_from_spec(spec); spec.loader.exec_module(C)\n" + body)
+    code = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('_C', {str(path)!r})\n"
+        "C = importlib.util.module_from_spec(spec); spec.loader.exec_module(C)\n" + body
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
@@ -56,15 +70,18 @@ def test_only_the_llmmem_abi_is_exported():
 def test_cpu_only_build_imports_and_reports_not_built(tmp_path):
     built = _build(tmp_path, LLMMEM_CUDA="0", LLMMEM_WERROR="1")
     assert not [s for s in _exported_symbols(str(built)) if s.startswith("cuda")]
-    run = _run_with_module(built, (
-        "info = C.build_info()\n"
-        "assert info['cuda_built'] is False and info['cuda_archs'] == '', info\n"
-        "try:\n"
-        "    C.cuda_device_count()\n"
-        "except C.NotBuiltError as e:\n"
-        "    assert 'without CUDA' in str(e), e\n"
-        "    print('ok')\n"
-    ))
+    run = _run_with_module(
+        built,
+        (
+            "info = C.build_info()\n"
+            "assert info['cuda_built'] is False and info['cuda_archs'] == '', info\n"
+            "try:\n"
+            "    C.cuda_device_count()\n"
+            "except C.NotBuiltError as e:\n"
+            "    assert 'without CUDA' in str(e), e\n"
+            "    print('ok')\n"
+        ),
+    )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 

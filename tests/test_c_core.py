@@ -19,15 +19,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 C_TESTS = sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.c"))
 # C++ harnesses of CUDA code run without a GPU (a simulated driver); they need the CUDA headers,
 # found where the Makefile looks (CUDA_INC, else $CUDA_HOME/include, else /usr/local/cuda/include).
-_CUDA_INC = pathlib.Path(os.environ.get("CUDA_INC") or
-                         os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "include"))
+_CUDA_INC = pathlib.Path(
+    os.environ.get("CUDA_INC") or os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "include")
+)
 if (_CUDA_INC / "cuda.h").exists():
     C_TESTS += sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.cc"))
 # The plain C tests again, built with clang where it is on PATH (the Makefile looks the same way):
 # its UBSan checks more than gcc's.
 if shutil.which("clang"):
-    C_TESTS += sorted("clang/" + p.stem for p in (ROOT / "tests" / "c").glob("test_*.c")
-                      if not p.stem.endswith("_openmp"))
+    C_TESTS += sorted(
+        "clang/" + p.stem for p in (ROOT / "tests" / "c").glob("test_*.c") if not p.stem.endswith("_openmp")
+    )
 
 
 @pytest.fixture(scope="module")

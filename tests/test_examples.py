@@ -13,8 +13,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_estimate_sweep_runs_and_never_grows():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "estimate_sweep.py"), "gpt2-xl", "--seq", "1024"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "estimate_sweep.py"), "gpt2-xl", "--seq", "1024"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     totals = []
     for line in proc.stdout.splitlines()[2:]:

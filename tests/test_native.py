@@ -72,8 +72,14 @@ def test_raise_status_rejects_success_and_unknown():
 
 def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # Outside the checkout, so `-c` (which puts the working directory on sys.path) finds the install.
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, cwd=tempfile.gettempdir())
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        cwd=tempfile.gettempdir(),
+    )
 
 
 def test_import_is_lazy_and_does_not_import_torch():
@@ -108,7 +114,7 @@ def test_import_never_fails_without_the_core():
 
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
-        llmmem.nonexistent  # noqa: B018
+        llmmem.nonexistent
     assert "GradScaler" in dir(llmmem)
 
 

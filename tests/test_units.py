@@ -10,18 +10,51 @@ from llmmem.units import format_bytes, parse_bytes
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("4GB", 4 * 10**9), ("4 GB", 4 * 10**9), ("4gb", 4 * 10**9), ("512MiB", 512 * 2**20),
-        ("1.5GiB", 3 * 2**29), ("80GB", 80 * 10**9), ("1000000", 10**6), ("0", 0), ("2TiB", 2 * 2**40),
-        ("10kB", 10_000), ("3KiB", 3072), ("7B", 7), (12345, 12345), (2.0**30, 2**30),
-        ("1e3", 1000), ("0.1kB", 100), ("1e9GB", 10**18), ("0.3GiB", 322122547),
+        ("4GB", 4 * 10**9),
+        ("4 GB", 4 * 10**9),
+        ("4gb", 4 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * 2**29),
+        ("80GB", 80 * 10**9),
+        ("1000000", 10**6),
+        ("0", 0),
+        ("2TiB", 2 * 2**40),
+        ("10kB", 10_000),
+        ("3KiB", 3072),
+        ("7B", 7),
+        (12345, 12345),
+        (2.0**30, 2**30),
+        ("1e3", 1000),
+        ("0.1kB", 100),
+        ("1e9GB", 10**18),
+        ("0.3GiB", 322122547),
     ],
 )
 def test_parse_bytes_accepts(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "GB", "4 XB", "four GB", "-1GB", -5, 1.5, float("nan"), None, True, [4],
-                                 "1e400", "1e400GB", "2.5", "2.5B", "1e30TB"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "GB",
+        "4 XB",
+        "four GB",
+        "-1GB",
+        -5,
+        1.5,
+        float("nan"),
+        None,
+        True,
+        [4],
+        "1e400",
+        "1e400GB",
+        "2.5",
+        "2.5B",
+        "1e30TB",
+    ],
+)
 def test_parse_bytes_rejects_with_the_argument_name(bad):
     with pytest.raises(ValueError, match="device_memory"):
         parse_bytes(bad, "device_memory")

@@ -72,9 +72,7 @@ static int runtime_found(void) {
   return next == FOUND && looking == LOOKING;
 }
 
-int _llmmem_omp_team_usable(void) {
-  return runtime_found() && !omp_in_parallel_() && omp_get_max_threads_() >= 2;
-}
+int _llmmem_omp_team_usable(void) { return runtime_found() && !omp_in_parallel_() && omp_get_max_threads_() >= 2; }
 
 int _llmmem_omp_team_run(void (*fn)(void *), void *data) {
   if (!_llmmem_omp_team_usable()) return 0;
@@ -83,6 +81,4 @@ int _llmmem_omp_team_run(void (*fn)(void *), void *data) {
   return 1;
 }
 
-int _llmmem_omp_team_runs(void) {
-  return __atomic_load_n(&runs, __ATOMIC_RELAXED);
-}
+int _llmmem_omp_team_runs(void) { return __atomic_load_n(&runs, __ATOMIC_RELAXED); }

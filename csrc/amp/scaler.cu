@@ -26,39 +26,44 @@
 
 namespace {
 
-constexpr int kBlock = 512;            // threads per block
-constexpr int64_t kChunk = 65536;      // elements per chunk (one block's unit of work)
+constexpr int kBlock = 512;       // threads per block
+constexpr int64_t kChunk = 65536; // elements per chunk (one block's unit of work)
 constexpr int kMaxTensors = LLMMEM_SCALER_CUDA_MAX_TENSORS;
-constexpr int kMaxBlocks = 4096;       // blocks stride over chunks beyond this
+constexpr int kMaxBlocks = 4096; // blocks stride over chunks beyond this
 
 // The kernel's tensor table: 8 + 8 + 4 + 4 bytes per tensor, ~24 KB for 1024 tensors.
 struct TensorTable {
   void *ptr[kMaxTensors];
   int64_t numel[kMaxTensors];
-  int32_t chunk_start[kMaxTensors + 1];  // prefix sums of chunk counts; chunk_start[n] = total chunks
+  int32_t chunk_start[kMaxTensors + 1]; // prefix sums of chunk counts; chunk_start[n] = total chunks
   int32_t flag[kMaxTensors];
   int32_t n;
 };
 static_assert(sizeof(TensorTable) < 32764, "kernel parameters are limited to 32764 bytes");
 
 // Per dtype: the math type and the conversions (round to nearest even, as the CPU path).
-template <typename T> struct Elem;
-template <> struct Elem<float> {
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
   using Math = float;
   __device__ static float load(float v) { return v; }
   __device__ static float store(float v) { return v; }
 };
-template <> struct Elem<double> {
+template <>
+struct Elem<double> {
   using Math = double;
   __device__ static double load(double v) { return v; }
   __device__ static double store(double v) { return v; }
 };
-template <> struct Elem<__half> {
+template <>
+struct Elem<__half> {
   using Math = float;
   __device__ static float load(__half v) { return __half2float(v); }
   __device__ static __half store(float v) { return __float2half_rn(v); }
 };
-template <> struct Elem<__nv_bfloat16> {
+template <>
+struct Elem<__nv_bfloat16> {
   using Math = float;
   __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
@@ -79,14 +84,17 @@ __global__ void __launch_bounds__(kBlock)
                          float *found_inf, uint8_t *flags) {
   float inv = 1.0f;
   if (scale) inv = scale_is_inverse ? *scale : (float)(1.0 / (double)*scale);
-  const bool write = inv != 1.0f;  // torch leaves values as they are when inv_scale == 1
+  const bool write = inv != 1.0f; // torch leaves values as they are when inv_scale == 1
   const int32_t total = tab.chunk_start[tab.n];
   for (int32_t c = blockIdx.x; c < total; c += gridDim.x) {
     // the tensor owning chunk c: the last t with chunk_start[t] <= c (uniform across the block)
     int lo = 0, hi = tab.n - 1;
     while (lo < hi) {
       int mid = (lo + hi + 1) >> 1;
-      if (tab.chunk_start[mid] <= c) lo = mid; else hi = mid - 1;
+      if (tab.chunk_start[mid] <= c)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const int t = lo;
     const int64_t off = (int64_t)(c - tab.chunk_start[t]) * kChunk;
@@ -94,7 +102,7 @@ __global__ void __launch_bounds__(kBlock)
     const int64_t len = rem < kChunk ? rem : kChunk;
     T *base = static_cast<T *>(tab.ptr[t]) + off;
     bool bad = false;
-    constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte access
+    constexpr int kVec = 16 / sizeof(T); // elements per 16-byte access
     if ((reinterpret_cast<uintptr_t>(base) & 15) == 0) {
       const int64_t nvec = len / kVec;
       for (int64_t i = threadIdx.x; i < nvec; i += kBlock) {
@@ -113,7 +121,7 @@ __global__ void __launch_bounds__(kBlock)
       for (int64_t i = threadIdx.x; i < len; i += kBlock) bad |= process(&base[i], inv, write);
     }
     if (__syncthreads_or(bad) && threadIdx.x == 0) {
-      *found_inf = 1.0f;  // racing writers all store the same value
+      *found_inf = 1.0f; // racing writers all store the same value
       if (flags) flags[tab.flag[t]] = 1;
     }
   }
@@ -146,15 +154,15 @@ struct FoundList {
 };
 
 __global__ void update_kernel(float *scale, int32_t *growth, int32_t *hyst, int64_t *stats, FoundList found,
-                              double growth_factor, double backoff_factor, int64_t growth_interval,
-                              int32_t hysteresis, float min_scale, int on_growth) {
+                              double growth_factor, double backoff_factor, int64_t growth_interval, int32_t hysteresis,
+                              float min_scale, int on_growth) {
   int any = 0;
   for (int i = 0; i < found.n; i++) any |= *found.ptr[i] != 0.0f;
-  llmmem_scaler_apply_rule(scale, growth, hyst, stats, any, growth_factor, backoff_factor, growth_interval,
-                           hysteresis, min_scale, on_growth);
+  llmmem_scaler_apply_rule(scale, growth, hyst, stats, any, growth_factor, backoff_factor, growth_interval, hysteresis,
+                           min_scale, on_growth);
 }
 
-}  // namespace
+} // namespace
 
 extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llmmem_scaler_tensor_t *tensors,
                                                                        size_t count, const float *scale,
@@ -162,11 +170,11 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llm
                                                                        uint8_t *tensor_flags, size_t n_flags,
                                                                        int device, void *stream) {
   size_t total_bytes = 0;
-  LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check_cuda", tensors, count, found_inf,
-                                          tensor_flags, n_flags, &total_bytes));
+  LLMMEM_TRY(_llmmem_scaler_check_tensors("llmmem_scaler_unscale_check_cuda", tensors, count, found_inf, tensor_flags,
+                                          n_flags, &total_bytes));
   LLMMEM_CHECK_ARG(device >= 0, "llmmem_scaler_unscale_check_cuda: device must be >= 0, got %d", device);
   if (count == 0 || total_bytes == 0) return LLMMEM_OK;
-  llmmem_cuda::device_guard guard(device);  // restores the caller's device on every return below
+  llmmem_cuda::device_guard guard(device); // restores the caller's device on every return below
   LLMMEM_CUDA_TRY(guard.err);
   // 24 KB: kept off the caller's stack; one per thread so concurrent callers do not share it.
   static thread_local TensorTable tab;
@@ -201,7 +209,8 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_update_cuda(float *scale, in
                                                                 const llmmem_scaler_config_t *cfg, int device,
                                                                 void *stream) {
   LLMMEM_TRY(llmmem_scaler_config_check(cfg));
-  LLMMEM_CHECK_ARG(scale != NULL && growth_tracker != NULL, "llmmem_scaler_update_cuda: scale and growth_tracker "
+  LLMMEM_CHECK_ARG(scale != NULL && growth_tracker != NULL,
+                   "llmmem_scaler_update_cuda: scale and growth_tracker "
                    "must not be NULL");
   LLMMEM_CHECK_ARG(hysteresis_tracker != NULL || cfg->hysteresis == 1,
                    "llmmem_scaler_update_cuda: hysteresis_tracker is required when hysteresis is %d",
@@ -216,7 +225,7 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_scaler_update_cuda(float *scale, in
     LLMMEM_CHECK_ARG(found_infs[i] != NULL, "llmmem_scaler_update_cuda: found_infs[%zu] is NULL", i);
     found.ptr[i] = found_infs[i];
   }
-  llmmem_cuda::device_guard guard(device);  // restores the caller's device on return
+  llmmem_cuda::device_guard guard(device); // restores the caller's device on return
   LLMMEM_CUDA_TRY(guard.err);
   update_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       scale, growth_tracker, hysteresis_tracker, stats, found, cfg->growth_factor, cfg->backoff_factor,

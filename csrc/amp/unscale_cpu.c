@@ -44,8 +44,10 @@
 
 static inline void prefetch_lines(const char *p, size_t bytes, int write) {
   for (size_t off = 0; off < bytes; off += 64) {
-    if (write) __builtin_prefetch(p + off, 1, 3);
-    else __builtin_prefetch(p + off, 0, 3);
+    if (write)
+      __builtin_prefetch(p + off, 1, 3);
+    else
+      __builtin_prefetch(p + off, 0, 3);
   }
 }
 
@@ -60,7 +62,7 @@ static inline void prefetch_lines(const char *p, size_t bytes, int write) {
 #if LLMMEM_HAVE_X86_DISPATCH
 #define LOOP_SUFFIX _avx2
 #define LOOP_TARGET __attribute__((target("avx2,f16c")))
-#define LOOP_F16C 1
+#define LOOP_F16C   1
 #include "unscale_loops.h"
 #undef LOOP_SUFFIX
 #undef LOOP_TARGET
@@ -308,7 +310,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   const int team = nt > 1 && _llmmem_omp_team_usable();
   if (nt > 1 && llmmem_scaler_pipe_start(tensors, count, scale, scale_is_inverse, tensor_flags, n_flags,
                                          team ? 0 : (int)nt - 1, &pipe) == LLMMEM_OK) {
-    _llmmem_scaler_pipe_publish_checked(pipe, count, &done); /* the tensors were checked above */
+    _llmmem_scaler_pipe_publish_checked(pipe, count, &done);     /* the tensors were checked above */
     if (team) (void)_llmmem_scaler_pipe_drain_on_team(pipe, nt); /* not run: finish drains it here */
     LLMMEM_TRY(llmmem_scaler_pipe_finish(pipe, found_inf));
   }

@@ -9,7 +9,7 @@
  * LOOP_F16C defined to 1 when the F16C intrinsics may be used.
  */
 #define LOOP_CAT2(a, b) a##b
-#define LOOP_CAT(a, b) LOOP_CAT2(a, b)
+#define LOOP_CAT(a, b)  LOOP_CAT2(a, b)
 #define LOOP_NAME(name) LOOP_CAT(name, LOOP_SUFFIX)
 
 /* Returns nonzero when any of p[0..n) is inf or NaN; multiplies in place when `write`. */
@@ -106,16 +106,16 @@ LOOP_TARGET static int LOOP_NAME(loop_f16)(uint16_t *restrict p, size_t n, float
 /* Runs `fn` over p[0..n) of type T in blocks of STREAM_BLOCK bytes, asking before each block for
  * the block STREAM_AHEAD bytes on while that block lies wholly inside the range (see
  * unscale_cpu.c); the range's first STREAM_AHEAD bytes are the caller's to ask for. */
-#define LOOP_STREAM(fn, T)                                                                            \
-  do {                                                                                                \
-    T *q = (T *)t->data + off;                                                                        \
-    const size_t blk = STREAM_BLOCK / sizeof(T), ahead = STREAM_AHEAD / sizeof(T);                    \
-    size_t k = 0;                                                                                     \
-    for (; k + ahead + blk <= (size_t)n; k += blk) {                                                  \
-      prefetch_lines((const char *)(q + k + ahead), STREAM_BLOCK, write);                             \
-      bad |= fn(q + k, blk, inv, write);                                                              \
-    }                                                                                                 \
-    bad |= fn(q + k, (size_t)n - k, inv, write);                                                      \
+#define LOOP_STREAM(fn, T)                                                         \
+  do {                                                                             \
+    T *q = (T *)t->data + off;                                                     \
+    const size_t blk = STREAM_BLOCK / sizeof(T), ahead = STREAM_AHEAD / sizeof(T); \
+    size_t k = 0;                                                                  \
+    for (; k + ahead + blk <= (size_t)n; k += blk) {                               \
+      prefetch_lines((const char *)(q + k + ahead), STREAM_BLOCK, write);          \
+      bad |= fn(q + k, blk, inv, write);                                           \
+    }                                                                              \
+    bad |= fn(q + k, (size_t)n - k, inv, write);                                   \
   } while (0)
 
 /* Dispatches one contiguous range [off, off + n) of tensor t. */
@@ -123,18 +123,10 @@ LOOP_TARGET static int LOOP_NAME(run_range)(const llmmem_scaler_tensor_t *t, int
                                             int write) {
   int bad = 0;
   switch (t->dtype) {
-    case LLMMEM_SCALER_F32:
-      LOOP_STREAM(LOOP_NAME(loop_f32), float);
-      break;
-    case LLMMEM_SCALER_F64:
-      LOOP_STREAM(LOOP_NAME(loop_f64), double);
-      break;
-    case LLMMEM_SCALER_BF16:
-      LOOP_STREAM(LOOP_NAME(loop_bf16), uint16_t);
-      break;
-    default:
-      LOOP_STREAM(LOOP_NAME(loop_f16), uint16_t);
-      break;
+    case LLMMEM_SCALER_F32: LOOP_STREAM(LOOP_NAME(loop_f32), float); break;
+    case LLMMEM_SCALER_F64: LOOP_STREAM(LOOP_NAME(loop_f64), double); break;
+    case LLMMEM_SCALER_BF16: LOOP_STREAM(LOOP_NAME(loop_bf16), uint16_t); break;
+    default: LOOP_STREAM(LOOP_NAME(loop_f16), uint16_t); break;
   }
   return bad;
 }

@@ -26,14 +26,14 @@
 #include "internal.h"
 #include "scaler_internal.h"
 
-#define CLAIM_BYTES ((size_t)64 << 10)  /* small tensors are claimed together up to this */
-#define SLICE_BYTES ((size_t)1 << 20)   /* a large tensor is claimed in slices of this */
+#define CLAIM_BYTES ((size_t)64 << 10) /* small tensors are claimed together up to this */
+#define SLICE_BYTES ((size_t)1 << 20)  /* a large tensor is claimed in slices of this */
 /* The first worker starts once this much is published: below it, starting a thread (tens of
  * microseconds) costs more than the caller unscaling it all in finish. Each further worker waits
  * for MORE_BYTES more, as llmmem_scaler_unscale_check spreads threads (a few MiB each), so a long
  * list of small gradients does not start a thread per CPU for a few MiB. */
 #define START_BYTES ((size_t)512 << 10)
-#define MORE_BYTES ((size_t)3 << 20)
+#define MORE_BYTES  ((size_t)3 << 20)
 #define MAX_WORKERS 63
 
 struct llmmem_scaler_pipe_s {
@@ -48,16 +48,16 @@ struct llmmem_scaler_pipe_s {
   /* guards the cursor, published and closed; next_tensor, published and closed are also read
    * without it (atomic loads) by waiting workers, and so written with atomic stores */
   pthread_mutex_t lock;
-  size_t next_tensor;     /* cursor: the first element not yet claimed */
+  size_t next_tensor; /* cursor: the first element not yet claimed */
   int64_t next_offset;
-  size_t published;       /* tensors [0, published) may be claimed */
-  int closed;             /* no more will be published: workers leave when nothing is left */
-  int found;              /* any claimed piece held inf/NaN */
+  size_t published; /* tensors [0, published) may be claimed */
+  int closed;       /* no more will be published: workers leave when nothing is left */
+  int found;        /* any claimed piece held inf/NaN */
 
   size_t published_bytes; /* the publisher's own count, to decide when to start the workers */
   size_t want_workers, n_workers;
   size_t team_size, team_members; /* _llmmem_scaler_pipe_drain_on_team: how many join, joined so far */
-  _llmmem_addr_set_t seen; /* data pointers published so far, to refuse a second listing */
+  _llmmem_addr_set_t seen;        /* data pointers published so far, to refuse a second listing */
   pthread_t workers[MAX_WORKERS];
 };
 
@@ -80,7 +80,7 @@ static int claim(llmmem_scaler_pipe_t *p, pos_t *from, pos_t *to) {
       p->next_offset = 0;
       continue;
     }
-    if (bytes > 0) break; /* leave the large tensor to the next claim, sliced from its start */
+    if (bytes > 0) break;                       /* leave the large tensor to the next claim, sliced from its start */
     int64_t take = (int64_t)(SLICE_BYTES / es); /* a multiple of 64 elements: vector loops stay aligned */
     if (take >= left) {
       __atomic_store_n(&p->next_tensor, p->next_tensor + 1, __ATOMIC_RELAXED);
@@ -245,8 +245,9 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_finish(llmmem_scaler_pipe_t *p, fl
   _llmmem_addr_set_free(&p->seen);
   free(p);
   /* Checked last: the published work must complete whatever the caller passes. */
-  LLMMEM_CHECK_ARG(found_inf != NULL, "llmmem_scaler_pipe_finish: found_inf must not be NULL (the pipe was "
-                                      "finished and freed)");
+  LLMMEM_CHECK_ARG(found_inf != NULL,
+                   "llmmem_scaler_pipe_finish: found_inf must not be NULL (the pipe was "
+                   "finished and freed)");
   if (found) *found_inf = 1.0f;
   return LLMMEM_OK;
 }

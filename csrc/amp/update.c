@@ -11,8 +11,8 @@ LLMMEM_API llmmem_status_t llmmem_scaler_config_check(const llmmem_scaler_config
   LLMMEM_CHECK_ARG(cfg != NULL, "scaler config: cfg must not be NULL");
   LLMMEM_CHECK_ARG(cfg->growth_factor > 1.0 && isfinite(cfg->growth_factor),
                    "growth_factor must be a finite number > 1.0, got %g", cfg->growth_factor);
-  LLMMEM_CHECK_ARG(cfg->backoff_factor > 0.0 && cfg->backoff_factor < 1.0,
-                   "backoff_factor must be in (0, 1), got %g", cfg->backoff_factor);
+  LLMMEM_CHECK_ARG(cfg->backoff_factor > 0.0 && cfg->backoff_factor < 1.0, "backoff_factor must be in (0, 1), got %g",
+                   cfg->backoff_factor);
   LLMMEM_CHECK_ARG(cfg->growth_interval >= 1, "growth_interval must be >= 1, got %lld",
                    (long long)cfg->growth_interval);
   LLMMEM_CHECK_ARG(cfg->hysteresis >= 1, "hysteresis must be >= 1, got %d", (int)cfg->hysteresis);

@@ -20,7 +20,7 @@
 #include <llmmem/amp.h>
 
 #ifdef __CUDACC__
-#define LLMMEM_HD __host__ __device__
+#define LLMMEM_HD            __host__ __device__
 #define LLMMEM_ISFINITE_F(x) isfinite(x)
 #else
 #include <math.h>

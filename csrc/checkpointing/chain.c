@@ -53,7 +53,8 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   LLMMEM_CHECK_ARG(chain != NULL && out != NULL, "chain and out must not be NULL");
   memset(out, 0, sizeof *out);
   const int32_t L = chain->n_blocks, K = chain->n_modes;
-  LLMMEM_CHECK_ARG(L >= 1 && L <= LLMMEM_PLAN_MAX_BLOCKS, "n_blocks must be in 1..%d, got %d", LLMMEM_PLAN_MAX_BLOCKS, L);
+  LLMMEM_CHECK_ARG(L >= 1 && L <= LLMMEM_PLAN_MAX_BLOCKS, "n_blocks must be in 1..%d, got %d", LLMMEM_PLAN_MAX_BLOCKS,
+                   L);
   LLMMEM_CHECK_ARG(K >= 1 && K <= LLMMEM_PLAN_MAX_MODES, "n_modes must be in 1..%d, got %d", LLMMEM_PLAN_MAX_MODES, K);
   LLMMEM_CHECK_ARG(chain->fwd_time && chain->bwd_time && chain->input_bytes && chain->saved_bytes,
                    "fwd_time, bwd_time, input_bytes and saved_bytes must not be NULL");
@@ -96,7 +97,8 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   memcpy(out->b, chain->bwd_time, LK * sizeof(double));
   memcpy(out->x, chain->input_bytes, ((size_t)L + 1) * sizeof(uint64_t));
   memcpy(out->s, chain->saved_bytes, LK * sizeof(uint64_t));
-  for (int32_t i = 0; i < L; i++) out->fn[i] = chain->fwd_nostore_time ? chain->fwd_nostore_time[i] : out->f[(size_t)i * K];
+  for (int32_t i = 0; i < L; i++)
+    out->fn[i] = chain->fwd_nostore_time ? chain->fwd_nostore_time[i] : out->f[(size_t)i * K];
   if (chain->fwd_tmp_bytes) memcpy(out->ft, chain->fwd_tmp_bytes, (size_t)L * sizeof(uint64_t));
   if (chain->bwd_tmp_bytes) memcpy(out->bt, chain->bwd_tmp_bytes, LK * sizeof(uint64_t));
   if (chain->output_kept) memcpy(out->kept, chain->output_kept, LK);

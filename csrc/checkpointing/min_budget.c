@@ -15,12 +15,12 @@
 #define MAXU(a, b) ((a) > (b) ? (a) : (b))
 
 /* A broken invariant: record it and leave through the cleanup label (never abort). */
-#define LLMMEM_ASSERT_INTERNAL_GOTO(cond, status, label)                                        \
-  do {                                                                                        \
-    if (!(cond)) {                                                                            \
+#define LLMMEM_ASSERT_INTERNAL_GOTO(cond, status, label)                                             \
+  do {                                                                                               \
+    if (!(cond)) {                                                                                   \
       status = LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "internal check failed: %s (please report)", #cond); \
-      goto label;                                                                             \
-    }                                                                                         \
+      goto label;                                                                                    \
+    }                                                                                                \
   } while (0)
 
 /* Row of segment [s, e) (e <= L - 1) in the R tables; identical blocks share rows by length. */
@@ -28,7 +28,9 @@ static size_t rowR(const plan_costs_t *c, int32_t s, int32_t e) {
   return c->identical ? (size_t)(e - s - 1) : (size_t)e * (size_t)(e - 1) / 2 + (size_t)s;
 }
 
-size_t plan_rows_R(const plan_costs_t *c) { return c->identical ? (size_t)(c->L > 1 ? c->L - 1 : 0) : (size_t)c->L * (size_t)(c->L - 1) / 2; }
+size_t plan_rows_R(const plan_costs_t *c) {
+  return c->identical ? (size_t)(c->L > 1 ? c->L - 1 : 0) : (size_t)c->L * (size_t)(c->L - 1) / 2;
+}
 
 size_t plan_row_R(const plan_costs_t *c, int32_t s, int32_t e) { return rowR(c, s, e); }
 
@@ -48,7 +50,8 @@ static void need_segment(const plan_costs_t *c, int32_t s, int32_t e, uint64_t *
     if (!top && !c->nest[k]) continue;
     const size_t ik = (size_t)s * K + k;
     const uint64_t hold = c->s[ik] + c->x[s + 1];
-    uint64_t need = MAXU(c->s[ik] + c->x[s + 1] + c->ft[s], c->s[ik] + (s + 1 < e ? c->x[s + 1] : 0) + c->x[s] + c->bt[ik]);
+    uint64_t need =
+        MAXU(c->s[ik] + c->x[s + 1] + c->ft[s], c->s[ik] + (s + 1 < e ? c->x[s + 1] : 0) + c->x[s] + c->bt[ik]);
     double t = c->f[ik] + c->b[ik];
     if (s + 1 < e) {
       const int pinned = top && plan_keeps_output(c, s, k);
@@ -134,8 +137,9 @@ LLMMEM_API llmmem_status_t llmmem_plan_min_budget(const llmmem_plan_chain_t *cha
   LLMMEM_TRY(plan_costs_load(chain, &c));
   if (!c.identical && c.L > PLAN_MAX_GENERAL_BLOCKS) {
     plan_costs_free(&c);
-    return LLMMEM_FAIL(LLMMEM_ERR_INVALID, "%d heterogeneous blocks: at most %d (group blocks so the chain is shorter)",
-                       c.L, PLAN_MAX_GENERAL_BLOCKS);
+    return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
+                       "%d heterogeneous blocks: at most %d (group blocks so the chain is shorter)", c.L,
+                       PLAN_MAX_GENERAL_BLOCKS);
   }
   const llmmem_status_t st = plan_costs_min_budget(&c, min_budget_bytes, NULL, NULL);
   plan_costs_free(&c);

@@ -13,17 +13,17 @@
  * Owns its arrays (plan_chain_free). */
 typedef struct plan_costs_s {
   int32_t L, K;
-  double *f;        /* [i*K+k] tape forward time */
-  double *fn;       /* [i] no-store forward time */
-  double *b;        /* [i*K+k] backward time */
-  uint64_t *x;      /* [i], i = 0..L */
-  uint64_t *s;      /* [i*K+k] saved bytes beyond the input */
-  uint64_t *ft;     /* [i] forward transient */
-  uint64_t *bt;     /* [i*K+k] backward transient */
-  uint8_t *kept;    /* [i*K+k] block i's tape in mode k keeps a_{i+1} */
-  double bw;        /* host<->device bytes per time unit; 0: no offloading */
+  double *f;     /* [i*K+k] tape forward time */
+  double *fn;    /* [i] no-store forward time */
+  double *b;     /* [i*K+k] backward time */
+  uint64_t *x;   /* [i], i = 0..L */
+  uint64_t *s;   /* [i*K+k] saved bytes beyond the input */
+  uint64_t *ft;  /* [i] forward transient */
+  uint64_t *bt;  /* [i*K+k] backward transient */
+  uint8_t *kept; /* [i*K+k] block i's tape in mode k keeps a_{i+1} */
+  double bw;     /* host<->device bytes per time unit; 0: no offloading */
   uint8_t nest[LLMMEM_PLAN_MAX_MODES];
-  int identical;    /* 1 when every block has the same costs and every a_i the same size */
+  int identical; /* 1 when every block has the same costs and every a_i the same size */
 } plan_costs_t;
 
 /* Checks every field (names the bad one in the error detail) and copies it into *out. */
@@ -59,7 +59,9 @@ static inline int32_t plan_choice_length(int32_t choice, int32_t K, int32_t L) {
 static inline int plan_offload_ok(const plan_costs_t *c, int32_t s) { return c->bw > 0.0 && s >= 1; }
 
 /* Block i run as a tape in mode k keeps its output a_{i+1} alive: the next region cannot offload it. */
-static inline int plan_keeps_output(const plan_costs_t *c, int32_t i, int32_t k) { return c->kept[(size_t)i * c->K + k]; }
+static inline int plan_keeps_output(const plan_costs_t *c, int32_t i, int32_t k) {
+  return c->kept[(size_t)i * c->K + k];
+}
 
 /* Transfer time charged for offloading the input of region [s, q) whose no-store forward takes
  * fwd_time: the copy back is on the critical path; the copy out hides behind that forward. */

@@ -104,7 +104,7 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
         if (children != stack_children) free(children);
         return -1;
       }
-      if (r->end < e) st->live -= (int64_t)c->x[r->end];  /* gradient of the region output consumed */
+      if (r->end < e) st->live -= (int64_t)c->x[r->end];     /* gradient of the region output consumed */
       if (r->start > s) st->live -= (int64_t)c->x[r->start]; /* region input released */
       i = r->start;
     } else {
@@ -112,8 +112,8 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
       const size_t ik = (size_t)b * K + st->mode[b];
       touch(st, (int64_t)c->x[b] + (int64_t)c->bt[ik]);
       st->time += c->b[ik];
-      st->live += (int64_t)c->x[b];   /* gradient of a_b */
-      st->live -= (int64_t)c->s[ik];  /* tape released */
+      st->live += (int64_t)c->x[b];  /* gradient of a_b */
+      st->live -= (int64_t)c->s[ik]; /* tape released */
       if (b + 1 < e) st->live -= (int64_t)c->x[b + 1];
       if (b > s) st->live -= (int64_t)c->x[b];
       i = b;
@@ -184,11 +184,11 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
       goto done;
     }
     if (regs[r].offload != 0) {
-      const char *why = regs[r].offload != 1   ? "its offload flag must be 0 or 1"
-                        : c->bw <= 0.0         ? "the chain has no host_bandwidth (offloading is off)"
-                        : parent != 0          ? "only top-level regions can be offloaded"
-                        : regs[r].start == 0   ? "the chain input a_0 cannot be offloaded"
-                                               : NULL;
+      const char *why = regs[r].offload != 1 ? "its offload flag must be 0 or 1"
+                        : c->bw <= 0.0       ? "the chain has no host_bandwidth (offloading is off)"
+                        : parent != 0        ? "only top-level regions can be offloaded"
+                        : regs[r].start == 0 ? "the chain input a_0 cannot be offloaded"
+                                             : NULL;
       if (why) {
         status = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "plan region [%d, %d) cannot be offloaded: %s", regs[r].start,
                              regs[r].end, why);
@@ -198,8 +198,10 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
     const int32_t n = r + 1;
     nodes[n] = (node_t){regs[r].start, regs[r].end, regs[r].offload, -1, -1};
     last_child[n] = -1;
-    if (last_child[parent] < 0) nodes[parent].first_child = n;
-    else nodes[last_child[parent]].next_sibling = n;
+    if (last_child[parent] < 0)
+      nodes[parent].first_child = n;
+    else
+      nodes[last_child[parent]].next_sibling = n;
     last_child[parent] = n;
     stack[++top] = n;
     depth[regs[r].start]++;
@@ -220,7 +222,8 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
     if (regs[r].offload && depth[b] == 0 && c->kept[(size_t)b * K + plan->mode[b]]) {
       status = LLMMEM_FAIL(LLMMEM_ERR_INVALID,
                            "plan region [%d, %d) cannot be offloaded: block %d before it keeps its output in mode %d "
-                           "(output_kept)", regs[r].start, regs[r].end, b, plan->mode[b]);
+                           "(output_kept)",
+                           regs[r].start, regs[r].end, b, plan->mode[b]);
       goto done;
     }
   }

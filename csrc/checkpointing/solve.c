@@ -27,18 +27,18 @@
 #include "plan_internal.h"
 #include "relax.h"
 
-#define DP_INF INFINITY
+#define DP_INF          INFINITY
 #define MAX_TABLE_BYTES (6ULL << 30) /* refuse tables above 6 GiB: use fewer slots */
-#define MAX_DP_STEPS 3e10             /* about half a minute on one core */
+#define MAX_DP_STEPS    3e10         /* about half a minute on one core */
 
 typedef struct dp_s {
   const plan_costs_t *c;
-  int64_t M;          /* slots in the budget */
-  uint64_t unit;      /* bytes per slot */
+  int64_t M;     /* slots in the budget */
+  uint64_t unit; /* bytes per slot */
   /* sizes in slots, rounded up */
   int64_t *x, *s, *ft, *bt;
-  double *fnsum;      /* prefix sums of the no-store forward times, [L + 1] */
-  float *R, *T;       /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
+  double *fnsum;       /* prefix sums of the no-store forward times, [L + 1] */
+  float *R, *T;        /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
                          then L rows where it may not (after a tape that keeps its output) */
   plan_relax_fn relax; /* the split loop (relax.h) for this CPU */
   float *CR, *CT;      /* samples of the R rows and of the first L T rows (plan_relax_sample), CW per row */
@@ -294,8 +294,9 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   const size_t W = (size_t)dp.M + 1, nR = plan_rows_R(c);
   const double table_bytes = (double)(nR + 2 * (size_t)L) * (double)W * sizeof(float);
   if (table_bytes > (double)MAX_TABLE_BYTES)
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "the DP tables for %d blocks and %d slots would need %.1f GiB; use fewer slots",
-                       L, slots, table_bytes / (double)(1ULL << 30));
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM,
+                       "the DP tables for %d blocks and %d slots would need %.1f GiB; use fewer slots", L, slots,
+                       table_bytes / (double)(1ULL << 30));
   llmmem_status_t status = LLMMEM_OK;
   dp.x = malloc(((size_t)L + 1) * sizeof(int64_t));
   dp.s = malloc(LK * sizeof(int64_t));
@@ -340,8 +341,8 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
                                              uint64_t *min_budget_bytes) {
   LLMMEM_CHECK_ARG(plan != NULL && plan->mode != NULL && (plan->regions != NULL || plan->regions_capacity == 0),
                    "plan, plan->mode and plan->regions must not be NULL");
-  LLMMEM_CHECK_ARG(slots >= 1 && slots <= LLMMEM_PLAN_MAX_SLOTS, "slots must be in 1..%d, got %d", LLMMEM_PLAN_MAX_SLOTS,
-                   slots);
+  LLMMEM_CHECK_ARG(slots >= 1 && slots <= LLMMEM_PLAN_MAX_SLOTS, "slots must be in 1..%d, got %d",
+                   LLMMEM_PLAN_MAX_SLOTS, slots);
   LLMMEM_CHECK_ARG((flags & ~LLMMEM_PLAN_NO_FAST_PATH) == 0, "unknown flags 0x%x", flags);
   LLMMEM_CHECK_ARG(budget_bytes <= LLMMEM_PLAN_MAX_BYTES * 64, "budget_bytes = %llu is implausibly large",
                    (unsigned long long)budget_bytes);
@@ -356,8 +357,8 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
       plan_costs_free(&c);
       return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
                          "%d %s blocks with %d slots is about %.1e DP steps (limit %.0e): use fewer slots, or group "
-                         "blocks so the chain is shorter", c.L, c.identical ? "identical" : "heterogeneous", slots, steps,
-                         MAX_DP_STEPS);
+                         "blocks so the chain is shorter",
+                         c.L, c.identical ? "identical" : "heterogeneous", slots, steps, MAX_DP_STEPS);
     }
   }
   const size_t nR = plan_rows_R(&c);
@@ -373,9 +374,10 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
   if (status != LLMMEM_OK) goto done;
   if (min_budget_bytes) *min_budget_bytes = least;
   if (budget_bytes < least) {
-    status = LLMMEM_FAIL(LLMMEM_ERR_INFEASIBLE,
-                         "no checkpointing plan fits a budget of %llu bytes; the smallest feasible budget is %llu bytes",
-                         (unsigned long long)budget_bytes, (unsigned long long)least);
+    status =
+        LLMMEM_FAIL(LLMMEM_ERR_INFEASIBLE,
+                    "no checkpointing plan fits a budget of %llu bytes; the smallest feasible budget is %llu bytes",
+                    (unsigned long long)budget_bytes, (unsigned long long)least);
     goto done;
   }
   int found = 0;
@@ -384,7 +386,8 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
   int mode0_fastest = 1;
   for (int32_t i = 0; i < c.L; i++)
     for (int32_t k = 1; k < c.K; k++)
-      if (c.f[(size_t)i * c.K + k] + c.b[(size_t)i * c.K + k] < c.f[(size_t)i * c.K] + c.b[(size_t)i * c.K]) mode0_fastest = 0;
+      if (c.f[(size_t)i * c.K + k] + c.b[(size_t)i * c.K + k] < c.f[(size_t)i * c.K] + c.b[(size_t)i * c.K])
+        mode0_fastest = 0;
   if (mode0_fastest) {
     for (int32_t i = 0; i < c.L; i++) plan->mode[i] = 0;
     plan->n_regions = 0;

@@ -30,6 +30,6 @@ struct device_guard {
   device_guard &operator=(const device_guard &) = delete;
 };
 
-}  // namespace llmmem_cuda
+} // namespace llmmem_cuda
 
 #endif /* LLMMEM_CUDA_DEVICE_GUARD_H */

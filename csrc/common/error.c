@@ -46,8 +46,7 @@ llmmem_status_t _llmmem_set_error(llmmem_status_t status, const char *file, int 
     va_start(ap, fmt);
     int n = vsnprintf(last_error + used, sizeof last_error - (size_t)used, fmt, ap);
     va_end(ap);
-    if (n >= 0 && (size_t)used + (size_t)n >= sizeof last_error)
-      memcpy(last_error + sizeof last_error - 4, "...", 4);
+    if (n >= 0 && (size_t)used + (size_t)n >= sizeof last_error) memcpy(last_error + sizeof last_error - 4, "...", 4);
   }
   return status;
 }

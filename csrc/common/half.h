@@ -56,10 +56,10 @@ static inline uint16_t llmmem_f32_to_f16(float f) {
   if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf (and inf itself) */
   if (a < 0x38800000u) {
     /* result is subnormal or zero (|f| < 2^-14): round mant * 2^24 to an integer, ties to even */
-    if (a < 0x33000000u) return sign; /* below half of the smallest subnormal (2^-25): +-0 */
-    uint32_t e = a >> 23;                          /* 102..112 */
-    uint32_t m = (a & 0x7fffffu) | 0x800000u;      /* 24-bit significand */
-    uint32_t shift = 126u - e;                     /* 14..24: bits dropped to land on 2^-24 units */
+    if (a < 0x33000000u) return sign;         /* below half of the smallest subnormal (2^-25): +-0 */
+    uint32_t e = a >> 23;                     /* 102..112 */
+    uint32_t m = (a & 0x7fffffu) | 0x800000u; /* 24-bit significand */
+    uint32_t shift = 126u - e;                /* 14..24: bits dropped to land on 2^-24 units */
     uint32_t q = m >> shift;
     uint32_t rem = m & ((1u << shift) - 1u);
     uint32_t half = 1u << (shift - 1u);

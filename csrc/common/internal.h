@@ -12,11 +12,11 @@ extern "C" {
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
-#define LLMMEM_LIKELY(x) __builtin_expect(!!(x), 1)
-#define LLMMEM_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define LLMMEM_LIKELY(x)                __builtin_expect(!!(x), 1)
+#define LLMMEM_UNLIKELY(x)              __builtin_expect(!!(x), 0)
 #define LLMMEM_PRINTF(fmt_idx, arg_idx) __attribute__((format(printf, fmt_idx, arg_idx)))
 #else
-#define LLMMEM_LIKELY(x) (x)
+#define LLMMEM_LIKELY(x)   (x)
 #define LLMMEM_UNLIKELY(x) (x)
 #define LLMMEM_PRINTF(fmt_idx, arg_idx)
 #endif
@@ -33,24 +33,24 @@ llmmem_status_t _llmmem_set_error(llmmem_status_t status, const char *file, int 
 #define LLMMEM_FAIL(status, ...) _llmmem_set_error((status), __FILE__, __LINE__, __VA_ARGS__)
 
 /* Argument check: on failure records which argument and why, then returns LLMMEM_ERR_INVALID. */
-#define LLMMEM_CHECK_ARG(cond, ...)                              \
-  do {                                                           \
+#define LLMMEM_CHECK_ARG(cond, ...)                                                    \
+  do {                                                                                 \
     if (LLMMEM_UNLIKELY(!(cond))) return LLMMEM_FAIL(LLMMEM_ERR_INVALID, __VA_ARGS__); \
   } while (0)
 
 /* Propagates a non-OK status (its detail is already recorded by the callee). */
-#define LLMMEM_TRY(expr)                                         \
-  do {                                                           \
-    llmmem_status_t llmmem_try_status_ = (expr);                 \
+#define LLMMEM_TRY(expr)                                                             \
+  do {                                                                               \
+    llmmem_status_t llmmem_try_status_ = (expr);                                     \
     if (LLMMEM_UNLIKELY(llmmem_try_status_ != LLMMEM_OK)) return llmmem_try_status_; \
   } while (0)
 
 /* An invariant of llmmem itself; checked only in debug builds (LLMMEM_DEBUG >= 1). On failure it
  * returns LLMMEM_ERR_INTERNAL from the enclosing function instead of aborting the user's run. */
 #if LLMMEM_DEBUG >= 1
-#define LLMMEM_ASSERT_INTERNAL(cond)                                                     \
-  do {                                                                                   \
-    if (LLMMEM_UNLIKELY(!(cond)))                                                        \
+#define LLMMEM_ASSERT_INTERNAL(cond)                                                               \
+  do {                                                                                             \
+    if (LLMMEM_UNLIKELY(!(cond)))                                                                  \
       return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "internal check failed: %s (please report)", #cond); \
   } while (0)
 #else

@@ -49,13 +49,13 @@
 
 using llmmem_cuda::device_guard;
 
-#define AR_MAX_WORLD 8
-#define AR_MAX_BLOCKS 32
-#define AR_THREADS 512
-#define AR_FLAG_BYTES 4096 /* the header of each rank's buffer: flag sets A and B, abort words, descriptors */
-#define AR_FLAGS_B_OFFSET 2048
-#define AR_ABORT_OFFSET 3072 /* uint32 abort[AR_MAX_WORLD]: abort[q] != 0: rank q failed (an ar_fail_t) */
-#define AR_DESC_OFFSET 3136  /* ar_desc_t desc[AR_MAX_WORLD][2]: [q][e & 1] = rank q's call e, written by q */
+#define AR_MAX_WORLD       8
+#define AR_MAX_BLOCKS      32
+#define AR_THREADS         512
+#define AR_FLAG_BYTES      4096 /* the header of each rank's buffer: flag sets A and B, abort words, descriptors */
+#define AR_FLAGS_B_OFFSET  2048
+#define AR_ABORT_OFFSET    3072 /* uint32 abort[AR_MAX_WORLD]: abort[q] != 0: rank q failed (an ar_fail_t) */
+#define AR_DESC_OFFSET     3136 /* ar_desc_t desc[AR_MAX_WORLD][2]: [q][e & 1] = rank q's call e, written by q */
 #define TWO_SHOT_MIN_BYTES (256u * 1024u)
 
 /* Why a kernel gave up (values of abort words and of ar_error_t.kind). */
@@ -84,16 +84,17 @@ static_assert(AR_MAX_BLOCKS * AR_MAX_WORLD * sizeof(uint32_t) <= AR_FLAGS_B_OFFS
 static_assert(AR_FLAGS_B_OFFSET + AR_MAX_BLOCKS * AR_MAX_WORLD * sizeof(uint32_t) <= AR_ABORT_OFFSET,
               "flag set B overlaps the abort words");
 static_assert(AR_ABORT_OFFSET + AR_MAX_WORLD * sizeof(uint32_t) <= AR_DESC_OFFSET, "abort words overlap");
-static_assert(AR_DESC_OFFSET + AR_MAX_WORLD * 2 * sizeof(ar_desc_t) <= AR_FLAG_BYTES, "descriptors overflow the header");
+static_assert(AR_DESC_OFFSET + AR_MAX_WORLD * 2 * sizeof(ar_desc_t) <= AR_FLAG_BYTES,
+              "descriptors overflow the header");
 static_assert(sizeof(cudaIpcMemHandle_t) == LLMMEM_CUDA_IPC_HANDLE_BYTES, "IPC handle size changed");
 
 struct llmmem_cuda_ar_s {
   int device, rank, world;
   size_t max_bytes;
   double timeout_s;
-  char *local;                  /* this rank's buffer */
-  char *peers[AR_MAX_WORLD];    /* every rank's buffer as mapped here (peers[rank] == local) */
-  ar_error_t *error;            /* device view of error_host */
+  char *local;                     /* this rank's buffer */
+  char *peers[AR_MAX_WORLD];       /* every rank's buffer as mapped here (peers[rank] == local) */
+  ar_error_t *error;               /* device view of error_host */
   volatile ar_error_t *error_host; /* mapped pinned host memory: read without synchronising, so a
                                       failed communicator fails the next call instead of silently
                                       computing on stale peer data */
@@ -135,10 +136,20 @@ __device__ __forceinline__ uint64_t global_ns() {
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 __device__ __forceinline__ uint32_t *abort_words(const ArCall &c, int owner) {
   return reinterpret_cast<uint32_t *>(c.ptrs.p[owner] + AR_ABORT_OFFSET);
@@ -215,7 +226,8 @@ __device__ __forceinline__ bool block_barrier(const ArCall &c, size_t flags_off)
           break;
         }
         uint64_t now = global_ns();
-        if (it == 0) start = now;
+        if (it == 0)
+          start = now;
         else if (now - start > c.timeout_ns) {
           failed = 1;
           give_up(c, AR_FAIL_TIMEOUT, peer, NULL);
@@ -404,12 +416,14 @@ static llmmem_status_t report_failure(const llmmem_cuda_ar_t *ar, const char *wh
       return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
                          "llmmem cuda all_reduce%s: ranks disagree: rank %d called all_reduce #%u with %llu elements "
                          "of dtype %u, rank %d called all_reduce #%u with %llu elements of dtype %u; the communicator "
-                         "is unusable", when, ar->rank, e->epoch, (unsigned long long)e->count, e->dtype, e->peer,
-                         e->peer_epoch, (unsigned long long)e->peer_count, e->peer_dtype);
+                         "is unusable",
+                         when, ar->rank, e->epoch, (unsigned long long)e->count, e->dtype, e->peer, e->peer_epoch,
+                         (unsigned long long)e->peer_count, e->peer_dtype);
     default:
       return LLMMEM_FAIL(LLMMEM_ERR_STATE,
                          "llmmem cuda all_reduce%s: rank %d stopped call #%u because rank %d failed (timed out or "
-                         "disagreed; see its error); the communicator is unusable", when, ar->rank, e->epoch, e->peer);
+                         "disagreed; see its error); the communicator is unusable",
+                         when, ar->rank, e->epoch, e->peer);
   }
 }
 
@@ -453,16 +467,22 @@ static llmmem_status_t all_reduce_on_device(llmmem_cuda_ar_t *ar, const void *in
   int blocks = want == 0 ? 1 : want < AR_MAX_BLOCKS ? (int)want : AR_MAX_BLOCKS;
   switch (dtype) {
     case LLMMEM_COMM_F32:
-      if (two_shot) two_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(c, (float *)out);
-      else one_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(c, (float *)out);
+      if (two_shot)
+        two_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(c, (float *)out);
+      else
+        one_shot_all_reduce_kernel<float><<<blocks, AR_THREADS, 0, s>>>(c, (float *)out);
       break;
     case LLMMEM_COMM_F16:
-      if (two_shot) two_shot_all_reduce_kernel<__half><<<blocks, AR_THREADS, 0, s>>>(c, (__half *)out);
-      else one_shot_all_reduce_kernel<__half><<<blocks, AR_THREADS, 0, s>>>(c, (__half *)out);
+      if (two_shot)
+        two_shot_all_reduce_kernel<__half><<<blocks, AR_THREADS, 0, s>>>(c, (__half *)out);
+      else
+        one_shot_all_reduce_kernel<__half><<<blocks, AR_THREADS, 0, s>>>(c, (__half *)out);
       break;
     default:
-      if (two_shot) two_shot_all_reduce_kernel<__nv_bfloat16><<<blocks, AR_THREADS, 0, s>>>(c, (__nv_bfloat16 *)out);
-      else one_shot_all_reduce_kernel<__nv_bfloat16><<<blocks, AR_THREADS, 0, s>>>(c, (__nv_bfloat16 *)out);
+      if (two_shot)
+        two_shot_all_reduce_kernel<__nv_bfloat16><<<blocks, AR_THREADS, 0, s>>>(c, (__nv_bfloat16 *)out);
+      else
+        one_shot_all_reduce_kernel<__nv_bfloat16><<<blocks, AR_THREADS, 0, s>>>(c, (__nv_bfloat16 *)out);
       break;
   }
   LLMMEM_CUDA_TRY(cudaGetLastError());

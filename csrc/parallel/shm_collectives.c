@@ -60,8 +60,10 @@ static llmmem_status_t check_call(llmmem_shm_comm_t *c, const void *in, void *ou
   LLMMEM_CHECK_ARG(count == 0 || (in != NULL && out != NULL), "llmmem_shm_%s: in and out must not be NULL", what);
   LLMMEM_CHECK_ARG(count <= ((size_t)1 << 48), "llmmem_shm_%s: count %zu is too large", what, count);
   if (c->broken)
-    return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem shm %s: the communicator is broken by an earlier failure; "
-                                         "set up a new one", what);
+    return LLMMEM_FAIL(LLMMEM_ERR_STATE,
+                       "llmmem shm %s: the communicator is broken by an earlier failure; "
+                       "set up a new one",
+                       what);
   return LLMMEM_OK;
 }
 
@@ -136,8 +138,8 @@ static void two_shot_reduce(llmmem_shm_comm_t *c, const unsigned char *in, unsig
   _llmmem_comm_sum2(srcs, c->world_size, out + (off + lo) * es, shm_slot(c, c->rank, step) + at, hi - lo, dtype);
 }
 
-static void two_shot_copy_out(llmmem_shm_comm_t *c, unsigned char *out, size_t off, size_t n, size_t es,
-                              size_t stride, uint64_t step) {
+static void two_shot_copy_out(llmmem_shm_comm_t *c, unsigned char *out, size_t off, size_t n, size_t es, size_t stride,
+                              uint64_t step) {
   size_t lo, hi;
   for (int q = 0; q < c->world_size; q++) {
     if (q == c->rank) continue;

@@ -186,8 +186,8 @@ static llmmem_status_t wait_arrive(llmmem_shm_comm_t *c, int peer, uint64_t epoc
       if (_llmmem_shm_dead_in_namespace(c->ctl[peer].pid, c->ctl[peer].pid_ns, c->ctl[c->rank].pid_ns) &&
           atomic_load_explicit(&c->ctl[peer].arrive, memory_order_acquire) < epoch)
         return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
-                                "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it",
-                                what, peer, c->ctl[peer].pid, c->rank);
+                                "llmmem shm %s: rank %d (pid %d) exited while rank %d was waiting for it", what, peer,
+                                c->ctl[peer].pid, c->rank);
     }
     if (t - start > c->timeout_s)
       return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
@@ -222,4 +222,3 @@ llmmem_status_t _llmmem_shm_barrier(llmmem_shm_comm_t *c, const char *what) {
    * a late rank sees the abort word here, even though every peer's arrival flag is set. */
   return check_abort(c, what);
 }
-

@@ -16,11 +16,11 @@
 
 #include "internal.h"
 
-#define LLMMEM_SHM_MAGIC 0x6c6c6d6d73686d31ULL /* "llmmshm1" */
-#define LLMMEM_SHM_VERSION 2u
+#define LLMMEM_SHM_MAGIC        0x6c6c6d6d73686d31ULL /* "llmmshm1" */
+#define LLMMEM_SHM_VERSION      2u
 #define LLMMEM_SHM_HEADER_BYTES 4096u
-#define LLMMEM_SHM_CTL_BYTES 128u   /* one control block per rank: two cache lines, no false sharing */
-#define LLMMEM_SHM_MAX_WORLD 64
+#define LLMMEM_SHM_CTL_BYTES    128u /* one control block per rank: two cache lines, no false sharing */
+#define LLMMEM_SHM_MAX_WORLD    64
 #define LLMMEM_SHM_DEFAULT_SLOT (1u << 20)
 
 typedef enum { SHM_OP_ALL_REDUCE = 1, SHM_OP_ALL_GATHER = 2, SHM_OP_REDUCE_SCATTER = 3 } shm_op_t;
@@ -38,39 +38,39 @@ typedef struct {
   _Atomic uint32_t waiters;  /* peers asleep (or about to sleep) on arrive32: wake only if > 0 */
   int32_t pid;               /* for telling a dead peer from a slow one ... */
   int32_t pad0;
-  uint64_t pid_ns;           /* ... when it lives in our PID namespace (inode of /proc/self/ns/pid) */
-  shm_desc_t desc[2];        /* what this rank is doing, indexed by collective seq & 1 */
+  uint64_t pid_ns;    /* ... when it lives in our PID namespace (inode of /proc/self/ns/pid) */
+  shm_desc_t desc[2]; /* what this rank is doing, indexed by collective seq & 1 */
 } shm_ctl_t;
 
 typedef struct {
-  _Atomic uint64_t magic;       /* set last by rank 0, with release: the header is complete */
+  _Atomic uint64_t magic; /* set last by rank 0, with release: the header is complete */
   uint32_t version;
   int32_t world_size;
-  int32_t creator_pid;          /* rank 0's process: a set-up sweep removes names whose creator died */
+  int32_t creator_pid; /* rank 0's process: a set-up sweep removes names whose creator died */
   int32_t pad1;
-  uint64_t creator_pid_ns;      /* its PID namespace (see pid_ns in shm_ctl_t) */
+  uint64_t creator_pid_ns; /* its PID namespace (see pid_ns in shm_ctl_t) */
   uint64_t slot_bytes;
   uint64_t total_bytes;
-  _Atomic int32_t joined;       /* ranks that mapped the segment */
-  _Atomic int32_t abort_claim;  /* first rank to fail claims the message slot (CAS from 0) */
-  _Atomic int32_t abort_rank;   /* rank + 1 of the failed rank once abort_msg is written, else 0 */
+  _Atomic int32_t joined;      /* ranks that mapped the segment */
+  _Atomic int32_t abort_claim; /* first rank to fail claims the message slot (CAS from 0) */
+  _Atomic int32_t abort_rank;  /* rank + 1 of the failed rank once abort_msg is written, else 0 */
   int32_t pad0;
   char abort_msg[512];
 } shm_header_t;
 
 struct llmmem_shm_comm_s {
-  unsigned char *base;    /* the mapping */
+  unsigned char *base; /* the mapping */
   size_t total_bytes;
   shm_header_t *hdr;
-  shm_ctl_t *ctl;         /* ctl[world_size] */
+  shm_ctl_t *ctl; /* ctl[world_size] */
   unsigned char *data;
   size_t slot_bytes;
   int rank, world_size;
   double timeout_s;
-  uint64_t epoch;         /* barriers passed */
-  uint64_t step;          /* chunks moved (selects the buffer) */
-  uint64_t seq;           /* collectives started */
-  int broken;             /* a failure left the ranks out of step: every later call fails */
+  uint64_t epoch; /* barriers passed */
+  uint64_t step;  /* chunks moved (selects the buffer) */
+  uint64_t seq;   /* collectives started */
+  int broken;     /* a failure left the ranks out of step: every later call fails */
   char name[256];
 };
 

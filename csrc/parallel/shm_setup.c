@@ -52,10 +52,9 @@ static void sweep_stale_segments(void) {
     if (fd < 0) continue;
     struct stat st;
     shm_header_t h;
-    int stale = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == me &&
-                (size_t)st.st_size >= sizeof h && pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h &&
-                atomic_load(&h.magic) == LLMMEM_SHM_MAGIC && h.version == LLMMEM_SHM_VERSION &&
-                dead_in_our_namespace(h.creator_pid, h.creator_pid_ns);
+    int stale = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == me && (size_t)st.st_size >= sizeof h &&
+                pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h && atomic_load(&h.magic) == LLMMEM_SHM_MAGIC &&
+                h.version == LLMMEM_SHM_VERSION && dead_in_our_namespace(h.creator_pid, h.creator_pid_ns);
     close(fd);
     if (stale) (void)unlinkat(dirfd(dir), e->d_name, 0);
   }
@@ -66,8 +65,8 @@ static void sweep_stale_segments(void) {
 static llmmem_status_t fill_segment(llmmem_shm_comm_t *c, int fd, const char *path) {
   int err = ftruncate(fd, (off_t)c->total_bytes) != 0 ? errno : posix_fallocate(fd, 0, (off_t)c->total_bytes);
   if (err != 0)
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: cannot reserve %zu bytes in %s: %s",
-                       c->total_bytes, path, strerror(err));
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: cannot reserve %zu bytes in %s: %s", c->total_bytes,
+                       path, strerror(err));
   void *p = mmap(NULL, c->total_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED)
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_shm_comm_open: mmap of %zu bytes failed: %s", c->total_bytes,
@@ -147,14 +146,16 @@ static llmmem_status_t attach_segment(llmmem_shm_comm_t *c, const char *path, do
             close(fd);
             return LLMMEM_FAIL(LLMMEM_ERR_STATE,
                                "llmmem_shm_comm_open: segment %s was made for world size %d (version %u), this "
-                               "rank expects %d (version %u)", path, ws, ver, c->world_size, LLMMEM_SHM_VERSION);
+                               "rank expects %d (version %u)",
+                               path, ws, ver, c->world_size, LLMMEM_SHM_VERSION);
           }
           if (dead_in_our_namespace(creator, creator_ns)) {
             close(fd);
             unlink(path); /* nobody else will: the set-up cannot succeed */
             return LLMMEM_FAIL(LLMMEM_ERR_STATE,
                                "llmmem_shm_comm_open: rank 0 (pid %d), which created segment %s, exited before "
-                               "every rank joined", creator, path);
+                               "every rank joined",
+                               creator, path);
           }
           void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
           close(fd);
@@ -176,12 +177,15 @@ static llmmem_status_t attach_segment(llmmem_shm_comm_t *c, const char *path, do
     if (t > deadline)
       return LLMMEM_FAIL(LLMMEM_ERR_STATE,
                          "llmmem_shm_comm_open: rank %d: segment %s did not appear within %.3g s (is rank 0 on "
-                         "this host and does it share /dev/shm?)", c->rank, path, c->timeout_s);
+                         "this host and does it share /dev/shm?)",
+                         c->rank, path, c->timeout_s);
     if (t >= next_check) {
       next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
       if (_llmmem_shm_poll_says_stop())
-        return LLMMEM_FAIL(LLMMEM_ERR_STATE, "llmmem_shm_comm_open: interrupted on rank %d while waiting for "
-                                             "segment %s to appear", c->rank, path);
+        return LLMMEM_FAIL(LLMMEM_ERR_STATE,
+                           "llmmem_shm_comm_open: interrupted on rank %d while waiting for "
+                           "segment %s to appear",
+                           c->rank, path);
     }
     _llmmem_shm_nap_us(500);
   }
@@ -208,17 +212,23 @@ static llmmem_status_t wait_for_all(llmmem_shm_comm_t *c, double deadline) {
     }
     double t = _llmmem_shm_now();
     if (t > deadline)
-      return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem_shm_comm_open: only %d of %d ranks joined segment %s within "
-                              "%.3g s", atomic_load(&c->hdr->joined), c->world_size, c->name, c->timeout_s);
+      return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
+                              "llmmem_shm_comm_open: only %d of %d ranks joined segment %s within "
+                              "%.3g s",
+                              atomic_load(&c->hdr->joined), c->world_size, c->name, c->timeout_s);
     if (t >= next_check) {
       next_check = t + LLMMEM_SHM_CHECK_PERIOD_S;
       if (_llmmem_shm_poll_says_stop())
-        return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem_shm_comm_open: interrupted on rank %d while waiting for "
-                                "the other ranks to join segment %s", c->rank, c->name);
+        return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
+                                "llmmem_shm_comm_open: interrupted on rank %d while waiting for "
+                                "the other ranks to join segment %s",
+                                c->rank, c->name);
       int dead = dead_joined_rank(c);
       if (dead >= 0)
-        return _llmmem_shm_fail(c, LLMMEM_ERR_STATE, "llmmem_shm_comm_open: rank %d (pid %d) exited during set-up "
-                                "of segment %s", dead, c->ctl[dead].pid, c->name);
+        return _llmmem_shm_fail(c, LLMMEM_ERR_STATE,
+                                "llmmem_shm_comm_open: rank %d (pid %d) exited during set-up "
+                                "of segment %s",
+                                dead, c->ctl[dead].pid, c->name);
     }
     _llmmem_shm_nap_us(200);
   }

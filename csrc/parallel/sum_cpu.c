@@ -32,7 +32,7 @@ enum { SUM_BLOCK = 512 }; /* elements per block: 2 KiB of fp32 accumulator, stay
 #if LLMMEM_HAVE_X86_DISPATCH
 #define LOOP_SUFFIX _avx2
 #define LOOP_TARGET __attribute__((target("avx2,f16c")))
-#define LOOP_F16C 1
+#define LOOP_F16C   1
 #include "sum_loops.h"
 #undef LOOP_SUFFIX
 #undef LOOP_TARGET

@@ -14,7 +14,7 @@
  * LOOP_F16C defined to 1 when the F16C intrinsics may be used.
  */
 #define LOOP_CAT2(a, b) a##b
-#define LOOP_CAT(a, b) LOOP_CAT2(a, b)
+#define LOOP_CAT(a, b)  LOOP_CAT2(a, b)
 #define LOOP_NAME(name) LOOP_CAT(name, LOOP_SUFFIX)
 
 LOOP_TARGET static void LOOP_NAME(sum_f32)(const void *const *srcs, int nsrc, void *out, void *out2, size_t count) {
@@ -110,9 +110,12 @@ LOOP_TARGET static void LOOP_NAME(sum_f16)(const void *const *srcs, int nsrc, vo
 
 LOOP_TARGET static void LOOP_NAME(sum)(const void *const *srcs, int nsrc, void *out, void *out2, size_t count,
                                        llmmem_comm_dtype_t dtype) {
-  if (dtype == LLMMEM_COMM_F32) LOOP_NAME(sum_f32)(srcs, nsrc, out, out2, count);
-  else if (dtype == LLMMEM_COMM_BF16) LOOP_NAME(sum_bf16)(srcs, nsrc, out, out2, count);
-  else LOOP_NAME(sum_f16)(srcs, nsrc, out, out2, count);
+  if (dtype == LLMMEM_COMM_F32)
+    LOOP_NAME(sum_f32)(srcs, nsrc, out, out2, count);
+  else if (dtype == LLMMEM_COMM_BF16)
+    LOOP_NAME(sum_bf16)(srcs, nsrc, out, out2, count);
+  else
+    LOOP_NAME(sum_f16)(srcs, nsrc, out, out2, count);
 }
 
 #undef LOOP_NAME

@@ -27,16 +27,22 @@ size_t llmmem_comm_dtype_size(llmmem_comm_dtype_t dtype) {
 static void load_block(float *acc, const void *src, size_t off, size_t n, llmmem_comm_dtype_t dtype, int add) {
   if (dtype == LLMMEM_COMM_F32) {
     const float *s = (const float *)src + off;
-    if (add) for (size_t i = 0; i < n; i++) acc[i] += s[i];
-    else for (size_t i = 0; i < n; i++) acc[i] = s[i];
+    if (add)
+      for (size_t i = 0; i < n; i++) acc[i] += s[i];
+    else
+      for (size_t i = 0; i < n; i++) acc[i] = s[i];
   } else if (dtype == LLMMEM_COMM_BF16) {
     const uint16_t *s = (const uint16_t *)src + off;
-    if (add) for (size_t i = 0; i < n; i++) acc[i] += llmmem_bf16_to_f32(s[i]);
-    else for (size_t i = 0; i < n; i++) acc[i] = llmmem_bf16_to_f32(s[i]);
+    if (add)
+      for (size_t i = 0; i < n; i++) acc[i] += llmmem_bf16_to_f32(s[i]);
+    else
+      for (size_t i = 0; i < n; i++) acc[i] = llmmem_bf16_to_f32(s[i]);
   } else {
     const uint16_t *s = (const uint16_t *)src + off;
-    if (add) for (size_t i = 0; i < n; i++) acc[i] += llmmem_f16_to_f32(s[i]);
-    else for (size_t i = 0; i < n; i++) acc[i] = llmmem_f16_to_f32(s[i]);
+    if (add)
+      for (size_t i = 0; i < n; i++) acc[i] += llmmem_f16_to_f32(s[i]);
+    else
+      for (size_t i = 0; i < n; i++) acc[i] = llmmem_f16_to_f32(s[i]);
   }
 }
 

@@ -79,7 +79,7 @@ void destroy_events(cuda_ctx *ctx) {
   ctx->spare_events.clear();
 }
 
-}  // namespace llmmem_cuda
+} // namespace llmmem_cuda
 
 namespace {
 
@@ -131,11 +131,11 @@ void pinned_release(void *ctx, void *ptr, size_t bytes) {
   if (cudaFreeHost(ptr) != cudaSuccess) (void)cudaGetLastError();
 }
 
-}  // namespace
+} // namespace
 
 extern "C" llmmem_status_t _llmmem_pool_backend_pinned(llmmem_pool_backend_t *out) {
   int n = 0;
-  LLMMEM_CUDA_TRY(cudaGetDeviceCount(&n));  /* page-locking needs a driver: say so now, not at first use */
+  LLMMEM_CUDA_TRY(cudaGetDeviceCount(&n)); /* page-locking needs a driver: say so now, not at first use */
   llmmem_pool_backend_t b = {};
   b.name = "pinned";
   b.device = -1;
@@ -184,8 +184,8 @@ static void *alloc_or_throw(int slot, size_t size, int device, void *stream) {
 }
 
 #define LLMMEM_XSLOT_ENTRY(k)                                                                 \
-  extern "C" LLMMEM_API void *llmmem_pool_xalloc_##k(size_t size, int device, void *stream) {  \
-    return alloc_or_throw(k, size, device, stream);                                            \
+  extern "C" LLMMEM_API void *llmmem_pool_xalloc_##k(size_t size, int device, void *stream) { \
+    return alloc_or_throw(k, size, device, stream);                                           \
   }
 
 LLMMEM_XSLOT_ENTRY(0)

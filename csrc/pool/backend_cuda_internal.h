@@ -19,7 +19,7 @@ namespace llmmem_cuda {
 /* The state every CUDA device backend starts with; the event functions take a pointer to it. */
 struct cuda_ctx {
   int device;
-  std::vector<cudaEvent_t> spare_events;  // recycled: creating events is far slower than recording them
+  std::vector<cudaEvent_t> spare_events; // recycled: creating events is far slower than recording them
 };
 
 /* The backend's event hooks (llmmem_pool_backend_t), for a ctx that is a cuda_ctx. */
@@ -30,6 +30,6 @@ void event_release(void *vctx, void *event);
 /* Destroys the spare events (the caller then deletes its ctx). */
 void destroy_events(cuda_ctx *ctx);
 
-}  // namespace llmmem_cuda
+} // namespace llmmem_cuda
 
 #endif /* LLMMEM_POOL_BACKEND_CUDA_INTERNAL_H */

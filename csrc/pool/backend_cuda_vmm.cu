@@ -59,7 +59,7 @@ struct driver_api {
 
 driver_api drv;
 std::once_flag drv_once;
-char drv_missing[128];  /* the first symbol that could not be found, empty when all were */
+char drv_missing[128]; /* the first symbol that could not be found, empty when all were */
 
 /* The driver ABI of these functions has not changed since CUDA 10.2; ask for it as of 12.0, a
  * version every driver that runs this runtime knows. */
@@ -130,15 +130,15 @@ llmmem_status_t cu_fail(CUresult r, const char *what, size_t bytes) {
 /* One reserved virtual range; granule g is mapped when handles[g] != 0. */
 struct vmm_region {
   CUdeviceptr base;
-  size_t va_bytes;                                  // the reservation: the most the region can grow to
+  size_t va_bytes; // the reservation: the most the region can grow to
   std::vector<CUmemGenericAllocationHandle> handles;
 };
 
 struct vmm_ctx : cuda_ctx {
   CUmemAllocationProp prop;
   CUmemAccessDesc access;
-  size_t gran;      // bytes: physical memory is mapped in these units
-  size_t va_bytes;  // bytes of address space reserved behind each region
+  size_t gran;     // bytes: physical memory is mapped in these units
+  size_t va_bytes; // bytes of address space reserved behind each region
   std::vector<vmm_region *> regions;
 };
 
@@ -201,7 +201,7 @@ llmmem_status_t map_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
       break;
     }
     r->handles[g] = h;
-    mapped.push_back(g);  /* capacity reserved above: cannot throw */
+    mapped.push_back(g); /* capacity reserved above: cannot throw */
   }
   /* Access is granted per run of granules mapped here (one call per contiguous run). */
   for (size_t i = 0; i < mapped.size() && st == LLMMEM_OK;) {
@@ -227,7 +227,7 @@ llmmem_status_t unmap_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
   for (size_t g = g0; g < g1; g++) {
     if (!r->handles[g]) continue;
     CUresult e = unmap_granule(ctx, r, g);
-    if (!r->handles[g]) unmapped.push_back(g);  /* capacity reserved above: cannot throw */
+    if (!r->handles[g]) unmapped.push_back(g); /* capacity reserved above: cannot throw */
     if (e == CUDA_SUCCESS) continue;
     llmmem_status_t st = cu_fail(e, "cuMemUnmap/cuMemRelease", ctx->gran);
     /* One map_range per run of granules unmapped here (it maps only unmapped granules). */
@@ -236,8 +236,10 @@ llmmem_status_t unmap_range(vmm_ctx *ctx, vmm_region *r, size_t g0, size_t g1) {
       if (map_range(ctx, r, unmapped[i], unmapped[j - 1] + 1) != LLMMEM_OK) {
         char why[256]; /* copied: the message below is written over llmmem_last_error()'s buffer */
         snprintf(why, sizeof why, "%s", llmmem_last_error());
-        return LLMMEM_FAIL(LLMMEM_ERR_CUDA, "cuda vmm: unmapping failed (%s) and mapping granules %zu..%zu "
-                           "again failed too: %s", cu_name(e), unmapped[i], unmapped[j - 1], why);
+        return LLMMEM_FAIL(LLMMEM_ERR_CUDA,
+                           "cuda vmm: unmapping failed (%s) and mapping granules %zu..%zu "
+                           "again failed too: %s",
+                           cu_name(e), unmapped[i], unmapped[j - 1], why);
       }
     }
     return st;
@@ -281,7 +283,7 @@ llmmem_status_t vmm_reserve(void *vctx, size_t bytes, void **out) {
 }
 
 void vmm_release(void *vctx, void *ptr, size_t bytes) {
-  (void)bytes;  /* every mapped granule goes, whatever the pool thinks the size is */
+  (void)bytes; /* every mapped granule goes, whatever the pool thinks the size is */
   vmm_ctx *ctx = ctx_of(vctx);
   vmm_region *r = find(ctx, ptr);
   if (!r) return;
@@ -301,13 +303,15 @@ llmmem_status_t vmm_resize(void *vctx, void *ptr, size_t old_bytes, size_t new_b
   vmm_region *r = find(ctx, ptr);
   if (!r) return LLMMEM_FAIL(LLMMEM_ERR_INVALID, "cuda vmm: %p is not a region of this backend", ptr);
   if (new_bytes > r->va_bytes)
-    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cuda vmm: region of %zu bytes cannot grow to %zu bytes in place "
-                       "(%zu bytes of address space reserved)", old_bytes, new_bytes, r->va_bytes);
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM,
+                       "cuda vmm: region of %zu bytes cannot grow to %zu bytes in place "
+                       "(%zu bytes of address space reserved)",
+                       old_bytes, new_bytes, r->va_bytes);
   device_guard g(ctx->device);
   LLMMEM_CUDA_TRY(g.err);
   size_t old_g = granules(ctx, old_bytes), new_g = granules(ctx, new_bytes);
   if (new_g > old_g) return map_range(ctx, r, old_g, new_g);
-  if (new_g < old_g) return unmap_range(ctx, r, new_g, old_g);  /* skips granules decommitted before */
+  if (new_g < old_g) return unmap_range(ctx, r, new_g, old_g); /* skips granules decommitted before */
   return LLMMEM_OK;
 }
 
@@ -339,13 +343,15 @@ llmmem_status_t on_granules(void *vctx, void *ptr, size_t bytes,
   return op(ctx, r, g0, g1);
 }
 
-llmmem_status_t vmm_decommit(void *vctx, void *ptr, size_t bytes) { return on_granules(vctx, ptr, bytes, unmap_range); }
+llmmem_status_t vmm_decommit(void *vctx, void *ptr, size_t bytes) {
+  return on_granules(vctx, ptr, bytes, unmap_range);
+}
 
 llmmem_status_t vmm_commit(void *vctx, void *ptr, size_t bytes) { return on_granules(vctx, ptr, bytes, map_range); }
 
 void vmm_destroy(void *vctx) {
   vmm_ctx *ctx = ctx_of(vctx);
-  for (vmm_region *r : ctx->regions) {  /* the pool released every region; this is a safety net */
+  for (vmm_region *r : ctx->regions) { /* the pool released every region; this is a safety net */
     unmap_all(ctx, r);
     (void)drv.MemAddressFree(r->base, r->va_bytes);
     delete r;
@@ -354,7 +360,7 @@ void vmm_destroy(void *vctx) {
   delete ctx;
 }
 
-}  // namespace
+} // namespace
 
 extern "C" LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda_vmm(int device, llmmem_pool_backend_t *out) {
   LLMMEM_CHECK_ARG(out != NULL, "llmmem_pool_backend_cuda_vmm: out must not be NULL");
@@ -364,13 +370,15 @@ extern "C" LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda_vmm(int device, l
   if (device >= n) return LLMMEM_FAIL(LLMMEM_ERR_INVALID, "device cuda:%d does not exist (%d visible)", device, n);
   std::call_once(drv_once, load_driver);
   if (drv_missing[0])
-    return LLMMEM_FAIL(LLMMEM_ERR_NO_DEVICE, "cuda vmm: the CUDA driver has no %s (virtual memory management "
-                       "needs a newer driver)", drv_missing);
+    return LLMMEM_FAIL(LLMMEM_ERR_NO_DEVICE,
+                       "cuda vmm: the CUDA driver has no %s (virtual memory management "
+                       "needs a newer driver)",
+                       drv_missing);
   size_t total = 0;
   {
     device_guard g(device);
     LLMMEM_CUDA_TRY(g.err);
-    LLMMEM_CUDA_TRY(cudaFree(nullptr));  /* the primary context: driver calls below need one current */
+    LLMMEM_CUDA_TRY(cudaFree(nullptr)); /* the primary context: driver calls below need one current */
     size_t free_bytes = 0;
     LLMMEM_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total));
   }

@@ -36,7 +36,6 @@ void _llmmem_block_recycle(llmmem_pool_t *pool, pool_block_t *b) {
   pool->spare_blocks = b;
 }
 
-
 void _llmmem_update_active(llmmem_pool_t *pool) {
   int64_t active = pool->st.allocated_bytes.current + (int64_t)pool->pending_bytes;
   pool->st.active_bytes.current = active;
@@ -45,7 +44,6 @@ void _llmmem_update_active(llmmem_pool_t *pool) {
 
 /* ---- events of free blocks ------------------------------------------------------------------ */
 
-
 void _llmmem_attach_event(llmmem_pool_t *pool, pool_block_t *b, pool_event_t ev) {
   if (!ev.event) return;
   b->event = ev.event;
@@ -53,8 +51,10 @@ void _llmmem_attach_event(llmmem_pool_t *pool, pool_block_t *b, pool_event_t ev)
   b->event_seq = ev.seq;
   b->pend_next = NULL;
   b->pend_prev = pool->pending_tail;
-  if (pool->pending_tail) pool->pending_tail->pend_next = b;
-  else pool->pending_head = b;
+  if (pool->pending_tail)
+    pool->pending_tail->pend_next = b;
+  else
+    pool->pending_head = b;
   pool->pending_tail = b;
   pool->pending_bytes += b->size;
 }
@@ -63,10 +63,14 @@ void _llmmem_attach_event(llmmem_pool_t *pool, pool_block_t *b, pool_event_t ev)
 pool_event_t _llmmem_detach_event(llmmem_pool_t *pool, pool_block_t *b) {
   pool_event_t ev = {b->event, b->stream, b->event_seq};
   if (!b->event) return ev;
-  if (b->pend_prev) b->pend_prev->pend_next = b->pend_next;
-  else pool->pending_head = b->pend_next;
-  if (b->pend_next) b->pend_next->pend_prev = b->pend_prev;
-  else pool->pending_tail = b->pend_prev;
+  if (b->pend_prev)
+    b->pend_prev->pend_next = b->pend_next;
+  else
+    pool->pending_head = b->pend_next;
+  if (b->pend_next)
+    b->pend_next->pend_prev = b->pend_prev;
+  else
+    pool->pending_tail = b->pend_prev;
   b->pend_prev = b->pend_next = NULL;
   pool->pending_bytes -= b->size;
   b->event = NULL;
@@ -84,7 +88,7 @@ void _llmmem_block_clear_event(llmmem_pool_t *pool, pool_block_t *b) {
 
 int _llmmem_block_usable(llmmem_pool_t *pool, pool_block_t *b, void *stream) {
   if (!b->event) return 1;
-  if (b->stream == stream) return 1;  /* same stream: the queue orders our use after the free */
+  if (b->stream == stream) return 1; /* same stream: the queue orders our use after the free */
   /* A completed event is left in place: poll_events clears it and coalesces, which a search
    * must not do under the caller's feet. */
   return pool->backend.event_done(pool->backend.ctx, b->event) == 1;
@@ -113,8 +117,10 @@ static pool_block_t *merge(llmmem_pool_t *pool, pool_block_t *lo, pool_block_t *
   _llmmem_release_event(pool, drop);
   lo->size += hi->size;
   lo->next = hi->next;
-  if (hi->next) hi->next->prev = lo;
-  else lo->region->last = lo;
+  if (hi->next)
+    hi->next->prev = lo;
+  else
+    lo->region->last = lo;
   _llmmem_block_recycle(pool, hi);
   _llmmem_attach_event(pool, lo, keep);
   return lo;
@@ -150,8 +156,10 @@ void _llmmem_split(llmmem_pool_t *pool, pool_block_t *b, size_t size, pool_block
     rest->is_free = 1;
     rest->prev = b;
     rest->next = b->next;
-    if (b->next) b->next->prev = rest;
-    else b->region->last = rest;
+    if (b->next)
+      b->next->prev = rest;
+    else
+      b->region->last = rest;
     b->next = rest;
     b->size = size;
     _llmmem_attach_event(pool, rest, ev);

@@ -25,7 +25,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_create(const llmmem_pool_backend_t *backe
   llmmem_pool_options_t opt = {0, 0, 0};
   if (options) opt = *options;
   llmmem_status_t st = LLMMEM_OK;
-  if (!out) st = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "llmmem_pool_create: out must not be NULL");
+  if (!out)
+    st = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "llmmem_pool_create: out must not be NULL");
   else if (!backend->reserve || !backend->release)
     st = LLMMEM_FAIL(LLMMEM_ERR_INVALID, "llmmem_pool_create: backend needs reserve and release");
   else if (!backend->event_record != !backend->event_done || !backend->event_record != !backend->event_wait ||
@@ -67,7 +68,6 @@ LLMMEM_API llmmem_status_t llmmem_pool_create(const llmmem_pool_backend_t *backe
   *out = pool;
   return LLMMEM_OK;
 }
-
 
 /* Tears down a pool whose caller set `closing` under the lock, with no block allocated. Only
  * that caller may run it: whoever sees the last block come back and claims `closing` in the
@@ -169,8 +169,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
       /* A large-heap remnant smaller than a chunk (the tail of a segment, say) cannot split any big
        * range, so it serves small requests before a new chunk is carved. */
       b = _llmmem_heap_find(pool, &pool->large, rsize, stream, POOL_SCAN_LIMIT);
-      if (b && b->size < LLMMEM_POOL_CHUNK_SIZE) _llmmem_heap_remove(&pool->large, b);
-      else b = _llmmem_new_chunk(pool);  /* NULL: no room for 2 MiB; the large heap may still fit this request */
+      if (b && b->size < LLMMEM_POOL_CHUNK_SIZE)
+        _llmmem_heap_remove(&pool->large, b);
+      else
+        b = _llmmem_new_chunk(pool); /* NULL: no room for 2 MiB; the large heap may still fit this request */
     }
   }
   if (!b) b = _llmmem_large_take(pool, rsize, stream, &why);
@@ -185,8 +187,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_alloc(llmmem_pool_t *pool, size_t size, v
     pthread_mutex_unlock(&pool->lock);
     if (why != LLMMEM_ERR_NOMEM && why != LLMMEM_OK) return LLMMEM_FAIL(why, "allocating %zu bytes: %s", size, detail);
     char cap[64];
-    if (max) snprintf(cap, sizeof cap, "max_size %zu", max);
-    else snprintf(cap, sizeof cap, "no max_size");
+    if (max)
+      snprintf(cap, sizeof cap, "max_size %zu", max);
+    else
+      snprintf(cap, sizeof cap, "no max_size");
     /* The pool's summary in one line: what the OOM report of any caller (install_allocator's
      * exception, use_pool's torch.OutOfMemoryError, MemoryPool.empty) carries. */
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM,
@@ -242,7 +246,7 @@ static llmmem_status_t bad_free(llmmem_pool_t *pool, void *ptr) {
 
 LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void *stream) {
   LLMMEM_CHECK_ARG(pool != NULL, "llmmem_pool_free: pool must not be NULL");
-  if (!ptr) return LLMMEM_OK;  /* like free(NULL) */
+  if (!ptr) return LLMMEM_OK; /* like free(NULL) */
   pthread_mutex_lock(&pool->lock);
   pool_block_t *b = _llmmem_ptrmap_take(&pool->live, (uintptr_t)ptr);
   if (!b) {
@@ -272,7 +276,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_free(llmmem_pool_t *pool, void *ptr, void
   _llmmem_put_back(pool, b);
   _llmmem_update_active(pool);
   int destroy = pool->release_when_empty && pool->st.allocations.current == 0 && !pool->closing;
-  if (destroy) pool->closing = 1;  /* claimed under the lock that saw the count reach 0 */
+  if (destroy) pool->closing = 1; /* claimed under the lock that saw the count reach 0 */
   pthread_mutex_unlock(&pool->lock);
   if (destroy) destroy_claimed(pool);
   return LLMMEM_OK;

@@ -24,10 +24,10 @@ extern "C" { /* the CUDA backends (.cu) include this header too */
 
 /* TLSF index: sizes are counted in 512-byte units u; first level = floor(log2 u), split into
  * 2^SL_BITS linear second-level classes. Sizes below 2^SL_BITS units map linearly into fl 0. */
-#define POOL_SL_BITS 4
-#define POOL_SL_COUNT (1 << POOL_SL_BITS)
-#define POOL_FL_COUNT 56          /* 512 B * 2^55 units: beyond any real address space */
-#define POOL_UNIT_SHIFT 9         /* log2(LLMMEM_POOL_GRANULARITY) */
+#define POOL_SL_BITS    4
+#define POOL_SL_COUNT   (1 << POOL_SL_BITS)
+#define POOL_FL_COUNT   56 /* 512 B * 2^55 units: beyond any real address space */
+#define POOL_UNIT_SHIFT 9  /* log2(LLMMEM_POOL_GRANULARITY) */
 /* How many blocks of one free list a search looks at before trying the next list. Only blocks
  * that are waiting for another stream's event are skipped, so the first one nearly always fits. */
 #define POOL_SCAN_LIMIT 8
@@ -36,51 +36,51 @@ typedef struct pool_region_s pool_region_t;
 
 typedef struct pool_block_s {
   uintptr_t addr;
-  size_t size;                    /* bytes, multiple of 512 */
-  size_t requested;               /* bytes asked for; 0 while free */
-  struct pool_block_s *prev;      /* neighbours in the same region, by address (NULL at the ends) */
+  size_t size;               /* bytes, multiple of 512 */
+  size_t requested;          /* bytes asked for; 0 while free */
+  struct pool_block_s *prev; /* neighbours in the same region, by address (NULL at the ends) */
   struct pool_block_s *next;
   struct pool_block_s *free_prev; /* links in a TLSF list while free; in the spare list when unused */
   struct pool_block_s *free_next;
   struct pool_block_s *pend_prev; /* links in the pending-event list while free with an event */
   struct pool_block_s *pend_next;
-  pool_region_t *region;          /* the region this block tiles */
-  pool_region_t *chunk;           /* non-NULL when this large block backs a small-request chunk */
-  void *stream;                   /* allocated: allocation stream; free with event: stream freed on */
-  void *event;                    /* free only: event recorded at the free, NULL once complete */
-  uint64_t event_seq;             /* order of event records: the later event on a stream covers earlier ones */
+  pool_region_t *region; /* the region this block tiles */
+  pool_region_t *chunk;  /* non-NULL when this large block backs a small-request chunk */
+  void *stream;          /* allocated: allocation stream; free with event: stream freed on */
+  void *event;           /* free only: event recorded at the free, NULL once complete */
+  uint64_t event_seq;    /* order of event records: the later event on a stream covers earlier ones */
   uint8_t is_free;
-  uint8_t small;                  /* belongs to the small heap (lives in a chunk) */
-  uint8_t fl, sl;                 /* TLSF list while free */
+  uint8_t small;  /* belongs to the small heap (lives in a chunk) */
+  uint8_t fl, sl; /* TLSF list while free */
 } pool_block_t;
 
 struct pool_region_s {
   uintptr_t base;
   size_t size;
-  pool_block_t *first;            /* lowest-address block */
-  pool_block_t *last;             /* highest-address block (where in-place growth appends) */
-  pool_block_t *backing;          /* chunks: the large block holding this chunk; segments: NULL */
-  pool_region_t *prev, *next;     /* in the pool's segment list or chunk list */
-  uint8_t is_initial;             /* the initial_size segment, kept until destroy */
+  pool_block_t *first;        /* lowest-address block */
+  pool_block_t *last;         /* highest-address block (where in-place growth appends) */
+  pool_block_t *backing;      /* chunks: the large block holding this chunk; segments: NULL */
+  pool_region_t *prev, *next; /* in the pool's segment list or chunk list */
+  uint8_t is_initial;         /* the initial_size segment, kept until destroy */
   /* Segments that can resize: bit p set = the 2 MiB page p (counted from base) is decommitted.
    * A decommitted page lies wholly inside one free block; reserved_bytes leaves it out. */
   uint64_t *decommitted;
-  size_t decommitted_words;       /* capacity of the bitmap */
+  size_t decommitted_words; /* capacity of the bitmap */
   size_t decommitted_pages;
 };
 
 typedef struct pool_heap_s {
-  uint64_t fl_bitmap;                               /* bit f: some list in first level f is non-empty */
-  uint32_t sl_bitmap[POOL_FL_COUNT];                /* bit s: list (f, s) is non-empty */
+  uint64_t fl_bitmap;                /* bit f: some list in first level f is non-empty */
+  uint32_t sl_bitmap[POOL_FL_COUNT]; /* bit s: list (f, s) is non-empty */
   pool_block_t *heads[POOL_FL_COUNT][POOL_SL_COUNT];
 } pool_heap_t;
 
 /* Open-addressing map from the address of a live block to its metadata (linear probing,
  * backward-shift deletion, so no tombstones). */
 typedef struct pool_ptrmap_s {
-  uintptr_t *keys;                /* 0 = empty slot (no block starts at address 0) */
+  uintptr_t *keys; /* 0 = empty slot (no block starts at address 0) */
   pool_block_t **vals;
-  size_t capacity;                /* power of two */
+  size_t capacity; /* power of two */
   size_t count;
 } pool_ptrmap_t;
 
@@ -96,20 +96,20 @@ struct llmmem_pool_s {
   pool_heap_t large;
   pool_heap_t small;
   pool_ptrmap_t live;
-  pool_region_t *segments;        /* doubly linked, newest first */
+  pool_region_t *segments; /* doubly linked, newest first */
   pool_region_t *chunks;
-  pool_region_t *top;             /* the segment growth extends in place (backend resize), or NULL */
-  pool_block_t *pending_head;     /* free blocks with an outstanding event, oldest first */
+  pool_region_t *top;         /* the segment growth extends in place (backend resize), or NULL */
+  pool_block_t *pending_head; /* free blocks with an outstanding event, oldest first */
   pool_block_t *pending_tail;
-  pool_block_t *spare_blocks;     /* recycled metadata */
+  pool_block_t *spare_blocks; /* recycled metadata */
   pool_slab_t *slabs;
-  size_t empty_chunks;            /* chunks that are entirely free (at most one is kept) */
+  size_t empty_chunks; /* chunks that are entirely free (at most one is kept) */
   uint64_t event_seq;
   int release_when_empty;
-  int closing;                    /* destroy is under way: allocations are refused */
-  llmmem_pool_stats_t st;         /* counters kept up to date; derived fields filled by stats() */
-  size_t pending_bytes;           /* free bytes still waiting for a stream event */
-  int64_t reserved_high;          /* highest reserved_bytes ever (not reset with the peaks): taking
+  int closing;            /* destroy is under way: allocations are refused */
+  llmmem_pool_stats_t st; /* counters kept up to date; derived fields filled by stats() */
+  size_t pending_bytes;   /* free bytes still waiting for a stream event */
+  int64_t reserved_high;  /* highest reserved_bytes ever (not reset with the peaks): taking
                                      memory beyond it first gives back idle holes (segment.c) */
 };
 

@@ -30,7 +30,8 @@ size_t _llmmem_largest_free(llmmem_pool_t *pool) {
   size_t small = _llmmem_heap_largest(&pool->small), best = 0;
   int any = 0;
   for (const pool_region_t *r = pool->segments; r; r = r->next) any |= r->decommitted_pages != 0;
-  if (!any) best = _llmmem_heap_largest(&pool->large);
+  if (!any)
+    best = _llmmem_heap_largest(&pool->large);
   else
     for (const pool_region_t *r = pool->segments; r; r = r->next)
       for (const pool_block_t *b = r->first; b; b = b->next) {
@@ -74,15 +75,17 @@ static void put_block(llmmem_pool_block_info_t *out, size_t capacity, size_t *n,
     i->addr = b->addr;
     i->size = b->size;
     i->requested = b->requested;
-    i->state = !b->is_free ? LLMMEM_POOL_BLOCK_ALLOCATED : b->event ? LLMMEM_POOL_BLOCK_FREE_PENDING : LLMMEM_POOL_BLOCK_FREE;
+    i->state = !b->is_free ? LLMMEM_POOL_BLOCK_ALLOCATED
+               : b->event  ? LLMMEM_POOL_BLOCK_FREE_PENDING
+                           : LLMMEM_POOL_BLOCK_FREE;
     i->small = b->small;
     i->stream = (uintptr_t)(b->is_free && !b->event ? NULL : b->stream);
   }
   (*n)++;
 }
 
-LLMMEM_API llmmem_status_t llmmem_pool_snapshot(llmmem_pool_t *pool, llmmem_pool_block_info_t *out,
-                                                size_t capacity, size_t *count) {
+LLMMEM_API llmmem_status_t llmmem_pool_snapshot(llmmem_pool_t *pool, llmmem_pool_block_info_t *out, size_t capacity,
+                                                size_t *count) {
   LLMMEM_CHECK_ARG(pool != NULL && count != NULL, "llmmem_pool_snapshot: pool and count must not be NULL");
   LLMMEM_CHECK_ARG(out != NULL || capacity == 0, "llmmem_pool_snapshot: out is NULL but capacity is %zu", capacity);
   pthread_mutex_lock(&pool->lock);
@@ -102,12 +105,12 @@ LLMMEM_API llmmem_status_t llmmem_pool_snapshot(llmmem_pool_t *pool, llmmem_pool
   return LLMMEM_OK;
 }
 
-#define CHECK_INV(cond, ...)                                                                      \
-  do {                                                                                            \
-    if (!(cond)) {                                                                                \
-      pthread_mutex_unlock(&pool->lock);                                                          \
-      return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "pool invariant broken: " __VA_ARGS__);             \
-    }                                                                                             \
+#define CHECK_INV(cond, ...)                                                          \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      pthread_mutex_unlock(&pool->lock);                                              \
+      return LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "pool invariant broken: " __VA_ARGS__); \
+    }                                                                                 \
   } while (0)
 
 /* Counts the blocks of one heap and checks each is a free block of that heap in the right list. */
@@ -154,7 +157,8 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
         if (c->first->is_free && c->first->size == c->size) empty_chunks++;
         uintptr_t cat = c->base;
         for (const pool_block_t *s = c->first; s; s = s->next) {
-          CHECK_INV(s->addr == cat && s->small && s->region == c, "chunk %p: block %p", (void *)c->base, (void *)s->addr);
+          CHECK_INV(s->addr == cat && s->small && s->region == c, "chunk %p: block %p", (void *)c->base,
+                    (void *)s->addr);
           CHECK_INV(!(s->is_free && s->next && s->next->is_free && !s->event && !s->next->event),
                     "free chunk neighbours %p and %p not coalesced", (void *)s->addr, (void *)s->next->addr);
           cat += s->size;
@@ -180,7 +184,7 @@ llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool) {
         requested += b->requested;
         CHECK_INV(_llmmem_ptrmap_get(&pool->live, b->addr) == b, "live block %p not in the map", (void *)b->addr);
       }
-      if (!b->is_free || b->event) {  /* only event-less free blocks may hold decommitted pages */
+      if (!b->is_free || b->event) { /* only event-less free blocks may hold decommitted pages */
         size_t P = LLMMEM_POOL_CHUNK_SIZE;
         for (size_t pg = (b->addr - seg->base) / P; pg * P < b->addr + b->size - seg->base; pg++)
           CHECK_INV(!_llmmem_page_decommitted(seg, pg), "block %p (in use or waiting) covers a decommitted page",

@@ -31,8 +31,10 @@ static void region_link(pool_region_t **list, pool_region_t *r) {
 }
 
 static void region_unlink(pool_region_t **list, pool_region_t *r) {
-  if (r->prev) r->prev->next = r->next;
-  else *list = r->next;
+  if (r->prev)
+    r->prev->next = r->next;
+  else
+    *list = r->next;
   if (r->next) r->next->prev = r->prev;
 }
 
@@ -79,7 +81,7 @@ size_t _llmmem_release_segment(llmmem_pool_t *pool, pool_region_t *r) {
   _llmmem_block_clear_event(pool, b);
   _llmmem_block_recycle(pool, b);
   region_unlink(&pool->segments, r);
-  if (pool->top == r) pool->top = NULL;  /* the next growth reserves a new one */
+  if (pool->top == r) pool->top = NULL; /* the next growth reserves a new one */
   pool->backend.release(pool->backend.ctx, (void *)r->base, r->size);
   pool->st.num_backend_releases++;
   size_t held = r->size - r->decommitted_pages * LLMMEM_POOL_CHUNK_SIZE;
@@ -111,8 +113,10 @@ static void release_chunk(llmmem_pool_t *pool, pool_region_t *c) {
  * next small request, give any other back to the large heap. */
 static void chunk_became_empty(llmmem_pool_t *pool, pool_block_t *m) {
   _llmmem_heap_insert(&pool->small, m);
-  if (pool->empty_chunks >= 1) release_chunk(pool, m->region);
-  else pool->empty_chunks++;
+  if (pool->empty_chunks >= 1)
+    release_chunk(pool, m->region);
+  else
+    pool->empty_chunks++;
 }
 
 void _llmmem_release_empty_chunks(llmmem_pool_t *pool) {
@@ -131,8 +135,10 @@ void _llmmem_release_empty_chunks(llmmem_pool_t *pool) {
  * now entirely free. */
 void _llmmem_put_back(llmmem_pool_t *pool, pool_block_t *b) {
   pool_block_t *m = _llmmem_coalesce(pool, b);
-  if (m->small && _llmmem_region_empty(m->region)) chunk_became_empty(pool, m);
-  else _llmmem_heap_insert(_llmmem_heap_of(pool, m), m);
+  if (m->small && _llmmem_region_empty(m->region))
+    chunk_became_empty(pool, m);
+  else
+    _llmmem_heap_insert(_llmmem_heap_of(pool, m), m);
 }
 
 /* ---- events: polling and waiting ---------------------------------------------------------- */
@@ -145,12 +151,14 @@ void _llmmem_poll_events(llmmem_pool_t *pool, int max_checks) {
     pool_block_t *next = b->pend_next;
     checked++;
     if (pool->backend.event_done(pool->backend.ctx, b->event) == 1) {
-      int counted = b->small && _llmmem_region_empty(b->region);  /* an empty chunk already counted */
+      int counted = b->small && _llmmem_region_empty(b->region); /* an empty chunk already counted */
       _llmmem_heap_remove(_llmmem_heap_of(pool, b), b);
       _llmmem_block_clear_event(pool, b);
-      pool_block_t *m = _llmmem_coalesce(pool, b);  /* event-less: `next` cannot be merged away */
-      if (m->small && _llmmem_region_empty(m->region) && !counted) chunk_became_empty(pool, m);
-      else _llmmem_heap_insert(_llmmem_heap_of(pool, m), m);
+      pool_block_t *m = _llmmem_coalesce(pool, b); /* event-less: `next` cannot be merged away */
+      if (m->small && _llmmem_region_empty(m->region) && !counted)
+        chunk_became_empty(pool, m);
+      else
+        _llmmem_heap_insert(_llmmem_heap_of(pool, m), m);
     }
     b = next;
   }
@@ -172,8 +180,10 @@ llmmem_status_t _llmmem_wait_all_events(llmmem_pool_t *pool) {
 
 static void page_mark(pool_region_t *r, size_t page, int on) {
   uint64_t bit = (uint64_t)1 << (page % 64);
-  if (on) r->decommitted[page / 64] |= bit;
-  else r->decommitted[page / 64] &= ~bit;
+  if (on)
+    r->decommitted[page / 64] |= bit;
+  else
+    r->decommitted[page / 64] &= ~bit;
 }
 
 /* Commits the decommitted pages in [lo, hi) (page indices); reserved_bytes grows by them. */
@@ -187,7 +197,7 @@ static llmmem_status_t commit_pages(llmmem_pool_t *pool, pool_region_t *r, size_
       LLMMEM_TRY(pool->backend.commit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE));
       for (size_t k = p; k < q; k++) page_mark(r, k, 0);
       r->decommitted_pages -= q - p;
-      pool->st.num_backend_reserves++;  /* a backend call that maps memory, like cuMemMap in PyTorch's count */
+      pool->st.num_backend_reserves++; /* a backend call that maps memory, like cuMemMap in PyTorch's count */
       _llmmem_reserved_add(pool, (int64_t)((q - p) * PAGE));
     }
     p = q;
@@ -210,7 +220,7 @@ static void decommit_holes(llmmem_pool_t *pool) {
   size_t words = (r->size / PAGE + 63) / 64;
   if (words > r->decommitted_words) {
     uint64_t *bits = realloc(r->decommitted, words * sizeof *bits);
-    if (!bits) return;  /* no host memory for the bitmap: just keep the pages */
+    if (!bits) return; /* no host memory for the bitmap: just keep the pages */
     memset(bits + r->decommitted_words, 0, (words - r->decommitted_words) * sizeof *bits);
     r->decommitted = bits;
     r->decommitted_words = words;
@@ -225,7 +235,8 @@ static void decommit_holes(llmmem_pool_t *pool) {
       while (p < hi && _llmmem_page_decommitted(r, p)) p++;
       size_t q = p;
       while (q < hi && !_llmmem_page_decommitted(r, q)) q++;
-      if (q > p && pool->backend.decommit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE) == LLMMEM_OK) {
+      if (q > p &&
+          pool->backend.decommit(pool->backend.ctx, (void *)(r->base + p * PAGE), (q - p) * PAGE) == LLMMEM_OK) {
         for (size_t k = p; k < q; k++) page_mark(r, k, 1);
         r->decommitted_pages += q - p;
         pool->st.num_backend_releases++;
@@ -277,12 +288,12 @@ static llmmem_status_t grow(llmmem_pool_t *pool, size_t need) {
   size_t seg;
   LLMMEM_TRY(growth_step(pool, need, &seg));
   llmmem_status_t st = _llmmem_add_segment(pool, seg, 0);
-  if (st == LLMMEM_ERR_NOMEM && seg > need) st = _llmmem_add_segment(pool, need, 0);  /* no slack then */
+  if (st == LLMMEM_ERR_NOMEM && seg > need) st = _llmmem_add_segment(pool, need, 0); /* no slack then */
   return st;
 }
 
-#define POOL_MID_REQUEST ((size_t)10 << 20) /* bytes: below this, a segment may hold several requests */
-#define POOL_MAX_GROUP 4
+#define POOL_MID_REQUEST       ((size_t)10 << 20) /* bytes: below this, a segment may hold several requests */
+#define POOL_MAX_GROUP         4
 #define POOL_MAX_GROUP_SEGMENT ((size_t)20 << 20) /* bytes: PyTorch's segment for mid-size requests */
 
 /* The segment to reserve for a request of `need` bytes that does not fit anywhere: a multiple of
@@ -315,9 +326,9 @@ static size_t segment_for(size_t need) {
 static llmmem_status_t grow_in_place(llmmem_pool_t *pool, size_t need) {
   pool_region_t *r = pool->top;
   pool_block_t *end = r->last;
-  size_t have = end->is_free && !end->event ? end->size : 0;  /* only an event-less end merges */
+  size_t have = end->is_free && !end->event ? end->size : 0; /* only an event-less end merges */
   size_t lack = need > have ? need - have : 0;
-  if (!lack) return LLMMEM_OK;  /* fits already (a search skipped it as busy on another stream) */
+  if (!lack) return LLMMEM_OK; /* fits already (a search skipped it as busy on another stream) */
   size_t add;
   LLMMEM_TRY(growth_step(pool, lack, &add));
   if (r->size > SIZE_MAX / 2 - add) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "pool: segment too large to grow");
@@ -358,7 +369,7 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
   size_t keep = r->is_initial ? pool->options.initial_size : 0;
   size_t cut = end->size / LLMMEM_POOL_CHUNK_SIZE * LLMMEM_POOL_CHUNK_SIZE;
   if (r->size - cut < keep) cut = (r->size - keep) / LLMMEM_POOL_GRANULARITY * LLMMEM_POOL_GRANULARITY;
-  if (cut == 0 || cut == r->size) return 0;  /* a wholly free segment is released, not shrunk */
+  if (cut == 0 || cut == r->size) return 0; /* a wholly free segment is released, not shrunk */
   size_t new_size = r->size - cut;
   if (new_size % PAGE && _llmmem_page_decommitted(r, new_size / PAGE)) {
     /* A decommitted page lies wholly inside a free block, so its end is inside the region. */
@@ -367,7 +378,7 @@ size_t _llmmem_shrink_segment(llmmem_pool_t *pool, pool_region_t *r) {
     if (cut == 0) return 0;
   }
   if (pool->backend.resize(pool->backend.ctx, (void *)r->base, r->size, new_size) != LLMMEM_OK) return 0;
-  size_t dropped = 0, lo, hi;  /* decommitted pages wholly inside the cut, forgotten with it */
+  size_t dropped = 0, lo, hi; /* decommitted pages wholly inside the cut, forgotten with it */
   _llmmem_pages_inside(r, r->base + new_size, r->size - new_size, &lo, &hi);
   for (size_t p = lo; p < hi; p++)
     if (_llmmem_page_decommitted(r, p)) {
@@ -440,7 +451,7 @@ pool_block_t *_llmmem_large_take(llmmem_pool_t *pool, size_t size, void *stream,
     *why = grow_consolidating(pool, size);
     if (*why == LLMMEM_OK) b = _llmmem_heap_find(pool, &pool->large, size, stream, 0);
   }
-  if (!b && *why != LLMMEM_OK && *why != LLMMEM_ERR_NOMEM) return NULL;  /* a backend error, not OOM */
+  if (!b && *why != LLMMEM_OK && *why != LLMMEM_ERR_NOMEM) return NULL; /* a backend error, not OOM */
   if (!b) {
     /* Last resort, as PyTorch does: wait for other streams, return cached memory, try again. */
     if (pool->pending_head && _llmmem_wait_all_events(pool) == LLMMEM_OK)
@@ -464,8 +475,7 @@ pool_block_t *_llmmem_new_chunk(llmmem_pool_t *pool) {
   pool_region_t *c = calloc(1, sizeof *c);
   pool_block_t *sb = _llmmem_block_new(pool), *rest = _llmmem_block_new(pool);
   llmmem_status_t why = LLMMEM_OK;
-  pool_block_t *lb =
-      c && sb && rest ? _llmmem_large_take(pool, LLMMEM_POOL_CHUNK_SIZE, POOL_ANY_STREAM, &why) : NULL;
+  pool_block_t *lb = c && sb && rest ? _llmmem_large_take(pool, LLMMEM_POOL_CHUNK_SIZE, POOL_ANY_STREAM, &why) : NULL;
   if (!lb) {
     free(c);
     if (sb) _llmmem_block_recycle(pool, sb);

@@ -84,7 +84,8 @@ static void unpublish(int k, llmmem_pool_t *pool) {
 }
 
 LLMMEM_API llmmem_status_t llmmem_pool_unbind_slot(int slot) {
-  LLMMEM_CHECK_ARG(slot >= 0 && slot < LLMMEM_POOL_SLOTS, "slot must be in 0..%d, got %d", LLMMEM_POOL_SLOTS - 1, slot);
+  LLMMEM_CHECK_ARG(slot >= 0 && slot < LLMMEM_POOL_SLOTS, "slot must be in 0..%d, got %d", LLMMEM_POOL_SLOTS - 1,
+                   slot);
   unpublish(slot, NULL);
   return LLMMEM_OK;
 }
@@ -118,8 +119,7 @@ static llmmem_pool_t *slot_enter(int slot, int device) {
   if (pool->backend.device >= 0 && device != pool->backend.device) {
     int served = pool->backend.device;
     slot_leave(slot);
-    (void)LLMMEM_FAIL(LLMMEM_ERR_INVALID, "pool of slot %d serves cuda:%d, asked for device %d", slot, served,
-                      device);
+    (void)LLMMEM_FAIL(LLMMEM_ERR_INVALID, "pool of slot %d serves cuda:%d, asked for device %d", slot, served, device);
     return NULL;
   }
   return pool;
@@ -136,21 +136,21 @@ LLMMEM_API void *llmmem_pool_slot_alloc(int slot, size_t size, int device, void 
 }
 
 LLMMEM_API void llmmem_pool_slot_free(int slot, void *ptr, size_t size, int device, void *stream) {
-  (void)size;  /* PyTorch passes the size it asked for; the pool's own record is authoritative */
+  (void)size; /* PyTorch passes the size it asked for; the pool's own record is authoritative */
   llmmem_pool_t *pool = slot_enter(slot, device);
   if (!pool) return;
-  (void)llmmem_pool_free(pool, ptr, stream);  /* may destroy the pool (release_when_empty): own call */
+  (void)llmmem_pool_free(pool, ptr, stream); /* may destroy the pool (release_when_empty): own call */
   slot_leave(slot);
 }
 
-#define LLMMEM_SLOT_ENTRY(k)                                                                      \
-  LLMMEM_API void *llmmem_pool_alloc_##k(size_t size, int device, void *stream);                  \
-  LLMMEM_API void llmmem_pool_free_##k(void *ptr, size_t size, int device, void *stream);         \
-  LLMMEM_API void *llmmem_pool_alloc_##k(size_t size, int device, void *stream) {                 \
-    return llmmem_pool_slot_alloc(k, size, device, stream);                                       \
-  }                                                                                               \
-  LLMMEM_API void llmmem_pool_free_##k(void *ptr, size_t size, int device, void *stream) {        \
-    llmmem_pool_slot_free(k, ptr, size, device, stream);                                          \
+#define LLMMEM_SLOT_ENTRY(k)                                                               \
+  LLMMEM_API void *llmmem_pool_alloc_##k(size_t size, int device, void *stream);           \
+  LLMMEM_API void llmmem_pool_free_##k(void *ptr, size_t size, int device, void *stream);  \
+  LLMMEM_API void *llmmem_pool_alloc_##k(size_t size, int device, void *stream) {          \
+    return llmmem_pool_slot_alloc(k, size, device, stream);                                \
+  }                                                                                        \
+  LLMMEM_API void llmmem_pool_free_##k(void *ptr, size_t size, int device, void *stream) { \
+    llmmem_pool_slot_free(k, ptr, size, device, stream);                                   \
   }
 
 LLMMEM_SLOT_ENTRY(0)

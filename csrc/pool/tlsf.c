@@ -49,8 +49,10 @@ void _llmmem_heap_insert(pool_heap_t *heap, pool_block_t *b) {
 
 void _llmmem_heap_remove(pool_heap_t *heap, pool_block_t *b) {
   int fl = b->fl, sl = b->sl;
-  if (b->free_prev) b->free_prev->free_next = b->free_next;
-  else heap->heads[fl][sl] = b->free_next;
+  if (b->free_prev)
+    b->free_prev->free_next = b->free_next;
+  else
+    heap->heads[fl][sl] = b->free_next;
   if (b->free_next) b->free_next->free_prev = b->free_prev;
   b->free_prev = b->free_next = NULL;
   if (!heap->heads[fl][sl]) {
@@ -92,7 +94,7 @@ pool_block_t *_llmmem_heap_find(llmmem_pool_t *pool, pool_heap_t *heap, size_t s
   /* 2. Any usable block of a class whose blocks all fit. */
   int own_fl = fl, own_sl = sl;
   mapping_search(size, &fl, &sl);
-  if (fl == own_fl && sl == own_sl) sl++;  /* already looked at */
+  if (fl == own_fl && sl == own_sl) sl++; /* already looked at */
   while (next_list(heap, &fl, &sl)) {
     seen = 0;
     for (pool_block_t *b = heap->heads[fl][sl]; b && (limit == 0 || seen < limit); b = b->free_next, seen++)

@@ -30,9 +30,13 @@ static int intern_names(void) {
   struct {
     PyObject **slot;
     const char *name;
-  } names[] = {{&s_params, "params"},   {&s_grad, "grad"},           {&s_dtype, "dtype"},
-               {&s_is_cpu, "is_cpu"},     {&s_is_contiguous, "is_contiguous"},
-               {&s_data_ptr, "data_ptr"}, {&s_nbytes, "nbytes"}};
+  } names[] = {{&s_params, "params"},
+               {&s_grad, "grad"},
+               {&s_dtype, "dtype"},
+               {&s_is_cpu, "is_cpu"},
+               {&s_is_contiguous, "is_contiguous"},
+               {&s_data_ptr, "data_ptr"},
+               {&s_nbytes, "nbytes"}};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     if (*names[i].slot) continue;
     *names[i].slot = PyUnicode_InternFromString(names[i].name);
@@ -61,10 +65,10 @@ typedef struct {
 } reader_t;
 
 enum { R_GRAD, R_DTYPE, R_IS_CPU, R_IS_CONTIGUOUS, R_DATA_PTR, R_NBYTES, R_COUNT };
-static reader_t readers[R_COUNT] = {{&s_grad, 0, NULL},     {&s_dtype, 0, NULL},    {&s_is_cpu, 0, NULL},
+static reader_t readers[R_COUNT] = {{&s_grad, 0, NULL},          {&s_dtype, 0, NULL},    {&s_is_cpu, 0, NULL},
                                     {&s_is_contiguous, 1, NULL}, {&s_data_ptr, 1, NULL}, {&s_nbytes, 0, NULL}};
-static PyObject *readers_type;      /* the tensor type the descriptors were found on (strong) */
-static int grad_descr_fits_params;  /* Parameter resolves `grad` to the same descriptor */
+static PyObject *readers_type;     /* the tensor type the descriptors were found on (strong) */
+static int grad_descr_fits_params; /* Parameter resolves `grad` to the same descriptor */
 
 /* Finds the descriptors on k->tensor_type (once per type); -1 with an exception set on failure. */
 static int resolve_readers(const kinds_t *k) {
@@ -76,8 +80,8 @@ static int resolve_readers(const kinds_t *k) {
       PyErr_Clear(); /* read by name: the walk then meets the same error and hands the call over */
       continue;
     }
-    int fits = readers[r].is_method ? PyObject_TypeCheck(d, &PyMethodDescr_Type)
-                                    : PyObject_TypeCheck(d, &PyGetSetDescr_Type);
+    int fits =
+        readers[r].is_method ? PyObject_TypeCheck(d, &PyMethodDescr_Type) : PyObject_TypeCheck(d, &PyGetSetDescr_Type);
     if (fits)
       readers[r].descr = d;
     else
@@ -142,8 +146,10 @@ static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_
   out->numel = size / es;
   out->dtype = code;
   if (PyErr_Occurred() || size < 0 || size % es) goto done;
-  if (out->numel == 0) out->data = NULL; /* nothing to touch; its address need not be aligned */
-  else if (!out->data || (uintptr_t)out->data % (uintptr_t)es) goto done;
+  if (out->numel == 0)
+    out->data = NULL; /* nothing to touch; its address need not be aligned */
+  else if (!out->data || (uintptr_t)out->data % (uintptr_t)es)
+    goto done;
   plain = 1;
 done:
   Py_XDECREF(dtype);
@@ -214,7 +220,7 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
       }
       Py_INCREF(param);
       PyObject *grad = (PyObject *)pt == k->tensor_type || grad_descr_fits_params ? read_attr(R_GRAD, param)
-                                                                                   : PyObject_GetAttr(param, s_grad);
+                                                                                  : PyObject_GetAttr(param, s_grad);
       Py_DECREF(param);
       if (!grad) {
         rc = must_propagate() ? -1 : 0;
@@ -269,8 +275,10 @@ static PyObject *slot_list_of(const Py_ssize_t *slots, Py_ssize_t n, Py_ssize_t 
   PyObject *list = PyList_New(n);
   for (Py_ssize_t i = 0; list && i < n; i++) {
     PyObject *v = PyLong_FromSsize_t(slots[i]);
-    if (!v) Py_CLEAR(list);
-    else PyList_SET_ITEM(list, i, v);
+    if (!v)
+      Py_CLEAR(list);
+    else
+      PyList_SET_ITEM(list, i, v);
   }
   return list;
 }
@@ -336,8 +344,7 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     }
     llmmem_status_t st2;
     Py_BEGIN_ALLOW_THREADS st2 = llmmem_scaler_pipe_finish(pipe, found);
-    Py_END_ALLOW_THREADS
-    if (done_count) *done_count = n_plain;
+    Py_END_ALLOW_THREADS if (done_count) *done_count = n_plain;
     if (rc < 0) goto done; /* the walk's exception */
     if (st == LLMMEM_OK) st = st2;
     if (st != LLMMEM_OK) {
@@ -360,8 +367,8 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     goto done;
   }
   if (n > 0) {
-    Py_BEGIN_ALLOW_THREADS st = llmmem_scaler_unscale_check(t, (size_t)n, scale, inverse, found, flags, nf,
-                                                            num_threads);
+    Py_BEGIN_ALLOW_THREADS st =
+        llmmem_scaler_unscale_check(t, (size_t)n, scale, inverse, found, flags, nf, num_threads);
     Py_END_ALLOW_THREADS
   }
   if (st != LLMMEM_OK) {
@@ -382,7 +389,8 @@ done:
 PyMethodDef llmmem_py_scaler_params_methods[] = {
     {"scaler_unscale_param_groups", py_unscale_param_groups, METH_VARARGS,
      "scaler_unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, "
-     "flags_ptr, n_flags, num_threads, done_ptr) -> None | (n_grads, slots, resume_slot): the CPU unscale + check of every "
+     "flags_ptr, n_flags, num_threads, done_ptr) -> None | (n_grads, slots, resume_slot): the CPU unscale + check of "
+     "every "
      "gradient of param_groups in one call. With few parameters or one thread: None (nothing done) when any "
      "parameter or gradient is not the plain case. Otherwise (pipelined) the gradients before the first one that "
      "is not are done and resume_slot is that parameter's flat position (None when all were plain). "

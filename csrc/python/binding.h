@@ -21,10 +21,10 @@ PyObject *llmmem_py_raise(llmmem_status_t status);
 /* Method tables of each concern, NULL-terminated, merged by module.c. */
 extern PyMethodDef llmmem_py_info_methods[];
 extern PyMethodDef llmmem_py_errors_methods[];
-extern PyMethodDef llmmem_py_scaler_methods[];  /* scaler.c: loss-scaler kernels */
+extern PyMethodDef llmmem_py_scaler_methods[];        /* scaler.c: loss-scaler kernels */
 extern PyMethodDef llmmem_py_scaler_params_methods[]; /* amp_params.c: unscale_ fast path over param_groups */
-extern PyMethodDef llmmem_py_plan_methods[];    /* plan.c: recompute planner */
-extern PyMethodDef llmmem_py_pool_methods[];    /* pool.c: caching allocator */
-extern PyMethodDef llmmem_py_comm_methods[];    /* comm.c: intra-node collectives */
+extern PyMethodDef llmmem_py_plan_methods[];          /* plan.c: recompute planner */
+extern PyMethodDef llmmem_py_pool_methods[];          /* pool.c: caching allocator */
+extern PyMethodDef llmmem_py_comm_methods[];          /* comm.c: intra-node collectives */
 
 #endif /* LLMMEM_BINDING_H */

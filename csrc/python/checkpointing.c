@@ -72,14 +72,15 @@ static int read_numbers(PyObject *obj, const char *key, Py_ssize_t rows, Py_ssiz
       const Py_ssize_t at = i * (cols > 0 ? cols : 1) + j;
       if (is_bytes) {
         if (!PyLong_Check(item) || PyBool_Check(item)) {
-          PyErr_Format(PyExc_ValueError, "plan: chain['%s'] entry %zd must be an int number of bytes, got %s", key,
-                       at, Py_TYPE(item)->tp_name);
+          PyErr_Format(PyExc_ValueError, "plan: chain['%s'] entry %zd must be an int number of bytes, got %s", key, at,
+                       Py_TYPE(item)->tp_name);
           goto fail;
         }
         unsigned long long v = PyLong_AsUnsignedLongLong(item);
         if (v == (unsigned long long)-1 && PyErr_Occurred()) {
           PyErr_Clear();
-          PyErr_Format(PyExc_ValueError, "plan: chain['%s'] entry %zd must be a byte count >= 0, got %R", key, at, item);
+          PyErr_Format(PyExc_ValueError, "plan: chain['%s'] entry %zd must be a byte count >= 0, got %R", key, at,
+                       item);
           goto fail;
         }
         ((uint64_t *)out)[at] = (uint64_t)v;
@@ -120,7 +121,8 @@ static int chain_parse(PyObject *dict, chain_store_t *cs) {
   }
   PyObject *f = get_key(dict, "fwd_time", 1);
   if (!f) return -1;
-  PyObject *b = get_key(dict, "bwd_time", 1), *x = get_key(dict, "input_bytes", 1), *s = get_key(dict, "saved_bytes", 1);
+  PyObject *b = get_key(dict, "bwd_time", 1), *x = get_key(dict, "input_bytes", 1),
+           *s = get_key(dict, "saved_bytes", 1);
   if (!b || !x || !s) return -1;
   const Py_ssize_t L = PyObject_Length(f);
   if (L < 1 || L > LLMMEM_PLAN_MAX_BLOCKS) {
@@ -200,7 +202,7 @@ static int chain_parse(PyObject *dict, chain_store_t *cs) {
       goto fail;
     }
   }
-  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,   cs->b,         cs->x,
+  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,  cs->fn,   cs->b,    cs->x,
                                     cs->s,      cs->ft,     cs->bt, cs->nest, cs->kept, host_bandwidth};
   return 0;
 nomem:
@@ -210,7 +212,8 @@ fail:
   return -1;
 }
 
-static PyObject *plan_to_dict(const llmmem_plan_t *plan, int32_t L, const llmmem_plan_prediction_t *p, uint64_t least) {
+static PyObject *plan_to_dict(const llmmem_plan_t *plan, int32_t L, const llmmem_plan_prediction_t *p,
+                              uint64_t least) {
   PyObject *modes = PyList_New(L), *regions = PyList_New(plan->n_regions), *offloaded = PyList_New(0);
   if (!modes || !regions || !offloaded) goto fail;
   for (int32_t i = 0; i < L; i++) {
@@ -224,11 +227,11 @@ static PyObject *plan_to_dict(const llmmem_plan_t *plan, int32_t L, const llmmem
     PyList_SET_ITEM(regions, r, t);
     if (plan->regions[r].offload && PyList_Append(offloaded, t) < 0) goto fail;
   }
-  PyObject *d = Py_BuildValue("{s:N,s:N,s:N,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "modes", modes, "regions", regions,
-                              "offloaded", offloaded, "time", p->time, "overhead_time", p->overhead_time,
-                              "transfer_time", p->transfer_time, "peak_bytes", (unsigned long long)p->peak_bytes,
-                              "held_bytes", (unsigned long long)p->held_bytes, "host_bytes",
-                              (unsigned long long)p->host_bytes, "min_budget_bytes", (unsigned long long)least);
+  PyObject *d =
+      Py_BuildValue("{s:N,s:N,s:N,s:d,s:d,s:d,s:K,s:K,s:K,s:K}", "modes", modes, "regions", regions, "offloaded",
+                    offloaded, "time", p->time, "overhead_time", p->overhead_time, "transfer_time", p->transfer_time,
+                    "peak_bytes", (unsigned long long)p->peak_bytes, "held_bytes", (unsigned long long)p->held_bytes,
+                    "host_bytes", (unsigned long long)p->host_bytes, "min_budget_bytes", (unsigned long long)least);
   return d;
 fail:
   Py_XDECREF(modes);
@@ -276,10 +279,9 @@ static PyObject *py_plan_solve(PyObject *self, PyObject *args, PyObject *kwargs)
   llmmem_plan_prediction_t pred;
   uint64_t least = 0;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_plan_solve(&cs.chain, budget, slots, fast_path ? 0u : LLMMEM_PLAN_NO_FAST_PATH, &plan, &pred, &least);
-  Py_END_ALLOW_THREADS
-  if (st != LLMMEM_OK) {
+  Py_BEGIN_ALLOW_THREADS st =
+      llmmem_plan_solve(&cs.chain, budget, slots, fast_path ? 0u : LLMMEM_PLAN_NO_FAST_PATH, &plan, &pred, &least);
+  Py_END_ALLOW_THREADS if (st != LLMMEM_OK) {
     llmmem_py_raise(st);
     goto done;
   }
@@ -322,8 +324,8 @@ static PyObject *py_plan_simulate(PyObject *self, PyObject *args) {
     PyObject *item = PySequence_Fast_GET_ITEM(rseq, r);
     if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "ii|i", &start, &end, &offload)) {
       PyErr_Clear();
-      PyErr_Format(PyExc_ValueError, "plan: regions[%zd] must be a (start, end) or (start, end, offload) tuple of ints",
-                   r);
+      PyErr_Format(PyExc_ValueError,
+                   "plan: regions[%zd] must be a (start, end) or (start, end, offload) tuple of ints", r);
       goto done;
     }
     regions[r] = (llmmem_plan_region_t){start, end, offload};
@@ -359,10 +361,8 @@ static PyObject *py_plan_min_budget(PyObject *self, PyObject *chain_obj) {
   if (chain_parse(chain_obj, &cs) < 0) return NULL;
   uint64_t least = 0;
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_plan_min_budget(&cs.chain, &least);
-  Py_END_ALLOW_THREADS
-  chain_store_free(&cs);
+  Py_BEGIN_ALLOW_THREADS st = llmmem_plan_min_budget(&cs.chain, &least);
+  Py_END_ALLOW_THREADS chain_store_free(&cs);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   return PyLong_FromUnsignedLongLong(least);
 }
@@ -375,6 +375,7 @@ PyMethodDef llmmem_py_plan_methods[] = {
     {"plan_simulate", py_plan_simulate, METH_VARARGS,
      "plan_simulate(chain, modes, regions) -> dict(time, overhead_time, transfer_time, peak_bytes, held_bytes, "
      "host_bytes); regions are (start, end) or (start, end, offload) tuples."},
-    {"plan_min_budget", py_plan_min_budget, METH_O, "plan_min_budget(chain) -> int: the least feasible budget (bytes)."},
+    {"plan_min_budget", py_plan_min_budget, METH_O,
+     "plan_min_budget(chain) -> int: the least feasible budget (bytes)."},
     {NULL, NULL, 0, NULL},
 };

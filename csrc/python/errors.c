@@ -10,23 +10,24 @@
 
 typedef struct {
   llmmem_status_t status;
-  const char *name;       /* attribute name on the module and class __name__ */
+  const char *name; /* attribute name on the module and class __name__ */
   const char *doc;
-  PyObject **builtin;     /* second base class, or NULL */
-  PyObject *cls;          /* created in llmmem_py_errors_init */
+  PyObject **builtin; /* second base class, or NULL */
+  PyObject *cls;      /* created in llmmem_py_errors_init */
 } error_class_t;
 
 static PyObject *base_error = NULL;
 
 static error_class_t classes[] = {
-    {LLMMEM_ERR_INVALID, "InvalidArgumentError", "An argument is out of range or inconsistent.", &PyExc_ValueError, NULL},
+    {LLMMEM_ERR_INVALID, "InvalidArgumentError", "An argument is out of range or inconsistent.", &PyExc_ValueError,
+     NULL},
     {LLMMEM_ERR_NOMEM, "OutOfMemoryError", "Host or device memory could not be obtained.", &PyExc_MemoryError, NULL},
     {LLMMEM_ERR_CUDA, "CudaError", "A CUDA runtime call failed.", NULL, NULL},
     {LLMMEM_ERR_NO_DEVICE, "NoDeviceError", "No CUDA driver or GPU is available.", NULL, NULL},
     {LLMMEM_ERR_NOT_BUILT, "NotBuiltError", "The capability was not compiled into this build of llmmem.",
      &PyExc_NotImplementedError, NULL},
-    {LLMMEM_ERR_INFEASIBLE, "InfeasibleError", "The request cannot be met (for example a memory budget that is too small).",
-     &PyExc_ValueError, NULL},
+    {LLMMEM_ERR_INFEASIBLE, "InfeasibleError",
+     "The request cannot be met (for example a memory budget that is too small).", &PyExc_ValueError, NULL},
     {LLMMEM_ERR_STATE, "StateError", "A call was made in the wrong order or on a closed object.", NULL, NULL},
     {LLMMEM_ERR_INTERNAL, "InternalError", "A broken invariant inside llmmem; please report it.", NULL, NULL},
 };
@@ -34,8 +35,7 @@ static error_class_t classes[] = {
 #define N_CLASSES (sizeof classes / sizeof classes[0])
 
 int llmmem_py_errors_init(PyObject *module) {
-  base_error = PyErr_NewExceptionWithDoc("llmmem.LlmmemError",
-                                         "Base class of the errors raised by llmmem's C core.",
+  base_error = PyErr_NewExceptionWithDoc("llmmem.LlmmemError", "Base class of the errors raised by llmmem's C core.",
                                          PyExc_RuntimeError, NULL);
   if (!base_error) return -1;
   Py_INCREF(base_error);
@@ -46,8 +46,8 @@ int llmmem_py_errors_init(PyObject *module) {
   for (size_t i = 0; i < N_CLASSES; i++) {
     char qualname[96];
     PyOS_snprintf(qualname, sizeof qualname, "llmmem.%s", classes[i].name);
-    PyObject *bases = classes[i].builtin ? PyTuple_Pack(2, base_error, *classes[i].builtin)
-                                         : PyTuple_Pack(1, base_error);
+    PyObject *bases =
+        classes[i].builtin ? PyTuple_Pack(2, base_error, *classes[i].builtin) : PyTuple_Pack(1, base_error);
     if (!bases) return -1;
     classes[i].cls = PyErr_NewExceptionWithDoc(qualname, classes[i].doc, bases, NULL);
     Py_DECREF(bases);

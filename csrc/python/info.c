@@ -19,9 +19,8 @@ static PyObject *py_build_info(PyObject *self, PyObject *unused) {
   llmmem_status_t st = llmmem_build_info(&info);
   if (st != LLMMEM_OK) return llmmem_py_raise(st);
   return Py_BuildValue("{s:O,s:i,s:s,s:s,s:s,s:i}", "cuda_built", info.cuda_built ? Py_True : Py_False,
-                       "cuda_runtime_version", info.cuda_runtime_version, "cuda_archs", info.cuda_archs,
-                       "c_compiler", info.c_compiler, "cuda_compiler", info.cuda_compiler, "debug_level",
-                       info.debug_level);
+                       "cuda_runtime_version", info.cuda_runtime_version, "cuda_archs", info.cuda_archs, "c_compiler",
+                       info.c_compiler, "cuda_compiler", info.cuda_compiler, "debug_level", info.debug_level);
 }
 
 static PyObject *py_cuda_device_count(PyObject *self, PyObject *unused) {
@@ -30,10 +29,8 @@ static PyObject *py_cuda_device_count(PyObject *self, PyObject *unused) {
   int count = 0;
   llmmem_status_t st;
   /* The first CUDA call initialises the driver, which can take a while: let other threads run. */
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_cuda_device_count(&count);
-  Py_END_ALLOW_THREADS
-  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_BEGIN_ALLOW_THREADS st = llmmem_cuda_device_count(&count);
+  Py_END_ALLOW_THREADS if (st != LLMMEM_OK) return llmmem_py_raise(st);
   return PyLong_FromLong(count);
 }
 

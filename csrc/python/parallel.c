@@ -12,7 +12,7 @@
 
 #include <llmmem/parallel.h>
 
-#define SHM_CAPSULE "llmmem.shm_comm"
+#define SHM_CAPSULE     "llmmem.shm_comm"
 #define CUDA_AR_CAPSULE "llmmem.cuda_ar"
 
 typedef struct {
@@ -28,8 +28,10 @@ typedef struct {
 
 /* Closes a communicator of either kind; both accept NULL (already closed). */
 static void close_comm(void *comm, int is_shm) {
-  if (is_shm) (void)llmmem_shm_comm_close(comm);
-  else (void)llmmem_cuda_ar_close(comm);
+  if (is_shm)
+    (void)llmmem_shm_comm_close(comm);
+  else
+    (void)llmmem_cuda_ar_close(comm);
 }
 
 /* Closes the holder's communicator now (a pending close is then done). */
@@ -78,8 +80,8 @@ static PyObject *wrap(void *comm, int is_shm) {
   h->busy = 0;
   h->close_pending = 0;
   h->is_shm = is_shm;
-  PyObject *cap = PyCapsule_New(h, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE,
-                                is_shm ? shm_capsule_free : cuda_ar_capsule_free);
+  PyObject *cap =
+      PyCapsule_New(h, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE, is_shm ? shm_capsule_free : cuda_ar_capsule_free);
   if (!cap) {
     close_comm(comm, is_shm);
     PyMem_Free(h);
@@ -92,8 +94,10 @@ static PyObject *wrap(void *comm, int is_shm) {
 static PyObject *close_capsule(PyObject *cap, int is_shm) {
   holder_t *h = PyCapsule_GetPointer(cap, is_shm ? SHM_CAPSULE : CUDA_AR_CAPSULE);
   if (!h) return NULL;
-  if (h->busy) h->close_pending = 1;
-  else close_now(h);
+  if (h->busy)
+    h->close_pending = 1;
+  else
+    close_now(h);
   Py_RETURN_NONE;
 }
 
@@ -199,9 +203,10 @@ static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
   if (h->busy) {
     /* The communicator's epoch and step counters belong to the call in progress: a second one
      * would advance them under it. */
-    PyErr_SetString(PyExc_RuntimeError, "llmmem: a collective is already running on this communicator (on "
-                                        "another thread, or in a signal handler run while it waits); calls on "
-                                        "one communicator must not overlap");
+    PyErr_SetString(PyExc_RuntimeError,
+                    "llmmem: a collective is already running on this communicator (on "
+                    "another thread, or in a signal handler run while it waits); calls on "
+                    "one communicator must not overlap");
     return NULL;
   }
   wait_ctx_t w;
@@ -240,10 +245,8 @@ static PyObject *py_cuda_ar_create(PyObject *self, PyObject *args) {
   llmmem_cuda_ar_t *ar = NULL;
   char handle[LLMMEM_CUDA_IPC_HANDLE_BYTES] = {0};
   llmmem_status_t st;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_cuda_ar_create(device, rank, world, (size_t)max_bytes, timeout, &ar, handle);
-  Py_END_ALLOW_THREADS
-  if (st != LLMMEM_OK) return llmmem_py_raise(st);
+  Py_BEGIN_ALLOW_THREADS st = llmmem_cuda_ar_create(device, rank, world, (size_t)max_bytes, timeout, &ar, handle);
+  Py_END_ALLOW_THREADS if (st != LLMMEM_OK) return llmmem_py_raise(st);
   PyObject *cap = wrap(ar, 0);
   if (!cap) return NULL;
   return Py_BuildValue("(Ny#)", cap, handle, (Py_ssize_t)sizeof handle);

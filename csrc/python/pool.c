@@ -14,7 +14,7 @@
 #define CAPSULE_NAME "llmmem._C.pool"
 
 typedef struct {
-  llmmem_pool_t *pool;  /* NULL once closed */
+  llmmem_pool_t *pool; /* NULL once closed */
 } pool_holder_t;
 
 static void capsule_destructor(PyObject *capsule) {
@@ -56,10 +56,14 @@ static PyObject *py_pool_create(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "siKKK|p", &kind, &device, &initial, &max, &growth, &fixed_segments)) return NULL;
   llmmem_pool_backend_t backend;
   llmmem_status_t st;
-  if (strcmp(kind, "cpu") == 0) st = llmmem_pool_backend_host(0, &backend);
-  else if (strcmp(kind, "pinned") == 0) st = llmmem_pool_backend_host(1, &backend);
-  else if (strcmp(kind, "cuda") == 0) st = llmmem_pool_backend_cuda(device, &backend);
-  else if (strcmp(kind, "cuda_vmm") == 0) st = llmmem_pool_backend_cuda_vmm(device, &backend);
+  if (strcmp(kind, "cpu") == 0)
+    st = llmmem_pool_backend_host(0, &backend);
+  else if (strcmp(kind, "pinned") == 0)
+    st = llmmem_pool_backend_host(1, &backend);
+  else if (strcmp(kind, "cuda") == 0)
+    st = llmmem_pool_backend_cuda(device, &backend);
+  else if (strcmp(kind, "cuda_vmm") == 0)
+    st = llmmem_pool_backend_cuda_vmm(device, &backend);
   else {
     PyErr_Format(PyExc_ValueError, "device: expected 'cpu', 'pinned', 'cuda' or 'cuda_vmm', got %R",
                  PyTuple_GET_ITEM(args, 0));
@@ -68,10 +72,8 @@ static PyObject *py_pool_create(PyObject *self, PyObject *args) {
   if (st != LLMMEM_OK) return raise_status(st);
   llmmem_pool_options_t opt = {(size_t)initial, (size_t)max, (size_t)growth, fixed_segments};
   llmmem_pool_t *pool = NULL;
-  Py_BEGIN_ALLOW_THREADS
-  st = llmmem_pool_create(&backend, &opt, &pool);
-  Py_END_ALLOW_THREADS
-  if (st != LLMMEM_OK) return raise_status(st);
+  Py_BEGIN_ALLOW_THREADS st = llmmem_pool_create(&backend, &opt, &pool);
+  Py_END_ALLOW_THREADS if (st != LLMMEM_OK) return raise_status(st);
   pool_holder_t *h = PyMem_Malloc(sizeof *h);
   if (!h) {
     (void)llmmem_pool_destroy(pool);
@@ -200,7 +202,7 @@ static PyObject *py_pool_snapshot(PyObject *self, PyObject *capsule) {
   if (!pool) return NULL;
   llmmem_pool_block_info_t *info = NULL;
   size_t n = 0, cap = 0;
-  for (;;) {  /* the pool may change between the two calls (other threads): retry until it fits */
+  for (;;) { /* the pool may change between the two calls (other threads): retry until it fits */
     llmmem_status_t st = llmmem_pool_snapshot(pool, info, cap, &n);
     if (st != LLMMEM_OK) {
       PyMem_Free(info);
@@ -215,10 +217,10 @@ static PyObject *py_pool_snapshot(PyObject *self, PyObject *capsule) {
   PyObject *list = PyList_New((Py_ssize_t)n);
   for (size_t i = 0; list && i < n; i++) {
     static const char *states[] = {"inactive", "active_allocated", "active_pending_free"};
-    PyObject *t = Py_BuildValue("(KnKnnsOK)", (unsigned long long)info[i].segment_base, (Py_ssize_t)info[i].segment_size,
-                                (unsigned long long)info[i].addr, (Py_ssize_t)info[i].size,
-                                (Py_ssize_t)info[i].requested, states[info[i].state],
-                                info[i].small ? Py_True : Py_False, (unsigned long long)info[i].stream);
+    PyObject *t =
+        Py_BuildValue("(KnKnnsOK)", (unsigned long long)info[i].segment_base, (Py_ssize_t)info[i].segment_size,
+                      (unsigned long long)info[i].addr, (Py_ssize_t)info[i].size, (Py_ssize_t)info[i].requested,
+                      states[info[i].state], info[i].small ? Py_True : Py_False, (unsigned long long)info[i].stream);
     if (!t) {
       Py_CLEAR(list);
       break;
@@ -297,8 +299,7 @@ static PyObject *py_pool_slot_free(PyObject *self, PyObject *args) {
 /* ---- PoolBuffer: a writable buffer over one pool block, freed when the object dies ---------- */
 
 typedef struct {
-  PyObject_HEAD
-  PyObject *capsule;   /* keeps the pool alive */
+  PyObject_HEAD PyObject *capsule; /* keeps the pool alive */
   void *ptr;
   Py_ssize_t nbytes;
 } pool_buffer_t;
@@ -344,8 +345,9 @@ static PyType_Slot buffer_slots[] = {
     {Py_tp_dealloc, buffer_dealloc},
     {Py_tp_getset, buffer_getset},
     {Py_bf_getbuffer, buffer_getbuffer},
-    {Py_tp_doc, "A writable buffer over one block of an llmmem pool; the block returns to the pool "
-                "when the last reference (e.g. a tensor made with torch.frombuffer) goes away."},
+    {Py_tp_doc,
+     "A writable buffer over one block of an llmmem pool; the block returns to the pool "
+     "when the last reference (e.g. a tensor made with torch.frombuffer) goes away."},
     {0, NULL},
 };
 
@@ -381,7 +383,7 @@ static PyObject *py_pool_buffer(PyObject *self, PyObject *args) {
     (void)llmmem_pool_free(pool, ptr, NULL);
     return NULL;
   }
-  Py_INCREF(buffer_type);  /* heap-type instances own a reference to their type */
+  Py_INCREF(buffer_type); /* heap-type instances own a reference to their type */
   Py_INCREF(capsule);
   b->capsule = capsule;
   b->ptr = ptr;

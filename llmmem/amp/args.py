@@ -23,8 +23,9 @@ class ScaleInputError(TypeError, ValueError):
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"llmmem.GradScaler: {name} must be {'an int' if integer else 'a number'}, "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"llmmem.GradScaler: {name} must be {'an int' if integer else 'a number'}, got {type(value).__name__}"
+        )
     if not integer and not math.isfinite(value):
         raise ScalerArgumentError(f"llmmem.GradScaler: {name} must be finite, got {value}")
 
@@ -54,5 +55,6 @@ def _check_hysteresis_mode(value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"llmmem.GradScaler: hysteresis_mode must be a str, got {type(value).__name__}")
     if value not in HYSTERESIS_MODES:
-        raise ScalerArgumentError(f"llmmem.GradScaler: hysteresis_mode must be one of {HYSTERESIS_MODES}, "
-                                  f"got {value!r}")
+        raise ScalerArgumentError(
+            f"llmmem.GradScaler: hysteresis_mode must be one of {HYSTERESIS_MODES}, got {value!r}"
+        )

@@ -28,11 +28,17 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState  # the same enum, so `stage is OptState.READY` works with both
 
-from llmmem.amp import kernels as _k
 from llmmem._native import available, load_error
-from llmmem.amp.args import (ScaleInputError, ScalerArgumentError, _check_backoff_factor,
-                                 _check_growth_factor, _check_growth_interval, _check_hysteresis_mode,
-                                 _check_number)
+from llmmem.amp import kernels as _k
+from llmmem.amp.args import (
+    ScaleInputError,
+    ScalerArgumentError,
+    _check_backoff_factor,
+    _check_growth_factor,
+    _check_growth_interval,
+    _check_hysteresis_mode,
+    _check_number,
+)
 from llmmem.amp.visibility import _ScalerVisibility
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
@@ -173,15 +179,23 @@ class GradScaler(_ScalerVisibility):
     Memory: a few scalars per device plus one byte per gradient (the overflow flags).
     """
 
-    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
-                 hysteresis: int = 1, min_scale: Optional[float] = None,
-                 hysteresis_mode: str = "consecutive") -> None:
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: Optional[float] = None,
+        hysteresis_mode: str = "consecutive",
+    ) -> None:
         self._device = device
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                          stacklevel=2)
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         if self._enabled:
             _check_number("init_scale", init_scale)
@@ -198,7 +212,8 @@ class GradScaler(_ScalerVisibility):
                 _check_number("min_scale", min_scale)
                 if not 0 < min_scale <= init_scale:
                     raise ScalerArgumentError(
-                        f"llmmem.GradScaler: min_scale must be in (0, init_scale={init_scale}], got {min_scale}")
+                        f"llmmem.GradScaler: min_scale must be in (0, init_scale={init_scale}], got {min_scale}"
+                    )
             self._init_scale = init_scale
             self._scale: Optional[torch.Tensor] = None  # created on the first scale(), on its tensor's device
             self._growth_factor = growth_factor
@@ -249,8 +264,9 @@ class GradScaler(_ScalerVisibility):
 
     # ------------------------------------------------------------------ torch's API
 
-    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]
-              ) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
+    def scale(
+        self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]
+    ) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
         """Multiplies a tensor, or (nested) lists/tuples/iterables of tensors, by the scale.
 
         Returns the scaled outputs (lists and tuples keep their type, other iterables come back as
@@ -280,13 +296,17 @@ class GradScaler(_ScalerVisibility):
                 if isinstance(val, (list, tuple)):
                     return type(val)(iterable)
                 return iterable
-            raise ScaleInputError("outputs must be a Tensor or an iterable of Tensors, got "
-                                  f"{type(val).__name__}")
+            raise ScaleInputError(f"outputs must be a Tensor or an iterable of Tensors, got {type(val).__name__}")
 
         return apply_scale(outputs)
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Union[torch.Tensor, _InverseOf],
-                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: Union[torch.Tensor, _InverseOf],
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
         """Unscales and checks ``optimizer``'s gradients, one kernel call per device.
 
         ``inv_scale``: a tensor holding the inverse scale (torch's contract, kept for subclasses), or
@@ -306,30 +326,41 @@ class GradScaler(_ScalerVisibility):
         fast = None
         try:
             if done is not None:
-                fast = self._unscale_cpu_fast_(optimizer, per_device_scale.master, is_inverse, per_device_found_inf,
-                                               allow_fp16, done)
+                fast = self._unscale_cpu_fast_(
+                    optimizer, per_device_scale.master, is_inverse, per_device_found_inf, allow_fp16, done
+                )
             if fast is None:
-                slots, flags_per_device = self._unscale_general_(optimizer, per_device_scale, is_inverse,
-                                                                 per_device_found_inf, allow_fp16, 0)
+                slots, flags_per_device = self._unscale_general_(
+                    optimizer, per_device_scale, is_inverse, per_device_found_inf, allow_fp16, 0
+                )
             elif fast[2] is None:
                 slots, flags_per_device = fast[0], fast[1]
             else:
                 # The C walk unscaled the gradients before parameter fast[2] (not the plain case)
                 # and stopped there; the general walk takes over from it.
-                rest = self._unscale_general_(optimizer, per_device_scale, is_inverse, per_device_found_inf,
-                                              allow_fp16, fast[2])
+                rest = self._unscale_general_(
+                    optimizer, per_device_scale, is_inverse, per_device_found_inf, allow_fp16, fast[2]
+                )
                 slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
             self._record_overflow(optimizer, slots, flags_per_device)
         except BaseException as exc:
             n_done = done[0] if done is not None else 0
             if n_done:
-                self._fail_partly_unscaled(optimizer, per_device_found_inf, n_done, exc,
-                                           *(fast[:2] if fast is not None else ()))
+                self._fail_partly_unscaled(
+                    optimizer, per_device_found_inf, n_done, exc, *(fast[:2] if fast is not None else ())
+                )
             raise
         return per_device_found_inf._per_device_tensors
 
-    def _fail_partly_unscaled(self, optimizer: torch.optim.Optimizer, per_device_found_inf: _MultiDeviceReplicator,
-                              n_done: int, exc: BaseException, slots: Any = (), flags_per_device: Any = None) -> None:
+    def _fail_partly_unscaled(
+        self,
+        optimizer: torch.optim.Optimizer,
+        per_device_found_inf: _MultiDeviceReplicator,
+        n_done: int,
+        exc: BaseException,
+        slots: Any = (),
+        flags_per_device: Any = None,
+    ) -> None:
         """An exception (an fp16 gradient, an unsupported dtype or layout, an interrupt) came after
         the C walk had unscaled ``n_done`` gradients, which cannot be taken back. So that
         no later call unscales them twice or steps on half-unscaled gradients, the optimizer is
@@ -343,13 +374,21 @@ class GradScaler(_ScalerVisibility):
         state["stage"] = OptState.UNSCALED
         self._record_overflow(optimizer, slots, flags_per_device or {})
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"llmmem.GradScaler: {n_done} gradients were already unscaled when this was raised (the "
-                         "C walk cannot take that back); this step is recorded as overflowed, so step() skips it "
-                         "and update() takes it as an overflow.")
+            exc.add_note(
+                f"llmmem.GradScaler: {n_done} gradients were already unscaled when this was raised (the "
+                "C walk cannot take that back); this step is recorded as overflowed, so step() skips it "
+                "and update() takes it as an overflow."
+            )
 
-    def _unscale_general_(self, optimizer: torch.optim.Optimizer, per_device_scale: _MultiDeviceReplicator,
-                          is_inverse: bool, per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
-                          resume: int) -> tuple:
+    def _unscale_general_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        per_device_scale: _MultiDeviceReplicator,
+        is_inverse: bool,
+        per_device_found_inf: _MultiDeviceReplicator,
+        allow_fp16: bool,
+        resume: int,
+    ) -> tuple:
         """The walk in Python, for every case the C walk does not take, over the parameters from
         flat position ``resume`` on. Returns ``(slots, flags_per_device)`` (see :meth:`_record_overflow`)."""
         # The walk over parameters is the per-tensor cost that dominates lists of many small
@@ -380,14 +419,16 @@ class GradScaler(_ScalerVisibility):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             strided = torch.strided
             layouts = [g.layout for g in grads]
-            for k in ([] if layouts.count(strided) == len(layouts) else range(len(grads))):
+            for k in [] if layouts.count(strided) == len(layouts) else range(len(grads)):
                 g = grads[k]
                 if layouts[k] is strided:
                     continue
                 param = owners[k]
                 if not g.is_sparse:
-                    raise TypeError(f"llmmem.GradScaler: the gradient of {_where(optimizer, param)} has "
-                                    f"layout {g.layout}; only strided and sparse COO gradients are supported")
+                    raise TypeError(
+                        f"llmmem.GradScaler: the gradient of {_where(optimizer, param)} has "
+                        f"layout {g.layout}; only strided and sparse COO gradients are supported"
+                    )
                 # Duplicate indices of an uncoalesced fp16 grad could overflow when summed, so check
                 # the coalesced values (what torch does).
                 if g.dtype is torch.float16:
@@ -397,20 +438,31 @@ class GradScaler(_ScalerVisibility):
             codes = [codes_of.get(dt, -1) for dt in dtypes]
             if -1 in codes:
                 k = codes.index(-1)
-                raise TypeError(f"llmmem.GradScaler: the gradient of {_where(optimizer, owners[k])} has dtype "
-                                f"{dtypes[k]}; supported: float32, float16, bfloat16, float64")
+                raise TypeError(
+                    f"llmmem.GradScaler: the gradient of {_where(optimizer, owners[k])} has dtype "
+                    f"{dtypes[k]}; supported: float32, float16, bfloat16, float64"
+                )
             # get_device() is an int (-1 = CPU), cheaper than building torch.device objects; it cannot
             # tell cuda:0 from xpu:0, a mix no optimizer holds in practice.
             dev_ids = [g.get_device() for g in grads]
-            groups = {dev_ids[0]: list(range(len(grads)))} if grads and dev_ids.count(dev_ids[0]) == len(grads) \
+            groups = (
+                {dev_ids[0]: list(range(len(grads)))}
+                if grads and dev_ids.count(dev_ids[0]) == len(grads)
                 else self._group_positions(dev_ids)
+            )
             for pos in groups.values():
                 device = grads[pos[0]].device
                 sub = grads if len(pos) == len(grads) else [grads[k] for k in pos]
                 sub_codes = codes if len(pos) == len(grads) else [codes[k] for k in pos]
                 flags = torch.zeros(len(sub), dtype=torch.uint8, device=device)
-                _k.unscale_check_(sub, per_device_found_inf.get(device), flags, per_device_scale.get(device),
-                                  scale_is_inverse=is_inverse, codes=sub_codes)
+                _k.unscale_check_(
+                    sub,
+                    per_device_found_inf.get(device),
+                    flags,
+                    per_device_scale.get(device),
+                    scale_is_inverse=is_inverse,
+                    codes=sub_codes,
+                )
                 flags_per_device[device] = (flags, pos)
         return slots, flags_per_device
 
@@ -429,9 +481,15 @@ class GradScaler(_ScalerVisibility):
                 merged[device] = (flags, pos)
         return list(slots_a) + slots_b, merged
 
-    def _unscale_cpu_fast_(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor, is_inverse: bool,
-                           per_device_found_inf: _MultiDeviceReplicator, allow_fp16: bool,
-                           done: array) -> Optional[tuple]:
+    def _unscale_cpu_fast_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scale: torch.Tensor,
+        is_inverse: bool,
+        per_device_found_inf: _MultiDeviceReplicator,
+        allow_fp16: bool,
+        done: array,
+    ) -> Optional[tuple]:
         """:meth:`_unscale_grads_` in one C call when the gradients are plain CPU tensors (see
         :func:`llmmem.amp.kernels.unscale_param_groups_cpu_`). None, having changed nothing,
         when the general path must run (it then raises the usual errors). Else ``(slots,
@@ -441,14 +499,15 @@ class GradScaler(_ScalerVisibility):
         ``done[0]`` gets the number of gradients unscaled (see :meth:`_unscale_grads_`)."""
         try:
             n_params = sum(len(group["params"]) for group in optimizer.param_groups)
-        except Exception:  # noqa: BLE001 - malformed groups: the general path reports them
+        except Exception:
             return None
         cpu, found = per_device_found_inf.get_own()
         # Python arrays, not tensors: two fewer tensor ops per call, which on a cold cache (after
         # backward) cost tens of microseconds each. overflowed_params reads either kind with tolist().
         flags = array("B", bytes(n_params))
-        result = _k.unscale_param_groups_cpu_(optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse,
-                                              done)
+        result = _k.unscale_param_groups_cpu_(
+            optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse, done
+        )
         if result is None:
             return None
         n_grads, slots, resume = result
@@ -514,8 +573,9 @@ class GradScaler(_ScalerVisibility):
         optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
 
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any,
-                        **kwargs: Any) -> Optional[float]:
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Optional[float]:
         retval: Optional[float] = None
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
             retval = optimizer.step(*args, **kwargs)
@@ -550,17 +610,22 @@ class GradScaler(_ScalerVisibility):
                     "GradScaler is going to stop passing itself as a keyword argument to the passed "
                     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
-                    FutureWarning, stacklevel=2)
+                    FutureWarning,
+                    stacklevel=2,
+                )
                 kwargs_.update({"grad_scaler": self})
             else:
                 if optimizer_state["stage"] is OptState.READY:
                     self._check_inf_per_device(optimizer)
                 scaler = self._get_scale_async()
-                found_inf = sum([t.to(scaler.device, non_blocking=True)  # noqa: C419
-                                 for t in optimizer_state["found_inf_per_device"].values()])
-                optimizer.grad_scale = (getattr(optimizer, "grad_scale", None)
-                                        if optimizer_state["stage"] == OptState.UNSCALED
-                                        else scaler * getattr(optimizer, "grad_scale", 1))
+                found_inf = sum(
+                    [t.to(scaler.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()]
+                )
+                optimizer.grad_scale = (
+                    getattr(optimizer, "grad_scale", None)
+                    if optimizer_state["stage"] == OptState.UNSCALED
+                    else scaler * getattr(optimizer, "grad_scale", 1)
+                )
                 optimizer.found_inf = found_inf
             retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
@@ -593,8 +658,10 @@ class GradScaler(_ScalerVisibility):
             if isinstance(new_scale, float):
                 self._scale.fill_(new_scale)
             else:
-                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                          "torch.FloatTensor with requires_grad=False.")
+                reason = (
+                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "torch.FloatTensor with requires_grad=False."
+                )
                 if not isinstance(new_scale, torch.Tensor):
                     raise TypeError(reason)
                 if new_scale.device.type != self._device:
@@ -605,16 +672,27 @@ class GradScaler(_ScalerVisibility):
                     raise AssertionError(reason)
                 self._scale.copy_(new_scale)
         else:
-            found_infs = [found_inf.to(device=_scale.device, non_blocking=True)
-                          for state in self._per_optimizer_states.values()
-                          for found_inf in state["found_inf_per_device"].values()]
+            found_infs = [
+                found_inf.to(device=_scale.device, non_blocking=True)
+                for state in self._per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._ensure_extras(_scale.device)
-            _k.update_scale_(_scale, _growth_tracker, self._hysteresis_tracker, self._stats, found_infs,
-                             self._growth_factor, self._backoff_factor, self._growth_interval, self._hysteresis,
-                             float(self._min_scale or 0.0),
-                             self._hysteresis_mode == "on_growth")
+            _k.update_scale_(
+                _scale,
+                _growth_tracker,
+                self._hysteresis_tracker,
+                self._stats,
+                found_infs,
+                self._growth_factor,
+                self._backoff_factor,
+                self._growth_interval,
+                self._hysteresis,
+                float(self._min_scale or 0.0),
+                self._hysteresis_mode == "on_growth",
+            )
             if _scale.device.type == "cpu":  # free to read on the host
                 self._warn_if_min_scale_hit()
             elif self._min_scale is not None and not self._min_scale_warned:
@@ -686,9 +764,13 @@ class GradScaler(_ScalerVisibility):
         """
         if not self._enabled:
             return {}
-        sd = {"scale": self.get_scale(), "growth_factor": self._growth_factor,
-              "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-              "_growth_tracker": self._get_growth_tracker()}
+        sd = {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+        }
         mode = self._hysteresis_mode
         if self._hysteresis != 1 or self._min_scale is not None or mode != "consecutive":
             sd["hysteresis"] = self._hysteresis
@@ -703,8 +785,9 @@ class GradScaler(_ScalerVisibility):
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
         self._init_scale = state_dict["scale"]
         if self._scale is not None:
             self._scale.fill_(state_dict["scale"])
@@ -729,8 +812,10 @@ class GradScaler(_ScalerVisibility):
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
-                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
-                                     "of an iteration, or at the end after scaler.update().")
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
@@ -753,7 +838,8 @@ class GradScaler(_ScalerVisibility):
         dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=_scale.device)
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, dummy_inv_scale, found_inf, True)
+            optimizer, dummy_inv_scale, found_inf, True
+        )
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -773,9 +859,11 @@ def feature_status() -> tuple[bool, str]:
         return True, "CPU kernel (fp32/fp16/bf16/fp64); CUDA kernels not built: torch's ops on GPUs"
     try:
         gpu = torch.cuda.is_available()
-    except Exception:  # noqa: BLE001 - a broken CUDA set-up reads as "no GPU" here
+    except Exception:
         gpu = False
     if not gpu:
         return True, "CPU kernel (fp32/fp16/bf16/fp64); CUDA kernels built, but no usable GPU here"
-    return True, ("CPU kernel + CUDA kernels (fp32/fp16/bf16/fp64); each GPU's kernels are checked "
-                  "against torch's ops on first use, torch's ops serve it if they disagree")
+    return True, (
+        "CPU kernel + CUDA kernels (fp32/fp16/bf16/fp64); each GPU's kernels are checked "
+        "against torch's ops on first use, torch's ops serve it if they disagree"
+    )

@@ -37,7 +37,6 @@ from llmmem.amp import launch as _launch
 from llmmem.amp.launch import DTYPE_CODES
 from llmmem.amp.selfcheck import self_check
 
-
 _cuda_built: Optional[bool] = None
 _warned_fallback: set = set()
 
@@ -85,7 +84,7 @@ def _cuda_unsupported_reason(index: int) -> Optional[str]:
     why = None
     try:
         count = native.cuda_device_count()
-    except Exception as e:  # noqa: BLE001 - any failure of the probe means: use torch's ops
+    except Exception as e:
         why = f"llmmem's CUDA runtime cannot use the GPUs ({type(e).__name__}: {e})"
     else:
         if index >= count:
@@ -94,13 +93,17 @@ def _cuda_unsupported_reason(index: int) -> Optional[str]:
             archs = str(native.build_info().get("cuda_archs") or "")
             major, minor = torch.cuda.get_device_capability(index)
             if not _archs_cover(archs, (major, minor)):
-                why = (f"llmmem's CUDA kernels were built for {archs or 'no architecture'}, which does not "
-                       f"cover cuda:{index} (sm_{major}{minor}); rebuild with LLMMEM_CUDA_ARCHS including {major}{minor}")
+                why = (
+                    f"llmmem's CUDA kernels were built for {archs or 'no architecture'}, which does not "
+                    f"cover cuda:{index} (sm_{major}{minor}); rebuild with LLMMEM_CUDA_ARCHS including {major}{minor}"
+                )
             elif _capturing():
                 # The self-check must read its results on the host, which a stream capture forbids;
                 # this call (captured into the graph) uses torch's ops, and the verdict stays open
                 # (not cached) for the first call outside a capture.
-                return "llmmem's CUDA kernels are not self-checked yet and the first use is inside a CUDA graph capture"
+                return (
+                    "llmmem's CUDA kernels are not self-checked yet and the first use is inside a CUDA graph capture"
+                )
             else:
                 why = _self_check(torch.device("cuda", index))
     _cuda_support[index] = why
@@ -112,7 +115,7 @@ def _capturing() -> bool:
     self-check then meets the same error and reports it)."""
     try:
         return bool(torch.cuda.is_current_stream_capturing())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -157,12 +160,17 @@ def _dense_span(t: torch.Tensor) -> bool:
 def _warn_fallback(device: torch.device, why: str) -> None:
     if device.type not in _warned_fallback:
         _warned_fallback.add(device.type)
-        warnings.warn(f"llmmem.GradScaler: {why}; using torch's unscale and update ops on {device.type} "
-                      "(no per-parameter overflow flags there)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"llmmem.GradScaler: {why}; using torch's unscale and update ops on {device.type} "
+            "(no per-parameter overflow flags there)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
-def _check_scalar(t: torch.Tensor, name: str, dtype: torch.dtype, kind: str, device: torch.device,
-                  numel: int = 1) -> None:
+def _check_scalar(
+    t: torch.Tensor, name: str, dtype: torch.dtype, kind: str, device: torch.device, numel: int = 1
+) -> None:
     """The checks torch's ops make (same messages), done before the C core gets a raw pointer:
     it would read a float64 scale as float32, or write past a tensor that is too small."""
     if not isinstance(t, torch.Tensor):
@@ -211,9 +219,15 @@ def _host_buffer(buf, dtype: torch.dtype, typecode: str) -> Optional[tuple[int, 
     return None
 
 
-def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.Tensor,
-                              flags: Union[torch.Tensor, array, None], scale: Optional[torch.Tensor],
-                              scale_is_inverse: bool = False, done: Union[torch.Tensor, array, None] = None):
+def unscale_param_groups_cpu_(
+    param_groups,
+    allow_fp16: bool,
+    found_inf: torch.Tensor,
+    flags: Union[torch.Tensor, array, None],
+    scale: Optional[torch.Tensor],
+    scale_is_inverse: bool = False,
+    done: Union[torch.Tensor, array, None] = None,
+):
     """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
     ``param_groups``, reads and checks every gradient and runs the unscale + check on them all.
 
@@ -242,13 +256,27 @@ def unscale_param_groups_cpu_(param_groups, allow_fp16: bool, found_inf: torch.T
     if flags_buf is None or done_buf is None or done_buf[1] != 1:
         return None
     return native.scaler_unscale_param_groups(
-        param_groups, _KINDS, allow_fp16, scale.data_ptr() if scale is not None else 0, scale_is_inverse,
-        found_inf.data_ptr(), flags_buf[0], flags_buf[1], torch.get_num_threads(), done_buf[0])
+        param_groups,
+        _KINDS,
+        allow_fp16,
+        scale.data_ptr() if scale is not None else 0,
+        scale_is_inverse,
+        found_inf.data_ptr(),
+        flags_buf[0],
+        flags_buf[1],
+        torch.get_num_threads(),
+        done_buf[0],
+    )
 
 
-def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags: Optional[torch.Tensor],
-                   scale: Optional[torch.Tensor], scale_is_inverse: bool = False,
-                   codes: Optional[Sequence[int]] = None) -> None:
+def unscale_check_(
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    flags: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    scale_is_inverse: bool = False,
+    codes: Optional[Sequence[int]] = None,
+) -> None:
     """In place on ``grads`` (all on one device): multiply by the inverse scale and set
     ``found_inf`` (a 1-element float32 tensor on that device) to 1 if any element is inf/NaN.
 
@@ -298,16 +326,27 @@ def unscale_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, flags
         n_flags = flags.numel() if flags is not None else 0
         scale_ptr = scale.data_ptr() if scale is not None else 0
         if _must_go_in_order(grads, ptrs, numels, to_copy, device):
-            _unscale_in_order(grads, ptrs, numels, codes, set(to_copy), device, scale_ptr, scale_is_inverse,
-                              found_inf.data_ptr(), flags_ptr)
+            _unscale_in_order(
+                grads,
+                ptrs,
+                numels,
+                codes,
+                set(to_copy),
+                device,
+                scale_ptr,
+                scale_is_inverse,
+                found_inf.data_ptr(),
+                flags_ptr,
+            )
         else:
             copies = []
             for k in to_copy:
                 tmp = grads[k].clone(memory_format=torch.contiguous_format)  # a fresh, aligned allocation
                 ptrs[k] = tmp.data_ptr()
                 copies.append((grads[k], tmp))
-            _launch.launch_unscale(device, ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(), flags_ptr,
-                            n_flags)
+            _launch.launch_unscale(
+                device, ptrs, numels, codes, scale_ptr, scale_is_inverse, found_inf.data_ptr(), flags_ptr, n_flags
+            )
             for g, tmp in copies:
                 g.copy_(tmp)
     else:
@@ -344,16 +383,26 @@ def _must_go_in_order(grads, ptrs, numels, to_copy, device) -> bool:
     return any(storages[grads[k].untyped_storage().data_ptr()] > 1 for k in to_copy)
 
 
-def _unscale_in_order(grads, ptrs, numels, codes, to_copy, device, scale_ptr, scale_is_inverse, found_ptr,
-                      flags_ptr) -> None:
+def _unscale_in_order(
+    grads, ptrs, numels, codes, to_copy, device, scale_ptr, scale_is_inverse, found_ptr, flags_ptr
+) -> None:
     """One launch per gradient, in list order, each copy taken after the listings before it were
     unscaled (see _must_go_in_order): torch's result for lists that repeat memory. Slow, and rare."""
     for k, g in enumerate(grads):
         if numels[k] == 0:
             continue
         tmp = g.clone(memory_format=torch.contiguous_format) if k in to_copy else None
-        _launch.launch_unscale(device, [tmp.data_ptr() if tmp is not None else ptrs[k]], [numels[k]], [codes[k]], scale_ptr,
-                        scale_is_inverse, found_ptr, flags_ptr + k if flags_ptr else 0, 1 if flags_ptr else 0)
+        _launch.launch_unscale(
+            device,
+            [tmp.data_ptr() if tmp is not None else ptrs[k]],
+            [numels[k]],
+            [codes[k]],
+            scale_ptr,
+            scale_is_inverse,
+            found_ptr,
+            flags_ptr + k if flags_ptr else 0,
+            1 if flags_ptr else 0,
+        )
         if tmp is not None:
             g.copy_(tmp)
 
@@ -409,10 +458,19 @@ def _torch_group_unscale_check_(grads, positions, found_inf, flags, scale, scale
             flags.index_put_((index,), (group_found > 0).to(flags.dtype))
 
 
-def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_tracker: torch.Tensor,
-                  stats: torch.Tensor, found_infs: Sequence[torch.Tensor], growth_factor: float,
-                  backoff_factor: float, growth_interval: int, hysteresis: int, min_scale: float,
-                  hysteresis_on_growth: bool = False) -> None:
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    stats: torch.Tensor,
+    found_infs: Sequence[torch.Tensor],
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    hysteresis_on_growth: bool = False,
+) -> None:
     """One scale update in place (torch's rule when hysteresis == 1 and min_scale == 0); all
     tensors on the scale's device. No host synchronisation on CUDA. ``hysteresis_on_growth``: only
     a growth of the scale refills the hysteresis budget (else any clean step does)."""
@@ -428,16 +486,49 @@ def update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor, hysteresis_
         found_infs = [torch.stack(list(found_infs)).sum()]
     why_not = _kernel_unsupported_reason(device)
     if why_not is None:
-        _launch.launch_update(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
-                       growth_interval, hysteresis, min_scale, hysteresis_on_growth)
+        _launch.launch_update(
+            scale,
+            growth_tracker,
+            hysteresis_tracker,
+            stats,
+            found_infs,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            hysteresis_on_growth,
+        )
         return
     _warn_fallback(device, why_not)
-    _torch_update_(scale, growth_tracker, hysteresis_tracker, stats, found_infs, growth_factor, backoff_factor,
-                   growth_interval, hysteresis, min_scale, hysteresis_on_growth)
+    _torch_update_(
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        stats,
+        found_infs,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+        min_scale,
+        hysteresis_on_growth,
+    )
 
 
-def _torch_update_(scale, growth, hyst, stats, found_infs, growth_factor, backoff_factor, growth_interval,
-                   hysteresis, min_scale, hysteresis_on_growth=False):
+def _torch_update_(
+    scale,
+    growth,
+    hyst,
+    stats,
+    found_infs,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    hysteresis_on_growth=False,
+):
     """update_scale_ with torch ops only (devices without llmmem kernels); same rule, no sync."""
     found = torch.stack([f.reshape(()) for f in found_infs]).ne(0).any()
     left = torch.clamp(hyst - 1, min=0)

@@ -48,8 +48,12 @@ def _gradients(device: torch.device):
         name = str(dtype).replace("torch.", "")
         for n in _SIZES:
             cases.append((f"{name} size {n}", _values(n, dtype, gen)))
-    poisoned = [(torch.float32, 4097, 0, float("inf"), "+inf"), (torch.float16, 70001, 35000, float("nan"), "nan"),
-                (torch.bfloat16, 70001, 70000, float("-inf"), "-inf"), (torch.float64, 7, 3, float("nan"), "nan")]
+    poisoned = [
+        (torch.float32, 4097, 0, float("inf"), "+inf"),
+        (torch.float16, 70001, 35000, float("nan"), "nan"),
+        (torch.bfloat16, 70001, 70000, float("-inf"), "-inf"),
+        (torch.float64, 7, 3, float("nan"), "nan"),
+    ]
     for dtype, n, at, value, what in poisoned:
         g = _values(n, dtype, gen)
         g[at] = value
@@ -90,8 +94,10 @@ def _first_difference(label: str, got: torch.Tensor, want: torch.Tensor) -> str:
     i = int(bad.nonzero()[0, 0])
     width = 2 * got.element_size()
     g_bits, w_bits = int(got.view(ints)[i]) & ((1 << 4 * width) - 1), int(want.view(ints)[i]) & ((1 << 4 * width) - 1)
-    return (f"{label}: element {i} expected {float(want[i])!r} (0x{w_bits:0{width}x}), "
-            f"got {float(got[i])!r} (0x{g_bits:0{width}x}); {int(bad.sum())} element(s) differ")
+    return (
+        f"{label}: element {i} expected {float(want[i])!r} (0x{w_bits:0{width}x}), "
+        f"got {float(got[i])!r} (0x{g_bits:0{width}x}); {int(bad.sum())} element(s) differ"
+    )
 
 
 def _flags_difference(what: str, got: torch.Tensor, want: torch.Tensor, labels) -> str:
@@ -116,13 +122,24 @@ def _check_unscale(device: torch.device, unscale: Callable, checks: list) -> Non
     unscale(grads, found, flags, scale, False)
     for (label, g), o in zip(cases, origs):
         want = _expected(o, inv)
-        checks.append((f"unscale {label}", _same(g, want), lambda label=label, g=g, w=want: _first_difference(
-            f"unscale {label}", g, w)))
+        checks.append(
+            (
+                f"unscale {label}",
+                _same(g, want),
+                lambda label=label, g=g, w=want: _first_difference(f"unscale {label}", g, w),
+            )
+        )
     labels = [label for label, _ in cases]
-    checks.append(("per-tensor overflow flags", (flags == want_flags).all(),
-                   lambda f=flags: _flags_difference("overflow flag", f, want_flags, labels)))
-    checks.append(("found_inf", found == want_found,
-                   lambda f=found: f"found_inf: expected {float(want_found)}, got {float(f)}"))
+    checks.append(
+        (
+            "per-tensor overflow flags",
+            (flags == want_flags).all(),
+            lambda f=flags: _flags_difference("overflow flag", f, want_flags, labels),
+        )
+    )
+    checks.append(
+        ("found_inf", found == want_found, lambda f=found: f"found_inf: expected {float(want_found)}, got {float(f)}")
+    )
 
     # 2. the inverse given, as GradScaler.unscale_ passes it
     picks = [k for k, (label, _) in enumerate(cases) if label in ("float32 size 70001", "bfloat16 size 4097")]
@@ -134,8 +151,13 @@ def _check_unscale(device: torch.device, unscale: Callable, checks: list) -> Non
         label = f"unscale by a given inverse, {cases[k][0]}"
         want = _expected(origs[k], inv2)
         checks.append((label, _same(g, want), lambda label=label, g=g, w=want: _first_difference(label, g, w)))
-    checks.append(("found_inf of finite gradients", found2 == 0,
-                   lambda f=found2: f"found_inf of finite gradients: expected 0.0, got {float(f)}"))
+    checks.append(
+        (
+            "found_inf of finite gradients",
+            found2 == 0,
+            lambda f=found2: f"found_inf of finite gradients: expected 0.0, got {float(f)}",
+        )
+    )
 
     # 3. check only (no scale): values untouched, flags still right
     grads3 = [o.clone() for o in origs]
@@ -145,10 +167,20 @@ def _check_unscale(device: torch.device, unscale: Callable, checks: list) -> Non
     for (label, _), g, o in zip(cases, grads3, origs):
         label = f"check-only {label}"
         checks.append((label, _same(g, o), lambda label=label, g=g, o=o: _first_difference(label, g, o)))
-    checks.append(("check-only overflow flags", (flags3 == want_flags).all(),
-                   lambda f=flags3: _flags_difference("check-only overflow flag", f, want_flags, labels)))
-    checks.append(("check-only found_inf", found3 == want_found,
-                   lambda f=found3: f"check-only found_inf: expected {float(want_found)}, got {float(f)}"))
+    checks.append(
+        (
+            "check-only overflow flags",
+            (flags3 == want_flags).all(),
+            lambda f=flags3: _flags_difference("check-only overflow flag", f, want_flags, labels),
+        )
+    )
+    checks.append(
+        (
+            "check-only found_inf",
+            found3 == want_found,
+            lambda f=found3: f"check-only found_inf: expected {float(want_found)}, got {float(f)}",
+        )
+    )
 
 
 # (what, scale, growth tracker, found_inf values, growth factor, backoff factor, growth interval)
@@ -178,8 +210,12 @@ def _check_update(device: torch.device, update: Callable, checks: list) -> None:
         want_stats[0] = 1
         want_stats[1] = want_stats[2] = skipped
         want_hyst = 1 - skipped  # hysteresis 1: an overflow spends the budget, a clean step refills it
-        ok = (scale.view(torch.int32) == want_scale.view(torch.int32)) & (growth == want_growth) \
-            & (hyst == want_hyst) & (stats == want_stats).all()
+        ok = (
+            (scale.view(torch.int32) == want_scale.view(torch.int32))
+            & (growth == want_growth)
+            & (hyst == want_hyst)
+            & (stats == want_stats).all()
+        )
         label = f"scale update ({what}: scale {s!r}, tracker {g}, found_inf {list(founds)})"
         got, want = (scale, growth, hyst, stats), (want_scale, want_growth, want_hyst, want_stats)
         checks.append((label, ok, lambda label=label, got=got, want=want: _update_difference(label, got, want)))
@@ -192,8 +228,9 @@ def _update_difference(label: str, got: tuple, want: tuple) -> str:
     return f"{label}: expected scale, tracker, hysteresis, stats {show(*want)}, got {show(*got)}"
 
 
-def self_check(device: torch.device, unscale: Optional[Callable] = None,
-               update: Optional[Callable] = None) -> Optional[str]:
+def self_check(
+    device: torch.device, unscale: Optional[Callable] = None, update: Optional[Callable] = None
+) -> Optional[str]:
     """Runs llmmem's loss-scaler kernels on ``device`` on known inputs; None when every result is
     bitwise what plain torch ops give on the same device, else a reason naming the first mismatch
     (dtype, size, element, expected vs got) or the exception raised.
@@ -219,7 +256,7 @@ def self_check(device: torch.device, unscale: Optional[Callable] = None,
             with torch.cuda.device(index):  # the current device is restored on exit
                 return _run(device, unscale, update, checks)
         return _run(device, unscale, update, checks)
-    except Exception as e:  # noqa: BLE001 - any failure of the kernels means: use torch's ops
+    except Exception as e:
         return f"llmmem's kernels failed their self-check on {device} ({type(e).__name__}: {e})"
 
 

@@ -47,9 +47,12 @@ class _ScalerVisibility:
 
     def _emit_min_scale_warning(self, stacklevel: int) -> None:
         self._min_scale_warned = True
-        warnings.warn(f"llmmem.GradScaler: the loss scale hit min_scale={self._min_scale} and stays there "
-                      "while gradients keep overflowing; the model may be diverging (or need bf16)",
-                      RuntimeWarning, stacklevel=stacklevel)
+        warnings.warn(
+            f"llmmem.GradScaler: the loss scale hit min_scale={self._min_scale} and stays there "
+            "while gradients keep overflowing; the model may be diverging (or need bf16)",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
 
     def stats(self) -> dict[str, int]:
         """Counters since construction (or since the state was pickled): ``updates`` (calls of
@@ -75,8 +78,9 @@ class _ScalerVisibility:
         .. warning:: synchronises with the GPU."""
         return bool(self.stats()["last_step_skipped"])
 
-    def overflowed_params(self, module: Optional[torch.nn.Module] = None,
-                          optimizer: Optional[torch.optim.Optimizer] = None) -> list:
+    def overflowed_params(
+        self, module: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None
+    ) -> list:
         """Which parameters had inf/NaN gradients in the latest check (the current iteration's, or
         the previous one's until the next :meth:`unscale_`/:meth:`step`).
 

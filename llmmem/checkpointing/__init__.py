@@ -17,6 +17,20 @@ from llmmem.checkpointing.replay import register_rng_tracker
 from llmmem.checkpointing.selective import selective_context_fn
 from llmmem.checkpointing.sequential import checkpoint_sequential
 
-__all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError", "noop_context_fn", "feature_status",
-           "selective_context_fn", "recompute_cheap", "profile_blocks", "measure_saved_bytes", "ChainProfile",
-           "plan_checkpoints", "CheckpointPlan", "auto_checkpoint", "AutoCheckpointed", "register_rng_tracker"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_sequential",
+    "CheckpointError",
+    "noop_context_fn",
+    "feature_status",
+    "selective_context_fn",
+    "recompute_cheap",
+    "profile_blocks",
+    "measure_saved_bytes",
+    "ChainProfile",
+    "plan_checkpoints",
+    "CheckpointPlan",
+    "auto_checkpoint",
+    "AutoCheckpointed",
+    "register_rng_tracker",
+]

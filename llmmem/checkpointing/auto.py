@@ -46,8 +46,9 @@ class AutoCheckpointed(nn.ModuleList):
     def _build(self, s: int, e: int) -> list:
         """Items of the sequence [s, e): ("block", i) or ("region", start, end, inner items)."""
         # The regions directly inside [s, e): maximal ones among those strictly inside it.
-        inside = sorted({r for r in self.plan.regions if s <= r[0] and r[1] <= e and r != (s, e)},
-                        key=lambda r: (r[0], -r[1]))
+        inside = sorted(
+            {r for r in self.plan.regions if s <= r[0] and r[1] <= e and r != (s, e)}, key=lambda r: (r[0], -r[1])
+        )
         children, reach = {}, s
         for rs, re_ in inside:
             if rs >= reach:  # not nested in the previous maximal region
@@ -88,8 +89,17 @@ class AutoCheckpointed(nn.ModuleList):
         return iter([_Step(self, firsts.get(i)) for i in range(len(self))])
 
 
-def auto_checkpoint(blocks, sample_input, budget=0.5, *, slots: int = DEFAULT_SLOTS, profile: ChainProfile | None = None,
-                    offload: bool = False, host_bandwidth: float | None = None, **options) -> AutoCheckpointed:
+def auto_checkpoint(
+    blocks,
+    sample_input,
+    budget=0.5,
+    *,
+    slots: int = DEFAULT_SLOTS,
+    profile: ChainProfile | None = None,
+    offload: bool = False,
+    host_bandwidth: float | None = None,
+    **options,
+) -> AutoCheckpointed:
     """Profile ``blocks``, plan them for ``budget`` and return a module that runs the plan.
 
     ``model.layers = llmmem.auto_checkpoint(model.layers, x0, budget="6GB")``: the result is an
@@ -104,6 +114,7 @@ def auto_checkpoint(blocks, sample_input, budget=0.5, *, slots: int = DEFAULT_SL
     Raises :class:`llmmem.InfeasibleError` (a ``ValueError``) stating the smallest feasible budget.
     """
     blocks = as_block_list(blocks, "auto_checkpoint")
-    plan = plan_checkpoints(blocks, sample_input, budget, slots=slots, profile=profile, offload=offload,
-                            host_bandwidth=host_bandwidth)
+    plan = plan_checkpoints(
+        blocks, sample_input, budget, slots=slots, profile=profile, offload=offload, host_bandwidth=host_bandwidth
+    )
     return AutoCheckpointed(blocks, plan, **options)

@@ -40,8 +40,14 @@ from torch.utils import _pytree as pytree
 
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.offload import HostCopies
-from llmmem.checkpointing.replay import (OpLog, ReplayTrackers, RngState, accelerator_type, autocast_state,
-                                         has_rng_trackers)
+from llmmem.checkpointing.replay import (
+    OpLog,
+    ReplayTrackers,
+    RngState,
+    accelerator_type,
+    autocast_state,
+    has_rng_trackers,
+)
 
 __all__ = ["checkpoint", "CheckpointError", "noop_context_fn", "feature_status", "CHECKPOINT_OPTIONS"]
 
@@ -65,30 +71,54 @@ def feature_status() -> tuple[bool, str]:
 
 
 _DETERMINISM_CHECKS = ("default", "none")
-CHECKPOINT_OPTIONS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug",
-                 "early_stop", "offload")
+CHECKPOINT_OPTIONS = (
+    "use_reentrant",
+    "preserve_rng_state",
+    "context_fn",
+    "determinism_check",
+    "debug",
+    "early_stop",
+    "offload",
+)
 
 
 def _validate_options(opts: dict) -> None:
     if opts["determinism_check"] not in _DETERMINISM_CHECKS:
-        raise ValueError(f"checkpoint: determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
-                         f"got {opts['determinism_check']!r}")
+        raise ValueError(
+            f"checkpoint: determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
+            f"got {opts['determinism_check']!r}"
+        )
     if not callable(opts["context_fn"]):
         raise TypeError(f"checkpoint: context_fn must be callable, got {type(opts['context_fn']).__name__}")
     if opts["debug"] and opts["context_fn"] is not noop_context_fn:
         raise ValueError("checkpoint: debug=True cannot be combined with a custom context_fn")
     if opts["use_reentrant"]:
-        bad = [name for name, default in (("context_fn", noop_context_fn), ("debug", False),
-                                          ("determinism_check", "default"), ("offload", False))
-               if opts[name] is not default and opts[name] != default]
+        bad = [
+            name
+            for name, default in (
+                ("context_fn", noop_context_fn),
+                ("debug", False),
+                ("determinism_check", "default"),
+                ("offload", False),
+            )
+            if opts[name] is not default and opts[name] != default
+        ]
         if bad:
             raise ValueError(f"checkpoint: {', '.join(bad)} are only supported with use_reentrant=False")
 
 
-def checkpoint(function: Callable | None = None, *args, use_reentrant: bool | None = None,
-               preserve_rng_state: bool = True, context_fn: Callable = noop_context_fn,
-               determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
-               offload: bool = False, **kwargs):
+def checkpoint(
+    function: Callable | None = None,
+    *args,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    offload: bool = False,
+    **kwargs,
+):
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
 
     Same signature and semantics as ``torch.utils.checkpoint.checkpoint`` with
@@ -117,12 +147,21 @@ def checkpoint(function: Callable | None = None, *args, use_reentrant: bool | No
     Memory: the region's inputs (on the host with ``offload=True``) until backward reaches it.
     Synchronisation: none, except that ``offload=True`` pins host memory.
     """
-    opts = dict(use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state, context_fn=context_fn,
-                determinism_check=determinism_check, debug=debug, early_stop=early_stop, offload=offload)
+    opts = dict(
+        use_reentrant=use_reentrant,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        offload=offload,
+    )
     if function is None:
         if args or kwargs:
-            raise TypeError("checkpoint: without a function only the checkpoint options may be given "
-                            f"(got {len(args)} positional and keyword {sorted(kwargs)})")
+            raise TypeError(
+                "checkpoint: without a function only the checkpoint options may be given "
+                f"(got {len(args)} positional and keyword {sorted(kwargs)})"
+            )
         _validate_options(opts)
         return functools.partial(_Checkpointed, options=opts)
     if not callable(function):
@@ -154,8 +193,9 @@ def _run(function: Callable, args: tuple, kwargs: dict, opts: dict):
     if opts["use_reentrant"]:
         if opts["preserve_rng_state"] and has_rng_trackers():
             function = ReplayTrackers(function)
-        return _torch_ckpt.checkpoint(function, *args, use_reentrant=True,
-                                      preserve_rng_state=opts["preserve_rng_state"], **kwargs)
+        return _torch_ckpt.checkpoint(
+            function, *args, use_reentrant=True, preserve_rng_state=opts["preserve_rng_state"], **kwargs
+        )
     if not torch.is_grad_enabled():
         # Nothing will be saved for backward, so there is nothing to checkpoint.
         return function(*args, **kwargs)
@@ -218,11 +258,11 @@ class _Region:
     """State of one checkpointed call, alive while some of its saved slots are."""
 
     def __init__(self, recompute: Callable, rebuild: Callable, early_stop: bool, check: bool) -> None:
-        self.recompute_fn = recompute          # (args, kwargs) -> None
-        self.rebuild = rebuild                 # saved input tensors -> (args, kwargs)
+        self.recompute_fn = recompute  # (args, kwargs) -> None
+        self.rebuild = rebuild  # saved input tensors -> (args, kwargs)
         self.early_stop = early_stop
         self.check = check
-        self.inputs_keeper = None              # output of _KeepInputs: its grad_fn holds the inputs
+        self.inputs_keeper = None  # output of _KeepInputs: its grad_fn holds the inputs
         self.slots: list[weakref.ReferenceType] = []
         self.meta: list[tuple] = []
         self.values: dict[int, weakref.WeakKeyDictionary] = defaultdict(weakref.WeakKeyDictionary)
@@ -245,12 +285,16 @@ class _Region:
         if key not in self.recomputed:
             self._recompute(key)
         if key not in slot.tickets:
-            raise CheckpointError("llmmem.checkpoint: a saved tensor was not rebuilt by the recompute "
-                                  "(the function saved fewer tensors the second time)" + self._debug_text())
+            raise CheckpointError(
+                "llmmem.checkpoint: a saved tensor was not rebuilt by the recompute "
+                "(the function saved fewer tensors the second time)" + self._debug_text()
+            )
         ticket = slot.tickets[key]
         if ticket is None:
-            raise CheckpointError("llmmem.checkpoint: a saved tensor was unpacked twice in one backward "
-                                  "pass; if a custom autograd.Function reads ctx.saved_tensors, read it once")
+            raise CheckpointError(
+                "llmmem.checkpoint: a saved tensor was unpacked twice in one backward "
+                "pass; if a custom autograd.Function reads ctx.saved_tensors, read it once"
+            )
         slot.tickets[key] = None
         return self.values[key].pop(ticket)
 
@@ -278,7 +322,8 @@ class _Region:
                 return x
             raise CheckpointError(
                 f"llmmem.checkpoint: the recompute saved more tensors for backward than the forward "
-                f"({len(self.slots)}); the function does not do the same work when run again" + self._debug_text())
+                f"({len(self.slots)}); the function does not do the same work when run again" + self._debug_text()
+            )
         slot = self.slots[index]()
         if slot is not None:  # None: that tensor's backward already ran (or never will)
             ticket = _Ticket()
@@ -296,7 +341,8 @@ class _Region:
                 "llmmem.checkpoint: the function saved a different number of tensors for backward when "
                 f"recomputed: {len(self.slots)} in the forward, {self.count[key]} in the recompute. The "
                 "function must do the same work when run again (no data-dependent branches on global "
-                "state, no changed inputs); pass debug=True to see both operator logs" + self._debug_text())
+                "state, no changed inputs); pass debug=True to see both operator logs" + self._debug_text()
+            )
         if not self.check:
             return
         diffs = []
@@ -306,23 +352,31 @@ class _Region:
                 continue
             got = _metadata(self.values[key][slot.tickets[key]])
             if got != self.meta[i]:
-                diffs.append(f"  tensor #{i}: forward saved shape={list(self.meta[i][0])} dtype={self.meta[i][1]} "
-                             f"device={self.meta[i][2]}, recompute gave shape={list(got[0])} dtype={got[1]} "
-                             f"device={got[2]}")
+                diffs.append(
+                    f"  tensor #{i}: forward saved shape={list(self.meta[i][0])} dtype={self.meta[i][1]} "
+                    f"device={self.meta[i][2]}, recompute gave shape={list(got[0])} dtype={got[1]} "
+                    f"device={got[2]}"
+                )
         if diffs:
             raise CheckpointError(
                 "llmmem.checkpoint: recomputed tensors differ from those saved in the forward "
-                "(determinism_check='default' compares shape, dtype and device):\n" + "\n".join(diffs[:20])
+                "(determinism_check='default' compares shape, dtype and device):\n"
+                + "\n".join(diffs[:20])
                 + ("\n  ..." if len(diffs) > 20 else "")
                 + "\nThe function must compute the same thing when run again; pass debug=True to see both "
-                "operator logs, or determinism_check='none' to skip this check" + self._debug_text())
+                "operator logs, or determinism_check='none' to skip this check" + self._debug_text()
+            )
 
     def _debug_text(self) -> str:
         if self.debug_logs is None:
             return ""
         fwd, rec = self.debug_logs
-        return ("\n\noperators run in the forward:\n  " + "\n  ".join(fwd)
-                + "\n\noperators run in the recompute:\n  " + "\n  ".join(rec))
+        return (
+            "\n\noperators run in the forward:\n  "
+            + "\n  ".join(fwd)
+            + "\n\noperators run in the recompute:\n  "
+            + "\n  ".join(rec)
+        )
 
 
 class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -338,7 +392,6 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(lambda x: ref().store_recomputed(key, x), lambda x: x)
 
 
-
 def _save_inputs(anchor: torch.Tensor, tensors: list, offload: bool):
     """The autograd node that holds the region's inputs (on the host with ``offload``)."""
     # The node's output tensor is what keeps the node (and so the saved inputs) alive: a custom
@@ -348,7 +401,6 @@ def _save_inputs(anchor: torch.Tensor, tensors: list, offload: bool):
     copies = HostCopies()
     with torch.autograd.graph.saved_tensors_hooks(copies.pack, copies.unpack):
         return _KeepInputs.apply(anchor, *tensors)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,8 +458,9 @@ def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
         out = function(*args, **kwargs)
     region.forward_done = True
     if rng is not None and not rng.cuda_was_initialized and torch.cuda.is_initialized():
-        raise RuntimeError("llmmem.checkpoint: CUDA was first initialised inside the checkpointed function, so its "
-                           "RNG state could not be saved; initialise CUDA before (e.g. move the model to the GPU) "
-                           "or pass preserve_rng_state=False")
+        raise RuntimeError(
+            "llmmem.checkpoint: CUDA was first initialised inside the checkpointed function, so its "
+            "RNG state could not be saved; initialise CUDA before (e.g. move the model to the GPU) "
+            "or pass preserve_rng_state=False"
+        )
     return out
-

@@ -22,7 +22,7 @@ class HostCopies:
     _local = threading.local()
 
     def __init__(self) -> None:
-        self.entries: list = []                 # what pack returned, in save order
+        self.entries: list = []  # what pack returned, in save order
         self.prefetched: dict[int, torch.Tensor] = {}
         self.fetched = False
         if getattr(self._local, "no_prefetch", False):
@@ -101,4 +101,3 @@ def offload_without_prefetch():
         yield
     finally:
         local.no_prefetch = before
-

@@ -36,8 +36,7 @@ from llmmem.checkpointing.profile import ChainProfile, median_time, profile_bloc
 from llmmem.errors import InfeasibleError
 from llmmem.units import format_bytes, parse_bytes
 
-__all__ = ["plan_checkpoints", "CheckpointPlan", "measure_host_bandwidth", "DEFAULT_HOST_BANDWIDTH",
-           "DEFAULT_SLOTS"]
+__all__ = ["plan_checkpoints", "CheckpointPlan", "measure_host_bandwidth", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_SLOTS"]
 
 DEFAULT_SLOTS = None  # 2000 for identical blocks or short chains (cheap), else 500
 # Bytes per second of a host<->device copy when none is measured: a PCIe 4.0 x16 link moves about
@@ -48,8 +47,9 @@ DEFAULT_HOST_BANDWIDTH = 25e9
 
 def _default_slots(profile) -> int:
     chain = profile.to_chain()
-    identical = all(chain[k][i] == chain[k][0] for k in ("fwd_time", "bwd_time", "saved_bytes")
-                    for i in range(profile.n_blocks))
+    identical = all(
+        chain[k][i] == chain[k][0] for k in ("fwd_time", "bwd_time", "saved_bytes") for i in range(profile.n_blocks)
+    )
     return 2000 if identical or profile.n_blocks <= 32 else 500
 
 
@@ -109,28 +109,35 @@ class CheckpointPlan:
         rows = [f"{'block':>5}  {'plan':<32} {'fwd ms':>8} {'bwd ms':>8} {'input':>11} {'kept (store-all)':>17}"]
         for i in range(self.n_blocks):
             k = p.modes.index(self.modes[i])
-            rows.append(f"{i:>5}  {self.block_label(i):<32} {1e3 * p.fwd_time[i][k]:>8.3f} {1e3 * p.bwd_time[i][k]:>8.3f} "
-                        f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}")
+            rows.append(
+                f"{i:>5}  {self.block_label(i):<32} {1e3 * p.fwd_time[i][k]:>8.3f} {1e3 * p.bwd_time[i][k]:>8.3f} "
+                f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}"
+            )
         base = self.predicted_time - self.predicted_overhead_time
         what = "recompute and transfers" if self.offloaded else "recompute"
-        rows += ["",
-                 f"budget                {format_bytes(self.budget_bytes)}  (least feasible "
-                 f"{format_bytes(self.min_budget_bytes)}; no checkpointing needs {format_bytes(self.no_checkpoint_peak_bytes)})",
-                 f"predicted peak        {format_bytes(self.predicted_peak_bytes)}",
-                 f"held after forward    {format_bytes(self.predicted_held_bytes)}"
-                 + (" on the device" if self.offloaded else ""),
-                 f"predicted step time   {1e3 * self.predicted_time:.2f} ms  (+{100 * self.predicted_overhead_time / base:.1f}% "
-                 f"{what} over no checkpointing)" if base > 0 else
-                 f"predicted step time   {1e3 * self.predicted_time:.2f} ms",
-                 f"regions               {self.regions if self.regions else 'none'}"]
+        rows += [
+            "",
+            f"budget                {format_bytes(self.budget_bytes)}  (least feasible "
+            f"{format_bytes(self.min_budget_bytes)}; no checkpointing needs {format_bytes(self.no_checkpoint_peak_bytes)})",
+            f"predicted peak        {format_bytes(self.predicted_peak_bytes)}",
+            f"held after forward    {format_bytes(self.predicted_held_bytes)}"
+            + (" on the device" if self.offloaded else ""),
+            f"predicted step time   {1e3 * self.predicted_time:.2f} ms  (+{100 * self.predicted_overhead_time / base:.1f}% "
+            f"{what} over no checkpointing)"
+            if base > 0
+            else f"predicted step time   {1e3 * self.predicted_time:.2f} ms",
+            f"regions               {self.regions if self.regions else 'none'}",
+        ]
         if self.host_bandwidth is not None:
             source = "measured" if self.host_bandwidth_measured else "assumed, not measured"
             if self.offloaded:
-                rows += [f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} "
-                         f"on the host after the forward",
-                         f"transfer time         {1e3 * self.predicted_transfer_time:.2f} ms of the step (modelled at "
-                         f"{self.host_bandwidth / 1e9:.1f} GB/s, {source}: copy back not prefetched, copy out hidden "
-                         f"behind the region's forward)"]
+                rows += [
+                    f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} "
+                    f"on the host after the forward",
+                    f"transfer time         {1e3 * self.predicted_transfer_time:.2f} ms of the step (modelled at "
+                    f"{self.host_bandwidth / 1e9:.1f} GB/s, {source}: copy back not prefetched, copy out hidden "
+                    f"behind the region's forward)",
+                ]
             else:
                 rows.append(f"offloaded to host     none (allowed at {self.host_bandwidth / 1e9:.1f} GB/s, {source})")
         return "\n".join(rows)
@@ -171,9 +178,18 @@ def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 
     return min(rates), True
 
 
-def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainProfile | None = None,
-                     slots: int = DEFAULT_SLOTS, fast_path: bool = True, offload: bool = False,
-                     host_bandwidth: float | None = None, **profile_options) -> CheckpointPlan:
+def plan_checkpoints(
+    blocks,
+    sample_input=None,
+    budget=1.0,
+    *,
+    profile: ChainProfile | None = None,
+    slots: int = DEFAULT_SLOTS,
+    fast_path: bool = True,
+    offload: bool = False,
+    host_bandwidth: float | None = None,
+    **profile_options,
+) -> CheckpointPlan:
     """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``.
 
     :param blocks: the chain (as for :func:`profile_blocks`); may be ``None`` with ``profile=``.
@@ -195,10 +211,16 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
     if not isinstance(offload, bool):
         raise ValueError(f"plan_checkpoints: offload must be True or False, got {offload!r}")
     if host_bandwidth is not None:
-        if (isinstance(host_bandwidth, bool) or not isinstance(host_bandwidth, (int, float))
-                or not math.isfinite(host_bandwidth) or host_bandwidth <= 0):
-            raise ValueError(f"plan_checkpoints: host_bandwidth must be a finite number of bytes per second > 0, "
-                             f"got {host_bandwidth!r}")
+        if (
+            isinstance(host_bandwidth, bool)
+            or not isinstance(host_bandwidth, (int, float))
+            or not math.isfinite(host_bandwidth)
+            or host_bandwidth <= 0
+        ):
+            raise ValueError(
+                f"plan_checkpoints: host_bandwidth must be a finite number of bytes per second > 0, "
+                f"got {host_bandwidth!r}"
+            )
         if not offload:
             raise ValueError("plan_checkpoints: host_bandwidth is only used with offload=True")
     if profile is None:
@@ -225,16 +247,24 @@ def plan_checkpoints(blocks, sample_input=None, budget=1.0, *, profile: ChainPro
         err = InfeasibleError(
             f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); the smallest "
             f"feasible budget for these blocks and this input{with_offload} is {least} bytes ({format_bytes(least)}), "
-            f"{100 * least / reference:.1f}% of the {format_bytes(reference)} needed without checkpointing")
+            f"{100 * least / reference:.1f}% of the {format_bytes(reference)} needed without checkpointing"
+        )
         err.min_budget_bytes = least
         raise err from None
-    return CheckpointPlan(modes=[profile.modes[k] for k in result["modes"]],
-                          regions=[tuple(r) for r in result["regions"]], budget_bytes=budget_bytes,
-                          min_budget_bytes=result["min_budget_bytes"], predicted_peak_bytes=result["peak_bytes"],
-                          predicted_held_bytes=result["held_bytes"], predicted_time=result["time"],
-                          predicted_overhead_time=result["overhead_time"], no_checkpoint_peak_bytes=reference,
-                          profile=profile, offloaded=[tuple(r) for r in result["offloaded"]],
-                          predicted_transfer_time=result["transfer_time"], predicted_host_bytes=result["host_bytes"],
-                          host_bandwidth=float(host_bandwidth) if offload else None,
-                          host_bandwidth_measured=measured)
-
+    return CheckpointPlan(
+        modes=[profile.modes[k] for k in result["modes"]],
+        regions=[tuple(r) for r in result["regions"]],
+        budget_bytes=budget_bytes,
+        min_budget_bytes=result["min_budget_bytes"],
+        predicted_peak_bytes=result["peak_bytes"],
+        predicted_held_bytes=result["held_bytes"],
+        predicted_time=result["time"],
+        predicted_overhead_time=result["overhead_time"],
+        no_checkpoint_peak_bytes=reference,
+        profile=profile,
+        offloaded=[tuple(r) for r in result["offloaded"]],
+        predicted_transfer_time=result["transfer_time"],
+        predicted_host_bytes=result["host_bytes"],
+        host_bandwidth=float(host_bandwidth) if offload else None,
+        host_bandwidth_measured=measured,
+    )

@@ -22,7 +22,15 @@ from llmmem.checkpointing import remat, selective
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.observers import observe_kept
 
-__all__ = ["profile_blocks", "measure_saved_bytes", "ChainProfile", "MODES", "run_mode", "as_block_list", "median_time"]
+__all__ = [
+    "profile_blocks",
+    "measure_saved_bytes",
+    "ChainProfile",
+    "MODES",
+    "run_mode",
+    "as_block_list",
+    "median_time",
+]
 
 MODES = ("store-all", "selective", "recompute-cheap")
 _NESTABLE = {"store-all": 1, "selective": 0, "recompute-cheap": 0}
@@ -97,13 +105,13 @@ class ChainProfile:
     """Measured costs of a chain of blocks, in seconds and bytes; ``modes`` names the columns."""
 
     modes: tuple
-    fwd_time: list            # [L][K] forward keeping the tape in mode k
-    fwd_nostore_time: list    # [L] forward inside a checkpointed region (profile_blocks: mean with its recompute)
-    bwd_time: list            # [L][K]
-    input_bytes: list         # [L + 1]
-    saved_bytes: list         # [L][K] beyond the block input
-    fwd_tmp_bytes: list       # [L] (0 on the CPU: no allocator statistics there)
-    bwd_tmp_bytes: list       # [L][K]
+    fwd_time: list  # [L][K] forward keeping the tape in mode k
+    fwd_nostore_time: list  # [L] forward inside a checkpointed region (profile_blocks: mean with its recompute)
+    bwd_time: list  # [L][K]
+    input_bytes: list  # [L + 1]
+    saved_bytes: list  # [L][K] beyond the block input
+    fwd_tmp_bytes: list  # [L] (0 on the CPU: no allocator statistics there)
+    bwd_tmp_bytes: list  # [L][K]
     device: str = "cpu"
     # [L][K] 1 where the block's tape in that mode keeps its own output (selective keeps a final
     # matmul's output, tanh keeps its result): offloading the next block's input would then free
@@ -113,11 +121,18 @@ class ChainProfile:
     def to_chain(self, host_bandwidth: float = 0.0) -> dict:
         """The dict the C planner takes (llmmem._C.plan_solve); ``host_bandwidth`` in bytes per
         second, 0 for no offloading."""
-        return {"fwd_time": self.fwd_time, "fwd_nostore_time": self.fwd_nostore_time, "bwd_time": self.bwd_time,
-                "input_bytes": self.input_bytes, "saved_bytes": self.saved_bytes,
-                "fwd_tmp_bytes": self.fwd_tmp_bytes, "bwd_tmp_bytes": self.bwd_tmp_bytes,
-                "mode_nestable": [_NESTABLE[m] for m in self.modes],
-                "output_kept": self.output_kept or None, "host_bandwidth": float(host_bandwidth)}
+        return {
+            "fwd_time": self.fwd_time,
+            "fwd_nostore_time": self.fwd_nostore_time,
+            "bwd_time": self.bwd_time,
+            "input_bytes": self.input_bytes,
+            "saved_bytes": self.saved_bytes,
+            "fwd_tmp_bytes": self.fwd_tmp_bytes,
+            "bwd_tmp_bytes": self.bwd_tmp_bytes,
+            "mode_nestable": [_NESTABLE[m] for m in self.modes],
+            "output_kept": self.output_kept or None,
+            "host_bandwidth": float(host_bandwidth),
+        }
 
     @property
     def n_blocks(self) -> int:
@@ -203,8 +218,13 @@ def _profile_one(block, x: torch.Tensor, modes, repeats: int, warmup: int, devic
     # samples cancel most of the drift a shared machine adds, which is larger than these differences).
     base = samples[modes[0]]
     f0, b0 = statistics.median(f for f, _ in base), statistics.median(b for _, b in base)
-    medians = {m: (f0 + statistics.median(f - fb for (f, _), (fb, _) in zip(v, base)),
-                   b0 + statistics.median(b - bb for (_, b), (_, bb) in zip(v, base))) for m, v in samples.items()}
+    medians = {
+        m: (
+            f0 + statistics.median(f - fb for (f, _), (fb, _) in zip(v, base)),
+            b0 + statistics.median(b - bb for (_, b), (_, bb) in zip(v, base)),
+        )
+        for m, v in samples.items()
+    }
     # The planner charges fwd_nostore_time twice per recomputed block: the forward inside the
     # region, and its recompute in backward. The recompute costs more than that forward (it
     # records a graph again and allocates the activations anew, in the middle of the backward: for
@@ -265,15 +285,26 @@ def _look_identical(blocks: list, x: torch.Tensor) -> bool:
     first = blocks[0]
     sig = [(p.shape, p.dtype, p.device) for p in first.parameters()]
     for b in blocks[1:]:
-        if type(b) is not type(first) or repr(b) != repr(first) or [(p.shape, p.dtype, p.device) for p in b.parameters()] != sig:
+        if (
+            type(b) is not type(first)
+            or repr(b) != repr(first)
+            or [(p.shape, p.dtype, p.device) for p in b.parameters()] != sig
+        ):
             return False
     with torch.no_grad():
         y = first(x)
     return isinstance(y, torch.Tensor) and y.shape == x.shape and y.dtype == x.dtype
 
 
-def profile_blocks(blocks, sample_input, *, modes: Sequence[str] = MODES, repeats: int = 5, warmup: int = 1,
-                   same_blocks: bool | None = None) -> ChainProfile:
+def profile_blocks(
+    blocks,
+    sample_input,
+    *,
+    modes: Sequence[str] = MODES,
+    repeats: int = 5,
+    warmup: int = 1,
+    same_blocks: bool | None = None,
+) -> ChainProfile:
     """Measure each block of a chain: times (median of ``repeats``) and bytes kept for backward.
 
     :param blocks: an ``nn.Sequential``/``nn.ModuleList``/list of blocks; block ``i + 1`` takes the
@@ -350,4 +381,3 @@ def as_block_list(blocks, who: str) -> list:
         if not isinstance(b, nn.Module):
             raise TypeError(f"{who}: blocks[{i}] must be an nn.Module, got {type(b).__name__}")
     return list(blocks)
-

@@ -49,11 +49,15 @@ REBUILDABLE = {
     "MulBackward0": lambda node, ops: torch.mul(ops[0], ops[1]),
 }
 # Where each REBUILDABLE node keeps its operands (their count is the node's arity).
-_OPERAND_FIELDS = {"GeluBackward0": ("_saved_self",), "SiluBackward0": ("_saved_self",),
-                   "MulBackward0": ("_saved_self", "_saved_other")}
+_OPERAND_FIELDS = {
+    "GeluBackward0": ("_saved_self",),
+    "SiluBackward0": ("_saved_self",),
+    "MulBackward0": ("_saved_self", "_saved_other"),
+}
 # Nodes whose output autograd keeps (as ``_saved_result``): an operand they made is available.
-_RESULT_SAVED = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "TanhBackward0", "SigmoidBackward0",
-                           "ExpBackward0", "ReluBackward0"})
+_RESULT_SAVED = frozenset(
+    {"SoftmaxBackward0", "LogSoftmaxBackward0", "TanhBackward0", "SigmoidBackward0", "ExpBackward0", "ReluBackward0"}
+)
 
 
 def _name(node) -> str:
@@ -124,8 +128,9 @@ def _layer_norm(node, eps: float) -> torch.Tensor:
     """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks). The
     recomputed 1/std is checked against the saved one, so that an eps other than the forward's
     raises instead of giving wrong gradients."""
-    out, _, rstd = torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
-                                           node._saved_bias, eps)
+    out, _, rstd = torch.native_layer_norm(
+        node._saved_input, node._saved_normalized_shape, node._saved_weight, node._saved_bias, eps
+    )
     if not torch.equal(rstd, node._saved_result2):
         raise RuntimeError(f"its statistics differ from the forward's with eps = {eps}")
     return out
@@ -149,11 +154,14 @@ class _Handle:
             raise CheckpointError(
                 f"llmmem recompute-cheap: cannot rebuild the output of {_name(self.node)} for backward ({exc}). Its "
                 "inputs are gone or were modified, e.g. that part of the graph was already differentiated; run this "
-                "block in store-all mode instead") from exc
+                "block in store-all mode instead"
+            ) from exc
         if tuple(base.shape) != self.base_shape or not base.is_contiguous():
-            raise CheckpointError(f"llmmem recompute-cheap: rebuilding {_name(self.node)} gave shape "
-                                  f"{tuple(base.shape)} (contiguous: {base.is_contiguous()}), the forward had "
-                                  f"{self.base_shape} (contiguous)")
+            raise CheckpointError(
+                f"llmmem recompute-cheap: rebuilding {_name(self.node)} gave shape "
+                f"{tuple(base.shape)} (contiguous: {base.is_contiguous()}), the forward had "
+                f"{self.base_shape} (contiguous)"
+            )
         if self.size == self.base_shape and self.offset == 0 and self.stride == tuple(base.stride()):
             return base
         return base.as_strided(self.size, self.stride, self.offset)
@@ -175,7 +183,8 @@ class _Kept:
             raise CheckpointError(
                 f"llmmem recompute-cheap: a tensor of shape {tuple(self.tensor.shape)} saved for backward was "
                 f"modified by an inplace operation after the forward (version {self.version} -> "
-                f"{self.tensor._version})")
+                f"{self.tensor._version})"
+            )
         return self.tensor
 
 
@@ -189,8 +198,11 @@ class _Hooks:
         # (only modules that run nn.LayerNorm's own forward are hooked).
         self.layer_norms = []
         if module is not None:
-            self.layer_norms = [m for m in module.modules()
-                                if isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward]
+            self.layer_norms = [
+                m
+                for m in module.modules()
+                if isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward
+            ]
         self.ln_outputs: dict = {}
 
     def record_layer_norm(self, m, args, out) -> None:
@@ -200,8 +212,14 @@ class _Hooks:
     def _droppable(self, base) -> bool:
         # (version 0: not changed since its operator made it; a change under no_grad keeps the
         # grad_fn, and the rebuild would give the values before it)
-        return (base.layout == torch.strided and base.is_contiguous() and base.storage_offset() == 0
-                and base.untyped_storage().nbytes() == base.nbytes and base.output_nr == 0 and base._version == 0)
+        return (
+            base.layout == torch.strided
+            and base.is_contiguous()
+            and base.storage_offset() == 0
+            and base.untyped_storage().nbytes() == base.nbytes
+            and base.output_nr == 0
+            and base._version == 0
+        )
 
     def pack(self, t: torch.Tensor):
         base = t._base if t._is_view() else t

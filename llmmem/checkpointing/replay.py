@@ -14,8 +14,15 @@ import torch.utils._python_dispatch
 
 from llmmem._devices import cuda_index
 
-__all__ = ["register_rng_tracker", "has_rng_trackers", "ReplayTrackers", "RngState", "autocast_state",
-           "accelerator_type", "OpLog"]
+__all__ = [
+    "register_rng_tracker",
+    "has_rng_trackers",
+    "ReplayTrackers",
+    "RngState",
+    "autocast_state",
+    "accelerator_type",
+    "OpLog",
+]
 
 
 def accelerator_type(tensors) -> str | None:
@@ -31,7 +38,7 @@ def accelerator_type(tensors) -> str | None:
 # stream has moved on, so the stream's state must be stashed and replayed like the default
 # generators', or the recomputed mask (and so every gradient) differs from the forward's.
 # Objects with get_states() -> states and set_states(states); held weakly.
-_RNG_TRACKERS: "weakref.WeakSet" = weakref.WeakSet()
+_RNG_TRACKERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def register_rng_tracker(tracker) -> None:
@@ -104,15 +111,17 @@ class RngState:
             from torch.utils.checkpoint import get_device_states
 
             self.other_devices, self.other_states = get_device_states(
-                *[t for t in tensors if t.device.type == self.other_type])
+                *[t for t in tensors if t.device.type == self.other_type]
+            )
 
     @contextlib.contextmanager
     def restored(self):
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices, enabled=True, device_type="cuda"))
             if self.other_type is not None:
-                stack.enter_context(torch.random.fork_rng(devices=self.other_devices, enabled=True,
-                                                          device_type=self.other_type))
+                stack.enter_context(
+                    torch.random.fork_rng(devices=self.other_devices, enabled=True, device_type=self.other_type)
+                )
             torch.set_rng_state(self.cpu)
             for d, s in zip(self.cuda_devices, self.cuda_states):
                 torch.cuda.set_rng_state(s, d)
@@ -125,8 +134,11 @@ class RngState:
 
 
 def autocast_state(device_type: str) -> dict:
-    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
-            "cache_enabled": torch.is_autocast_cache_enabled()}
+    return {
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
 
 
 class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
@@ -139,4 +151,3 @@ class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.log.append(str(func))
         return func(*args, **(kwargs or {}))
-

@@ -42,11 +42,18 @@ def _overloads(*names):
 
 # Operators whose outputs are kept: they are the costly ones to recompute (matmul FLOPs).
 KEPT_OPERATORS = _overloads(
-    "mm", "addmm", "_scaled_mm", "_int_mm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_flash_attention_forward", "_efficient_attention_forward",
+    "mm",
+    "addmm",
+    "_scaled_mm",
+    "_int_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
 )
+
 
 class _Keep(TorchDispatchMode):
     def __init__(self, store: deque) -> None:
@@ -73,8 +80,10 @@ class _Replay(TorchDispatchMode):
             _, kept, versions = self.store.popleft()
             now = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, kept)
             if now != versions:
-                raise CheckpointError(f"llmmem selective recompute: the output of {func} was modified in place after "
-                                      "the forward kept it; run this block in store-all mode instead")
+                raise CheckpointError(
+                    f"llmmem selective recompute: the output of {func} was modified in place after "
+                    "the forward kept it; run this block in store-all mode instead"
+                )
             return kept
         return func(*args, **(kwargs or {}))
 

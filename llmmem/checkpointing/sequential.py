@@ -50,10 +50,10 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     # torch accepts any indexable sequence of callables; nn.ModuleList (how models hold their blocks) included
-    if (not isinstance(functions, (list, tuple, torch.nn.ModuleList))
-            or not all(callable(f) for f in functions)):
-        raise TypeError("checkpoint_sequential: functions must be an nn.Sequential, an nn.ModuleList or a "
-                        "list of callables")
+    if not isinstance(functions, (list, tuple, torch.nn.ModuleList)) or not all(callable(f) for f in functions):
+        raise TypeError(
+            "checkpoint_sequential: functions must be an nn.Sequential, an nn.ModuleList or a list of callables"
+        )
     functions = list(functions)
     if not functions:
         raise ValueError("checkpoint_sequential: functions is empty")
@@ -78,6 +78,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
             for f in functions[start:end]:
                 x = f(x)
             return x
+
         return forward
 
     bounds = _even_split(len(functions), segments)

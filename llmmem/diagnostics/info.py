@@ -17,8 +17,12 @@ from llmmem._native import available, load_error, native
 def _probe_native() -> dict:
     if not available():
         return {"loaded": False, "error": repr(load_error)}
-    info = {"loaded": True, "version": native.version(), "path": getattr(native, "__file__", "?"),
-            "scaler_cpu_workers": native.scaler_cpu_workers()}
+    info = {
+        "loaded": True,
+        "version": native.version(),
+        "path": getattr(native, "__file__", "?"),
+        "scaler_cpu_workers": native.scaler_cpu_workers(),
+    }
     info.update(native.build_info())
     try:
         info["driver_version"] = native.cuda_driver_version()
@@ -36,16 +40,20 @@ def _probe_native() -> dict:
 def _probe_torch() -> dict:
     try:
         import torch
-    except Exception as exc:  # noqa: BLE001 - report any import failure, whatever it is
+    except Exception as exc:
         return {"imported": False, "error": repr(exc)}
     info = {"imported": True, "version": torch.__version__, "cuda_version": torch.version.cuda}
     try:
         info["cuda_available"] = torch.cuda.is_available()
-        info["devices"] = [
-            f"{i}: {torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
-            for i in range(torch.cuda.device_count())
-        ] if info["cuda_available"] else []
-    except Exception as exc:  # noqa: BLE001
+        info["devices"] = (
+            [
+                f"{i}: {torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+                for i in range(torch.cuda.device_count())
+            ]
+            if info["cuda_available"]
+            else []
+        )
+    except Exception as exc:
         info["cuda_available"] = False
         info["devices"] = []
         info["cuda_error"] = repr(exc)
@@ -55,7 +63,7 @@ def _probe_torch() -> dict:
         info["distributed"] = dist.is_available()
         info["nccl"] = bool(dist.is_available() and dist.is_nccl_available())
         info["gloo"] = bool(dist.is_available() and dist.is_gloo_available())
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         info.update(distributed=False, nccl=False, gloo=False, distributed_error=repr(exc))
     info["mempool"] = hasattr(torch.cuda, "MemPool")
     # as a training process does before unscale_: torch sets its OpenMP threads up here
@@ -70,8 +78,12 @@ def _features(nat: dict, tor: dict) -> list[tuple[str, bool, str]]:
     feats.append(("C core (llmmem._C)", nat["loaded"], "loaded" if nat["loaded"] else nat.get("error", "")))
     feats.append(("torch integration", tor["imported"], tor.get("version", tor.get("error", ""))))
     if nat["loaded"] and nat["cuda_built"]:
-        why = "GPU found" if gpu else "CUDA kernels built, but no usable GPU here: " + (
-            nat.get("device_error") or tor.get("cuda_error") or "torch sees no CUDA device")
+        why = (
+            "GPU found"
+            if gpu
+            else "CUDA kernels built, but no usable GPU here: "
+            + (nat.get("device_error") or tor.get("cuda_error") or "torch sees no CUDA device")
+        )
         feats.append(("CUDA kernels", gpu, why))
     else:
         feats.append(("CUDA kernels", False, "not built (CPU-only build)"))
@@ -96,14 +108,14 @@ def _feature_status(module: str) -> tuple[bool, str]:
         if exc.name == module:
             return False, "not implemented in this version"
         return False, f"cannot import {module}: {exc!r}"
-    except Exception as exc:  # noqa: BLE001 - a diagnostic reports, it does not crash
+    except Exception as exc:
         return False, f"cannot import {module}: {exc!r}"
     status = getattr(mod, "feature_status", None)
     if status is None:
         return True, "available"
     try:
         usable, detail = status()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return False, f"{module}.feature_status() failed: {exc!r}"
     return bool(usable), str(detail)
 
@@ -126,13 +138,19 @@ def info() -> str:
     d = collect()
     nat, tor = d["native"], d["torch"]
     yes = {True: "yes", False: "no"}
-    lines = [f"llmmem {d['llmmem']['version']}  ({d['llmmem']['path']})",
-             f"python {d['python']['version']} on {d['python']['platform']}", "", "build:"]
+    lines = [
+        f"llmmem {d['llmmem']['version']}  ({d['llmmem']['path']})",
+        f"python {d['python']['version']} on {d['python']['platform']}",
+        "",
+        "build:",
+    ]
     if nat["loaded"]:
         lines.append(f"  C core         {nat['version']}, {nat['c_compiler']}, debug level {nat['debug_level']}")
         if nat["cuda_built"]:
             v = nat["cuda_runtime_version"]
-            lines.append(f"  CUDA           yes: runtime {v // 1000}.{v % 1000 // 10} (static), archs {nat['cuda_archs']}")
+            lines.append(
+                f"  CUDA           yes: runtime {v // 1000}.{v % 1000 // 10} (static), archs {nat['cuda_archs']}"
+            )
             lines.append(f"  nvcc           {nat['cuda_compiler']}")
         else:
             lines.append("  CUDA           no (CPU-only build)")
@@ -145,13 +163,19 @@ def info() -> str:
             lines.append(f"  CUDA driver    {dv // 1000}.{dv % 1000 // 10}")
         else:
             lines.append(f"  CUDA driver    none ({nat.get('driver_error', '')})")
-        lines.append(f"  GPUs (llmmem)  {nat['device_count']}" + (f"  ({nat['device_error']})" if nat.get("device_error") else ""))
+        lines.append(
+            f"  GPUs (llmmem)  {nat['device_count']}"
+            + (f"  ({nat['device_error']})" if nat.get("device_error") else "")
+        )
     if nat["loaded"]:
         workers = {"openmp": "the process's OpenMP team (torch's threads)", "own": "threads of llmmem's own"}
         lines.append(f"  CPU unscale    {workers[nat['scaler_cpu_workers']]}")
     if tor["imported"]:
         lines.append(f"  torch          {tor['version']} (built for CUDA {tor['cuda_version']})")
-        lines.append(f"  torch CUDA     {yes[tor['cuda_available']]}" + "".join(f"\n                 {x}" for x in tor["devices"]))
+        lines.append(
+            f"  torch CUDA     {yes[tor['cuda_available']]}"
+            + "".join(f"\n                 {x}" for x in tor["devices"])
+        )
         lines.append(f"  distributed    {yes[tor['distributed']]}: NCCL {yes[tor['nccl']]}, gloo {yes[tor['gloo']]}")
         lines.append(f"  torch MemPool  {yes[tor['mempool']]}")
     else:

@@ -142,7 +142,7 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self, device=None) -> None:
         """Start the peak over from what is live now (on ``device``, or on every device)."""
         with self._lock:
-            for dev in ([_as_key(device)] if device is not None else list(self._current)):
+            for dev in [_as_key(device)] if device is not None else list(self._current):
                 self._peak[dev] = self._current.get(dev, 0)
 
     def devices(self) -> list[str]:

@@ -14,10 +14,15 @@ __all__ = ["register_cli"]
 
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser(
-        "estimate", help="memory needed to train a model, and what makes it fit",
-        description="Per-device training memory (bytes) for a named model or explicit dimensions.")
-    p.add_argument("model", nargs="?", help=f"one of: {', '.join(model_configs.NAMED_MODELS)} "
-                                            "(or give --layers --hidden --heads --vocab ...)")
+        "estimate",
+        help="memory needed to train a model, and what makes it fit",
+        description="Per-device training memory (bytes) for a named model or explicit dimensions.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        help=f"one of: {', '.join(model_configs.NAMED_MODELS)} (or give --layers --hidden --heads --vocab ...)",
+    )
     p.add_argument("--batch", type=int, default=1, help="micro-batch per data-parallel rank (default 1)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     p.add_argument("--precision", default="bf16-mixed", help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
@@ -35,14 +40,21 @@ def register_cli(subparsers) -> None:
     for flag in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
         dims.add_argument(f"--{flag}", type=int, default=None)
     dims.add_argument("--mlp", default=None, help="gelu or swiglu")
-    dims.add_argument("--tied-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                      help="output head shares the token embedding")
+    dims.add_argument(
+        "--tied-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="output head shares the token embedding",
+    )
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args) -> int:
-    overrides = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp",
-                                               "tied_embeddings") if getattr(args, k) is not None}
+    overrides = {
+        k: getattr(args, k)
+        for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "mlp", "tied_embeddings")
+        if getattr(args, k) is not None
+    }
     if args.model is not None:
         model = model_configs.lookup(args.model)
         if overrides:
@@ -56,13 +68,25 @@ def _run_cli(args) -> int:
     elif overrides:
         model = model_configs.from_mapping(overrides)
     else:
-        raise ValueError(f"model: give a model name ({', '.join(model_configs.NAMED_MODELS)}) "
-                         "or explicit dimensions (--layers --hidden --heads --vocab)")
-    est = estimate(model, batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                   zero_stage=args.zero_stage, data_parallel=args.data_parallel,
-                   tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel,
-                   checkpointing=args.checkpointing, attention=args.attention, device_type=args.device_type,
-                   device_memory=args.device_memory)
+        raise ValueError(
+            f"model: give a model name ({', '.join(model_configs.NAMED_MODELS)}) "
+            "or explicit dimensions (--layers --hidden --heads --vocab)"
+        )
+    est = estimate(
+        model,
+        batch=args.batch,
+        seq=args.seq,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        zero_stage=args.zero_stage,
+        data_parallel=args.data_parallel,
+        tensor_parallel=args.tensor_parallel,
+        sequence_parallel=args.sequence_parallel,
+        checkpointing=args.checkpointing,
+        attention=args.attention,
+        device_type=args.device_type,
+        device_memory=args.device_memory,
+    )
     if args.json:
         import json
 

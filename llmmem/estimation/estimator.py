@@ -51,8 +51,17 @@ from llmmem.estimation import model_configs
 from llmmem.estimation.model_configs import ModelConfig, choice, positive_int
 from llmmem.units import format_bytes, parse_bytes
 
-__all__ = ["estimate", "Estimate", "Recommendation", "ModelConfig", "layer_activation_terms",
-           "other_activation_terms", "megatron_layer_activation_bytes", "PRECISIONS", "OPTIMIZERS"]
+__all__ = [
+    "estimate",
+    "Estimate",
+    "Recommendation",
+    "ModelConfig",
+    "layer_activation_terms",
+    "other_activation_terms",
+    "megatron_layer_activation_bytes",
+    "PRECISIONS",
+    "OPTIMIZERS",
+]
 
 # bytes per parameter (see the module docstring) and per activation element
 PRECISIONS = {
@@ -95,8 +104,10 @@ def _parse_checkpointing(value) -> str:
         if key in ("none", "selective", "full"):
             return key
         if not key.startswith("every-") or not key[6:].isdigit():
-            raise ValueError(f"checkpointing: unknown value {value!r}; use none, selective, full, "
-                             "every-K (K a positive integer) or an integer K")
+            raise ValueError(
+                f"checkpointing: unknown value {value!r}; use none, selective, full, "
+                "every-K (K a positive integer) or an integer K"
+            )
         k = positive_int(int(key[6:]), "checkpointing")
     else:
         raise ValueError(f"checkpointing: expected none, selective, full, every-K or an integer, got {value!r}")
@@ -135,8 +146,21 @@ class _Settings:
         return dataclasses.asdict(self)
 
 
-def _settings(cfg: ModelConfig, *, batch, seq, precision, optimizer, zero_stage, data_parallel,
-              tensor_parallel, sequence_parallel, checkpointing, attention, device_type) -> _Settings:
+def _settings(
+    cfg: ModelConfig,
+    *,
+    batch,
+    seq,
+    precision,
+    optimizer,
+    zero_stage,
+    data_parallel,
+    tensor_parallel,
+    sequence_parallel,
+    checkpointing,
+    attention,
+    device_type,
+) -> _Settings:
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, numbers.Integral) or not 0 <= zero_stage <= 3:
         raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {zero_stage!r}")
     if not isinstance(sequence_parallel, bool):
@@ -151,7 +175,9 @@ def _settings(cfg: ModelConfig, *, batch, seq, precision, optimizer, zero_stage,
         tensor_parallel=positive_int(tensor_parallel, "tensor_parallel"),
         sequence_parallel=sequence_parallel,
         checkpointing=_parse_checkpointing(checkpointing),
-        attention=cfg.attention if attention is None else choice(attention, "attention", model_configs.ATTENTION_KINDS),
+        attention=cfg.attention
+        if attention is None
+        else choice(attention, "attention", model_configs.ATTENTION_KINDS),
         device_type=choice(device_type, "device_type", DEVICE_TYPES),
     )
     _check_tensor_parallel(cfg, st.tensor_parallel)
@@ -309,8 +335,16 @@ def other_activation_terms(cfg: ModelConfig, st: _Settings) -> dict:
     return terms
 
 
-def megatron_layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, tensor_parallel: int = 1,
-                                    sequence_parallel: bool = False, recompute: str = "none") -> int:
+def megatron_layer_activation_bytes(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> int:
     """Megatron-LM's activation bytes per transformer layer (Korthikanti et al. 2022, table 2).
 
     16-bit activations, 1-byte dropout masks, GELU MLP of width 4h, multi-head attention:
@@ -429,12 +463,20 @@ def _compute(cfg: ModelConfig, counted: int | None, st: _Settings) -> dict:
         layer_tmp["one layer's gathered parameters (ZeRO-3)"] = cfg.layer_parameters(t) * prec["param"]
     tmp = loss_tmp if sum(loss_tmp.values()) >= sum(layer_tmp.values()) else layer_tmp
     out["temporary"] = sum(tmp.values())
-    out["total"] = sum(out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state",
-                                        "activations", "temporary"))
+    out["total"] = sum(
+        out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
+    )
     slow = _slowdown(cfg, st)
-    return {"bytes": out, "layer_terms": layer_terms, "other_terms": other_terms, "temporary_terms": tmp,
-            "parameter_count": total_params, "parameters_per_device": device_params,
-            "slowdown": sum(slow.values()), "slowdown_terms": slow}
+    return {
+        "bytes": out,
+        "layer_terms": layer_terms,
+        "other_terms": other_terms,
+        "temporary_terms": tmp,
+        "parameter_count": total_params,
+        "parameters_per_device": device_params,
+        "slowdown": sum(slow.values()),
+        "slowdown_terms": slow,
+    }
 
 
 @dataclass(frozen=True)
@@ -450,16 +492,23 @@ class Recommendation:
     changes: dict
     devices: int
     slowdown: float
-    estimate: "Estimate"
+    estimate: Estimate
 
     def describe(self) -> str:
         changes = ", ".join(f"{k}={v}" for k, v in self.changes.items()) or "no change"
-        return (f"{changes}  ->  {format_bytes(self.estimate.total)} per device on {self.devices} device(s), "
-                f"expected slowdown {_pct(self.slowdown)}")
+        return (
+            f"{changes}  ->  {format_bytes(self.estimate.total)} per device on {self.devices} device(s), "
+            f"expected slowdown {_pct(self.slowdown)}"
+        )
 
     def to_dict(self) -> dict:
-        return {"settings": dict(self.settings), "changes": dict(self.changes), "devices": self.devices,
-                "slowdown": self.slowdown, "total": self.estimate.total}
+        return {
+            "settings": dict(self.settings),
+            "changes": dict(self.changes),
+            "devices": self.devices,
+            "slowdown": self.slowdown,
+            "total": self.estimate.total,
+        }
 
 
 def _pct(x: float) -> str:
@@ -501,11 +550,16 @@ class Estimate:
     def to_dict(self) -> dict:
         """Every number, in bytes (fractions for slowdowns), JSON-ready."""
         return {
-            "model": {**{f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model)},
-                      "parameter_count": self.parameter_count, "parameters_per_device": self.parameters_per_device},
+            "model": {
+                **{f.name: getattr(self.model, f.name) for f in dataclasses.fields(self.model)},
+                "parameter_count": self.parameter_count,
+                "parameters_per_device": self.parameters_per_device,
+            },
             "settings": self.settings.public(),
-            "bytes": {k: getattr(self, k) for k in self._ROWS + ("activations_per_layer", "activations_layers",
-                                                                  "activations_other")},
+            "bytes": {
+                k: getattr(self, k)
+                for k in self._ROWS + ("activations_per_layer", "activations_layers", "activations_other")
+            },
             "layer_terms": dict(self.layer_terms),
             "other_terms": dict(self.other_terms),
             "temporary_terms": dict(self.temporary_terms),
@@ -550,9 +604,11 @@ class Estimate:
         if self.device_memory is not None:
             lines.append("")
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"device memory {format_bytes(self.device_memory)} ({self.device_memory:,} bytes): {verdict} "
-                         f"({format_bytes(abs(self.device_memory - self.total))} "
-                         f"{'free' if self.fits else 'short'})")
+            lines.append(
+                f"device memory {format_bytes(self.device_memory)} ({self.device_memory:,} bytes): {verdict} "
+                f"({format_bytes(abs(self.device_memory - self.total))} "
+                f"{'free' if self.fits else 'short'})"
+            )
             if self.advice:
                 lines.append(self.advice)
         return "\n".join(lines)
@@ -584,12 +640,19 @@ def _candidates(cfg: ModelConfig, st: _Settings, devices: int):
         if t > MAX_TENSOR_PARALLEL or devices % t or _tp_indivisible(cfg, t) is not None:
             continue
         n_d = devices // t
-        for sp in ((False, True) if t > 1 else (False,)):
-            for zero in (range(4) if n_d > 1 else (0,)):
+        for sp in (False, True) if t > 1 else (False,):
+            for zero in range(4) if n_d > 1 else (0,):
                 for attention in attentions:
                     for ckpt in ckpts:
-                        yield dataclasses.replace(st, tensor_parallel=t, data_parallel=n_d, sequence_parallel=sp,
-                                                  zero_stage=zero, attention=attention, checkpointing=ckpt)
+                        yield dataclasses.replace(
+                            st,
+                            tensor_parallel=t,
+                            data_parallel=n_d,
+                            sequence_parallel=sp,
+                            zero_stage=zero,
+                            attention=attention,
+                            checkpointing=ckpt,
+                        )
 
 
 def _changes(old: _Settings, new: _Settings) -> dict:
@@ -622,30 +685,51 @@ def _recommend(est: Estimate, counted: int | None) -> None:
             break
         devices *= 2
     else:
-        est.advice = (f"impossible: no combination of checkpointing, ZeRO, tensor/sequence parallelism and fused "
-                      f"attention fits {format_bytes(budget)} per device on up to {MAX_DEVICES} devices")
+        est.advice = (
+            f"impossible: no combination of checkpointing, ZeRO, tensor/sequence parallelism and fused "
+            f"attention fits {format_bytes(budget)} per device on up to {MAX_DEVICES} devices"
+        )
         return
     (slowdown, _, _), cand = best
     if est.fits and slowdown >= est.slowdown - 1e-9:
         est.advice = "the requested settings are already the cheapest that fit"
         return
     rec_est = Estimate(cfg, cand, _compute(cfg, counted, cand), budget)
-    est.recommendation = Recommendation(settings=cand.public(), changes=_changes(st, cand), devices=devices,
-                                        slowdown=rec_est.slowdown, estimate=rec_est)
+    est.recommendation = Recommendation(
+        settings=cand.public(),
+        changes=_changes(st, cand),
+        devices=devices,
+        slowdown=rec_est.slowdown,
+        estimate=rec_est,
+    )
     if est.fits:
         head = "fits; a faster combination that also fits"
     elif devices == st.devices:
         head = "to fit"
     else:
-        head = (f"cannot fit on {st.devices} device(s) with any combination; smallest set-up that fits "
-                f"uses {devices} devices")
+        head = (
+            f"cannot fit on {st.devices} device(s) with any combination; smallest set-up that fits "
+            f"uses {devices} devices"
+        )
     est.advice = f"recommendation ({head}): {est.recommendation.describe()}"
 
 
-def estimate(model, *, batch: int = 1, seq: int = 2048, precision: str = "bf16-mixed", optimizer: str = "adam",
-             zero_stage: int = 0, data_parallel: int = 1, tensor_parallel: int = 1, sequence_parallel: bool = False,
-             checkpointing="none", attention: str | None = None, device_type: str = "cuda",
-             device_memory=None) -> Estimate:
+def estimate(
+    model,
+    *,
+    batch: int = 1,
+    seq: int = 2048,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adam",
+    zero_stage: int = 0,
+    data_parallel: int = 1,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    checkpointing="none",
+    attention: str | None = None,
+    device_type: str = "cuda",
+    device_memory=None,
+) -> Estimate:
     """Estimate the per-device memory of training ``model``; optionally, what makes it fit.
 
     :param model: a name (``llama-7b``, ``llama-13b``, ``llama-70b``, ``gpt2``, ``gpt2-medium``,
@@ -674,10 +758,20 @@ def estimate(model, *, batch: int = 1, seq: int = 2048, precision: str = "bf16-m
     :raises ValueError: naming the argument, for any invalid input.
     """
     cfg, counted = model_configs.resolve(model)
-    st = _settings(cfg, batch=batch, seq=seq, precision=precision, optimizer=optimizer, zero_stage=zero_stage,
-                   data_parallel=data_parallel, tensor_parallel=tensor_parallel,
-                   sequence_parallel=sequence_parallel, checkpointing=checkpointing, attention=attention,
-                   device_type=device_type)
+    st = _settings(
+        cfg,
+        batch=batch,
+        seq=seq,
+        precision=precision,
+        optimizer=optimizer,
+        zero_stage=zero_stage,
+        data_parallel=data_parallel,
+        tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        checkpointing=checkpointing,
+        attention=attention,
+        device_type=device_type,
+    )
     budget = None
     if device_memory is not None:
         budget = parse_bytes(device_memory, "device_memory")

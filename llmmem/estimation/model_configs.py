@@ -96,11 +96,17 @@ class ModelConfig:
             set_(self, "ffn", ffn)
         else:
             set_(self, "ffn", positive_int(self.ffn, "ffn"))
-        if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, numbers.Integral) \
-                or self.max_positions < 0:
+        if (
+            isinstance(self.max_positions, bool)
+            or not isinstance(self.max_positions, numbers.Integral)
+            or self.max_positions < 0
+        ):
             raise ValueError(f"max_positions: must be an integer >= 0, got {self.max_positions!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
-                or not 0.0 <= self.dropout < 1.0:
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, numbers.Real)
+            or not 0.0 <= self.dropout < 1.0
+        ):
             raise ValueError(f"dropout: must be a probability in [0, 1), got {self.dropout!r}")
         for key in ("tied_embeddings", "bias"):
             if not isinstance(getattr(self, key), bool):
@@ -147,22 +153,47 @@ class ModelConfig:
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
-        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
-                f"ffn {self.ffn} ({self.mlp}), vocab {self.vocab}")
+        return (
+            f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
+            f"ffn {self.ffn} ({self.mlp}), vocab {self.vocab}"
+        )
 
 
 def _gpt2(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
     # Radford et al. 2019; Hugging Face config: n_positions 1024, vocab 50257, dropout 0.1 everywhere.
-    return ModelConfig(layers=layers, hidden=hidden, heads=heads, vocab=50257, mlp="gelu", norm="layernorm",
-                       tied_embeddings=True, positions="learned", max_positions=1024, bias=True,
-                       dropout=0.1, name=name)
+    return ModelConfig(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=50257,
+        mlp="gelu",
+        norm="layernorm",
+        tied_embeddings=True,
+        positions="learned",
+        max_positions=1024,
+        bias=True,
+        dropout=0.1,
+        name=name,
+    )
 
 
 def _llama(layers: int, hidden: int, heads: int, ffn: int, name: str, kv_heads: int | None = None) -> ModelConfig:
     # Touvron et al. 2023: RMSNorm, SwiGLU, rotary positions, no biases, untied head, no dropout.
-    return ModelConfig(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=32000,
-                       mlp="swiglu", norm="rmsnorm", tied_embeddings=False, positions="rotary",
-                       bias=False, dropout=0.0, name=name)
+    return ModelConfig(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        vocab=32000,
+        mlp="swiglu",
+        norm="rmsnorm",
+        tied_embeddings=False,
+        positions="rotary",
+        bias=False,
+        dropout=0.0,
+        name=name,
+    )
 
 
 NAMED_MODELS: dict[str, ModelConfig] = {
@@ -178,13 +209,23 @@ NAMED_MODELS: dict[str, ModelConfig] = {
 
 # Keys other libraries use for the same dimensions (GPTConfig of llmmem.models.gpt, Hugging Face).
 _ALIASES = {
-    "n_layer": "layers", "num_hidden_layers": "layers", "num_layers": "layers",
-    "n_embd": "hidden", "hidden_size": "hidden", "d_model": "hidden",
-    "n_head": "heads", "num_attention_heads": "heads",
-    "num_key_value_heads": "kv_heads", "n_kv_heads": "kv_heads",
-    "ffn_hidden": "ffn", "intermediate_size": "ffn", "n_inner": "ffn",
+    "n_layer": "layers",
+    "num_hidden_layers": "layers",
+    "num_layers": "layers",
+    "n_embd": "hidden",
+    "hidden_size": "hidden",
+    "d_model": "hidden",
+    "n_head": "heads",
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "n_kv_heads": "kv_heads",
+    "ffn_hidden": "ffn",
+    "intermediate_size": "ffn",
+    "n_inner": "ffn",
     "vocab_size": "vocab",
-    "seq_len": "max_positions", "n_positions": "max_positions", "max_position_embeddings": "max_positions",
+    "seq_len": "max_positions",
+    "n_positions": "max_positions",
+    "max_position_embeddings": "max_positions",
     "tie_word_embeddings": "tied_embeddings",
 }
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -194,8 +235,10 @@ def lookup(name: str) -> ModelConfig:
     """The named model (case-insensitive); ValueError listing the known names otherwise."""
     key = name.strip().lower()
     if key not in NAMED_MODELS:
-        raise ValueError(f"model: unknown model name {name!r}; known models: {', '.join(NAMED_MODELS)} "
-                         "(or give explicit dimensions: layers, hidden, heads, kv_heads, ffn, vocab)")
+        raise ValueError(
+            f"model: unknown model name {name!r}; known models: {', '.join(NAMED_MODELS)} "
+            "(or give explicit dimensions: layers, hidden, heads, kv_heads, ffn, vocab)"
+        )
     return NAMED_MODELS[key]
 
 
@@ -244,8 +287,10 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
         counted = sum(p.numel() for p in model.parameters())
         cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
         if cfg is None:
-            raise ValueError(f"model: this {type(model).__name__} has no .cfg or .config attribute with its dimensions; "
-                             "pass a dict of dimensions instead (layers, hidden, heads, kv_heads, ffn, vocab)")
+            raise ValueError(
+                f"model: this {type(model).__name__} has no .cfg or .config attribute with its dimensions; "
+                "pass a dict of dimensions instead (layers, hidden, heads, kv_heads, ffn, vocab)"
+            )
         if dataclasses.is_dataclass(cfg):
             mapping = dataclasses.asdict(cfg)
         elif isinstance(cfg, dict):
@@ -253,5 +298,6 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
         else:
             mapping = dict(vars(cfg))
         return from_mapping(mapping, strict=False, name=type(model).__name__), counted
-    raise ValueError(f"model: expected a model name, a dict or dataclass of dimensions, or an nn.Module, "
-                     f"got {type(model).__name__}")
+    raise ValueError(
+        f"model: expected a model name, a dict or dataclass of dimensions, or an nn.Module, got {type(model).__name__}"
+    )

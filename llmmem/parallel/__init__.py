@@ -80,5 +80,7 @@ def feature_status() -> tuple[bool, str]:
     if available() and native.build_info().get("cuda_built") and hasattr(native, "cuda_ar_create"):
         engines.append("CUDA IPC all-reduce (opt-in: LLMMEM_TP_CUDA_IPC=1; needs a GPU at run time)")
     backends = [b for b, ok in (("nccl", dist.is_nccl_available()), ("gloo", dist.is_gloo_available())) if ok]
-    return True, (f"torch.distributed ({', '.join(backends) or 'no backend'})"
-                  + (f" + llmmem {', '.join(engines)}" if engines else ""))
+    return True, (
+        f"torch.distributed ({', '.join(backends) or 'no backend'})"
+        + (f" + llmmem {', '.join(engines)}" if engines else "")
+    )

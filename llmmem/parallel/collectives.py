@@ -47,8 +47,9 @@ def _env_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"llmmem: environment variable {name} must be an integer number of bytes, "
-                         f"got {raw!r}") from None
+        raise ValueError(
+            f"llmmem: environment variable {name} must be an integer number of bytes, got {raw!r}"
+        ) from None
     if value < 0:
         raise ValueError(f"llmmem: environment variable {name} must be >= 0, got {value}")
     return value
@@ -145,8 +146,9 @@ def close_all() -> None:
 
 
 def _warn_fallback(what: str, exc: BaseException) -> None:
-    warnings.warn(f"llmmem.parallel: {what} unavailable, using torch.distributed instead: {exc}",
-                  RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"llmmem.parallel: {what} unavailable, using torch.distributed instead: {exc}", RuntimeWarning, stacklevel=4
+    )
 
 
 def _shm_for(dtype: torch.dtype, nbytes: int, group):
@@ -182,7 +184,8 @@ def _cuda_for(tensor: torch.Tensor, group):
 
         try:
             _cuda_comms[key] = cuda_ipc.CudaIpcCommunicator.setup(
-                key, tensor.device, timeout=_timeout_s, max_bytes=_thresholds["cuda_ipc_max_bytes"])
+                key, tensor.device, timeout=_timeout_s, max_bytes=_thresholds["cuda_ipc_max_bytes"]
+            )
         except cuda_ipc.SetupError as exc:
             _warn_fallback("CUDA IPC all-reduce", exc)
             _cuda_comms[key] = None
@@ -251,8 +254,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     dim = _check_dim(tensor, dim)
     tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
     if tensor.shape[dim] % w != 0:
-        raise ValueError(f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible by the "
-                         f"group size {w}")
+        raise ValueError(
+            f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible by the group size {w}"
+        )
     if dim == 0:
         src = tensor.contiguous()
     else:

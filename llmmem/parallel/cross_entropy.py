@@ -25,13 +25,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per = logits.shape[-1]
         start = dist.get_rank(group) * per
         x = logits.float()
-        lse_local = torch.logsumexp(x, dim=-1)                                  # (...)
+        lse_local = torch.logsumexp(x, dim=-1)  # (...)
         owned = (target >= start) & (target < start + per)
         local_target = (target - start).masked_fill(~owned, 0)
         picked = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
         if t > 1:
-            both = torch.stack([lse_local, picked], dim=0).unsqueeze(0)          # (1, 2, ...)
-            gathered = collectives.all_gather(both.contiguous(), 0, group)      # (t, 2, ...)
+            both = torch.stack([lse_local, picked], dim=0).unsqueeze(0)  # (1, 2, ...)
+            gathered = collectives.all_gather(both.contiguous(), 0, group)  # (t, 2, ...)
             lse = torch.logsumexp(gathered[:, 0], dim=0)
             target_logit = gathered[:, 1].sum(dim=0)
         else:
@@ -44,14 +44,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, lse, local_target, owned, ignored = ctx.saved_tensors
-        g = torch.exp(logits.float() - lse.unsqueeze(-1))                       # softmax slice
+        g = torch.exp(logits.float() - lse.unsqueeze(-1))  # softmax slice
         g.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(g.dtype).unsqueeze(-1))
         g.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return g.to(logits.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, process_group=None,
-                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    process_group=None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """``F.cross_entropy(full_logits.view(-1, V), target.view(-1), ignore_index=..., reduction=...)``
     computed from this rank's vocabulary slice ``logits[..., V/t]``.
 
@@ -70,15 +76,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"vocab_parallel_cross_entropy: target must be int64 or int32, got {target.dtype}")
     if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must equal the logits' "
-                         f"shape without the last dimension, {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must equal the logits' "
+            f"shape without the last dimension, {tuple(logits.shape[:-1])}"
+        )
     group = get_tensor_parallel_group(process_group)
     vocab = logits.shape[-1] * dist.get_world_size(group)
     if target.device.type == "cpu" and target.numel():
         bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
         if bool(bad.any()):
-            raise IndexError(f"vocab_parallel_cross_entropy: Target {int(target[bad][0])} is out of bounds "
-                             f"(vocabulary size {vocab})")
+            raise IndexError(
+                f"vocab_parallel_cross_entropy: Target {int(target[bad][0])} is out of bounds "
+                f"(vocabulary size {vocab})"
+            )
     loss = _VocabParallelCrossEntropy.apply(logits, target.long(), group, ignore_index)
     if reduction == "none":
         return loss

@@ -47,7 +47,7 @@ class CudaIpcCommunicator:
         else:
             try:
                 handle, ipc = native.cuda_ar_create(cuda_index(device), rank, world, max_bytes, float(timeout))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 error = f"rank {rank}: {exc}"
         info = [None] * world
         dist.all_gather_object(info, (host_identity(), ipc, error), group=group)
@@ -58,7 +58,7 @@ class CudaIpcCommunicator:
             fail_setup(failures, handle, native.cuda_ar_close)
         try:
             native.cuda_ar_connect(handle, b"".join(h for _, h, _ in info))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             error = f"rank {rank}: {exc}"
         agree_or_raise(error, world, group, handle, native.cuda_ar_close)
         return cls(handle, rank, world, max_bytes, device)
@@ -73,8 +73,10 @@ class CudaIpcCommunicator:
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cuda" or not t.is_contiguous() or t.dtype not in DTYPE_CODES:
-            raise ValueError(f"llmmem cuda all_reduce: needs a contiguous CUDA float32/float16/bfloat16 tensor, "
-                             f"got {t.dtype} on {t.device}")
+            raise ValueError(
+                f"llmmem cuda all_reduce: needs a contiguous CUDA float32/float16/bfloat16 tensor, "
+                f"got {t.dtype} on {t.device}"
+            )
         stream = torch.cuda.current_stream(t.device).cuda_stream
         native.cuda_ar_all_reduce(self._handle, t.data_ptr(), t.data_ptr(), t.numel(), DTYPE_CODES[t.dtype], stream)
         return t

@@ -52,8 +52,15 @@ class _TPAttention(nn.Module):
         self.heads_local, self.head_dim = cfg.heads // t, cfg.hidden // cfg.heads
         w = _qkv_master_by_rank(ref.qkv.weight.detach(), cfg.heads, t)
         b = _qkv_master_by_rank(ref.qkv.bias.detach(), cfg.heads, t) if ref.qkv.bias is not None else None
-        self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, bias=b is not None, process_group=group,
-                                        device=w.device, dtype=w.dtype, _master=(w, b))
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden,
+            3 * cfg.hidden,
+            bias=b is not None,
+            process_group=group,
+            device=w.device,
+            dtype=w.dtype,
+            _master=(w, b),
+        )
         self.proj = RowParallelLinear.from_linear(ref.proj, process_group=group, input_is_parallel=True)
         self.attn_dropout, self.resid_dropout = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
         self.dropout_p, self.use_sdpa = cfg.dropout, cfg.attention == "sdpa"
@@ -121,8 +128,9 @@ class TensorParallelGPT(nn.Module):
         t = dist.get_world_size(group)
         for name, value in (("heads", cfg.heads), ("ffn_hidden", cfg.ffn_hidden), ("vocab_size", cfg.vocab_size)):
             if value % t != 0:
-                raise ValueError(f"TensorParallelGPT: {name} ({value}) must be divisible by the tensor-parallel "
-                                 f"size ({t})")
+                raise ValueError(
+                    f"TensorParallelGPT: {name} ({value}) must be divisible by the tensor-parallel size ({t})"
+                )
         self.cfg, self.process_group = cfg, group
         self.tok_emb = VocabParallelEmbedding.from_embedding(gpt.tok_emb, process_group=group)
         self.pos_emb = _clone(gpt.pos_emb)
@@ -135,7 +143,7 @@ class TensorParallelGPT(nn.Module):
             self.head.weight = self.tok_emb.weight  # both split the (V, h) table by rows the same way
 
     @classmethod
-    def from_gpt(cls, gpt: GPT, process_group=None) -> "TensorParallelGPT":
+    def from_gpt(cls, gpt: GPT, process_group=None) -> TensorParallelGPT:
         if not isinstance(gpt, GPT):
             raise TypeError(f"TensorParallelGPT.from_gpt: expected llmmem.models.gpt.GPT, got {type(gpt).__name__}")
         return cls(gpt, process_group)

@@ -13,8 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-_TP_GROUP = None          # this rank's tensor-parallel group, set by init()
-_DP_GROUP = None          # this rank's data-parallel group (same TP rank in every TP group)
+_TP_GROUP = None  # this rank's tensor-parallel group, set by init()
+_DP_GROUP = None  # this rank's data-parallel group (same TP rank in every TP group)
 
 _NO_GROUP_MSG = (
     "llmmem.parallel: torch.distributed is not initialised. Launch with `torchrun` and call "
@@ -27,8 +27,12 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init(tensor_parallel_size: int | None = None, *, backend: str | None = None,
-         timeout: datetime.timedelta | float | None = None):
+def init(
+    tensor_parallel_size: int | None = None,
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | float | None = None,
+):
     """Initialise torch.distributed if needed and build the tensor-parallel groups (TP x DP).
 
     Ranks ``[k*t, (k+1)*t)`` form tensor-parallel group ``k`` (consecutive ranks share a node under

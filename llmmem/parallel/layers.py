@@ -56,17 +56,31 @@ class _ParallelLinearBase(nn.Module):
     # dimension of the full weight (out, in) that is split across ranks
     _split_dim: int
 
-    def __init__(self, in_features, out_features, bias, process_group, sequence_parallel, sequence_dim,
-                 skip_bias_add, init_method, device, dtype, _master) -> None:
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias,
+        process_group,
+        sequence_parallel,
+        sequence_dim,
+        skip_bias_add,
+        init_method,
+        device,
+        dtype,
+        _master,
+    ) -> None:
         super().__init__()
         cls = type(self).__name__
         self.process_group = get_tensor_parallel_group(process_group)
         t = dist.get_world_size(self.process_group)
         self.tp_size, self.tp_rank = t, dist.get_rank(self.process_group)
-        split_name, split_value = (("out_features", out_features) if self._split_dim == 0
-                                   else ("in_features", in_features))
-        other_name, other_value = (("in_features", in_features) if self._split_dim == 0
-                                   else ("out_features", out_features))
+        split_name, split_value = (
+            ("out_features", out_features) if self._split_dim == 0 else ("in_features", in_features)
+        )
+        other_name, other_value = (
+            ("in_features", in_features) if self._split_dim == 0 else ("out_features", out_features)
+        )
         _check_size(cls, other_name, other_value, 1)
         _check_size(cls, split_name, split_value, t)
         if init_method is not None and not callable(init_method):
@@ -107,8 +121,10 @@ class _ParallelLinearBase(nn.Module):
     def _check_width(self, x: torch.Tensor, expected: int) -> None:
         if x.dim() == 0 or x.shape[-1] != expected:
             shape = tuple(x.shape)
-            raise RuntimeError(f"{type(self).__name__}: mat1 and mat2 shapes cannot be multiplied: input of shape "
-                               f"{shape} needs last dimension {expected}")
+            raise RuntimeError(
+                f"{type(self).__name__}: mat1 and mat2 shapes cannot be multiplied: input of shape "
+                f"{shape} needs last dimension {expected}"
+            )
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
@@ -138,13 +154,22 @@ class _ParallelLinearBase(nn.Module):
                 raise TypeError(f"{cls.__name__}.from_linear: {k}= is taken from the nn.Linear and cannot be passed")
         w = linear.weight.detach()
         b = linear.bias.detach() if linear.bias is not None else None
-        return cls(linear.in_features, linear.out_features, bias=b is not None, device=w.device, dtype=w.dtype,
-                   _master=(w, b), **kwargs)
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            bias=b is not None,
+            device=w.device,
+            dtype=w.dtype,
+            _master=(w, b),
+            **kwargs,
+        )
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
-                f"skip_bias_add={self.skip_bias_add}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
+            f"skip_bias_add={self.skip_bias_add}"
+        )
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -166,15 +191,40 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     _split_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
-                 process_group=None, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 skip_bias_add: bool = False, init_method: Callable[[torch.Tensor], object] | None = None,
-                 device=None, dtype=None, _master=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        process_group=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        skip_bias_add: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        device=None,
+        dtype=None,
+        _master=None,
+    ) -> None:
         if sequence_parallel and gather_output:
-            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
-                             "(the output is sharded by features; gather it explicitly if you need it)")
-        super().__init__(in_features, out_features, bias, process_group, sequence_parallel, sequence_dim,
-                         skip_bias_add, init_method, device, dtype, _master)
+            raise ValueError(
+                "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
+                "(the output is sharded by features; gather it explicitly if you need it)"
+            )
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            process_group,
+            sequence_parallel,
+            sequence_dim,
+            skip_bias_add,
+            init_method,
+            device,
+            dtype,
+            _master,
+        )
         self.gather_output = bool(gather_output)
 
     def forward(self, x: torch.Tensor):
@@ -216,14 +266,37 @@ class RowParallelLinear(_ParallelLinearBase):
 
     _split_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
-                 process_group=None, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 skip_bias_add: bool = False, init_method: Callable[[torch.Tensor], object] | None = None,
-                 device=None, dtype=None, _master=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = True,
+        process_group=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        skip_bias_add: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        device=None,
+        dtype=None,
+        _master=None,
+    ) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        super().__init__(in_features, out_features, bias, process_group, sequence_parallel, sequence_dim,
-                         skip_bias_add, init_method, device, dtype, _master)
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            process_group,
+            sequence_parallel,
+            sequence_dim,
+            skip_bias_add,
+            init_method,
+            device,
+            dtype,
+            _master,
+        )
         self.input_is_parallel = bool(input_is_parallel)
 
     def forward(self, x: torch.Tensor):
@@ -257,10 +330,20 @@ class VocabParallelEmbedding(nn.Module):
     on the host for CPU inputs, with an asynchronous device assert for CUDA inputs).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
-                 process_group=None, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 init_method: Callable[[torch.Tensor], object] | None = None, device=None, dtype=None,
-                 _master=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        process_group=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        device=None,
+        dtype=None,
+        _master=None,
+    ) -> None:
         super().__init__()
         self.process_group = get_tensor_parallel_group(process_group)
         t = dist.get_world_size(self.process_group)
@@ -269,8 +352,10 @@ class VocabParallelEmbedding(nn.Module):
         _check_size("VocabParallelEmbedding", "num_embeddings", num_embeddings, t)
         if padding_idx is not None:
             if not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"VocabParallelEmbedding: padding_idx must be within num_embeddings "
-                                 f"({num_embeddings}), got {padding_idx!r}")
+                raise ValueError(
+                    f"VocabParallelEmbedding: padding_idx must be within num_embeddings "
+                    f"({num_embeddings}), got {padding_idx!r}"
+                )
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
@@ -284,21 +369,29 @@ class VocabParallelEmbedding(nn.Module):
                     full[padding_idx].fill_(0)
         else:
             full = _master
-        self.weight = nn.Parameter(full.detach()[self.vocab_start:self.vocab_end].clone())
+        self.weight = nn.Parameter(full.detach()[self.vocab_start : self.vocab_end].clone())
         self.weight.tensor_parallel_dim = 0
         # padding row as an index into this rank's slice, when this rank owns it
-        self._local_padding_idx = (padding_idx - self.vocab_start
-                                   if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-                                   else None)
+        self._local_padding_idx = (
+            padding_idx - self.vocab_start
+            if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
+            else None
+        )
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> VocabParallelEmbedding:
         """This rank's slice of an existing ``nn.Embedding`` (same values on every rank)."""
         if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"VocabParallelEmbedding.from_embedding: expected an nn.Embedding, got "
-                            f"{type(embedding).__name__}")
-        return cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx,
-                   _master=embedding.weight.detach(), **kwargs)
+            raise TypeError(
+                f"VocabParallelEmbedding.from_embedding: expected an nn.Embedding, got {type(embedding).__name__}"
+            )
+        return cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            embedding.padding_idx,
+            _master=embedding.weight.detach(),
+            **kwargs,
+        )
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
@@ -310,11 +403,14 @@ class VocabParallelEmbedding(nn.Module):
             raise TypeError(f"VocabParallelEmbedding: ids must be int64 or int32, got {ids.dtype}")
         if ids.device.type == "cpu":
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-                raise IndexError(f"VocabParallelEmbedding: index out of range: ids must be in "
-                                 f"[0, {self.num_embeddings}), got [{int(ids.min())}, {int(ids.max())}]")
+                raise IndexError(
+                    f"VocabParallelEmbedding: index out of range: ids must be in "
+                    f"[0, {self.num_embeddings}), got [{int(ids.min())}, {int(ids.max())}]"
+                )
         else:
-            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                                "VocabParallelEmbedding: index out of range")
+            torch._assert_async(
+                ((ids >= 0) & (ids < self.num_embeddings)).all(), "VocabParallelEmbedding: index out of range"
+            )
         if self.tp_size == 1:
             out = F.embedding(ids, self.weight, self._local_padding_idx)
         else:
@@ -327,8 +423,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel_region(out, self.process_group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
-                f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, "
+            f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, process_group=None) -> int:
@@ -347,6 +445,6 @@ def allreduce_sequence_parallel_grads(module: nn.Module, process_group=None) -> 
     collectives.all_reduce_(flat, group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return len(grads)

@@ -35,8 +35,10 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if w == 1:
         return x
     if x.shape[dim] % w != 0:
-        raise ValueError(f"llmmem.parallel: dimension {dim} has size {x.shape[dim]}, which is not divisible by "
-                         f"the tensor-parallel size {w}")
+        raise ValueError(
+            f"llmmem.parallel: dimension {dim} has size {x.shape[dim]}, which is not divisible by "
+            f"the tensor-parallel size {w}"
+        )
     return x.chunk(w, dim=dim)[dist.get_rank(group)].contiguous()
 
 
@@ -136,19 +138,22 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, process_group=None, *, 
     return _ScatterToRegion.apply(x, get_tensor_parallel_group(process_group), sequence_dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, process_group=None, *, sequence_dim: int = 0,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, process_group=None, *, sequence_dim: int = 0, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """All-gather along the sequence dimension.
 
     Backward reduce-scatters the gradient when the gathered tensor feeds a tensor-parallel
     computation (``tensor_parallel_output_grad=True``, the default: each rank holds a partial
     gradient), and only keeps this rank's slice when the consumer was replicated.
     """
-    return _GatherFromSequenceRegion.apply(x, get_tensor_parallel_group(process_group), sequence_dim,
-                                           tensor_parallel_output_grad)
+    return _GatherFromSequenceRegion.apply(
+        x, get_tensor_parallel_group(process_group), sequence_dim, tensor_parallel_output_grad
+    )
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, process_group=None, *,
-                                               sequence_dim: int = 0) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, process_group=None, *, sequence_dim: int = 0
+) -> torch.Tensor:
     """Sum over the group and keep this rank's slice of the sequence dimension; backward all-gathers."""
     return _ReduceScatterToSequenceRegion.apply(x, get_tensor_parallel_group(process_group), sequence_dim)

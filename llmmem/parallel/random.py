@@ -74,7 +74,7 @@ class RNGStatesTracker:
 
     def __init__(self) -> None:
         self._seeds: dict[str, int] = {}
-        self._states: dict[str, dict] = {}   # name -> {"cpu": state, <cuda index>: state}
+        self._states: dict[str, dict] = {}  # name -> {"cpu": state, <cuda index>: state}
         self._active: set[str] = set()
         self._lock = threading.Lock()
         from llmmem.checkpointing.replay import register_rng_tracker
@@ -116,12 +116,12 @@ class RNGStatesTracker:
     def set_states(self, states: dict) -> None:
         """Replace every stream by ``states`` (what :meth:`get_states` returned)."""
         if not isinstance(states, dict):
-            raise TypeError(f"RNGStatesTracker.set_states: expected a dict from get_states(), got "
-                            f"{type(states).__name__}")
+            raise TypeError(
+                f"RNGStatesTracker.set_states: expected a dict from get_states(), got {type(states).__name__}"
+            )
         with self._lock:
             if self._active:
-                raise RuntimeError(f"RNGStatesTracker.set_states: streams {sorted(self._active)} are forked "
-                                   "right now")
+                raise RuntimeError(f"RNGStatesTracker.set_states: streams {sorted(self._active)} are forked right now")
             self._seeds = {n: seed for n, (seed, _) in states.items()}
             self._states = {n: {k: v.clone() for k, v in st.items()} for n, (_, st) in states.items()}
 
@@ -135,9 +135,11 @@ class RNGStatesTracker:
         """
         with self._lock:
             if name not in self._seeds:
-                raise RuntimeError(f"RNGStatesTracker.fork: no stream {name!r}; call "
-                                   "llmmem.parallel.model_parallel_manual_seed(seed) on every rank first "
-                                   "(or tracker.add(name, seed))")
+                raise RuntimeError(
+                    f"RNGStatesTracker.fork: no stream {name!r}; call "
+                    "llmmem.parallel.model_parallel_manual_seed(seed) on every rank first "
+                    "(or tracker.add(name, seed))"
+                )
             if name in self._active:
                 # the inner block's exit would save a state the outer one then overwrites
                 raise RuntimeError(f"RNGStatesTracker.fork: stream {name!r} is already forked (nested fork)")

@@ -70,7 +70,7 @@ class ShmCommunicator:
         self.rank, self.world_size = rank, world_size
 
     @classmethod
-    def setup(cls, group, *, timeout: float) -> "ShmCommunicator":
+    def setup(cls, group, *, timeout: float) -> ShmCommunicator:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if not available():
             raise SetupError("the C core (llmmem._C) is not loaded")
@@ -86,7 +86,7 @@ class ShmCommunicator:
         handle, error = None, None
         try:
             handle = native.shm_comm_open(name, rank, world, _slot_bytes(), float(timeout))
-        except Exception as exc:  # noqa: BLE001 - any failure means: fall back, on every rank
+        except Exception as exc:
             error = f"rank {rank}: {exc}"
         agree_or_raise(error, world, group, handle, native.shm_comm_close)
         return cls(handle, rank, world)
@@ -102,8 +102,10 @@ class ShmCommunicator:
     @staticmethod
     def _check(t: torch.Tensor, what: str) -> int:
         if not t.is_cpu or not t.is_contiguous() or t.dtype not in DTYPE_CODES:
-            raise ValueError(f"llmmem shm {what}: needs a contiguous CPU float32/float16/bfloat16 tensor, got "
-                             f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+            raise ValueError(
+                f"llmmem shm {what}: needs a contiguous CPU float32/float16/bfloat16 tensor, got "
+                f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
+            )
         return DTYPE_CODES[t.dtype]
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
@@ -123,8 +125,10 @@ class ShmCommunicator:
         """``out`` (world * t.numel() elements) = every rank's ``t``, in rank order."""
         code = self._check(t, "all_gather")
         if self._check(out, "all_gather") != code or out.numel() != self.world_size * t.numel():
-            raise ValueError(f"llmmem shm all_gather: out must be {self.world_size} x {t.numel()} elements of "
-                             f"{t.dtype}, got {out.numel()} of {out.dtype}")
+            raise ValueError(
+                f"llmmem shm all_gather: out must be {self.world_size} x {t.numel()} elements of "
+                f"{t.dtype}, got {out.numel()} of {out.dtype}"
+            )
         native.shm_all_gather(self._handle, t.data_ptr(), out.data_ptr(), t.numel(), code)
         return out
 
@@ -132,7 +136,9 @@ class ShmCommunicator:
         """``out`` = this rank's block of the sum of every rank's ``t`` (world blocks of out.numel())."""
         code = self._check(t, "reduce_scatter")
         if self._check(out, "reduce_scatter") != code or t.numel() != self.world_size * out.numel():
-            raise ValueError(f"llmmem shm reduce_scatter: input must be {self.world_size} x {out.numel()} elements "
-                             f"of {out.dtype}, got {t.numel()} of {t.dtype}")
+            raise ValueError(
+                f"llmmem shm reduce_scatter: input must be {self.world_size} x {out.numel()} elements "
+                f"of {out.dtype}, got {t.numel()} of {t.dtype}"
+            )
         native.shm_reduce_scatter(self._handle, t.data_ptr(), out.data_ptr(), out.numel(), code)
         return out

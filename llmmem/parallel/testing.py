@@ -29,8 +29,8 @@ from dataclasses import dataclass
 @dataclass
 class RankResult:
     rank: int
-    returncode: int | None   # negative: killed by that signal; None: killed by us (timeout or grace)
-    output: str              # the rank's stdout and stderr, interleaved
+    returncode: int | None  # negative: killed by that signal; None: killed by us (timeout or grace)
+    output: str  # the rank's stdout and stderr, interleaved
 
 
 class RanksFailed(AssertionError):
@@ -44,9 +44,18 @@ def _report(results: list[RankResult]) -> str:
     return "\n".join(f"--- rank {r.rank} ({status(r.returncode)}) ---\n{r.output[-6000:]}" for r in results)
 
 
-def run_ranks(path: str, fn: str, world_size: int, *, args: tuple = (), timeout: float = 90.0,
-              env: dict | None = None, expect: dict[int, int] | None = None, grace: float = 10.0,
-              check: bool = True) -> list[RankResult]:
+def run_ranks(
+    path: str,
+    fn: str,
+    world_size: int,
+    *,
+    args: tuple = (),
+    timeout: float = 90.0,
+    env: dict | None = None,
+    expect: dict[int, int] | None = None,
+    grace: float = 10.0,
+    check: bool = True,
+) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` from file ``path`` on ``world_size`` gloo ranks.
 
     :param args: JSON-serialisable extra arguments.
@@ -64,14 +73,33 @@ def run_ranks(path: str, fn: str, world_size: int, *, args: tuple = (), timeout:
     child_env.update(env or {})
     expect = {int(k): v for k, v in (expect or {}).items()}
     with tempfile.TemporaryDirectory(prefix="llmmem-ranks-") as tmp:
-        cmd = [sys.executable, "-m", "llmmem.parallel.testing", "--file", os.path.abspath(path), "--fn", fn,
-               "--world-size", str(world_size), "--dir", tmp, "--args", json.dumps(list(args)),
-               "--timeout", str(timeout), "--grace", str(grace), "--expect", json.dumps(expect)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmmem.parallel.testing",
+            "--file",
+            os.path.abspath(path),
+            "--fn",
+            fn,
+            "--world-size",
+            str(world_size),
+            "--dir",
+            tmp,
+            "--args",
+            json.dumps(list(args)),
+            "--timeout",
+            str(timeout),
+            "--grace",
+            str(grace),
+            "--expect",
+            json.dumps(expect),
+        ]
         with open(os.path.join(tmp, "launcher.log"), "w+") as log:
             # cwd=root: `python -m` puts the working directory first on sys.path, and the ranks must
             # import the same llmmem as the caller (not a source checkout the caller happens to be in).
-            launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                        start_new_session=True, cwd=root)
+            launcher = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True, cwd=root
+            )
             try:
                 launcher.wait(timeout=timeout + grace + 30)
             except subprocess.TimeoutExpired:
@@ -96,8 +124,10 @@ def run_ranks(path: str, fn: str, world_size: int, *, args: tuple = (), timeout:
             text = open(p).read() if os.path.exists(p) else ""
             results.append(RankResult(r, codes.get(r), text))
     if check and (any(r.returncode != expect.get(r.rank, 0) for r in results) or launcher.returncode != 0):
-        raise RanksFailed(f"{fn} failed on some rank (launcher exit {launcher.returncode}):\n"
-                          f"{launcher_out[-3000:]}\n{_report(results)}")
+        raise RanksFailed(
+            f"{fn} failed on some rank (launcher exit {launcher.returncode}):\n"
+            f"{launcher_out[-3000:]}\n{_report(results)}"
+        )
     return results
 
 
@@ -106,8 +136,9 @@ def _rank_main(module, fn: str, rank: int, world: int, store: str, args: list, t
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout)
+    )
     try:
         getattr(module, fn)(rank, world, *args)
     finally:
@@ -148,7 +179,7 @@ def _launch(argv: list[str]) -> int:
                 os.dup2(fd, 2)
                 _rank_main(module, a.fn, rank, a.world_size, store, json.loads(a.args), a.timeout)
                 code = 0
-            except BaseException:  # noqa: BLE001 - report anything, then exit with a status
+            except BaseException:
                 traceback.print_exc()
             finally:
                 sys.stdout.flush()

@@ -82,7 +82,7 @@ def _parse_device(device) -> tuple[str, int]:
             torch = _torch()
             if torch.cuda.is_initialized():
                 index = torch.cuda.current_device()
-        except Exception:  # noqa: BLE001 - no usable CUDA: the C backend says why at creation
+        except Exception:
             pass
         return "cuda", index
     if name.startswith("cuda:") and name[5:].isdigit():
@@ -94,9 +94,15 @@ def _require_mempool(torch) -> None:
     """Raises a RuntimeError naming the torch version needed when MemPool is missing."""
     cuda = getattr(torch, "cuda", None)
     memory = getattr(cuda, "memory", None)
-    missing = [n for n, o in (("torch.cuda.MemPool", cuda), ("torch.cuda.use_mem_pool", cuda),
-                              ("torch.cuda.memory.CUDAPluggableAllocator", memory))
-               if o is None or not hasattr(o, n.rsplit(".", 1)[1])]
+    missing = [
+        n
+        for n, o in (
+            ("torch.cuda.MemPool", cuda),
+            ("torch.cuda.use_mem_pool", cuda),
+            ("torch.cuda.memory.CUDAPluggableAllocator", memory),
+        )
+        if o is None or not hasattr(o, n.rsplit(".", 1)[1])
+    ]
     if missing:
         raise RuntimeError(
             f"llmmem.use_pool on CUDA needs torch >= {_MEMPOOL_MIN_TORCH} (for {', '.join(missing)}); "
@@ -116,8 +122,9 @@ def _require_pluggable(torch) -> None:
 
 def _require_native():
     if not available():
-        raise ImportError(f"llmmem: the C core (llmmem._C) is not loaded, so MemoryPool is unavailable: "
-                          f"{load_error!r}")
+        raise ImportError(
+            f"llmmem: the C core (llmmem._C) is not loaded, so MemoryPool is unavailable: {load_error!r}"
+        )
     return native
 
 
@@ -224,10 +231,13 @@ class MemoryPool:
     def __repr__(self) -> str:
         dev = f"cuda:{self._index}" if self._kind == "cuda" else self._kind
         cap = "None" if self._max is None else format_bytes(self._max)
-        state = "closed" if self._capsule is None else \
-            f"reserved {format_bytes(self.stats()['reserved_bytes.current'])}"
-        return (f"MemoryPool(device={dev!r}, initial_size={format_bytes(self._initial)}, max_size={cap}, "
-                f"expandable={self._expandable}, {state})")
+        state = (
+            "closed" if self._capsule is None else f"reserved {format_bytes(self.stats()['reserved_bytes.current'])}"
+        )
+        return (
+            f"MemoryPool(device={dev!r}, initial_size={format_bytes(self._initial)}, max_size={cap}, "
+            f"expandable={self._expandable}, {state})"
+        )
 
     def _cap(self):
         if self._capsule is None:
@@ -247,7 +257,13 @@ class MemoryPool:
         dtype = torch.float32 if dtype is None else dtype
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
-        if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):  # frombuffer crashes on use
+        if dtype in (
+            torch.qint8,
+            torch.quint8,
+            torch.qint32,
+            torch.quint4x2,
+            torch.quint2x4,
+        ):  # frombuffer crashes on use
             raise TypeError(f"dtype: quantized dtypes such as {dtype} are not supported by MemoryPool.empty")
         shape = _parse_shape(shape)
         if self._kind == "cuda":
@@ -297,12 +313,26 @@ class MemoryPool:
         for base, seg_size, addr, size, requested, state, small, stream in native.pool_snapshot(self._cap()):
             seg = by_base.get(base)
             if seg is None:
-                seg = {"address": base, "total_size": seg_size, "allocated_size": 0, "active_size": 0,
-                       "device": device, "blocks": []}
+                seg = {
+                    "address": base,
+                    "total_size": seg_size,
+                    "allocated_size": 0,
+                    "active_size": 0,
+                    "device": device,
+                    "blocks": [],
+                }
                 by_base[base] = seg
                 segments.append(seg)
-            seg["blocks"].append({"address": addr, "size": size, "requested_size": requested, "state": state,
-                                  "small": small, "stream": stream})
+            seg["blocks"].append(
+                {
+                    "address": addr,
+                    "size": size,
+                    "requested_size": requested,
+                    "state": state,
+                    "small": small,
+                    "stream": stream,
+                }
+            )
             if state == "active_allocated":
                 seg["allocated_size"] += size
             if state != "inactive":
@@ -313,30 +343,41 @@ class MemoryPool:
         """A readable table of the statistics (like ``torch.cuda.memory_summary``)."""
         s = self.stats()
         cap = "unlimited" if s["max_size"] is None else format_bytes(s["max_size"])
-        rows = [("Allocated memory", "allocated_bytes", True), ("Requested memory", "requested_bytes", True),
-                ("Active memory", "active_bytes", True), ("Reserved memory", "reserved_bytes", True),
-                ("Allocations", "allocation", False), ("Segments", "segment", False)]
+        rows = [
+            ("Allocated memory", "allocated_bytes", True),
+            ("Requested memory", "requested_bytes", True),
+            ("Active memory", "active_bytes", True),
+            ("Reserved memory", "reserved_bytes", True),
+            ("Allocations", "allocation", False),
+            ("Segments", "segment", False),
+        ]
         width = 70
-        lines = ["=" * width,
-                 f" llmmem MemoryPool ({s['device']}, {s['backend']}, "
-                 f"{'grows in place' if s['expandable'] else 'grows by segments'})",
-                 f" initial_size {format_bytes(s['initial_size'])}, max_size {cap}",
-                 "-" * width, f" {'Metric':<24}{'Current':>20}{'Peak':>20}", "-" * width]
+        lines = [
+            "=" * width,
+            f" llmmem MemoryPool ({s['device']}, {s['backend']}, "
+            f"{'grows in place' if s['expandable'] else 'grows by segments'})",
+            f" initial_size {format_bytes(s['initial_size'])}, max_size {cap}",
+            "-" * width,
+            f" {'Metric':<24}{'Current':>20}{'Peak':>20}",
+            "-" * width,
+        ]
         for label, key, is_bytes in rows:
             cur, peak = s[key + ".current"], s[key + ".peak"]
             fmt = format_bytes if is_bytes else str
             lines.append(f" {label:<24}{fmt(cur):>20}{fmt(peak):>20}")
-        lines += ["-" * width,
-                  f" Free in reserved        {format_bytes(s['free_bytes']):>20}   largest block "
-                  f"{format_bytes(s['largest_free_block'])}",
-                  f" Fragmentation           {100 * s['fragmentation']:>19.1f}%   (1 - largest free / free)",
-                  f" Decommitted (not held)  {format_bytes(s['decommitted_bytes']):>20}",
-                  f" Small-request chunks    {s['small_chunks']:>20}",
-                  f" Allocs / frees          {s['num_allocs']:>20} / {s['num_frees']}",
-                  f" OOMs / invalid frees    {s['num_ooms']:>20} / {s['num_invalid_frees']}",
-                  f" Device allocs / frees   {s['num_device_alloc']:>20} / {s['num_device_free']}",
-                  f" Event syncs             {s['num_sync_events']:>20}",
-                  "=" * width]
+        lines += [
+            "-" * width,
+            f" Free in reserved        {format_bytes(s['free_bytes']):>20}   largest block "
+            f"{format_bytes(s['largest_free_block'])}",
+            f" Fragmentation           {100 * s['fragmentation']:>19.1f}%   (1 - largest free / free)",
+            f" Decommitted (not held)  {format_bytes(s['decommitted_bytes']):>20}",
+            f" Small-request chunks    {s['small_chunks']:>20}",
+            f" Allocs / frees          {s['num_allocs']:>20} / {s['num_frees']}",
+            f" OOMs / invalid frees    {s['num_ooms']:>20} / {s['num_invalid_frees']}",
+            f" Device allocs / frees   {s['num_device_alloc']:>20} / {s['num_device_free']}",
+            f" Event syncs             {s['num_sync_events']:>20}",
+            "=" * width,
+        ]
         return "\n".join(lines)
 
     # ---- memory management ----------------------------------------------------------------
@@ -356,8 +397,9 @@ class MemoryPool:
         if self._capsule is None:
             return
         if self is _installed:
-            raise RuntimeError("llmmem: this pool is installed as the process-wide CUDA allocator; "
-                               "it cannot be closed")
+            raise RuntimeError(
+                "llmmem: this pool is installed as the process-wide CUDA allocator; it cannot be closed"
+            )
         if self._torch_pool is not None:
             torch = _torch()
             self._torch_pool = None
@@ -386,8 +428,9 @@ class MemoryPool:
         slot = self._bind_slot()
         with self._lock:
             if self._torch_pool is None:
-                alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, f"llmmem_pool_alloc_{slot}",
-                                                                 f"llmmem_pool_free_{slot}")
+                alloc = torch.cuda.memory.CUDAPluggableAllocator(
+                    native.__file__, f"llmmem_pool_alloc_{slot}", f"llmmem_pool_free_{slot}"
+                )
                 self._torch_pool = torch.cuda.MemPool(allocator=alloc.allocator())
             return self._torch_pool
 
@@ -404,8 +447,12 @@ def _create_cuda_vmm(nat, index, initial, cap, growth):
     capsule = nat.pool_create("cuda", index, initial, cap, growth)  # raises if there is no GPU at all
     import warnings
 
-    warnings.warn(f"llmmem.MemoryPool(expandable=True): {reason}; using cudaMalloc segments instead "
-                  "(the pool grows by separate segments)", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"llmmem.MemoryPool(expandable=True): {reason}; using cudaMalloc segments instead "
+        "(the pool grows by separate segments)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return capsule
 
 
@@ -433,7 +480,7 @@ def feature_status() -> tuple[bool, str]:
     parts = ["CPU pools"]
     try:
         cuda_built = bool(native.build_info()["cuda_built"])
-    except Exception:  # noqa: BLE001
+    except Exception:
         cuda_built = False
     if not cuda_built:
         parts.append("CUDA/pinned pools not built (CPU-only build)")
@@ -441,7 +488,7 @@ def feature_status() -> tuple[bool, str]:
     try:
         torch = _torch()
         gpu = torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
+    except Exception:
         torch, gpu = None, False
     if not gpu:
         parts.append("CUDA and pinned pools built, but no usable GPU here")

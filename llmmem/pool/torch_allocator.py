@@ -85,19 +85,24 @@ def install_allocator(pool: MemoryPool) -> None:
     if not isinstance(pool, MemoryPool):
         raise TypeError(f"install_allocator: expected an llmmem.MemoryPool, got {type(pool).__name__}")
     if pool.kind != "cuda":
-        raise ValueError(f"install_allocator: needs a CUDA pool (device='cuda'), got device={pool.kind!r}; "
-                         "CPU pools hand out tensors with pool.empty(shape, dtype)")
+        raise ValueError(
+            f"install_allocator: needs a CUDA pool (device='cuda'), got device={pool.kind!r}; "
+            "CPU pools hand out tensors with pool.empty(shape, dtype)"
+        )
     pool._cap()
     if installed_pool() is pool:
         return
     if installed_pool() is not None:
-        raise RuntimeError("llmmem.install_allocator: another pool is already installed; the process-wide "
-                           "allocator cannot be swapped once installed")
+        raise RuntimeError(
+            "llmmem.install_allocator: another pool is already installed; the process-wide "
+            "allocator cannot be swapped once installed"
+        )
     torch = _memory_pool._torch()
     _require_pluggable(torch)
     slot = pool._bind_slot()
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(native.__file__, f"llmmem_pool_xalloc_{slot}",
-                                                     f"llmmem_pool_free_{slot}")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(
+        native.__file__, f"llmmem_pool_xalloc_{slot}", f"llmmem_pool_free_{slot}"
+    )
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as exc:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import llmmem
+from llmmem._native import native
 from llmmem.amp import kernels as K
 from llmmem.amp import launch as L
-from llmmem._native import native
 
 pytestmark = pytest.mark.cuda
 
@@ -95,14 +95,19 @@ def test_check_only_writes_nothing():
 @pytest.mark.parametrize("hysteresis,min_scale,on_growth", [(1, 0.0, False), (3, 2.0, False), (3, 2.0, True)])
 def test_device_update_follows_host_rule(hysteresis, min_scale, on_growth):
     rng = random.Random(hysteresis)
-    host = [torch.full((), 512.0), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
-            torch.zeros(4, dtype=torch.int64)]
+    host = [
+        torch.full((), 512.0),
+        torch.zeros((), dtype=torch.int32),
+        torch.full((), hysteresis, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64),
+    ]
     dev = [t.cuda() for t in host]
     for _ in range(300):
         flags = [float(rng.random() < 0.4), 0.0]
         K.update_scale_(*host, [torch.full((), f) for f in flags], 2.0, 0.5, 3, hysteresis, min_scale, on_growth)
-        K.update_scale_(*dev, [torch.full((), f, device="cuda") for f in flags], 2.0, 0.5, 3, hysteresis, min_scale,
-                        on_growth)
+        K.update_scale_(
+            *dev, [torch.full((), f, device="cuda") for f in flags], 2.0, 0.5, 3, hysteresis, min_scale, on_growth
+        )
     for h, d in zip(host, dev):
         assert torch.equal(h, d.cpu())
 
@@ -209,12 +214,14 @@ def test_kernels_restore_the_callers_current_device():
     found = torch.zeros((), device="cuda:1")
     scale = torch.full((), 4.0, device="cuda:1")
     stream = torch.cuda.current_stream(1).cuda_stream
-    native.scaler_unscale_check_cuda([g.data_ptr()], [8], [0], scale.data_ptr(), False, found.data_ptr(), 0, 0, 1,
-                                     stream)
+    native.scaler_unscale_check_cuda(
+        [g.data_ptr()], [8], [0], scale.data_ptr(), False, found.data_ptr(), 0, 0, 1, stream
+    )
     assert torch.cuda.current_device() == 0
     growth = torch.zeros((), dtype=torch.int32, device="cuda:1")
-    native.scaler_update(scale.data_ptr(), growth.data_ptr(), 0, 0, [found.data_ptr()], 2.0, 0.5, 10, 1, 0.0, 1,
-                         stream)
+    native.scaler_update(
+        scale.data_ptr(), growth.data_ptr(), 0, 0, [found.data_ptr()], 2.0, 0.5, 10, 1, 0.0, 1, stream
+    )
     assert torch.cuda.current_device() == 0
     torch.cuda.synchronize(1)
     assert g.cpu().tolist() == [0.25] * 8 and scale.item() == 4.0

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.amp import ODD_LAYOUTS, assert_same, interrupt_once_on, odd_layout_param, p_with
 
 import llmmem
 from llmmem.amp import kernels as K
 
 SCALE = 1024.0
-
-
 
 
 def found_of(scaler, opt):
@@ -68,8 +65,16 @@ def test_plain_gradients_take_the_fast_path_and_match_torch():
 @pytest.mark.parametrize("special", [float("nan"), float("-inf")])
 def test_mixed_dtypes(special):
     def grads():
-        gs = [(torch.randn(n) * SCALE).to(dt) for n, dt in
-              [(33, torch.float32), (65, torch.bfloat16), (17, torch.float64), (0, torch.bfloat16), (5, torch.float32)]]
+        gs = [
+            (torch.randn(n) * SCALE).to(dt)
+            for n, dt in [
+                (33, torch.float32),
+                (65, torch.bfloat16),
+                (17, torch.float64),
+                (0, torch.bfloat16),
+                (5, torch.float32),
+            ]
+        ]
         gs[1][64] = special
         return gs
 
@@ -180,8 +185,13 @@ def test_non_contiguous_gradients_go_the_general_way_and_match_torch():
     def grads():
         base = torch.randn(64, 32) * SCALE
         base[5, 3] = float("inf")
-        return [torch.randn(10) * SCALE, base.t(), (torch.randn(40) * SCALE)[::3], (torch.randn(4, 9) * SCALE)[1:3, 4:9],
-                torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)]
+        return [
+            torch.randn(10) * SCALE,
+            base.t(),
+            (torch.randn(40) * SCALE)[::3],
+            (torch.randn(4, 9) * SCALE)[1:3, 4:9],
+            torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1),
+        ]
 
     gs = grads()
     before = [g.clone() for g in gs]
@@ -290,8 +300,12 @@ def test_too_few_flags_for_the_parameters_are_handed_over():
     params = [p_with(torch.randn(3)) for _ in range(3)]
     opt = torch.optim.SGD(params, lr=0.1)
     before = [p.grad.clone() for p in params]
-    assert K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), torch.zeros(2, dtype=torch.uint8),
-                                       torch.full((), 2.0)) is None
+    assert (
+        K.unscale_param_groups_cpu_(
+            opt.param_groups, False, torch.zeros(()), torch.zeros(2, dtype=torch.uint8), torch.full((), 2.0)
+        )
+        is None
+    )
     assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
 
 
@@ -300,6 +314,7 @@ def test_many_small_gradients_match_torch(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+
         def grads():
             gen = torch.Generator().manual_seed(3)
             gs = [torch.randn(int(n), generator=gen) * SCALE for n in torch.randint(0, 3000, (600,), generator=gen)]
@@ -319,11 +334,13 @@ def test_odd_scalars_are_handed_over_not_raised():
     flags = torch.zeros(1, dtype=torch.uint8)
     f32 = torch.zeros(())
     two = torch.full((), 2.0)  # a real unscale, so a write would show
-    for found, scale, fl in [(torch.zeros((), dtype=torch.float64), two, flags),
-                             (f32, torch.ones((), dtype=torch.float64), flags),
-                             (f32, torch.ones(2), flags),
-                             (f32, two, torch.zeros(1, dtype=torch.int32)),
-                             (f32, two, torch.zeros(1, dtype=torch.uint8).as_subclass(_Sub))]:
+    for found, scale, fl in [
+        (torch.zeros((), dtype=torch.float64), two, flags),
+        (f32, torch.ones((), dtype=torch.float64), flags),
+        (f32, torch.ones(2), flags),
+        (f32, two, torch.zeros(1, dtype=torch.int32)),
+        (f32, two, torch.zeros(1, dtype=torch.uint8).as_subclass(_Sub)),
+    ]:
         before = params[0].grad.clone()
         assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, fl, scale) is None
         assert torch.equal(params[0].grad, before)
@@ -336,16 +353,25 @@ def test_flags_and_done_may_be_python_arrays_of_the_right_type():
     params = [p_with(g.clone()) for g in grads]
     opt = torch.optim.SGD(params, lr=0.1)
     found, flags, done = torch.zeros(()), array("B", bytes(3)), array("q", [-1])
-    assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, torch.full((), 2.0),
-                                       done=done) == (3, None, None)
+    assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, torch.full((), 2.0), done=done) == (
+        3,
+        None,
+        None,
+    )
     assert flags.tolist() == [0, 1, 0] and done[0] == 3 and float(found) == 1.0
     assert torch.equal(params[0].grad, torch.tensor([0.5, 1.0]))
     # arrays of another element type, or a done cell of more than one element, are handed over untouched
-    for fl, dn in [(array("b", bytes(3)), None), (array("H", [0, 0, 0]), None), (array("B", bytes(3)), array("l", [0])),
-                   (array("B", bytes(3)), array("q", [0, 0]))]:
+    for fl, dn in [
+        (array("b", bytes(3)), None),
+        (array("H", [0, 0, 0]), None),
+        (array("B", bytes(3)), array("l", [0])),
+        (array("B", bytes(3)), array("q", [0, 0])),
+    ]:
         before = [p.grad.clone() for p in params]
-        assert K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), fl, torch.full((), 2.0),
-                                           done=dn) is None
+        assert (
+            K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), fl, torch.full((), 2.0), done=dn)
+            is None
+        )
         assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
 
 

@@ -11,12 +11,11 @@ import warnings
 
 import pytest
 import torch
-
 from support.amp import assert_same
 
 import llmmem
-from llmmem.amp import kernels as K
 from llmmem._native import native
+from llmmem.amp import kernels as K
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SIZES = [0, 1, 7, 4097, 10**6 + 3]
@@ -39,7 +38,6 @@ def rand_grad(n, dtype, gen):
     return x.to(dtype)
 
 
-
 def torch_unscale(grads, scale):
     found = torch.zeros(())
     inv = torch.full((), scale, dtype=torch.float32).double().reciprocal().float()
@@ -58,15 +56,25 @@ def llmmem_unscale(grads, scale, num_threads=None, reference=False):
     if num_threads is None and not reference:
         K.unscale_check_(grads, found, flags, s)
     else:
-        native.scaler_unscale_check([g.data_ptr() for g in grads], [g.numel() for g in grads],
-                                    [K.DTYPE_CODES[g.dtype] for g in grads], s.data_ptr(), False, found.data_ptr(),
-                                    flags.data_ptr(), len(grads), num_threads or 1, reference=reference)
+        native.scaler_unscale_check(
+            [g.data_ptr() for g in grads],
+            [g.numel() for g in grads],
+            [K.DTYPE_CODES[g.dtype] for g in grads],
+            s.data_ptr(),
+            False,
+            found.data_ptr(),
+            flags.data_ptr(),
+            len(grads),
+            num_threads or 1,
+            reference=reference,
+        )
     return found.item(), flags
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,where", [(n, w) for n in SIZES for w in ("none", "first", "middle", "last")
-                                     if n > 0 or w == "none"])
+@pytest.mark.parametrize(
+    "n,where", [(n, w) for n in SIZES for w in ("none", "first", "middle", "last") if n > 0 or w == "none"]
+)
 def test_single_tensor_matches_torch(dtype, n, where):
     gen = torch.Generator().manual_seed(n + 17 * DTYPES.index(dtype))
     g = rand_grad(n, dtype, gen)
@@ -115,8 +123,16 @@ def test_many_tensors_mixed_dtypes_match_torch(count):
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_thread_counts_match_the_scalar_reference(threads):
     gen = torch.Generator().manual_seed(threads)
-    grads = [rand_grad(n, dt, gen) for n, dt in [(3_000_007, torch.float32), (300_001, torch.bfloat16),
-                                                  (4097, torch.float16), (250_000, torch.float64), (0, torch.float32)]]
+    grads = [
+        rand_grad(n, dt, gen)
+        for n, dt in [
+            (3_000_007, torch.float32),
+            (300_001, torch.bfloat16),
+            (4097, torch.float16),
+            (250_000, torch.float64),
+            (0, torch.float32),
+        ]
+    ]
     grads[1][-1] = float("nan")
     ours = [g.clone() for g in grads]
     ref = [g.clone() for g in grads]
@@ -130,10 +146,11 @@ def test_thread_counts_match_the_scalar_reference(threads):
 def test_non_contiguous_tensors():
     gen = torch.Generator().manual_seed(5)
     base = rand_grad(64 * 48, torch.float32, gen).view(64, 48)
-    dense_t = base.clone().t()                       # transposed: dense, treated as flat memory
-    strided = base.clone()[:, ::3]                   # a real strided view: copied, unscaled, copied back
-    channels_last = rand_grad(2 * 3 * 5 * 7, torch.bfloat16, gen).view(2, 3, 5, 7).to(
-        memory_format=torch.channels_last)
+    dense_t = base.clone().t()  # transposed: dense, treated as flat memory
+    strided = base.clone()[:, ::3]  # a real strided view: copied, unscaled, copied back
+    channels_last = (
+        rand_grad(2 * 3 * 5 * 7, torch.bfloat16, gen).view(2, 3, 5, 7).to(memory_format=torch.channels_last)
+    )
     strided[5, 7] = float("inf")
     grads = [dense_t, strided, channels_last]
     ref = [g.contiguous().clone() for g in grads]  # torch's op on the same values, laid out flat
@@ -194,8 +211,12 @@ def test_update_matches_torch_with_awkward_factors():
 @pytest.mark.parametrize("hysteresis,min_scale", [(1, 0.0), (3, 0.0), (2, 4.0), (1, 1e-3)])
 def test_torch_ops_fallback_update_follows_the_c_rule(hysteresis, min_scale, on_growth):
     rng = random.Random(hysteresis)
-    a = [torch.full((), 64.0), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
-         torch.zeros(4, dtype=torch.int64)]
+    a = [
+        torch.full((), 64.0),
+        torch.zeros((), dtype=torch.int32),
+        torch.full((), hysteresis, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64),
+    ]
     b = [t.clone() for t in a]
     for _ in range(400):
         found = [torch.full((), float(rng.random() < 0.45)), torch.zeros(())]
@@ -235,8 +256,12 @@ def test_update_rule_matches_megatron_and_apex(hysteresis, on_growth):
     rng = random.Random(hysteresis * 2 + on_growth)
     seq = [rng.random() < 0.4 for _ in range(500)]
     want = _megatron_rule(seq, 2.0**20, 4, hysteresis, on_growth)
-    st = [torch.full((), 2.0**20), torch.zeros((), dtype=torch.int32), torch.full((), hysteresis, dtype=torch.int32),
-          torch.zeros(4, dtype=torch.int64)]
+    st = [
+        torch.full((), 2.0**20),
+        torch.zeros((), dtype=torch.int32),
+        torch.full((), hysteresis, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64),
+    ]
     for found, (scale, growth, hyst) in zip(seq, want):
         K.update_scale_(*st, [torch.full((), float(found))], 2.0, 0.5, 4, hysteresis, 0.0, on_growth)
         assert (st[0].item(), st[1].item(), st[2].item()) == (scale, growth, hyst)
@@ -323,6 +348,7 @@ def test_unpickling_a_scaler_saved_before_hysteresis_mode_uses_the_consecutive_r
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     train(old, model, opt, 1)
     assert old.stats()["updates"] == 1
+
 
 def test_visibility_readers_on_a_disabled_scaler():
     s = llmmem.GradScaler("cpu", enabled=False)

@@ -28,8 +28,11 @@ def setup(impl, dtype=torch.float32):
 def test_unscale_twice(impl):
     _, opt, s = setup(impl)
     s.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer since the last "
-                                           r"update\(\)\."):
+    with pytest.raises(
+        RuntimeError,
+        match=r"unscale_\(\) has already been called on this optimizer since the last "
+        r"update\(\)\.",
+    ):
         s.unscale_(opt)
 
 
@@ -79,8 +82,10 @@ def test_fp16_gradients(impl):
 
 def test_empty_state_dict(impl):
     s = impl("cpu")
-    with pytest.raises(RuntimeError, match="The source state dict is empty, possibly because it was saved from a "
-                                           "disabled instance of GradScaler."):
+    with pytest.raises(
+        RuntimeError,
+        match="The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.",
+    ):
         s.load_state_dict({})
 
 
@@ -90,25 +95,47 @@ def test_scale_non_tensor(impl):
         s.scale([torch.ones(1), 3.0])
 
 
-@pytest.mark.parametrize("kw", [{"growth_factor": 1.0}, {"growth_factor": 0.5}, {"backoff_factor": 1.0},
-                                {"backoff_factor": 2.0}])
+@pytest.mark.parametrize(
+    "kw", [{"growth_factor": 1.0}, {"growth_factor": 0.5}, {"backoff_factor": 1.0}, {"backoff_factor": 2.0}]
+)
 def test_bad_factors_raise_assertion_error_like_torch(impl, kw):
     with pytest.raises(AssertionError):
         impl("cpu", **kw)
 
 
-@pytest.mark.parametrize("kw", [{"growth_factor": 1.0}, {"backoff_factor": 1.0}, {"backoff_factor": 0.0},
-                                {"backoff_factor": -0.5}, {"init_scale": 0.0}, {"init_scale": -1.0},
-                                {"init_scale": float("inf")}, {"growth_interval": 0}, {"hysteresis": 0},
-                                {"min_scale": 0.0}, {"min_scale": 2.0**20}, {"hysteresis_mode": "megatron"}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"growth_factor": 1.0},
+        {"backoff_factor": 1.0},
+        {"backoff_factor": 0.0},
+        {"backoff_factor": -0.5},
+        {"init_scale": 0.0},
+        {"init_scale": -1.0},
+        {"init_scale": float("inf")},
+        {"growth_interval": 0},
+        {"hysteresis": 0},
+        {"min_scale": 0.0},
+        {"min_scale": 2.0**20},
+        {"hysteresis_mode": "megatron"},
+    ],
+)
 def test_bad_settings_raise_value_error_naming_the_argument(kw):
     (name,) = kw
     with pytest.raises(ValueError, match=name):
         llmmem.GradScaler("cpu", **kw)
 
 
-@pytest.mark.parametrize("kw", [{"growth_interval": 2.5}, {"hysteresis": "2"}, {"init_scale": "big"},
-                                {"growth_factor": None}, {"hysteresis_mode": 1}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"growth_interval": 2.5},
+        {"hysteresis": "2"},
+        {"init_scale": "big"},
+        {"growth_factor": None},
+        {"hysteresis_mode": 1},
+    ],
+)
 def test_wrong_types_raise_type_error(kw):
     (name,) = kw
     with pytest.raises(TypeError, match=name):

@@ -29,8 +29,9 @@ def _one_torch_thread():
 
 def make_model(dtype=torch.float32):
     torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
-                               torch.nn.Linear(16, 4)).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    ).to(dtype)
 
 
 def make_opt(kind, params):
@@ -59,8 +60,18 @@ def poison(step, params):
     flat[where] = [float("inf"), float("-inf"), float("nan")][(step // 11) % 3]
 
 
-def run(impl, opt_kinds=("adam-foreach",), steps=STEPS, clip=False, dtype=torch.float32, scaler=None,
-        start=0, model=None, opts=None, **scaler_kw):
+def run(
+    impl,
+    opt_kinds=("adam-foreach",),
+    steps=STEPS,
+    clip=False,
+    dtype=torch.float32,
+    scaler=None,
+    start=0,
+    model=None,
+    opts=None,
+    **scaler_kw,
+):
     """Trains for `steps`; returns (trajectory, model, opts, scaler). Each trajectory entry is
     (scale, growth tracker, skipped per optimizer) after update()."""
     model = model or make_model(dtype)
@@ -85,8 +96,10 @@ def run(impl, opt_kinds=("adam-foreach",), steps=STEPS, clip=False, dtype=torch.
         for o in opts:
             scaler.step(o)
         scaler.update()
-        skipped = tuple(all(torch.equal(b, p) for b, p in zip(bs, [p for g in o.param_groups for p in g["params"]]))
-                        for bs, o in zip(before, opts))
+        skipped = tuple(
+            all(torch.equal(b, p) for b, p in zip(bs, [p for g in o.param_groups for p in g["params"]]))
+            for bs, o in zip(before, opts)
+        )
         traj.append((scaler.get_scale(), scaler._get_growth_tracker(), skipped))
     return traj, model, opts, scaler
 
@@ -104,8 +117,9 @@ def assert_interesting(traj):
     assert sum(any(t[2]) for t in traj) >= 20
 
 
-@pytest.mark.parametrize("kind", ["sgd-foreach", "sgd-fused", "adam-foreach", "adam-fused", "adamw-foreach",
-                                  "adamw-fused"])
+@pytest.mark.parametrize(
+    "kind", ["sgd-foreach", "sgd-fused", "adam-foreach", "adam-fused", "adamw-foreach", "adamw-fused"]
+)
 def test_same_run_as_torch(kind):
     t_traj, t_model, _, _ = run("torch", (kind,))
     l_traj, l_model, _, _ = run("llmmem", (kind,))

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from support.amp import ODD_LAYOUTS, assert_same, interrupt_once_on, odd_layout_param, p_with
 
 import llmmem
@@ -29,14 +28,14 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-
-
 def plain_grads(seed=0):
     """N gradients of 1..6000 elements (enough bytes for the workers to start), mixed dtypes."""
     gen = torch.Generator().manual_seed(seed)
     dtypes = [torch.float32, torch.bfloat16, torch.float64]
-    return [(torch.randn(int(n), generator=gen) * SCALE).to(dtypes[k % 3])
-            for k, n in enumerate(torch.randint(1, 6000, (N,), generator=gen))]
+    return [
+        (torch.randn(int(n), generator=gen) * SCALE).to(dtypes[k % 3])
+        for k, n in enumerate(torch.randint(1, 6000, (N,), generator=gen))
+    ]
 
 
 def run_both(make_grads, per_scaler=None):
@@ -64,8 +63,9 @@ def test_the_walk_hands_over_at_a_strided_gradient_with_two_threads_and_not_with
     assert K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), flags, torch.full((), 2.0)) is None
     assert all(torch.equal(g, b) for g, b in zip(grads, before))  # one thread: nothing done
     torch.set_num_threads(2)
-    n, slots, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), flags,
-                                                   torch.full((), 2.0))
+    n, slots, resume = K.unscale_param_groups_cpu_(
+        opt.param_groups, False, torch.zeros(()), flags, torch.full((), 2.0)
+    )
     assert (n, resume) == (200, 200) and list(slots) == list(range(200))
     assert all(torch.equal(g, (b.double() / 2).to(b.dtype)) for g, b in zip(grads[:200], before[:200]))
     assert all(torch.equal(g, b) for g, b in zip(grads[200:], before[200:]))
@@ -80,8 +80,9 @@ def test_the_walk_stops_at_a_gradient_of_any_other_layout(two_threads, layout):
     odd_before = params[150].grad.to_dense()
     before = [g.clone() for g in grads]
     opt = torch.optim.SGD(params, lr=0.1)
-    n, slots, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()),
-                                                   torch.zeros(N, dtype=torch.uint8), torch.full((), 2.0))
+    n, slots, resume = K.unscale_param_groups_cpu_(
+        opt.param_groups, False, torch.zeros(()), torch.zeros(N, dtype=torch.uint8), torch.full((), 2.0)
+    )
     assert (n, resume) == (150, 150) and list(slots) == list(range(150))
     assert all(torch.equal(g, (b.double() / 2).to(b.dtype)) for g, b in zip(grads[:150], before[:150]))
     assert torch.equal(params[150].grad.to_dense(), odd_before)
@@ -96,7 +97,7 @@ def test_hand_over_matches_torch_with_overflows_on_both_sides(two_threads, kind)
     def make():
         torch.manual_seed(7)  # the same odd gradient for both scalers
         gs = plain_grads(seed=1)
-        gs[5].view(-1)[0] = float("inf")                 # before the hand-over
+        gs[5].view(-1)[0] = float("inf")  # before the hand-over
         if kind == "strided":
             gs[150] = (torch.randn(30, 4) * SCALE).t()
         elif kind == "sparse":
@@ -108,7 +109,7 @@ def test_hand_over_matches_torch_with_overflows_on_both_sides(two_threads, kind)
             gs[150] = (torch.randn(17) * SCALE).as_subclass(Sub)
         if kind != "sparse":
             gs[150][(0,) * gs[150].dim()] = float("nan")  # the hand-over gradient itself
-        gs[299].view(-1)[-1] = float("-inf")             # after it
+        gs[299].view(-1)[-1] = float("-inf")  # after it
         return gs
 
     (ts, topt, tparams), (ls, lopt, lparams) = run_both(make)

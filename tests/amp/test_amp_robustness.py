@@ -13,7 +13,6 @@ import torch
 import llmmem
 from llmmem.amp import kernels as K
 
-
 # ------------------------------------------------------------------ DTensor gradients
 
 
@@ -79,19 +78,22 @@ def test_dtensor_and_plain_gradients_in_one_optimizer(mesh, poison):
 # ------------------------------------------------------------------ GPUs the build cannot run on
 
 
-@pytest.mark.parametrize("archs,cc,covered", [
-    ("sm_80,sm_90,compute_90", (7, 5), False),   # T4: older than every arch, no PTX below it
-    ("sm_75,sm_80,sm_90,compute_90", (7, 5), True),
-    ("sm_80,sm_90,compute_90", (8, 6), True),    # sm_80 SASS runs on later minors of major 8
-    ("sm_80,sm_90,compute_90", (8, 9), True),
-    ("sm_80,sm_90,compute_90", (12, 0), True),   # only through the compute_90 PTX
-    ("sm_80,sm_90", (12, 0), False),             # SASS never crosses majors
-    ("sm_86", (8, 0), False),                    # nor runs on an older minor
-    ("sm_80,compute_80", (9, 0), True),
-    ("sm_90a", (9, 0), True),
-    ("sm_90a", (10, 0), False),
-    ("", (9, 0), False),
-])
+@pytest.mark.parametrize(
+    "archs,cc,covered",
+    [
+        ("sm_80,sm_90,compute_90", (7, 5), False),  # T4: older than every arch, no PTX below it
+        ("sm_75,sm_80,sm_90,compute_90", (7, 5), True),
+        ("sm_80,sm_90,compute_90", (8, 6), True),  # sm_80 SASS runs on later minors of major 8
+        ("sm_80,sm_90,compute_90", (8, 9), True),
+        ("sm_80,sm_90,compute_90", (12, 0), True),  # only through the compute_90 PTX
+        ("sm_80,sm_90", (12, 0), False),  # SASS never crosses majors
+        ("sm_86", (8, 0), False),  # nor runs on an older minor
+        ("sm_80,compute_80", (9, 0), True),
+        ("sm_90a", (9, 0), True),
+        ("sm_90a", (10, 0), False),
+        ("", (9, 0), False),
+    ],
+)
 def test_archs_cover(archs, cc, covered):
     assert K._archs_cover(archs, cc) is covered
 
@@ -110,13 +112,20 @@ class _FakeNative:
         return {"cuda_built": True, "cuda_archs": self.archs}
 
 
-@pytest.mark.parametrize("fake,cc,usable,why", [
-    (_FakeNative("sm_80,sm_90,compute_90"), (7, 5), False, r"built for sm_80,sm_90,compute_90.*sm_75"),
-    (_FakeNative("sm_75,sm_80,sm_90,compute_90"), (7, 5), True, None),
-    (_FakeNative("sm_80,sm_90,compute_90", error=llmmem.NoDeviceError("no driver")), (9, 0), False,
-     "cannot use the GPUs"),
-    (_FakeNative("sm_80,sm_90,compute_90", count=0), (9, 0), False, r"sees 0 GPU\(s\)"),
-])
+@pytest.mark.parametrize(
+    "fake,cc,usable,why",
+    [
+        (_FakeNative("sm_80,sm_90,compute_90"), (7, 5), False, r"built for sm_80,sm_90,compute_90.*sm_75"),
+        (_FakeNative("sm_75,sm_80,sm_90,compute_90"), (7, 5), True, None),
+        (
+            _FakeNative("sm_80,sm_90,compute_90", error=llmmem.NoDeviceError("no driver")),
+            (9, 0),
+            False,
+            "cannot use the GPUs",
+        ),
+        (_FakeNative("sm_80,sm_90,compute_90", count=0), (9, 0), False, r"sees 0 GPU\(s\)"),
+    ],
+)
 def test_cuda_kernels_are_probed_once_per_device(monkeypatch, fake, cc, usable, why):
     monkeypatch.setattr(K, "native", fake)
     monkeypatch.setattr(K, "_cuda_built", True)
@@ -216,8 +225,12 @@ def test_kernel_wrappers_check_tensors_before_taking_pointers():
         with pytest.raises(RuntimeError, match=msg):
             K.unscale_check_([g], **kw)
     assert g.tolist() == [1.0] * 4 and found.item() == 0.0
-    st = (torch.tensor(8.0), torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32),
-          torch.zeros(4, dtype=torch.int64))
+    st = (
+        torch.tensor(8.0),
+        torch.zeros((), dtype=torch.int32),
+        torch.ones((), dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64),
+    )
     cases = [
         ((st[0], st[1], st[2], torch.zeros(3, dtype=torch.int64)), [found], "stats must be a 4-element tensor."),
         ((st[0], st[1], st[2].long(), st[3]), [found], "hysteresis_tracker must be an int tensor."),

@@ -90,15 +90,21 @@ def _fp32_rounding(grads, found_inf, flags, scale, scale_is_inverse):
         g.copy_(g * inv.to(g.dtype))
 
 
-@pytest.mark.parametrize("broken,expect", [
-    (_flip_one_element, r"unscale float16 size 4097: element 100 expected .*\(0x[0-9a-f]{4}\), got .*\(0x[0-9a-f]{4}\)"
-                        r"; 1 element"),
-    (_miss_nan, r"overflow flag of float16 size 70001 with nan at 35000: expected 1, got 0"),
-    (_skip_second_chunk, r"unscale float32 size 70001: element 65536"),
-    (_ignore_flags, r"overflow flag of float32 size 4097 with \+inf at 0: expected 1, got 0"),
-    (_raises, r"RuntimeError: an illegal memory access"),
-    (_fp32_rounding, r"unscale (float16|bfloat16) size"),
-])
+@pytest.mark.parametrize(
+    "broken,expect",
+    [
+        (
+            _flip_one_element,
+            r"unscale float16 size 4097: element 100 expected .*\(0x[0-9a-f]{4}\), got .*\(0x[0-9a-f]{4}\)"
+            r"; 1 element",
+        ),
+        (_miss_nan, r"overflow flag of float16 size 70001 with nan at 35000: expected 1, got 0"),
+        (_skip_second_chunk, r"unscale float32 size 70001: element 65536"),
+        (_ignore_flags, r"overflow flag of float32 size 4097 with \+inf at 0: expected 1, got 0"),
+        (_raises, r"RuntimeError: an illegal memory access"),
+        (_fp32_rounding, r"unscale (float16|bfloat16) size"),
+    ],
+)
 def test_broken_unscale_kernels_are_caught(broken, expect):
     import re
 
@@ -114,19 +120,33 @@ def _no_growth(scale, growth, hyst, stats, found_infs, gf, bf, interval, hystere
 
 def _backoff_in_fp32(scale, growth, hyst, stats, found_infs, gf, bf, interval, hysteresis, min_scale, on_growth):
     """Multiplies by the factor rounded to fp32 (torch multiplies in double)."""
-    L.launch_update(scale, growth, hyst, stats, found_infs, gf, float(torch.tensor(bf, dtype=torch.float32)),
-                     interval, hysteresis, min_scale, on_growth)
+    L.launch_update(
+        scale,
+        growth,
+        hyst,
+        stats,
+        found_infs,
+        gf,
+        float(torch.tensor(bf, dtype=torch.float32)),
+        interval,
+        hysteresis,
+        min_scale,
+        on_growth,
+    )
 
 
 def _first_flag_only(scale, growth, hyst, stats, found_infs, gf, bf, interval, hysteresis, min_scale, on_growth):
     L.launch_update(scale, growth, hyst, stats, found_infs[:1], gf, bf, interval, hysteresis, min_scale, on_growth)
 
 
-@pytest.mark.parametrize("broken,expect", [
-    (_no_growth, r"scale update \(growth: scale 1024.0, tracker 1"),
-    (_backoff_in_fp32, r"scale update \(backoff by an inexact factor: scale 65535.0.*expected scale.* 24247.95"),
-    (_first_flag_only, r"scale update \(backoff by an inexact factor"),
-])
+@pytest.mark.parametrize(
+    "broken,expect",
+    [
+        (_no_growth, r"scale update \(growth: scale 1024.0, tracker 1"),
+        (_backoff_in_fp32, r"scale update \(backoff by an inexact factor: scale 65535.0.*expected scale.* 24247.95"),
+        (_first_flag_only, r"scale update \(backoff by an inexact factor"),
+    ],
+)
 def test_broken_update_kernels_are_caught(broken, expect):
     import re
 
@@ -193,8 +213,18 @@ def test_failed_check_falls_back_to_torch_with_one_warning(fake_gpu):
         K.unscale_check_(grads, found, flags, torch.full((), 2.0))
         K.unscale_check_([torch.ones(5)], torch.zeros(()), None, torch.full((), 2.0))
         st, gt = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
-        K.update_scale_(st, gt, torch.ones((), dtype=torch.int32), torch.zeros(4, dtype=torch.int64), [found], 2.0,
-                        0.5, 100, 1, 0.0)
+        K.update_scale_(
+            st,
+            gt,
+            torch.ones((), dtype=torch.int32),
+            torch.zeros(4, dtype=torch.int64),
+            [found],
+            2.0,
+            0.5,
+            100,
+            1,
+            0.0,
+        )
     ours = [w for w in caught if "llmmem.GradScaler" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     msg = str(ours[0].message)

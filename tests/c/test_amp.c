@@ -23,8 +23,8 @@
 #endif
 
 int _llmmem_scaler_force_isa(int isa); /* unscale_cpu.c test hook */
-int _llmmem_omp_team_usable(void); /* omp_team.c: 1 = the threaded unscale runs on the OpenMP team */
-int _llmmem_omp_team_runs(void);   /* omp_team.c: teams run so far */
+int _llmmem_omp_team_usable(void);     /* omp_team.c: 1 = the threaded unscale runs on the OpenMP team */
+int _llmmem_omp_team_runs(void);       /* omp_team.c: teams run so far */
 int _llmmem_scaler_online_cpus(void);
 
 static const int64_t SIZES[] = {0, 1, 7, 64, 65, 4097, 100003};
@@ -398,8 +398,9 @@ int main(void) {
       }
     }
 
-    TEST("spans cut anywhere (odd offsets, mid-tensor ends, empty tensors, to.offset 0) == reference on their "
-         "elements, every dtype, around the 256 B / 4 KiB loop thresholds, data off 64 B, write and check only") {
+    TEST(
+        "spans cut anywhere (odd offsets, mid-tensor ends, empty tensors, to.offset 0) == reference on their "
+        "elements, every dtype, around the 256 B / 4 KiB loop thresholds, data off 64 B, write and check only") {
       /* The pipe only cuts large tensors at multiples of 64 elements; _llmmem_scaler_run_span takes
        * any span, and asks for memory ahead inside it (the tensors after the current one, and 4 KiB
        * ahead in each range): every element of the span exactly once, none outside, flags as the
@@ -646,9 +647,8 @@ int main(void) {
     int32_t growth = 2;
     const float *clean[1] = {&zero};
     llmmem_scaler_config_t bad[] = {
-        {1.0, 0.5, 10, 1, 0.0f}, {2.0, 1.0, 10, 1, 0.0f}, {2.0, 0.0, 10, 1, 0.0f},
-        {2.0, 0.5, 0, 1, 0.0f},  {2.0, 0.5, 10, 0, 0.0f}, {2.0, 0.5, 10, 1, -1.0f},
-        {NAN, 0.5, 10, 1, 0.0f},
+        {1.0, 0.5, 10, 1, 0.0f}, {2.0, 1.0, 10, 1, 0.0f},  {2.0, 0.0, 10, 1, 0.0f}, {2.0, 0.5, 0, 1, 0.0f},
+        {2.0, 0.5, 10, 0, 0.0f}, {2.0, 0.5, 10, 1, -1.0f}, {NAN, 0.5, 10, 1, 0.0f},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
       CHECK_STATUS(llmmem_scaler_update(&scale, &growth, NULL, NULL, clean, 1, &bad[i]), LLMMEM_ERR_INVALID);
@@ -762,15 +762,15 @@ int main(void) {
     CHECK_STATUS(llmmem_scaler_pipe_finish(NULL, &found), LLMMEM_ERR_INVALID);
     uint8_t flags[2] = {0, 0};
     CHECK_OK(llmmem_scaler_pipe_start(l.t, 4, &scale, 0, flags, 2, 1, &pipe));
-    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 2, NULL));                                /* flags 0, 1: fine */
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 1, NULL), LLMMEM_ERR_INVALID);        /* going back */
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 5, NULL), LLMMEM_ERR_INVALID);        /* past capacity */
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 3, NULL), LLMMEM_ERR_INVALID);        /* flag 2 >= n_flags 2 */
+    CHECK_OK(llmmem_scaler_pipe_publish(pipe, 2, NULL));                         /* flags 0, 1: fine */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 1, NULL), LLMMEM_ERR_INVALID); /* going back */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 5, NULL), LLMMEM_ERR_INVALID); /* past capacity */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 3, NULL), LLMMEM_ERR_INVALID); /* flag 2 >= n_flags 2 */
     CHECK(strstr(llmmem_last_error(), "flag") != NULL);
     l.t[2].flag = 0;
     l.t[3].dtype = 9;
-    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 4, NULL), LLMMEM_ERR_INVALID);        /* bad dtype: none of 2..3 */
-    CHECK_STATUS(llmmem_scaler_pipe_finish(pipe, NULL), LLMMEM_ERR_INVALID);      /* frees it all the same */
+    CHECK_STATUS(llmmem_scaler_pipe_publish(pipe, 4, NULL), LLMMEM_ERR_INVALID); /* bad dtype: none of 2..3 */
+    CHECK_STATUS(llmmem_scaler_pipe_finish(pipe, NULL), LLMMEM_ERR_INVALID);     /* frees it all the same */
     l.t[3].dtype = 0;
     /* tensors 0 and 1 were unscaled (x 0.5); 2 and 3 never published */
     int ok = 1;

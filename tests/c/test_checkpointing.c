@@ -79,7 +79,7 @@ typedef struct brute_s {
   seg_t pending[4 * MAXL];
   int32_t n_pending;
   double best_time[NBUDGETS]; /* least time among plans that fit each budget */
-  uint64_t least_peak;   /* least peak among all plans */
+  uint64_t least_peak;        /* least peak among all plans */
   long plans;
   int sim_failures;
 } brute_t;
@@ -181,8 +181,8 @@ int main(void) {
         CHECK_OK(solve(&cb.chain, budgets[i], (int32_t)budgets[i], 0, &p, NULL));
         CHECK(p.peak_bytes <= budgets[i]);
         if (!close_enough(p.time, bf.best_time[i]))
-          printf("  L=%d K=%d budget=%llu: dp %.6f brute %.6f over %ld plans\n", L, K,
-                 (unsigned long long)budgets[i], p.time, bf.best_time[i], bf.plans);
+          printf("  L=%d K=%d budget=%llu: dp %.6f brute %.6f over %ld plans\n", L, K, (unsigned long long)budgets[i],
+                 p.time, bf.best_time[i], bf.plans);
         CHECK(close_enough(p.time, bf.best_time[i]));
         cases++;
       }

@@ -47,9 +47,12 @@ static void fill(void *buf, size_t n, llmmem_comm_dtype_t dt, int rank, unsigned
   unsigned long long s = seed * 1000003ULL + (unsigned long long)rank + 1;
   for (size_t i = 0; i < n; i++) {
     float v = (float)((double)(th_rand(&s) % 20001) / 1000.0 - 10.0); /* [-10, 10], not exact in halves */
-    if (dt == LLMMEM_COMM_F32) ((float *)buf)[i] = v;
-    else if (dt == LLMMEM_COMM_BF16) ((uint16_t *)buf)[i] = llmmem_f32_to_bf16(v);
-    else ((uint16_t *)buf)[i] = llmmem_f32_to_f16(v);
+    if (dt == LLMMEM_COMM_F32)
+      ((float *)buf)[i] = v;
+    else if (dt == LLMMEM_COMM_BF16)
+      ((uint16_t *)buf)[i] = llmmem_f32_to_bf16(v);
+    else
+      ((uint16_t *)buf)[i] = llmmem_f32_to_f16(v);
   }
 }
 
@@ -159,7 +162,9 @@ static int body_gather_scatter(llmmem_shm_comm_t *c, int rank, int world, void *
   return bad;
 }
 
-typedef struct { int iters; } many_t;
+typedef struct {
+  int iters;
+} many_t;
 
 /* Many back-to-back small all-reduces: exercises buffer reuse (step parity) at full speed. */
 static int body_many(llmmem_shm_comm_t *c, int rank, int world, void *arg) {
@@ -263,8 +268,8 @@ static double now_s(void) {
 static void fill_bits(void *buf, size_t n, llmmem_comm_dtype_t dt, unsigned long long *s) {
   for (size_t i = 0; i < n; i++) {
     unsigned long long r = th_rand(s);
-    uint32_t special[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x00000001u, 0x80000000u, 0x7f7fffffu,
-                          0x00800000u, 0x3f800000u};
+    uint32_t special[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x00000001u,
+                          0x80000000u, 0x7f7fffffu, 0x00800000u, 0x3f800000u};
     uint32_t f32 = (r & 7) == 0 ? special[(r >> 3) % 8] : (uint32_t)(r >> 16);
     if (dt == LLMMEM_COMM_F32) {
       /* keep most values in a range where sums do not all overflow: exponent 100..154 */
@@ -314,8 +319,8 @@ int main(void) {
   TEST("half conversions round to nearest even and keep special values") {
     CHECK(llmmem_f32_to_f16(1.0f) == 0x3c00 && llmmem_f16_to_f32(0x3c00) == 1.0f);
     CHECK(llmmem_f32_to_f16(65504.0f) == 0x7bff && llmmem_f32_to_f16(65520.0f) == 0x7c00);
-    CHECK(llmmem_f32_to_f16(1.0f + 0x1p-11f) == 0x3c00);              /* tie -> even */
-    CHECK(llmmem_f32_to_f16(1.0f + 3 * 0x1p-11f) == 0x3c02);          /* tie -> even (up) */
+    CHECK(llmmem_f32_to_f16(1.0f + 0x1p-11f) == 0x3c00);     /* tie -> even */
+    CHECK(llmmem_f32_to_f16(1.0f + 3 * 0x1p-11f) == 0x3c02); /* tie -> even (up) */
     CHECK(llmmem_f16_to_f32(0x0001) == 0x1p-24f && llmmem_f32_to_f16(0x1p-24f) == 0x0001);
     CHECK(isnan(llmmem_f16_to_f32(llmmem_f32_to_f16(NAN))) && isinf(llmmem_f16_to_f32(0xfc00)));
     CHECK(llmmem_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80 && llmmem_f32_to_bf16(1.0f + 3 * 0x1p-8f) == 0x3f82);
@@ -358,8 +363,9 @@ int main(void) {
               unsigned char *out = alias == 0 ? malloc(n * es + 1) : src[alias == 1 ? 0 : nsrc - 1];
               _llmmem_comm_sum2((const void *const *)src, nsrc, out, out2, n, dtypes[d]);
               size_t bad = count_differences(out, want, n, dtypes[d]) + count_differences(out2, want, n, dtypes[d]);
-              if (bad) printf("  isa %d dtype %d n %zu nsrc %d alias %d: %zu differences\n", isa, (int)dtypes[d], n,
-                              nsrc, alias, bad);
+              if (bad)
+                printf("  isa %d dtype %d n %zu nsrc %d alias %d: %zu differences\n", isa, (int)dtypes[d], n, nsrc,
+                       alias, bad);
               CHECK(bad == 0);
               for (int r = 0; r < nsrc; r++) free(src[r]);
               if (alias == 0) free(out);
@@ -384,23 +390,23 @@ int main(void) {
 
   TEST("all-reduce equals the reference, bitwise on every rank, all dtypes and sizes, world 1..4, each ISA") {
     for (int isa = 2; isa >= 0; isa--)
-    for (int world = 1; world <= MAXW; world++)
-      for (size_t d = 0; d < 3; d++)
-        for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
-          for (int in_place = 0; in_place < 2; in_place++) {
-            if (world == 3 && d > 0 && in_place) continue; /* keep the run short */
-            if (isa != 2 && (world == 3 || in_place)) continue; /* the other levels: a subset */
-            _llmmem_comm_force_isa(isa);
-            ar_case_t k = {sizes[s], dtypes[d], in_place, {0}};
-            size_t bytes = sizes[s] * llmmem_comm_dtype_size(dtypes[d]) + 1;
-            for (int r = 0; r < world; r++) k.results[r] = calloc(1, bytes);
-            size_t slot = slot_for(s);
-            char name[128];
-            CHECK(run_threads(world, slot, 10.0, body_all_reduce, &k, name) == 0);
-            for (int r = 1; r < world; r++) CHECK(memcmp(k.results[0], k.results[r], bytes - 1) == 0);
-            CHECK(!segment_exists(name));
-            for (int r = 0; r < world; r++) free(k.results[r]);
-          }
+      for (int world = 1; world <= MAXW; world++)
+        for (size_t d = 0; d < 3; d++)
+          for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
+            for (int in_place = 0; in_place < 2; in_place++) {
+              if (world == 3 && d > 0 && in_place) continue;      /* keep the run short */
+              if (isa != 2 && (world == 3 || in_place)) continue; /* the other levels: a subset */
+              _llmmem_comm_force_isa(isa);
+              ar_case_t k = {sizes[s], dtypes[d], in_place, {0}};
+              size_t bytes = sizes[s] * llmmem_comm_dtype_size(dtypes[d]) + 1;
+              for (int r = 0; r < world; r++) k.results[r] = calloc(1, bytes);
+              size_t slot = slot_for(s);
+              char name[128];
+              CHECK(run_threads(world, slot, 10.0, body_all_reduce, &k, name) == 0);
+              for (int r = 1; r < world; r++) CHECK(memcmp(k.results[0], k.results[r], bytes - 1) == 0);
+              CHECK(!segment_exists(name));
+              for (int r = 0; r < world; r++) free(k.results[r]);
+            }
     _llmmem_comm_force_isa(-1);
   }
 

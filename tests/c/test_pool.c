@@ -27,9 +27,9 @@ typedef struct {
 typedef struct {
   fake_event_t *events[4096];
   int n_events;
-  int fail_reserve;        /* reserve returns NOMEM while set */
-  size_t reserved;         /* bytes currently held */
-  size_t capacity;         /* > 0: regions can grow in place (resize) up to this many bytes */
+  int fail_reserve; /* reserve returns NOMEM while set */
+  size_t reserved;  /* bytes currently held */
+  size_t capacity;  /* > 0: regions can grow in place (resize) up to this many bytes */
   int destroyed;
 } fake_ctx_t;
 
@@ -37,7 +37,7 @@ static llmmem_status_t fake_reserve(void *ctx, size_t bytes, void **out) {
   fake_ctx_t *f = ctx;
   if (f->fail_reserve) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fake: reserve refused");
   void *p = NULL;
-  size_t room = f->capacity > bytes ? f->capacity : bytes;  /* the "address space" behind the region */
+  size_t room = f->capacity > bytes ? f->capacity : bytes; /* the "address space" behind the region */
   if (posix_memalign(&p, 4096, room) != 0) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fake: no memory");
   f->reserved += bytes;
   *out = p;
@@ -160,7 +160,7 @@ typedef struct {
 static size_t random_size(unsigned long long *rng) {
   unsigned long long r = th_rand(rng);
   int big = (r % 100) < 3;
-  int bits = big ? 20 + (int)((r >> 8) % 9) : (int)((r >> 8) % 21);  /* 2^20..2^28 or 2^0..2^20 */
+  int bits = big ? 20 + (int)((r >> 8) % 9) : (int)((r >> 8) % 21); /* 2^20..2^28 or 2^0..2^20 */
   size_t lo = (size_t)1 << bits;
   return lo + (size_t)((r >> 16) % lo);
 }
@@ -191,7 +191,10 @@ static int random_run(llmmem_pool_t *p, unsigned long long seed, int ops, int ma
     if (do_alloc) {
       size_t size = random_size(&rng);
       void *ptr = NULL;
-      if (llmmem_pool_alloc(p, size, NULL, &ptr) != LLMMEM_OK) { ok = 0; break; }
+      if (llmmem_pool_alloc(p, size, NULL, &ptr) != LLMMEM_OK) {
+        ok = 0;
+        break;
+      }
       if (((uintptr_t)ptr & 511) != 0) ok = 0;
       live[n] = (live_t){ptr, size, th_rand(&rng)};
       stamp(&live[n]);
@@ -200,7 +203,7 @@ static int random_run(llmmem_pool_t *p, unsigned long long seed, int ops, int ma
       n++;
     } else {
       int k = (int)(th_rand(&rng) % (unsigned long long)n);
-      if (!stamp_ok(&live[k])) ok = 0;  /* someone else wrote into this block: overlap */
+      if (!stamp_ok(&live[k])) ok = 0; /* someone else wrote into this block: overlap */
       if (llmmem_pool_free(p, live[k].ptr, NULL) != LLMMEM_OK) ok = 0;
       model_alloc -= (live[k].size + 511) / 512 * 512;
       model_req -= live[k].size;
@@ -243,7 +246,10 @@ static void *thread_run(void *arg) {
     if (n == 0 || (n < 64 && th_rand(&rng) % 2)) {
       size_t size = 1 + th_rand(&rng) % (2 * MiB);
       void *ptr = NULL;
-      if (llmmem_pool_alloc(t->pool, size, NULL, &ptr) != LLMMEM_OK) { t->ok = 0; break; }
+      if (llmmem_pool_alloc(t->pool, size, NULL, &ptr) != LLMMEM_OK) {
+        t->ok = 0;
+        break;
+      }
       live[n] = (live_t){ptr, size, th_rand(&rng)};
       stamp(&live[n]);
       n++;
@@ -279,7 +285,7 @@ int main(void) {
     llmmem_pool_options_t o2 = {MiB, 0, 0};
     CHECK_STATUS(llmmem_pool_create(&fb, &o2, &p), LLMMEM_ERR_NOMEM);
     CHECK(strstr(llmmem_last_error(), "initial_size") != NULL);
-    CHECK(f.destroyed == 1);  /* the pool owned the backend even on failure */
+    CHECK(f.destroyed == 1); /* the pool owned the backend even on failure */
   }
 
   TEST("initial_size is one segment; blocks are 512-aligned, rounded, counted") {
@@ -295,16 +301,16 @@ int main(void) {
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.allocated_bytes.current == 512 + 1024 && s.requested_bytes.current == 1001);
     CHECK(s.allocations.current == 2 && s.num_allocs == 2 && s.small_chunks == 1);
-    CHECK(s.segments.current == 1);  /* the chunk was carved out of the initial segment */
+    CHECK(s.segments.current == 1); /* the chunk was carved out of the initial segment */
     size_t req = 0;
     CHECK_OK(llmmem_pool_block_size(p, b, &req));
     CHECK(req == 1000);
     CHECK_OK(_llmmem_pool_check(p));
-    CHECK_STATUS(llmmem_pool_destroy(p), LLMMEM_ERR_STATE);  /* blocks still out */
+    CHECK_STATUS(llmmem_pool_destroy(p), LLMMEM_ERR_STATE); /* blocks still out */
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(s.small_chunks == 1);  /* one empty chunk is kept for the next small request */
+    CHECK(s.small_chunks == 1); /* one empty chunk is kept for the next small request */
     CHECK_OK(llmmem_pool_empty_cache(p, NULL));
     CHECK(segments_whole_and_free(p));
     CHECK_OK(llmmem_pool_stats(p, &s));
@@ -378,7 +384,7 @@ int main(void) {
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &b));
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
-    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));  /* two 4 MiB segments cannot merge: release, regrow */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a)); /* two 4 MiB segments cannot merge: release, regrow */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 1 && s.num_backend_releases == 2 && s.num_ooms == 0);
@@ -400,7 +406,7 @@ int main(void) {
     CHECK(s.fragmentation > 0.33 && s.fragmentation < 0.34);
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK(segments_whole_and_free(p));
-    CHECK_OK(llmmem_pool_alloc(p, 16 * MiB, NULL, &d));  /* the whole segment is one block again */
+    CHECK_OK(llmmem_pool_alloc(p, 16 * MiB, NULL, &d)); /* the whole segment is one block again */
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 1 && s.fragmentation == 0.0);
     CHECK_OK(llmmem_pool_free(p, d, NULL));
@@ -421,11 +427,11 @@ int main(void) {
     CHECK_OK(_llmmem_pool_check(p));
     for (int i = 1; i < 8; i += 2) CHECK_OK(llmmem_pool_free(p, small[i], NULL));
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(s.small_chunks == 1);  /* one empty chunk is kept for the next small request */
+    CHECK(s.small_chunks == 1); /* one empty chunk is kept for the next small request */
     CHECK_OK(llmmem_pool_free(p, big, NULL));
     size_t released = 99;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
-    CHECK(released == 0);  /* only the initial segment, which stays */
+    CHECK(released == 0); /* only the initial segment, which stays */
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.small_chunks == 0 && s.reserved_bytes.current == (int64_t)(64 * MiB));
     CHECK(segments_whole_and_free(p));
@@ -440,7 +446,7 @@ int main(void) {
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     size_t released = 0;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
-    CHECK(released == 6 * MiB);  /* rounded up to the 2 MiB growth granularity */
+    CHECK(released == 6 * MiB); /* rounded up to the 2 MiB growth granularity */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 2 && s.reserved_bytes.current == (int64_t)(12 * MiB));
@@ -476,7 +482,7 @@ int main(void) {
   TEST("small requests use large-heap remnants before carving a new chunk") {
     llmmem_pool_t *p = host_pool(0, 0, 0);
     void *a, *b;
-    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB + 512 * 1024, NULL, &a));  /* a 10 MiB segment, 0.5 MiB tail */
+    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB + 512 * 1024, NULL, &a)); /* a 10 MiB segment, 0.5 MiB tail */
     CHECK_OK(llmmem_pool_alloc(p, 100 * 1024, NULL, &b));
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
@@ -490,7 +496,7 @@ int main(void) {
   TEST("a mid-size request that must grow gets room for a few of its size when that wastes less") {
     llmmem_pool_t *p = host_pool(0, 0, 0);
     void *a[4];
-    size_t r = 2 * MiB + MiB / 4;  /* alone: a 4 MiB segment, 44% unused; four: 9 MiB in 10 MiB */
+    size_t r = 2 * MiB + MiB / 4; /* alone: a 4 MiB segment, 44% unused; four: 9 MiB in 10 MiB */
     for (int i = 0; i < 4; i++) CHECK_OK(llmmem_pool_alloc(p, r, NULL, &a[i]));
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
@@ -513,15 +519,15 @@ int main(void) {
   TEST("in-place growth: one segment grows by what a request lacks, rounded to 2 MiB") {
     llmmem_pool_t *p = grow_pool(0, 0, 0);
     void *a, *b, *c;
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &a));  /* 4 MiB, 1 MiB free at the end */
-    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB, NULL, &b));  /* lacks 4 MiB: the free end merges with the growth */
-    CHECK_OK(llmmem_pool_alloc(p, 100 * 1024, NULL, &c));  /* a 2 MiB chunk: +2 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &a));    /* 4 MiB, 1 MiB free at the end */
+    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB, NULL, &b));    /* lacks 4 MiB: the free end merges with the growth */
+    CHECK_OK(llmmem_pool_alloc(p, 100 * 1024, NULL, &c)); /* a 2 MiB chunk: +2 MiB */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 1 && s.reserved_bytes.current == (int64_t)(10 * MiB) && s.num_backend_reserves == 3);
     CHECK((uintptr_t)b == (uintptr_t)a + 3 * MiB);
     CHECK_OK(_llmmem_pool_check(p));
-    memset(b, 0xab, 5 * MiB);  /* the grown memory is there */
+    memset(b, 0xab, 5 * MiB); /* the grown memory is there */
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_free(p, c, NULL));
     /* 3 MiB free at the start does not fit 4 MiB; the empty chunk at the end is given back and
@@ -546,22 +552,22 @@ int main(void) {
     llmmem_pool_t *p = grow_pool(3 * MiB, 0, 0);
     void *a, *b;
     CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &a));
-    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB, NULL, &b));  /* lacks 8 MiB: 11 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 9 * MiB, NULL, &b)); /* lacks 8 MiB: 11 MiB */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 1 && s.reserved_bytes.current == (int64_t)(11 * MiB));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     size_t released = 0;
-    CHECK_OK(llmmem_pool_empty_cache(p, &released));  /* 9 MiB free end: 8 MiB go */
+    CHECK_OK(llmmem_pool_empty_cache(p, &released)); /* 9 MiB free end: 8 MiB go */
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(released == 8 * MiB && s.reserved_bytes.current == (int64_t)(3 * MiB));
     CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_free(p, a, NULL));
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(released == 0 && s.reserved_bytes.current == (int64_t)(3 * MiB));  /* initial_size stays */
+    CHECK(released == 0 && s.reserved_bytes.current == (int64_t)(3 * MiB)); /* initial_size stays */
     CHECK(segments_whole_and_free(p));
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &a));  /* and grows again after a shrink */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &a)); /* and grows again after a shrink */
     CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &b));
     CHECK((uintptr_t)b == (uintptr_t)a + 3 * MiB);
     CHECK_OK(llmmem_pool_free(p, a, NULL));
@@ -579,7 +585,7 @@ int main(void) {
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.reserved_bytes.current == (int64_t)(10 * MiB) && s.segments.current == 1);
     CHECK_OK(llmmem_pool_free(p, a, NULL));
-    CHECK_STATUS(llmmem_pool_alloc(p, 7 * MiB, NULL, &c), LLMMEM_ERR_NOMEM);  /* 6 MiB free, 4 live */
+    CHECK_STATUS(llmmem_pool_alloc(p, 7 * MiB, NULL, &c), LLMMEM_ERR_NOMEM); /* 6 MiB free, 4 live */
     CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &c));
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     /* 4 MiB free at the end, 6 live: a 5 MiB request may grow by 1 MiB... rounded to 2, capped at max */
@@ -592,8 +598,8 @@ int main(void) {
 
     p = grow_pool(0, 11 * MiB, 0);
     CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &a));
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &b));  /* lacks 3 MiB, rounded to 4: 10 MiB */
-    CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &c));  /* 1 MiB free end + 1 MiB, capped at 11 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &b)); /* lacks 3 MiB, rounded to 4: 10 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 2 * MiB, NULL, &c)); /* 1 MiB free end + 1 MiB, capped at 11 MiB */
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.reserved_bytes.current == (int64_t)(11 * MiB) && s.segments.current == 1 && s.free_bytes == 0);
     CHECK_OK(llmmem_pool_free(p, a, NULL));
@@ -607,9 +613,9 @@ int main(void) {
       llmmem_pool_t *p = grow_pool(0, capped ? 64 * MiB : 0, 0);
       void *a, *b, *c, *d;
       CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));
-      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b));  /* 10 MiB, 0.5 MiB free end */
-      CHECK_OK(llmmem_pool_free(p, a, NULL));                 /* an 8 MiB hole: four whole pages */
-      CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));     /* does not fit it: grows by 10 MiB */
+      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b)); /* 10 MiB, 0.5 MiB free end */
+      CHECK_OK(llmmem_pool_free(p, a, NULL));                /* an 8 MiB hole: four whole pages */
+      CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));    /* does not fit it: grows by 10 MiB */
       llmmem_pool_stats_t s;
       CHECK_OK(llmmem_pool_stats(p, &s));
       /* without a cap the hole's pages are given back while the segment grows past it */
@@ -620,7 +626,7 @@ int main(void) {
       /* largest_free_block counts committed memory: the decommitted hole holds none, the free end 0.5 MiB */
       CHECK(s.largest_free_block == (capped ? 8 * MiB : MiB / 2) && s.largest_free_block <= s.free_bytes);
       CHECK_OK(_llmmem_pool_check(p));
-      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &d));  /* into the hole: its first two pages come back */
+      CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &d)); /* into the hole: its first two pages come back */
       CHECK(d == a);
       memset(d, 0x5a, 3 * MiB);
       CHECK_OK(llmmem_pool_stats(p, &s));
@@ -643,14 +649,14 @@ int main(void) {
     CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &a));
     CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &b));
     CHECK_OK(llmmem_pool_alloc(p, 1536 * 1024, NULL, &c));
-    CHECK_OK(llmmem_pool_free(p, b, NULL));  /* 6 MiB hole */
+    CHECK_OK(llmmem_pool_free(p, b, NULL)); /* 6 MiB hole */
     void *d;
-    CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d));  /* grows; the hole's whole pages go back */
+    CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d)); /* grows; the hole's whole pages go back */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.decommitted_bytes > 0);
     CHECK_OK(llmmem_pool_free(p, d, NULL));
-    CHECK_OK(llmmem_pool_free(p, c, NULL));  /* the hole merges into the free end */
+    CHECK_OK(llmmem_pool_free(p, c, NULL)); /* the hole merges into the free end */
     size_t released = 0;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
     CHECK_OK(llmmem_pool_stats(p, &s));
@@ -667,11 +673,11 @@ int main(void) {
     /* a growth segment released whole while 6 of its 20 MiB were decommitted */
     llmmem_pool_t *p = grow_pool(0, 0, 0);
     void *a, *b, *c, *d;
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a));   /* [0, 1.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));       /* [1.5, 9.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c));   /* [9.5, 11): 12 MiB reserved */
-    CHECK_OK(llmmem_pool_free(p, b, NULL));                  /* hole [1.5, 9.5): pages 1..3 whole */
-    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));      /* grows; 3 pages (6 MiB) decommitted */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a)); /* [0, 1.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));     /* [1.5, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c)); /* [9.5, 11): 12 MiB reserved */
+    CHECK_OK(llmmem_pool_free(p, b, NULL));                /* hole [1.5, 9.5): pages 1..3 whole */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));    /* grows; 3 pages (6 MiB) decommitted */
     llmmem_pool_stats_t s, s2;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.decommitted_bytes == 6 * MiB && s.reserved_bytes.current == (int64_t)(16 * MiB));
@@ -685,28 +691,28 @@ int main(void) {
      * stretch is its tail after page 3, [8, 22) */
     CHECK(s.free_bytes == 16 * MiB && s.decommitted_bytes == 6 * MiB);
     CHECK(s.largest_free_block == 14 * MiB && s.largest_free_block <= s.free_bytes);
-    CHECK(s.fragmentation > 0.124 && s.fragmentation < 0.126);  /* 1 - 14/16 */
+    CHECK(s.fragmentation > 0.124 && s.fragmentation < 0.126); /* 1 - 14/16 */
     size_t released = 0;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
     CHECK_OK(llmmem_pool_stats(p, &s2));
-    CHECK(released == 16 * MiB && s2.reserved_bytes.current == 0);  /* not the 22 MiB of address space */
+    CHECK(released == 16 * MiB && s2.reserved_bytes.current == 0); /* not the 22 MiB of address space */
     CHECK(s2.reserved_bytes.peak == s.reserved_bytes.peak);
     CHECK_OK(llmmem_pool_destroy(p));
 
     /* a segment that keeps initial_size shrinks over decommitted pages: it gives back only what it
      * held, and the cut stops short of a decommitted page rather than commit it again */
     p = grow_pool(3 * MiB, 0, 0);
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a));   /* [0, 1.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));       /* [1.5, 9.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c));   /* [9.5, 11) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a)); /* [0, 1.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));     /* [1.5, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c)); /* [9.5, 11) */
     CHECK_OK(llmmem_pool_free(p, b, NULL));
-    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));      /* pages 2..3 decommitted (page 1 is initial_size) */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d)); /* pages 2..3 decommitted (page 1 is initial_size) */
     CHECK_OK(llmmem_pool_stats(p, &s));
     int64_t peak = s.reserved_bytes.peak;
     size_t decommitted = s.decommitted_bytes;
     CHECK(decommitted == 4 * MiB);
     CHECK_OK(llmmem_pool_free(p, d, NULL));
-    CHECK_OK(llmmem_pool_free(p, c, NULL));                  /* free end [1.5, size) over the decommitted pages */
+    CHECK_OK(llmmem_pool_free(p, c, NULL)); /* free end [1.5, size) over the decommitted pages */
     CHECK_OK(llmmem_pool_stats(p, &s));
     int64_t before = s.reserved_bytes.current;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
@@ -714,9 +720,9 @@ int main(void) {
     CHECK((int64_t)released == before - s2.reserved_bytes.current);
     CHECK(s2.reserved_bytes.current >= (int64_t)(3 * MiB) && s2.reserved_bytes.peak == peak);
     CHECK(s2.largest_free_block <= s2.free_bytes);
-    CHECK(s2.num_backend_reserves == s.num_backend_reserves);  /* nothing was committed */
+    CHECK(s2.num_backend_reserves == s.num_backend_reserves); /* nothing was committed */
     CHECK_OK(_llmmem_pool_check(p));
-    CHECK_OK(llmmem_pool_alloc(p, 20 * MiB, NULL, &b));      /* the rest still works */
+    CHECK_OK(llmmem_pool_alloc(p, 20 * MiB, NULL, &b)); /* the rest still works */
     memset(b, 3, 20 * MiB);
     CHECK_OK(llmmem_pool_free(p, b, NULL));
     CHECK_OK(llmmem_pool_free(p, a, NULL));
@@ -728,22 +734,22 @@ int main(void) {
 
     /* the new end would fall inside a decommitted page: the cut stops at that page's end */
     p = grow_pool(MiB / 2, 0, 0);
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a));   /* grows to 2.5: [0, 1.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));       /* 10.5: [1.5, 9.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c));   /* 12.5: [9.5, 11) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &a)); /* grows to 2.5: [0, 1.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &b));     /* 10.5: [1.5, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &c)); /* 12.5: [9.5, 11) */
     CHECK_OK(llmmem_pool_free(p, b, NULL));
-    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d));      /* 22.5; pages 1..3, [2, 8), decommitted */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &d)); /* 22.5; pages 1..3, [2, 8), decommitted */
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.decommitted_bytes == 6 * MiB && s.reserved_bytes.current == (int64_t)(33 * MiB / 2));
     CHECK_OK(llmmem_pool_free(p, d, NULL));
-    CHECK_OK(llmmem_pool_free(p, c, NULL));                  /* free end [1.5, 22.5): 21 MiB */
-    CHECK_OK(llmmem_pool_empty_cache(p, &released));         /* a 20 MiB cut would end at 2.5, in page 1 */
+    CHECK_OK(llmmem_pool_free(p, c, NULL));          /* free end [1.5, 22.5): 21 MiB */
+    CHECK_OK(llmmem_pool_empty_cache(p, &released)); /* a 20 MiB cut would end at 2.5, in page 1 */
     CHECK_OK(llmmem_pool_stats(p, &s2));
     CHECK(released == 29 * MiB / 2 && s2.reserved_bytes.current == (int64_t)(2 * MiB));
     CHECK(s2.decommitted_bytes == 2 * MiB && s2.num_backend_reserves == s.num_backend_reserves);
     CHECK(s2.largest_free_block == MiB / 2 && s2.free_bytes == MiB / 2);
     CHECK_OK(_llmmem_pool_check(p));
-    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB / 2, NULL, &b));   /* over the decommitted page: committed again */
+    CHECK_OK(llmmem_pool_alloc(p, 5 * MiB / 2, NULL, &b)); /* over the decommitted page: committed again */
     CHECK(b == (char *)a + 3 * MiB / 2);
     memset(b, 4, 5 * MiB / 2);
     CHECK_OK(llmmem_pool_free(p, b, NULL));
@@ -755,16 +761,16 @@ int main(void) {
   TEST("in-place growth: reusing a decommitted hole beyond the highest mark first gives back idle holes") {
     llmmem_pool_t *p = grow_pool(0, 0, 0);
     void *a, *b, *x, *y, *c, *d, *z;
-    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));            /* [0, 8) */
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b));        /* [8, 9.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &x));            /* [9.5, 15.5) */
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &y));        /* [15.5, 17): 18 MiB reserved */
-    CHECK_OK(llmmem_pool_free(p, a, NULL));                       /* hole H1: 8 MiB, idle */
-    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));           /* grows; H1's 4 pages go back */
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, NULL, &a));     /* [0, 8) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &b)); /* [8, 9.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &x));     /* [9.5, 15.5) */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, NULL, &y)); /* [15.5, 17): 18 MiB reserved */
+    CHECK_OK(llmmem_pool_free(p, a, NULL));                /* hole H1: 8 MiB, idle */
+    CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, NULL, &c));    /* grows; H1's 4 pages go back */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.reserved_bytes.current == (int64_t)(20 * MiB) && s.decommitted_bytes == 8 * MiB);
-    CHECK_OK(llmmem_pool_free(p, x, NULL));                       /* hole H2: 6 MiB, committed, idle */
+    CHECK_OK(llmmem_pool_free(p, x, NULL)); /* hole H2: 6 MiB, committed, idle */
     /* 7 MiB fits only H1: its 4 pages come back, which would make 28 MiB, beyond the 20 MiB ever
      * held, so H2's two whole pages go back first: 24 MiB */
     CHECK_OK(llmmem_pool_alloc(p, 7 * MiB, NULL, &d));
@@ -774,7 +780,7 @@ int main(void) {
     CHECK(s.reserved_bytes.current == (int64_t)(24 * MiB) && s.reserved_bytes.peak == (int64_t)(24 * MiB));
     CHECK(s.decommitted_bytes == 4 * MiB);
     CHECK_OK(_llmmem_pool_check(p));
-    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &z));            /* into H2: its pages come back */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, NULL, &z)); /* into H2: its pages come back */
     CHECK(z == x);
     memset(z, 6, 6 * MiB);
     CHECK_OK(llmmem_pool_stats(p, &s));
@@ -795,14 +801,14 @@ int main(void) {
     CHECK_OK(llmmem_pool_create(&b, &o, &p));
     void *x, *y, *z;
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &x));
-    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &y));  /* grows the first to its 8 MiB */
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &z));  /* no room behind it: a second segment */
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, NULL, &y)); /* grows the first to its 8 MiB */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &z)); /* no room behind it: a second segment */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 2 && s.reserved_bytes.current == (int64_t)(12 * MiB) && f.reserved == 12 * MiB);
     CHECK((uintptr_t)y == (uintptr_t)x + 4 * MiB);
     void *w;
-    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &w));  /* the second grows in place: 1 MiB free end + 2 */
+    CHECK_OK(llmmem_pool_alloc(p, 3 * MiB, NULL, &w)); /* the second grows in place: 1 MiB free end + 2 */
     CHECK((uintptr_t)w == (uintptr_t)z + 3 * MiB);
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.segments.current == 2 && s.reserved_bytes.current == (int64_t)(14 * MiB) && f.reserved == 14 * MiB);
@@ -827,8 +833,8 @@ int main(void) {
     void *S1 = (void *)0x100, *S2 = (void *)0x200, *x, *y, *z;
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &x));
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &y));
-    CHECK_OK(llmmem_pool_free(p, y, S1));  /* the free end waits on S1's event */
-    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, S2, &z));  /* must not touch it: grows by 6 MiB after it */
+    CHECK_OK(llmmem_pool_free(p, y, S1));            /* the free end waits on S1's event */
+    CHECK_OK(llmmem_pool_alloc(p, 6 * MiB, S2, &z)); /* must not touch it: grows by 6 MiB after it */
     CHECK((uintptr_t)z == (uintptr_t)x + 8 * MiB);
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
@@ -855,16 +861,16 @@ int main(void) {
     void *S1 = (void *)0x100, *S2 = (void *)0x200;
     void *a, *a2, *c, *d;
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &a));
-    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &d));  /* keeps a's block from merging into the tail */
+    CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &d)); /* keeps a's block from merging into the tail */
     CHECK_OK(llmmem_pool_free(p, a, S1));
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
-    CHECK(s.active_bytes.current == (int64_t)(4 * MiB + 4 * MiB));  /* d + a awaiting its event */
+    CHECK(s.active_bytes.current == (int64_t)(4 * MiB + 4 * MiB)); /* d + a awaiting its event */
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S1, &a2));
     CHECK(a2 == a);
     CHECK_OK(llmmem_pool_free(p, a2, S1));
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S2, &c));
-    CHECK(c != a);  /* a's event on S1 has not completed */
+    CHECK(c != a); /* a's event on S1 has not completed */
     CHECK((uintptr_t)c >= (uintptr_t)d + 4 * MiB || (uintptr_t)c + 4 * MiB <= (uintptr_t)a);
     CHECK_OK(llmmem_pool_free(p, c, S2));
     fake_complete(&f, S1);
@@ -873,14 +879,14 @@ int main(void) {
     int64_t reserved = s.reserved_bytes.current;
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S2, &e));
     CHECK_OK(llmmem_pool_alloc(p, 4 * MiB, S2, &e2));
-    CHECK((e == a && e2 == c) || (e == c && e2 == a));  /* a is now reusable by S2, c always was */
+    CHECK((e == a && e2 == c) || (e == c && e2 == a)); /* a is now reusable by S2, c always was */
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.reserved_bytes.current == reserved);
     CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_free(p, e, S2));
     CHECK_OK(llmmem_pool_free(p, e2, S2));
     CHECK_OK(llmmem_pool_free(p, d, S1));
-    CHECK_OK(llmmem_pool_empty_cache(p, NULL));  /* waits every event */
+    CHECK_OK(llmmem_pool_empty_cache(p, NULL)); /* waits every event */
     CHECK(segments_whole_and_free(p));
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.active_bytes.current == 0);
@@ -912,7 +918,7 @@ int main(void) {
 
   TEST("streams: random multi-stream sequences keep every invariant") {
     fake_ctx_t f = {0};
-    f.capacity = 48 * MiB;  /* growth in place up to 48 MiB, then further segments */
+    f.capacity = 48 * MiB; /* growth in place up to 48 MiB, then further segments */
     llmmem_pool_backend_t b = fake_backend(&f, 1);
     llmmem_pool_options_t o = {0, 0, 0};
     llmmem_pool_t *p = NULL;
@@ -924,7 +930,12 @@ int main(void) {
     size_t sizes[32];
     /* Model of the safety property: memory freed on stream S may go to another stream only once
      * the event recorded at that free has completed. */
-    typedef struct { uintptr_t addr; size_t size; void *stream; fake_event_t *ev; } freed_t;
+    typedef struct {
+      uintptr_t addr;
+      size_t size;
+      void *stream;
+      fake_event_t *ev;
+    } freed_t;
     static freed_t freed[4096];
     int n = 0, n_freed = 0, ok = 1, unsafe = 0;
     for (int i = 0; i < 3000 && ok; i++) {
@@ -936,7 +947,8 @@ int main(void) {
         if (llmmem_pool_alloc(p, sizes[n], on[n], &ptrs[n]) != LLMMEM_OK) ok = 0;
         uintptr_t lo = (uintptr_t)ptrs[n], hi = lo + sizes[n];
         for (int j = 0; j < n_freed; j++)
-          if (freed[j].stream != on[n] && !freed[j].ev->done && lo < freed[j].addr + freed[j].size && freed[j].addr < hi)
+          if (freed[j].stream != on[n] && !freed[j].ev->done && lo < freed[j].addr + freed[j].size &&
+              freed[j].addr < hi)
             unsafe++;
         n++;
       } else {
@@ -1039,22 +1051,24 @@ int main(void) {
     extern void llmmem_pool_free_0(void *, size_t, int, void *);
     void *x = slot == 0 ? llmmem_pool_alloc_0(1000, 0, NULL) : llmmem_pool_slot_alloc(slot, 1000, 0, NULL);
     CHECK(x != NULL);
-    llmmem_pool_slot_free(slot, (char *)x + 512, 1000, 0, NULL);  /* refused, counted */
+    llmmem_pool_slot_free(slot, (char *)x + 512, 1000, 0, NULL); /* refused, counted */
     llmmem_pool_stats_t s;
     CHECK_OK(llmmem_pool_stats(p, &s));
     CHECK(s.num_invalid_frees == 1 && s.allocations.current == 1);
     CHECK(llmmem_pool_slot_alloc(LLMMEM_POOL_SLOTS, 16, 0, NULL) == NULL);
     /* the owner goes away while a block is out: the pool lives until that block comes back */
     llmmem_pool_release_when_empty(p);
-    if (slot == 0) llmmem_pool_free_0(x, 1000, 0, NULL);
-    else llmmem_pool_slot_free(slot, x, 1000, 0, NULL);
-    CHECK(llmmem_pool_slot_alloc(slot, 16, 0, NULL) == NULL);  /* slot unbound by the destroy */
+    if (slot == 0)
+      llmmem_pool_free_0(x, 1000, 0, NULL);
+    else
+      llmmem_pool_slot_free(slot, x, 1000, 0, NULL);
+    CHECK(llmmem_pool_slot_alloc(slot, 16, 0, NULL) == NULL); /* slot unbound by the destroy */
     CHECK_OK(llmmem_pool_unbind_slot(slot));
     CHECK_STATUS(llmmem_pool_unbind_slot(-1), LLMMEM_ERR_INVALID);
 
     fake_ctx_t f = {0};
     llmmem_pool_backend_t b = fake_backend(&f, 0);
-    b.device = 1;  /* pretends to be cuda:1 */
+    b.device = 1; /* pretends to be cuda:1 */
     llmmem_pool_t *q = NULL;
     CHECK_OK(llmmem_pool_create(&b, NULL, &q));
     CHECK_OK(llmmem_pool_bind_slot(q, &slot));

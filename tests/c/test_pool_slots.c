@@ -17,7 +17,7 @@
 
 #include "testhelper.h"
 
-#define MiB ((size_t)1 << 20)
+#define MiB     ((size_t)1 << 20)
 #define WORKERS 3
 #ifndef ROUNDS
 #define ROUNDS 300
@@ -27,9 +27,9 @@ typedef struct {
   int slot;
   atomic_int *stop;
   unsigned long long seed;
-  long served, refused;  /* allocations that got memory / came back NULL */
-  int bad;               /* a refusal without a reason, or memory that was not ours */
-  int bogus;             /* only frees of an address that is no block: calls that take no memory */
+  long served, refused; /* allocations that got memory / came back NULL */
+  int bad;              /* a refusal without a reason, or memory that was not ours */
+  int bogus;            /* only frees of an address that is no block: calls that take no memory */
 } worker_t;
 
 /* Allocates through the slot, writes the block, frees it; like PyTorch, from a thread of its own. */
@@ -42,7 +42,7 @@ static void *worker(void *arg) {
       w->served++;
       continue;
     }
-    size_t size = 2 + (size_t)(th_rand(&rng) % (3 * MiB));  /* first and last byte differ */
+    size_t size = 2 + (size_t)(th_rand(&rng) % (3 * MiB)); /* first and last byte differ */
     unsigned char *p = llmmem_pool_slot_alloc(w->slot, size, -1, NULL);
     if (!p) {
       w->refused++;
@@ -97,7 +97,7 @@ static int round_trip(int how, unsigned long long seed, long *served, long *refu
     w[i] = (worker_t){slot, &stop, seed * 7919 + (unsigned long long)i, 0, 0, 0, how == 2};
     pthread_create(&t[i], NULL, worker, &w[i]);
   }
-  for (int spin = 0; spin < 50 * (int)(seed % 8); spin++) sched_yield();  /* let them get going */
+  for (int spin = 0; spin < 50 * (int)(seed % 8); spin++) sched_yield(); /* let them get going */
   int ok = 1;
   if (how == 0 || how == 2) {
     atomic_int go = 0;
@@ -106,7 +106,7 @@ static int round_trip(int how, unsigned long long seed, long *served, long *refu
     if (how == 2) pthread_create(&ut, NULL, unbinder, &u);
     atomic_store(&go, 1);
     llmmem_status_t st;
-    while ((st = llmmem_pool_destroy(p)) == LLMMEM_ERR_STATE) sched_yield();  /* blocks still out */
+    while ((st = llmmem_pool_destroy(p)) == LLMMEM_ERR_STATE) sched_yield(); /* blocks still out */
     ok = st == LLMMEM_OK;
     if (how == 2) pthread_join(ut, NULL);
   } else {
@@ -135,7 +135,7 @@ int main(void) {
     int ok = 1;
     for (int r = 0; r < ROUNDS && ok; r++) ok = round_trip(0, (unsigned long long)r + 1, &served, &refused);
     CHECK(ok);
-    CHECK(served > 0 && refused > 0);  /* both sides of the race were exercised */
+    CHECK(served > 0 && refused > 0); /* both sides of the race were exercised */
   }
 
   TEST("slot calls racing the last free of a released pool (destroyed inside a slot call)") {
@@ -161,14 +161,14 @@ int main(void) {
     CHECK_OK(llmmem_pool_destroy(p));
     CHECK(llmmem_pool_slot_alloc(slot, 4096, -1, NULL) == NULL);
     CHECK(strstr(llmmem_last_error(), "no pool bound") != NULL);
-    llmmem_pool_slot_free(slot, (void *)(uintptr_t)0x1000, 4096, -1, NULL);  /* ignored, not a crash */
+    llmmem_pool_slot_free(slot, (void *)(uintptr_t)0x1000, 4096, -1, NULL); /* ignored, not a crash */
     CHECK_OK(llmmem_pool_unbind_slot(slot));
     llmmem_pool_t *q = new_pool();
     CHECK_OK(llmmem_pool_bind_slot(q, &again));
-    CHECK(again == slot);  /* the slot is usable again */
+    CHECK(again == slot); /* the slot is usable again */
     void *x = llmmem_pool_slot_alloc(again, 4096, -1, NULL);
     CHECK(x != NULL);
-    CHECK_STATUS(llmmem_pool_destroy(q), LLMMEM_ERR_STATE);  /* a block is out: nothing changes */
+    CHECK_STATUS(llmmem_pool_destroy(q), LLMMEM_ERR_STATE); /* a block is out: nothing changes */
     llmmem_pool_slot_free(again, x, 4096, -1, NULL);
     CHECK_OK(llmmem_pool_destroy(q));
   }

@@ -34,19 +34,19 @@ static const size_t GRAN = 2 * MiB;
 
 struct fake_handle {
   size_t size;
-  uintptr_t mapped_at;  // 0 when not mapped
+  uintptr_t mapped_at; // 0 when not mapped
 };
 
 struct fake_state {
   int vmm_supported = 1;
-  size_t capacity = 1024 * MiB;  // physical memory: cuMemCreate fails beyond it
-  size_t physical = 0;           // bytes of live handles
-  int misuse = 0;                // calls the real driver would refuse
-  int fail_map_after = -1;       // >= 0: that many more cuMemMap calls succeed, then one fails
-  int fail_unmap_after = -1;     // the same for cuMemUnmap (the failing call unmaps nothing)
-  std::map<uintptr_t, size_t> ranges;          // reserved virtual ranges: base -> bytes
-  std::map<uintptr_t, fake_handle *> mapped;   // granule address -> handle
-  std::map<uintptr_t, bool> accessible;        // granule address -> cuMemSetAccess done
+  size_t capacity = 1024 * MiB;              // physical memory: cuMemCreate fails beyond it
+  size_t physical = 0;                       // bytes of live handles
+  int misuse = 0;                            // calls the real driver would refuse
+  int fail_map_after = -1;                   // >= 0: that many more cuMemMap calls succeed, then one fails
+  int fail_unmap_after = -1;                 // the same for cuMemUnmap (the failing call unmaps nothing)
+  std::map<uintptr_t, size_t> ranges;        // reserved virtual ranges: base -> bytes
+  std::map<uintptr_t, fake_handle *> mapped; // granule address -> handle
+  std::map<uintptr_t, bool> accessible;      // granule address -> cuMemSetAccess done
   long handles_live = 0;
 };
 
@@ -66,7 +66,8 @@ static CUresult f_DeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice) {
   *v = a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ? F.vmm_supported : 0;
   return CUDA_SUCCESS;
 }
-static CUresult f_MemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) {
+static CUresult f_MemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *,
+                                              CUmemAllocationGranularity_flags) {
   *g = GRAN;
   return CUDA_SUCCESS;
 }
@@ -89,7 +90,7 @@ static CUresult f_MemAddressFree(CUdeviceptr p, size_t size) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   for (auto &m : F.mapped)
-    if (m.first >= (uintptr_t)p && m.first < (uintptr_t)p + size) F.misuse++;  // still mapped
+    if (m.first >= (uintptr_t)p && m.first < (uintptr_t)p + size) F.misuse++; // still mapped
   munmap((void *)p, size);
   F.ranges.erase(it);
   return CUDA_SUCCESS;
@@ -110,7 +111,7 @@ static CUresult f_MemCreate(CUmemGenericAllocationHandle *h, size_t size, const 
 }
 static CUresult f_MemRelease(CUmemGenericAllocationHandle h) {
   fake_handle *x = (fake_handle *)(uintptr_t)h;
-  if (x->mapped_at) F.misuse++;  // the backend always unmaps first
+  if (x->mapped_at) F.misuse++; // the backend always unmaps first
   F.physical -= x->size;
   F.handles_live--;
   delete x;
@@ -185,7 +186,7 @@ cudaError_t cudaGetDevice(int *d) {
 cudaError_t cudaSetDevice(int) { return cudaSuccess; }
 cudaError_t cudaFree(void *p) { return p ? cudaErrorInvalidValue : cudaSuccess; }
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total) {
-  *total = 1024 * MiB;  // the address space reserved behind each region
+  *total = 1024 * MiB; // the address space reserved behind each region
   *free_bytes = *total - F.physical;
   return cudaSuccess;
 }
@@ -225,7 +226,7 @@ int event_done(void *, void *) { return 1; }
 llmmem_status_t event_wait(void *, void *) { return LLMMEM_OK; }
 void event_release(void *, void *) {}
 void destroy_events(cuda_ctx *) {}
-}  // namespace llmmem_cuda
+} // namespace llmmem_cuda
 
 /* backend_host.c refers to the pinned backend, which lives in backend_cuda.cu (not built here). */
 extern "C" llmmem_status_t _llmmem_pool_backend_pinned(llmmem_pool_backend_t *) { return LLMMEM_ERR_NOT_BUILT; }
@@ -263,7 +264,7 @@ int main() {
     llmmem_pool_backend_t b;
     CHECK_STATUS(llmmem_pool_backend_cuda_vmm(0, &b), LLMMEM_ERR_NO_DEVICE);
     CHECK(strstr(llmmem_last_error(), "virtual memory management") != nullptr);
-    CHECK_STATUS(llmmem_pool_backend_cuda_vmm(3, &b), LLMMEM_ERR_INVALID);  // no such device
+    CHECK_STATUS(llmmem_pool_backend_cuda_vmm(3, &b), LLMMEM_ERR_INVALID); // no such device
     F.vmm_supported = 1;
     CHECK_OK(llmmem_pool_backend_cuda_vmm(0, &b));
     CHECK(strcmp(b.name, "cuda_vmm") == 0 && b.resize && b.decommit && b.commit && b.event_record);
@@ -307,7 +308,7 @@ int main() {
     for (void *x : {b, c, d}) CHECK_OK(llmmem_pool_free(p, x, nullptr));
     size_t released = 0;
     int64_t before = stats(p).reserved_bytes.current;
-    CHECK_OK(llmmem_pool_empty_cache(p, &released));  // a region with unmapped holes, released whole
+    CHECK_OK(llmmem_pool_empty_cache(p, &released)); // a region with unmapped holes, released whole
     CHECK((int64_t)released == before && F.physical == 0 && stats(p).reserved_bytes.current == 0);
     CHECK_OK(llmmem_pool_destroy(p));
     CHECK(F.ranges.empty() && F.handles_live == 0 && F.misuse == 0);
@@ -329,7 +330,7 @@ int main() {
     size_t reserves = stats(p).num_backend_reserves;
     CHECK_OK(llmmem_pool_empty_cache(p, &released));
     CHECK(stats(p).num_backend_reserves == reserves && F.misuse == 0);
-    CHECK(stats(p).reserved_bytes.current == (int64_t)(2 * MiB) && F.physical == 2 * MiB);  // [0, 2): 1 granule
+    CHECK(stats(p).reserved_bytes.current == (int64_t)(2 * MiB) && F.physical == 2 * MiB); // [0, 2): 1 granule
     CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_free(p, a, nullptr));
     CHECK_OK(llmmem_pool_destroy(p));
@@ -344,11 +345,11 @@ int main() {
     CHECK_STATUS(llmmem_pool_alloc(p, 10 * MiB, nullptr, &x), LLMMEM_ERR_NOMEM);
     CHECK(x == nullptr && physical_matches(p) && stats(p).num_ooms == 1);
     F.capacity = 1024 * MiB;
-    F.fail_map_after = 2;  // growth by 8 MiB: two granules map, the third fails
+    F.fail_map_after = 2; // growth by 8 MiB: two granules map, the third fails
     CHECK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &x) != LLMMEM_OK);
     CHECK(physical_matches(p) && F.mapped.size() == 5 && F.misuse == 0);
     CHECK_OK(_llmmem_pool_check(p));
-    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &x));  // works again afterwards
+    CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &x)); // works again afterwards
     memset(x, 1, 8 * MiB);
     CHECK_OK(llmmem_pool_free(p, x, nullptr));
     CHECK_OK(llmmem_pool_free(p, a, nullptr));
@@ -362,14 +363,14 @@ int main() {
     CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &a));
     CHECK_OK(llmmem_pool_alloc(p, 3 * MiB / 2, nullptr, &b));
     CHECK_OK(llmmem_pool_free(p, a, nullptr));
-    F.fail_unmap_after = 2;  // the hole's 4 granules: two unmap, the third fails
+    F.fail_unmap_after = 2; // the hole's 4 granules: two unmap, the third fails
     CHECK_OK(llmmem_pool_alloc(p, 10 * MiB, nullptr, &c));
     CHECK(F.fail_unmap_after == -1);
     CHECK(stats(p).decommitted_bytes == 0 && physical_matches(p) && accessible(a, 8 * MiB) && F.misuse == 0);
     CHECK_OK(_llmmem_pool_check(p));
     CHECK_OK(llmmem_pool_alloc(p, 8 * MiB, nullptr, &d));
     CHECK(d == a);
-    memset(d, 3, 8 * MiB);  // faults if a granule the pool counts as committed were left unmapped
+    memset(d, 3, 8 * MiB); // faults if a granule the pool counts as committed were left unmapped
     for (void *x : {b, c, d}) CHECK_OK(llmmem_pool_free(p, x, nullptr));
     CHECK_OK(llmmem_pool_destroy(p));
     CHECK(F.physical == 0 && F.ranges.empty() && F.handles_live == 0 && F.misuse == 0);

@@ -38,25 +38,25 @@ static inline void th_end(void) {
 /* TEST("name") { body } runs body once, counting the test as passed if no CHECK failed in it. */
 #define TEST(name) for (int th_once_ = (th_begin(name), 1); th_once_; th_once_ = (th_end(), 0))
 
-#define CHECK(cond)                                                                              \
-  do {                                                                                           \
-    if (!(cond)) {                                                                               \
-      th_current_failed = 1;                                                                     \
-      printf("  %s:%d: %s: CHECK(%s) failed; last llmmem error: %s\n", __FILE__, __LINE__,      \
-             th_current, #cond, llmmem_last_error());                                            \
-    }                                                                                            \
+#define CHECK(cond)                                                                                           \
+  do {                                                                                                        \
+    if (!(cond)) {                                                                                            \
+      th_current_failed = 1;                                                                                  \
+      printf("  %s:%d: %s: CHECK(%s) failed; last llmmem error: %s\n", __FILE__, __LINE__, th_current, #cond, \
+             llmmem_last_error());                                                                            \
+    }                                                                                                         \
   } while (0)
 
 /* CHECK_STATUS(expr, expected) compares llmmem_status_t values and prints both names. */
-#define CHECK_STATUS(expr, expected)                                                             \
-  do {                                                                                           \
-    llmmem_status_t th_got_ = (expr), th_want_ = (expected);                                     \
-    if (th_got_ != th_want_) {                                                                   \
-      th_current_failed = 1;                                                                     \
-      printf("  %s:%d: %s: %s returned %d (%s), expected %d (%s); detail: %s\n", __FILE__,      \
-             __LINE__, th_current, #expr, (int)th_got_, llmmem_strerror(th_got_), (int)th_want_, \
-             llmmem_strerror(th_want_), llmmem_last_error());                                    \
-    }                                                                                            \
+#define CHECK_STATUS(expr, expected)                                                                             \
+  do {                                                                                                           \
+    llmmem_status_t th_got_ = (expr), th_want_ = (expected);                                                     \
+    if (th_got_ != th_want_) {                                                                                   \
+      th_current_failed = 1;                                                                                     \
+      printf("  %s:%d: %s: %s returned %d (%s), expected %d (%s); detail: %s\n", __FILE__, __LINE__, th_current, \
+             #expr, (int)th_got_, llmmem_strerror(th_got_), (int)th_want_, llmmem_strerror(th_want_),            \
+             llmmem_last_error());                                                                               \
+    }                                                                                                            \
   } while (0)
 
 #define CHECK_OK(expr) CHECK_STATUS(expr, LLMMEM_OK)

@@ -36,8 +36,9 @@ def impl(request):
 
 def _block(dropout=0.1, attention="explicit"):
     torch.manual_seed(0)
-    return GPT(GPTConfig(layers=1, hidden=32, heads=4, seq_len=16, vocab_size=64, dropout=dropout,
-                         attention=attention)).blocks[0]
+    return GPT(
+        GPTConfig(layers=1, hidden=32, heads=4, seq_len=16, vocab_size=64, dropout=dropout, attention=attention)
+    ).blocks[0]
 
 
 def _grads(module, *tensors):

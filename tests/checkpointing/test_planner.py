@@ -13,8 +13,8 @@ import torch.nn as nn
 
 import llmmem
 from llmmem import _C
-from llmmem.models.gpt import GPT, GPTConfig
 from llmmem.checkpointing import AutoCheckpointed, measure_saved_bytes
+from llmmem.models.gpt import GPT, GPTConfig
 
 
 def random_chain(L, K, rnd, identical=False):
@@ -22,16 +22,26 @@ def random_chain(L, K, rnd, identical=False):
         fn = rnd.uniform(1, 5)
         full = rnd.randint(4, 16)
         return dict(
-            f=[fn + 0.3 * k for k in range(K)], fn=fn, b=[2 * fn + k * rnd.uniform(0.5, 2) for k in range(K)],
-            s=[full if k == 0 else full // (k + 1) for k in range(K)], ft=rnd.randint(0, 2),
-            bt=[rnd.randint(0, 2) for _ in range(K)])
+            f=[fn + 0.3 * k for k in range(K)],
+            fn=fn,
+            b=[2 * fn + k * rnd.uniform(0.5, 2) for k in range(K)],
+            s=[full if k == 0 else full // (k + 1) for k in range(K)],
+            ft=rnd.randint(0, 2),
+            bt=[rnd.randint(0, 2) for _ in range(K)],
+        )
 
     blocks = [block()] * L if identical else [block() for _ in range(L)]
     xs = [rnd.randint(1, 4)] * (L + 1) if identical else [rnd.randint(1, 4) for _ in range(L + 1)]
-    return {"fwd_time": [b["f"] for b in blocks], "fwd_nostore_time": [b["fn"] for b in blocks],
-            "bwd_time": [b["b"] for b in blocks], "input_bytes": xs, "saved_bytes": [b["s"] for b in blocks],
-            "fwd_tmp_bytes": [b["ft"] for b in blocks], "bwd_tmp_bytes": [b["bt"] for b in blocks],
-            "mode_nestable": [1] + [0] * (K - 1)}
+    return {
+        "fwd_time": [b["f"] for b in blocks],
+        "fwd_nostore_time": [b["fn"] for b in blocks],
+        "bwd_time": [b["b"] for b in blocks],
+        "input_bytes": xs,
+        "saved_bytes": [b["s"] for b in blocks],
+        "fwd_tmp_bytes": [b["ft"] for b in blocks],
+        "bwd_tmp_bytes": [b["bt"] for b in blocks],
+        "mode_nestable": [1] + [0] * (K - 1),
+    }
 
 
 def all_plans(L, K, nestable, offloadable=(), kept=None):
@@ -89,7 +99,7 @@ def with_offload(chain, rnd):
 def brute_force(chain, budgets, offloadable=()):
     """(least time among the plans that fit each budget, least peak of all plans, plans seen)."""
     L, K = len(chain["fwd_time"]), len(chain["fwd_time"][0])
-    best = {b: math.inf for b in budgets}
+    best = dict.fromkeys(budgets, math.inf)
     least_peak, n_plans = math.inf, 0
     simulate = _C.plan_simulate
     for modes, regions in all_plans(L, K, chain["mode_nestable"], offloadable, chain.get("output_kept")):
@@ -205,8 +215,13 @@ def test_offload_is_refused_where_the_model_does_not_allow_it():
     with pytest.raises(ValueError, match="output_kept"):  # block 1 as a tape keeps a_2 alive
         _C.plan_simulate(chain, [0] * 5, [(2, 3, 1)])
     assert _C.plan_simulate(chain, [0] * 5, [(1, 2), (2, 3, 1)])["host_bytes"] > 0  # inside a region it does not
-    for key, value in (("host_bandwidth", -1.0), ("host_bandwidth", float("inf")), ("host_bandwidth", "fast"),
-                       ("output_kept", [[0], [2], [0], [0], [0]]), ("output_kept", [[0], [0]])):
+    for key, value in (
+        ("host_bandwidth", -1.0),
+        ("host_bandwidth", float("inf")),
+        ("host_bandwidth", "fast"),
+        ("output_kept", [[0], [2], [0], [0], [0]]),
+        ("output_kept", [[0], [0]]),
+    ):
         bad = dict(chain, **{key: value})
         with pytest.raises(ValueError, match=key):
             _C.plan_solve(bad, 10**6, 100)
@@ -227,17 +242,20 @@ def test_identical_blocks_fast_path_equals_general_dp():
             assert fast["peak_bytes"] <= b and general["peak_bytes"] <= b
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("fwd_time", [[-1.0, 1.0]] + [[1.0, 1.0]] * 3, "fwd_time"),
-    ("bwd_time", [[float("nan"), 1.0]] + [[1.0, 1.0]] * 3, "bwd_time"),
-    ("saved_bytes", [[-5, 1]] + [[1, 1]] * 3, "saved_bytes"),
-    ("input_bytes", [1, 1, 1], "input_bytes"),
-    ("bwd_time", [[1.0]] * 4, r"bwd_time'\]\[0\]"),
-    ("fwd_time", [[1.0, 1.0]] * 5, "saved_bytes|input_bytes|bwd_time"),
-    ("input_bytes", [1.5] * 5, "input_bytes"),
-    ("mode_nestable", [2, 0], "mode_nestable"),
-    ("fwd_time", "fast", "fwd_time"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("fwd_time", [[-1.0, 1.0]] + [[1.0, 1.0]] * 3, "fwd_time"),
+        ("bwd_time", [[float("nan"), 1.0]] + [[1.0, 1.0]] * 3, "bwd_time"),
+        ("saved_bytes", [[-5, 1]] + [[1, 1]] * 3, "saved_bytes"),
+        ("input_bytes", [1, 1, 1], "input_bytes"),
+        ("bwd_time", [[1.0]] * 4, r"bwd_time'\]\[0\]"),
+        ("fwd_time", [[1.0, 1.0]] * 5, "saved_bytes|input_bytes|bwd_time"),
+        ("input_bytes", [1.5] * 5, "input_bytes"),
+        ("mode_nestable", [2, 0], "mode_nestable"),
+        ("fwd_time", "fast", "fwd_time"),
+    ],
+)
 def test_malformed_costs_raise_value_error(key, value, match):
     chain = random_chain(4, 2, random.Random(0))
     chain[key] = value
@@ -415,10 +433,13 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
 
 def test_offload_arguments_and_bandwidth(gpt_profile):
     _, _, _, prof = gpt_profile
-    for kwargs, match in (({"offload": "yes"}, "offload"), ({"offload": True, "host_bandwidth": 0}, "host_bandwidth"),
-                          ({"offload": True, "host_bandwidth": float("nan")}, "host_bandwidth"),
-                          ({"offload": True, "host_bandwidth": True}, "host_bandwidth"),
-                          ({"host_bandwidth": 1e9}, "host_bandwidth")):
+    for kwargs, match in (
+        ({"offload": "yes"}, "offload"),
+        ({"offload": True, "host_bandwidth": 0}, "host_bandwidth"),
+        ({"offload": True, "host_bandwidth": float("nan")}, "host_bandwidth"),
+        ({"offload": True, "host_bandwidth": True}, "host_bandwidth"),
+        ({"host_bandwidth": 1e9}, "host_bandwidth"),
+    ):
         with pytest.raises(ValueError, match=match):
             llmmem.plan_checkpoints(None, budget=0.5, profile=prof, **kwargs)
     plain_least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof).min_budget_bytes
@@ -493,9 +514,14 @@ def test_checkpoint_sequential_auto_budgets_and_offload():
         return [p.grad for p in seq.parameters()] + [xi.grad]
 
     ref = grads()
-    for options in ({"budget": f"{2 * plain_least}B"}, {"budget": plain_least}, {"budget": 0.4},
-                    {"budget": offload_least, "offload": True}, {"budget": near, "offload": True},
-                    {"budget": offload_least, "offload": True, "host_bandwidth": 1e9}):
+    for options in (
+        {"budget": f"{2 * plain_least}B"},
+        {"budget": plain_least},
+        {"budget": 0.4},
+        {"budget": offload_least, "offload": True},
+        {"budget": near, "offload": True},
+        {"budget": offload_least, "offload": True, "host_bandwidth": 1e9},
+    ):
         assert all(torch.equal(a, b) for a, b in zip(grads(**options), ref)), options
     with pytest.raises(llmmem.InfeasibleError, match=f"{offload_least} bytes"):
         llmmem.checkpoint_sequential(seq, "auto", x, budget=offload_least - 1, offload=True)

@@ -11,9 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import llmmem
+from llmmem.checkpointing import measure_saved_bytes, recompute_cheap
 from llmmem.models.gpt import GPT, GPTConfig
-from llmmem.checkpointing import measure_saved_bytes
-from llmmem.checkpointing import recompute_cheap
 
 
 def _block(dropout=0.1):
@@ -34,6 +33,7 @@ def _cheap(module, layer_norms=True):
     def run(x):
         with recompute_cheap(module if layer_norms else None):
             return module(x)
+
     return run
 
 
@@ -90,10 +90,10 @@ def test_inplace_change_of_an_operand_raises_not_wrong_gradients():
     x = torch.randn(4, 8, requires_grad=True)
     with recompute_cheap():
         h = lin1(x)
-        g = F.gelu(h)       # GELU keeps h
-        y = lin2(g)         # keeps g: dropped, rebuilt from h
+        g = F.gelu(h)  # GELU keeps h
+        y = lin2(g)  # keeps g: dropped, rebuilt from h
     with torch.no_grad():
-        h.add_(1.0)         # now rebuilding g would use a different h
+        h.add_(1.0)  # now rebuilding g would use a different h
     with pytest.raises(llmmem.CheckpointError, match="inplace"):
         y.sum().backward()
 
@@ -196,9 +196,11 @@ def test_layer_norm_called_with_a_module_weight_and_another_eps():
     shared = nn.LayerNorm(8, eps=0.25)  # tied to ln's parameters, another eps
     shared.weight, shared.bias = ln.weight, ln.bias
     x = torch.randn(4, 3, 8, requires_grad=True)
-    for f, mod in ((lambda t: lin(F.layer_norm(t, (8,), ln.weight, ln.bias, eps=1.0)), nn.ModuleList([ln, lin])),
-                   (lambda t: lin(custom(t)), nn.ModuleList([custom, lin])),
-                   (lambda t: lin(ln(t)) + lin(shared(t)), nn.ModuleList([ln, lin, shared]))):
+    for f, mod in (
+        (lambda t: lin(F.layer_norm(t, (8,), ln.weight, ln.bias, eps=1.0)), nn.ModuleList([ln, lin])),
+        (lambda t: lin(custom(t)), nn.ModuleList([custom, lin])),
+        (lambda t: lin(ln(t)) + lin(shared(t)), nn.ModuleList([ln, lin, shared])),
+    ):
         ref = _step(f, mod, x)
         got = _step(_cheap_fn(f, mod), mod, x)
         for a, b in zip(ref, got):
@@ -209,6 +211,7 @@ def _cheap_fn(f, module):
     def run(x):
         with recompute_cheap(module):
             return f(x)
+
     return run
 
 

@@ -16,8 +16,9 @@ from llmmem.__main__ import main
 def _cli(*args: str) -> subprocess.CompletedProcess:
     # `python -m` puts the working directory first on sys.path: run outside the checkout so the
     # installed llmmem (with its built core) is the one found, as it is for a user.
-    return subprocess.run([sys.executable, "-m", "llmmem", *args], capture_output=True, text=True, timeout=120,
-                          cwd=tempfile.gettempdir())
+    return subprocess.run(
+        [sys.executable, "-m", "llmmem", *args], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir()
+    )
 
 
 def test_info_reports_build_and_runtime_truthfully():

@@ -14,9 +14,9 @@ from llmmem.models.gpt import GPT, GPTConfig
 
 def test_counts_each_storage_once_and_frees():
     with LiveBytes() as live:
-        a = torch.empty(1000)            # 4000 B
-        b = a[10:20]                     # a view: same storage
-        c = a.view(10, 100).t()          # another view
+        a = torch.empty(1000)  # 4000 B
+        b = a[10:20]  # a view: same storage
+        c = a.view(10, 100).t()  # another view
         assert live.allocated() == 4000
         d = torch.empty(250, dtype=torch.float64)  # 2000 B
         assert live.allocated() == 6000 and live.max_allocated() == 6000
@@ -88,8 +88,12 @@ def test_training_step_peak_matches_storages_counted_by_hand():
 
 def test_checkpointing_lowers_the_measured_peak():
     torch.manual_seed(0)
-    blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
-                                                      torch.nn.Linear(1024, 256)) for _ in range(4)])
+    blocks = torch.nn.ModuleList(
+        [
+            torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+            for _ in range(4)
+        ]
+    )
     x = torch.randn(2048, 256, requires_grad=True)
 
     def peak(ckpt: bool) -> int:

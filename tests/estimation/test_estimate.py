@@ -21,15 +21,18 @@ GB = 10**9
 # ---------------------------------------------------------------------------------------------
 # parameters and model state
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, expected, rel", [
-    ("llama-7b", 6.74e9, 0.005),     # Touvron et al. 2023 (6,738,415,616 in the HF checkpoint)
-    ("llama-13b", 13.0e9, 0.005),
-    ("llama-70b", 69.0e9, 0.005),    # Llama 2 70B, grouped-query attention
-    ("gpt2", 124_439_808, 0),        # Hugging Face num_parameters()
-    ("gpt2-medium", 354_823_168, 0),
-    ("gpt2-large", 774_030_080, 0),
-    ("gpt2-xl", 1_557_611_200, 0),
-])
+@pytest.mark.parametrize(
+    "name, expected, rel",
+    [
+        ("llama-7b", 6.74e9, 0.005),  # Touvron et al. 2023 (6,738,415,616 in the HF checkpoint)
+        ("llama-13b", 13.0e9, 0.005),
+        ("llama-70b", 69.0e9, 0.005),  # Llama 2 70B, grouped-query attention
+        ("gpt2", 124_439_808, 0),  # Hugging Face num_parameters()
+        ("gpt2-medium", 354_823_168, 0),
+        ("gpt2-large", 774_030_080, 0),
+        ("gpt2-xl", 1_557_611_200, 0),
+    ],
+)
 def test_named_parameter_counts(name, expected, rel):
     est = estimate(name, seq=1024)
     assert est.parameter_count == pytest.approx(expected, rel=rel)
@@ -101,22 +104,30 @@ def test_layer_activations_reduce_to_megatron_formula(t, sp, seq, batch):
     stats = est.layer_terms["norm statistics (fp32)"]  # fp32 mean/rstd: real, but not in the paper
     s, b, h, a = seq, batch, 1024, 16
     assert est.activations_per_layer - stats == megatron_layer_activation_bytes(
-        s, b, h, a, tensor_parallel=t, sequence_parallel=sp)
+        s, b, h, a, tensor_parallel=t, sequence_parallel=sp
+    )
     # the closed forms of Korthikanti et al. 2022, table 2
     if not sp:
-        assert megatron_layer_activation_bytes(s, b, h, a, tensor_parallel=t) == s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
+        assert (
+            megatron_layer_activation_bytes(s, b, h, a, tensor_parallel=t)
+            == s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
+        )
     else:
-        assert megatron_layer_activation_bytes(s, b, h, a, tensor_parallel=t, sequence_parallel=True) == \
-            s * b * h * (34 + 5 * a * s / h) / t
+        assert (
+            megatron_layer_activation_bytes(s, b, h, a, tensor_parallel=t, sequence_parallel=True)
+            == s * b * h * (34 + 5 * a * s / h) / t
+        )
 
     sel = estimate(MEGATRON_MODEL, checkpointing="selective", **kw)
     assert sel.activations_layers / 4 - stats == megatron_layer_activation_bytes(
-        s, b, h, a, tensor_parallel=t, sequence_parallel=sp, recompute="selective")
+        s, b, h, a, tensor_parallel=t, sequence_parallel=sp, recompute="selective"
+    )
     if sp:
         assert sel.activations_layers / 4 - stats == 34 * s * b * h / t
     full = estimate(MEGATRON_MODEL, checkpointing="full", **kw)
     assert full.activations_layers == 4 * megatron_layer_activation_bytes(
-        s, b, h, a, tensor_parallel=t, sequence_parallel=sp, recompute="full")
+        s, b, h, a, tensor_parallel=t, sequence_parallel=sp, recompute="full"
+    )
 
 
 def test_fp32_and_cpu_change_element_sizes():
@@ -177,8 +188,9 @@ def test_activations_match_autograd_saved_tensors(layers, hidden, heads, seq, ba
     pytest.importorskip("torch")
     from llmmem.models.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq, vocab_size=vocab,
-                    dropout=dropout, attention=attention)
+    cfg = GPTConfig(
+        layers=layers, hidden=hidden, heads=heads, seq_len=seq, vocab_size=vocab, dropout=dropout, attention=attention
+    )
     model = GPT(cfg).train()
     measured = _saved_bytes(model, batch, seq)
     est = estimate(model, batch=batch, seq=seq, precision="fp32", device_type="cpu")
@@ -186,8 +198,9 @@ def test_activations_match_autograd_saved_tensors(layers, hidden, heads, seq, ba
     assert abs(est.activations - measured) <= 0.15 * measured
     # the module path counts the real parameters; the formula agrees with the count
     assert est.parameter_count == model.num_parameters()
-    dims = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_positions=seq, dropout=dropout,
-                attention=attention)
+    dims = dict(
+        layers=layers, hidden=hidden, heads=heads, vocab=vocab, max_positions=seq, dropout=dropout, attention=attention
+    )
     assert estimate(dims, batch=batch, seq=seq, precision="fp32", device_type="cpu").total == est.total
     assert estimate(cfg, batch=batch, seq=seq, precision="fp32", device_type="cpu").total == est.total  # dataclass
 
@@ -196,8 +209,10 @@ def test_activations_match_autograd_saved_tensors(layers, hidden, heads, seq, ba
 # monotonicity
 # ---------------------------------------------------------------------------------------------
 def test_more_checkpointing_keeps_fewer_activation_bytes():
-    acts = {c: estimate("llama-13b", checkpointing=c).activations
-            for c in ("none", "every-8", "every-4", 2, "full", "selective")}
+    acts = {
+        c: estimate("llama-13b", checkpointing=c).activations
+        for c in ("none", "every-8", "every-4", 2, "full", "selective")
+    }
     assert acts["none"] > acts["every-8"] > acts["every-4"] > acts[2] > acts["full"]
     assert acts["none"] > acts["selective"] > acts["full"]
     assert estimate("llama-13b", checkpointing=1).activations == acts["full"]
@@ -217,8 +232,7 @@ def test_larger_tensor_parallel_keeps_fewer_bytes_per_device():
 
 def test_longer_sequences_and_batches_cost_more():
     assert estimate("gpt2", seq=1024).activations < estimate("gpt2", seq=2048).activations
-    assert estimate("gpt2", batch=2).activations == pytest.approx(2 * estimate("gpt2", batch=1).activations,
-                                                                   rel=1e-3)
+    assert estimate("gpt2", batch=2).activations == pytest.approx(2 * estimate("gpt2", batch=1).activations, rel=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +242,7 @@ def _check_recommendation(est, budget):
     rec = est.recommendation
     assert rec is not None and rec.estimate.fits and rec.estimate.total <= budget
     # the recommended settings, fed back in, give the same numbers (no hidden state)
-    again = estimate(est.model, **{k: v for k, v in rec.settings.items()}, device_memory=budget)
+    again = estimate(est.model, **rec.settings, device_memory=budget)
     assert again.total == rec.estimate.total and again.fits
     assert rec.devices == rec.settings["data_parallel"] * rec.settings["tensor_parallel"]
     assert rec.changes and all(rec.settings[k] == v for k, v in rec.changes.items())
@@ -273,8 +287,9 @@ def test_to_dict_is_json_ready_and_consistent():
     d = estimate("llama-7b", device_memory="80GiB").to_dict()
     json.dumps(d)
     b = d["bytes"]
-    assert b["total"] == sum(b[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state",
-                                            "activations", "temporary"))
+    assert b["total"] == sum(
+        b[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
+    )
     assert b["activations_per_layer"] == sum(d["layer_terms"].values())
     assert b["activations_other"] == sum(d["other_terms"].values())
     assert b["temporary"] == sum(d["temporary_terms"].values())
@@ -284,35 +299,38 @@ def test_to_dict_is_json_ready_and_consistent():
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model, kwargs, match", [
-    ("llama-8x", {}, r"model: unknown model name .*gpt2-xl, llama-7b, llama-13b, llama-70b"),
-    (42, {}, r"model: expected"),
-    ({"layers": 2, "hidden": 64, "heads": 4}, {}, r"missing dimension\(s\) vocab"),
-    ({"layers": 2, "hidden": 64, "heads": 4, "vocab": 10, "hiden": 3}, {}, r"unknown dimension 'hiden'"),
-    ({"layers": 0, "hidden": 64, "heads": 4, "vocab": 10}, {}, r"layers: must be a positive integer"),
-    ({"layers": 2, "hidden": -64, "heads": 4, "vocab": 10}, {}, r"hidden: must be a positive integer"),
-    ({"layers": 2, "hidden": 64, "heads": 5, "vocab": 10}, {}, r"heads: 5 heads do not divide hidden size 64"),
-    ({"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 3, "vocab": 10}, {}, r"kv_heads"),
-    ({"layers": 2, "hidden": 64, "heads": 4, "vocab": 10, "mlp": "relu"}, {}, r"mlp: unknown value"),
-    ("gpt2", {"batch": 0}, r"batch: must be a positive integer"),
-    ("gpt2", {"seq": -1}, r"seq: must be a positive integer"),
-    ("gpt2", {"batch": True}, r"batch: must be a positive integer"),
-    ("gpt2", {"data_parallel": 0}, r"data_parallel"),
-    ("gpt2", {"tensor_parallel": 5}, r"tensor_parallel: size 5 does not divide heads \(12\)"),
-    ("llama-70b", {"tensor_parallel": 16}, r"tensor_parallel: size 16 does not divide kv_heads \(8\)"),
-    ("gpt2", {"device_memory": "80 gigs"}, r"device_memory: cannot parse"),
-    ("gpt2", {"device_memory": 0}, r"device_memory: must be more than 0"),
-    ("gpt2", {"precision": "fp8"}, r"precision: unknown value 'fp8'.*bf16-mixed"),
-    ("gpt2", {"optimizer": "lion"}, r"optimizer: unknown value 'lion'"),
-    ("gpt2", {"checkpointing": "sometimes"}, r"checkpointing: unknown value"),
-    ("gpt2", {"checkpointing": 0}, r"checkpointing: must be a positive integer"),
-    ("gpt2", {"checkpointing": "every-0"}, r"checkpointing: must be a positive integer"),
-    ("gpt2", {"zero_stage": 4}, r"zero_stage: must be 0, 1, 2 or 3"),
-    ("gpt2", {"zero_stage": -1}, r"zero_stage"),
-    ("gpt2", {"attention": "linear"}, r"attention: unknown value"),
-    ("gpt2", {"device_type": "tpu"}, r"device_type: unknown value"),
-    ("gpt2", {"sequence_parallel": "yes"}, r"sequence_parallel"),
-])
+@pytest.mark.parametrize(
+    "model, kwargs, match",
+    [
+        ("llama-8x", {}, r"model: unknown model name .*gpt2-xl, llama-7b, llama-13b, llama-70b"),
+        (42, {}, r"model: expected"),
+        ({"layers": 2, "hidden": 64, "heads": 4}, {}, r"missing dimension\(s\) vocab"),
+        ({"layers": 2, "hidden": 64, "heads": 4, "vocab": 10, "hiden": 3}, {}, r"unknown dimension 'hiden'"),
+        ({"layers": 0, "hidden": 64, "heads": 4, "vocab": 10}, {}, r"layers: must be a positive integer"),
+        ({"layers": 2, "hidden": -64, "heads": 4, "vocab": 10}, {}, r"hidden: must be a positive integer"),
+        ({"layers": 2, "hidden": 64, "heads": 5, "vocab": 10}, {}, r"heads: 5 heads do not divide hidden size 64"),
+        ({"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 3, "vocab": 10}, {}, r"kv_heads"),
+        ({"layers": 2, "hidden": 64, "heads": 4, "vocab": 10, "mlp": "relu"}, {}, r"mlp: unknown value"),
+        ("gpt2", {"batch": 0}, r"batch: must be a positive integer"),
+        ("gpt2", {"seq": -1}, r"seq: must be a positive integer"),
+        ("gpt2", {"batch": True}, r"batch: must be a positive integer"),
+        ("gpt2", {"data_parallel": 0}, r"data_parallel"),
+        ("gpt2", {"tensor_parallel": 5}, r"tensor_parallel: size 5 does not divide heads \(12\)"),
+        ("llama-70b", {"tensor_parallel": 16}, r"tensor_parallel: size 16 does not divide kv_heads \(8\)"),
+        ("gpt2", {"device_memory": "80 gigs"}, r"device_memory: cannot parse"),
+        ("gpt2", {"device_memory": 0}, r"device_memory: must be more than 0"),
+        ("gpt2", {"precision": "fp8"}, r"precision: unknown value 'fp8'.*bf16-mixed"),
+        ("gpt2", {"optimizer": "lion"}, r"optimizer: unknown value 'lion'"),
+        ("gpt2", {"checkpointing": "sometimes"}, r"checkpointing: unknown value"),
+        ("gpt2", {"checkpointing": 0}, r"checkpointing: must be a positive integer"),
+        ("gpt2", {"checkpointing": "every-0"}, r"checkpointing: must be a positive integer"),
+        ("gpt2", {"zero_stage": 4}, r"zero_stage: must be 0, 1, 2 or 3"),
+        ("gpt2", {"zero_stage": -1}, r"zero_stage"),
+        ("gpt2", {"attention": "linear"}, r"attention: unknown value"),
+        ("gpt2", {"device_type": "tpu"}, r"device_type: unknown value"),
+        ("gpt2", {"sequence_parallel": "yes"}, r"sequence_parallel"),
+    ],
+)
 def test_bad_input_raises_value_error_naming_the_argument(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         estimate(model, **kwargs)
@@ -330,46 +348,120 @@ def test_module_without_dimensions_is_rejected():
 def test_cli_table_and_recommendation(capsys):
     assert main(["estimate", "llama-7b", "--batch", "1", "--seq", "2048", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
-    for word in ("6.74 B parameters", "optimizer state", "activations", "largest temporary", "total",
-                 "does NOT fit", "recommendation"):
+    for word in (
+        "6.74 B parameters",
+        "optimizer state",
+        "activations",
+        "largest temporary",
+        "total",
+        "does NOT fit",
+        "recommendation",
+    ):
         assert word in out
     assert f"{estimate('llama-7b').total:,}" in out
 
 
 def test_cli_json_matches_the_api(capsys):
-    argv = ["estimate", "llama-13b", "--batch", "2", "--seq", "1024", "--precision", "fp32", "--optimizer", "sgd",
-            "--zero-stage", "2", "--data-parallel", "4", "--tensor-parallel", "2", "--sequence-parallel",
-            "--checkpointing", "every-4", "--json"]
+    argv = [
+        "estimate",
+        "llama-13b",
+        "--batch",
+        "2",
+        "--seq",
+        "1024",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "sgd",
+        "--zero-stage",
+        "2",
+        "--data-parallel",
+        "4",
+        "--tensor-parallel",
+        "2",
+        "--sequence-parallel",
+        "--checkpointing",
+        "every-4",
+        "--json",
+    ]
     assert main(argv) == 0
     d = json.loads(capsys.readouterr().out)
-    api = estimate("llama-13b", batch=2, seq=1024, precision="fp32", optimizer="sgd", zero_stage=2,
-                   data_parallel=4, tensor_parallel=2, sequence_parallel=True, checkpointing=4)
+    api = estimate(
+        "llama-13b",
+        batch=2,
+        seq=1024,
+        precision="fp32",
+        optimizer="sgd",
+        zero_stage=2,
+        data_parallel=4,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        checkpointing=4,
+    )
     assert d["bytes"] == api.to_dict()["bytes"] and d["settings"]["checkpointing"] == "every-4"
 
 
 def test_cli_explicit_dimensions(capsys):
-    argv = ["estimate", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "192",
-            "--vocab", "100", "--mlp", "swiglu", "--no-tied-embeddings", "--seq", "32", "--attention", "sdpa",
-            "--device-type", "cpu", "--json"]
+    argv = [
+        "estimate",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--ffn",
+        "192",
+        "--vocab",
+        "100",
+        "--mlp",
+        "swiglu",
+        "--no-tied-embeddings",
+        "--seq",
+        "32",
+        "--attention",
+        "sdpa",
+        "--device-type",
+        "cpu",
+        "--json",
+    ]
     assert main(argv) == 0
     d = json.loads(capsys.readouterr().out)
-    expected = estimate({"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 192, "vocab": 100,
-                         "mlp": "swiglu", "tied_embeddings": False}, seq=32, attention="sdpa", device_type="cpu")
+    expected = estimate(
+        {
+            "layers": 2,
+            "hidden": 64,
+            "heads": 4,
+            "kv_heads": 2,
+            "ffn": 192,
+            "vocab": 100,
+            "mlp": "swiglu",
+            "tied_embeddings": False,
+        },
+        seq=32,
+        attention="sdpa",
+        device_type="cpu",
+    )
     assert d["bytes"]["total"] == expected.total
     # a named model with one dimension overridden
     assert main(["estimate", "gpt2", "--layers", "6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["layers"] == 6
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["estimate", "llama-8x"], "known models: gpt2"),
-    (["estimate"], "model: give a model name"),
-    (["estimate", "llama-7b", "--tensor-parallel", "3"], "tensor_parallel"),
-    (["estimate", "llama-7b", "--device-memory", "lots"], "device_memory"),
-    (["estimate", "llama-7b", "--checkpointing", "every-x"], "checkpointing"),
-    (["estimate", "llama-7b", "--zero-stage", "5"], "zero_stage"),
-    (["estimate", "--layers", "2", "--hidden", "64", "--heads", "3", "--vocab", "10"], "heads"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["estimate", "llama-8x"], "known models: gpt2"),
+        (["estimate"], "model: give a model name"),
+        (["estimate", "llama-7b", "--tensor-parallel", "3"], "tensor_parallel"),
+        (["estimate", "llama-7b", "--device-memory", "lots"], "device_memory"),
+        (["estimate", "llama-7b", "--checkpointing", "every-x"], "checkpointing"),
+        (["estimate", "llama-7b", "--zero-stage", "5"], "zero_stage"),
+        (["estimate", "--layers", "2", "--hidden", "64", "--heads", "3", "--vocab", "10"], "heads"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -386,10 +478,17 @@ def test_cli_non_integer_size_is_rejected_by_argparse(capsys):
 # import cost
 # ---------------------------------------------------------------------------------------------
 def test_estimate_by_name_does_not_import_torch():
-    code = ("import sys, llmmem; e = llmmem.estimate('llama-7b', device_memory='80GB'); str(e); "
-            "assert e.total > 0; print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(_package_root()), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys, llmmem; e = llmmem.estimate('llama-7b', device_memory='80GB'); str(e); "
+        "assert e.total > 0; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(_package_root()), "PATH": "/usr/bin:/bin"},
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -400,19 +499,24 @@ def _package_root():
 
 
 def test_named_models_are_valid_configs():
-    assert set(NAMED_MODELS) >= {"llama-7b", "llama-13b", "llama-70b", "gpt2", "gpt2-medium", "gpt2-large",
-                                 "gpt2-xl"}
+    assert set(NAMED_MODELS) >= {"llama-7b", "llama-13b", "llama-70b", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
     assert all(isinstance(c, ModelConfig) for c in NAMED_MODELS.values())
     assert NAMED_MODELS["llama-70b"].kv_heads == 8 and NAMED_MODELS["llama-7b"].ffn == 11008
     assert math.isclose(estimate("llama-70b").slowdown, 0.0)
 
 
 def test_llmmem_estimate_stays_the_function_after_the_estimation_package_is_imported():
-    code = ("import llmmem; llmmem.Estimate; import llmmem.estimation; from llmmem.estimation import Estimate; "
-            "from llmmem import estimate; "
-            "assert llmmem.estimate is estimate and callable(estimate), llmmem.estimate; "
-            "print(llmmem.estimate('gpt2').total > 0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(_package_root()), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import llmmem; llmmem.Estimate; import llmmem.estimation; from llmmem.estimation import Estimate; "
+        "from llmmem import estimate; "
+        "assert llmmem.estimate is estimate and callable(estimate), llmmem.estimate; "
+        "print(llmmem.estimate('gpt2').total > 0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(_package_root()), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

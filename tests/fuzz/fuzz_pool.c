@@ -18,14 +18,14 @@
 
 #include "../../csrc/pool/pool_internal.h"
 
-#define MAX_LIVE 64
+#define MAX_LIVE   64
 #define MAX_EVENTS 8192
-#define MiB ((size_t)1 << 20)
+#define MiB        ((size_t)1 << 20)
 
 typedef struct {
   int done;
   void *stream;
-  uintptr_t addr;   /* the block freed when this event was recorded */
+  uintptr_t addr; /* the block freed when this event was recorded */
   size_t size;
 } ev_t;
 
@@ -37,7 +37,8 @@ static int n_events;
 static llmmem_status_t f_reserve(void *ctx, size_t bytes, void **out) {
   (void)ctx;
   void *p = NULL;
-  if (posix_memalign(&p, 4096, bytes > ROOM ? bytes : ROOM) != 0) return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fuzz: no memory");
+  if (posix_memalign(&p, 4096, bytes > ROOM ? bytes : ROOM) != 0)
+    return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "fuzz: no memory");
   *out = p;
   return LLMMEM_OK;
 }
@@ -86,7 +87,8 @@ static void f_event_release(void *ctx, void *ev) {
   (void)ev;
 }
 
-static const size_t size_classes[] = {1, 100, 512, 513, 4096, 65536, 1000000, 1048576, 1048577, 2 * MiB, 5 * MiB, 17 * MiB};
+static const size_t size_classes[] = {1,       100,     512,     513,     4096,    65536,
+                                      1000000, 1048576, 1048577, 2 * MiB, 5 * MiB, 17 * MiB};
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
   llmmem_pool_backend_t b = {0};
@@ -98,7 +100,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
   b.event_done = f_done;
   b.event_wait = f_wait;
   b.event_release = f_event_release;
-  int mode = (int)(len % 3);  /* 0: fixed segments, 1: in place with the cap, 2: in place, uncapped */
+  int mode = (int)(len % 3); /* 0: fixed segments, 1: in place with the cap, 2: in place, uncapped */
   if (mode) {
     b.resize = f_resize;
     b.decommit = f_commit;
@@ -129,9 +131,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
         if (st == LLMMEM_OK) {
           uintptr_t lo = (uintptr_t)ptr;
           if (lo % 512) __builtin_trap();
-          for (int e = 0; e < n_events; e++)  /* never memory another stream may still be using */
-            if (!events[e].done && events[e].stream != stream && events[e].size && lo < events[e].addr + events[e].size &&
-                events[e].addr < lo + size)
+          for (int e = 0; e < n_events; e++) /* never memory another stream may still be using */
+            if (!events[e].done && events[e].stream != stream && events[e].size &&
+                lo < events[e].addr + events[e].size && events[e].addr < lo + size)
               __builtin_trap();
           memset(ptr, 0xAB, size < 64 ? size : 64);
           live[n] = ptr;
@@ -157,7 +159,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
         live_stream[k] = live_stream[--n];
         break;
       }
-      case 5: {  /* misuse: double free, interior pointer, foreign pointer */
+      case 5: { /* misuse: double free, interior pointer, foreign pointer */
         int local;
         void *bad = arg % 3 == 0 ? last_freed : arg % 3 == 1 && n ? (char *)live[0] + 512 : (void *)&local;
         if (bad == NULL) break;
@@ -179,10 +181,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t len) {
           if (llmmem_pool_empty_cache(p, &released) == LLMMEM_OK) {
             if (llmmem_pool_stats(p, &s1) != LLMMEM_OK) __builtin_trap();
             if ((int64_t)released != s0.reserved_bytes.current - s1.reserved_bytes.current) __builtin_trap();
-            if (s1.reserved_bytes.peak != s0.reserved_bytes.peak) __builtin_trap();  /* it took no memory */
+            if (s1.reserved_bytes.peak != s0.reserved_bytes.peak) __builtin_trap(); /* it took no memory */
           }
-        }
-        else if (arg % 4 == 1) (void)llmmem_pool_reset_peak_stats(p);
+        } else if (arg % 4 == 1)
+          (void)llmmem_pool_reset_peak_stats(p);
         else {
           llmmem_pool_stats_t s;
           if (llmmem_pool_stats(p, &s) != LLMMEM_OK) __builtin_trap();

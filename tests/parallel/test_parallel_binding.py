@@ -107,9 +107,14 @@ def test_collective_argument_errors_without_a_group(monkeypatch):
         collectives._check_dim(torch.ones(2, 3), 2)
     assert collectives._check_dim(torch.ones(2, 3), -1) == 1
     # a bad timeout names the variable instead of failing inside float()
-    proc = subprocess.run([sys.executable, "-c", "import llmmem.parallel.collectives"], capture_output=True,
-                          text=True, timeout=120, cwd=tempfile.gettempdir(),
-                          env={**os.environ, "LLMMEM_TP_TIMEOUT": "abc"})
+    proc = subprocess.run(
+        [sys.executable, "-c", "import llmmem.parallel.collectives"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tempfile.gettempdir(),
+        env={**os.environ, "LLMMEM_TP_TIMEOUT": "abc"},
+    )
     assert proc.returncode != 0 and "LLMMEM_TP_TIMEOUT" in proc.stderr
 
 
@@ -125,7 +130,8 @@ def test_cuda_ipc_engine_is_opt_in(value, on):
     if value is not None:
         env["LLMMEM_TP_CUDA_IPC"] = value
     code = "from llmmem.parallel import collectives as c; print(c._engines_on['cuda_ipc'], c._engines_on['shm'])"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=tempfile.gettempdir(), env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir(), env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(on), "True"]

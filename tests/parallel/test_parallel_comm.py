@@ -59,8 +59,9 @@ def _collectives_worker(rank, world):
             ref_rs = z.clone()
             dist.all_reduce(ref_rs)
             got_rs = collectives.reduce_scatter(z, 0, None)
-            torch.testing.assert_close(got_rs.float(), ref_rs.chunk(world)[rank].float(), rtol=tol,
-                                       atol=tol * 4 * world)
+            torch.testing.assert_close(
+                got_rs.float(), ref_rs.chunk(world)[rank].float(), rtol=tol, atol=tol * 4 * world
+            )
     # 1000 small all-reduces in a row, each checked
     for i in range(1000):
         v = torch.full((3,), float(rank + i))
@@ -158,8 +159,9 @@ def _fault_worker(rank, world):
         if mode == "late":
             dist.barrier()  # both ranks are past the failure before the next engine is set up
     # nothing was left in /dev/shm by this group
-    assert not {n for n in os.listdir("/dev/shm") if n.startswith("llmmem-tp-")} - set(os.environ.get(
-        "LLMMEM_TEST_SEGMENTS_BEFORE", "").split(","))
+    assert not {n for n in os.listdir("/dev/shm") if n.startswith("llmmem-tp-")} - set(
+        os.environ.get("LLMMEM_TEST_SEGMENTS_BEFORE", "").split(",")
+    )
     print(f"rank {rank}: faults handled")
 
 

@@ -131,9 +131,12 @@ def _ipc_fault_worker(rank, world):
     dist.barrier()
     comm.close()
     # ranks that disagree: element count (one-shot both), dtype at equal bytes, one-shot vs two-shot
-    cases = [((1000, torch.float32), (2000, torch.float32)), ((2000, torch.float32), (4000, torch.bfloat16)),
-             ((1000, torch.float32), (70000, torch.float32)),
-             ((0, torch.float32), (1000, torch.float32))]  # an empty call takes part too
+    cases = [
+        ((1000, torch.float32), (2000, torch.float32)),
+        ((2000, torch.float32), (4000, torch.bfloat16)),
+        ((1000, torch.float32), (70000, torch.float32)),
+        ((0, torch.float32), (1000, torch.float32)),
+    ]  # an empty call takes part too
     for mine0, mine1 in cases:
         comm = CudaIpcCommunicator.setup(dist.group.WORLD, dev, timeout=30.0, max_bytes=1 << 20)
         n, dtype = mine0 if rank == 0 else mine1

@@ -7,7 +7,6 @@ same seed, so the sharded outputs and gradients can be compared locally with tha
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn as nn
@@ -18,8 +17,10 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _close(name, got, want):
     if not torch.allclose(got, want, **TOL):
-        raise AssertionError(f"{name}: max abs diff {(got - want).abs().max().item():.3g}, shapes "
-                             f"{tuple(got.shape)} vs {tuple(want.shape)}")
+        raise AssertionError(
+            f"{name}: max abs diff {(got - want).abs().max().item():.3g}, shapes "
+            f"{tuple(got.shape)} vs {tuple(want.shape)}"
+        )
 
 
 def _shard(t, w, r, dim):
@@ -35,10 +36,22 @@ def _check_mlp(rank, world, *, gather_output, skip_bias_add, sequence_parallel, 
     torch.manual_seed(7)
     ref1, ref2 = nn.Linear(h, f), nn.Linear(f, h)
     torch.manual_seed(7)
-    fc1 = llmmem.ColumnParallelLinear(h, f, gather_output=gather_output, skip_bias_add=skip_bias_add,
-                                      sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
-    fc2 = llmmem.RowParallelLinear(f, h, input_is_parallel=not gather_output, skip_bias_add=skip_bias_add,
-                                   sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
+    fc1 = llmmem.ColumnParallelLinear(
+        h,
+        f,
+        gather_output=gather_output,
+        skip_bias_add=skip_bias_add,
+        sequence_parallel=sequence_parallel,
+        sequence_dim=sequence_dim,
+    )
+    fc2 = llmmem.RowParallelLinear(
+        f,
+        h,
+        input_is_parallel=not gather_output,
+        skip_bias_add=skip_bias_add,
+        sequence_parallel=sequence_parallel,
+        sequence_dim=sequence_dim,
+    )
     # same seed -> the shards are exactly the slices of the reference weights
     assert torch.equal(fc1.weight, _shard(ref1.weight, world, rank, 0))
     assert torch.equal(fc1.bias, _shard(ref1.bias, world, rank, 0))
@@ -209,10 +222,14 @@ def _check_gpt(rank, world):
         _close("tied embedding grad", model.tok_emb.weight.grad, _shard(ref.tok_emb.weight.grad, world, rank, 0))
         _close("pos emb grad", model.pos_emb.weight.grad, ref.pos_emb.weight.grad)
         _close("ln1 grad", model.blocks[0].ln1.weight.grad, ref.blocks[0].ln1.weight.grad)
-        _close("mlp fc grad", model.blocks[1].mlp.fc.weight.grad,
-               _shard(ref.blocks[1].mlp.fc.weight.grad, world, rank, 0))
-        _close("attn proj grad", model.blocks[0].attn.proj.weight.grad,
-               _shard(ref.blocks[0].attn.proj.weight.grad, world, rank, 1))
+        _close(
+            "mlp fc grad", model.blocks[1].mlp.fc.weight.grad, _shard(ref.blocks[1].mlp.fc.weight.grad, world, rank, 0)
+        )
+        _close(
+            "attn proj grad",
+            model.blocks[0].attn.proj.weight.grad,
+            _shard(ref.blocks[0].attn.proj.weight.grad, world, rank, 1),
+        )
         _close("attn proj bias grad", model.blocks[0].attn.proj.bias.grad, ref.blocks[0].attn.proj.bias.grad)
         assert model.head.weight is model.tok_emb.weight
 

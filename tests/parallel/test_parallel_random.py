@@ -316,12 +316,14 @@ def _check_stream_properties(rank, world, tp_group, dp_group):
             assert all(torch.equal(m, o) for o in others), f"replicated mask {i} differs across TP ranks"
         else:
             me = dist.get_rank(tp_group)
-            assert not any(torch.equal(m, o) for j, o in enumerate(others) if j != me), \
+            assert not any(torch.equal(m, o) for j, o in enumerate(others) if j != me), (
                 f"split mask {i} is the same on two TP ranks"
+            )
             assert (m == 0).any() and (m != 0).any()
         if dp_group is not None:
-            assert all(torch.equal(m, o) for o in _all_gather(m, dp_group)), \
+            assert all(torch.equal(m, o) for o in _all_gather(m, dp_group)), (
                 f"{kind} mask {i} differs across data-parallel replicas"
+            )
     # a different seed: different split-region masks
     other = []
     _tp_run(ref, seed=4321, log=other)

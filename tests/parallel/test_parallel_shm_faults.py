@@ -19,6 +19,7 @@ from llmmem._native import native
 
 pytestmark = pytest.mark.distributed
 
+
 def _name() -> str:
     return f"llmmem-tp-test-{uuid.uuid4().hex}"
 
@@ -26,8 +27,13 @@ def _name() -> str:
 def _spawn(code: str) -> subprocess.Popen:
     # The child imports the llmmem this test imports (installed, or found through PYTHONPATH), not
     # the source tree: run it away from the checkout, whose llmmem/ may hold no built _C.
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    )
 
 
 def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import llmmem
-from llmmem.pool import memory_pool as pool_mod
 from llmmem._native import native
+from llmmem.pool import memory_pool as pool_mod
 
 MiB = 1 << 20
 
@@ -29,8 +29,11 @@ def _inside(pool, tensor) -> bool:
 
 # ---- construction and bad input -------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [("4GB", 4 * 10**9), ("512MiB", 512 * MiB), ("1.5GiB", 3 * 2**29),
-                                            (8 * MiB, 8 * MiB), ("1000000", 10**6)])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("4GB", 4 * 10**9), ("512MiB", 512 * MiB), ("1.5GiB", 3 * 2**29), (8 * MiB, 8 * MiB), ("1000000", 10**6)],
+)
 def test_sizes_are_parsed(text, expected):
     p = llmmem.MemoryPool(initial_size=0, max_size=text, device="cpu")
     assert p.max_size == expected
@@ -46,22 +49,25 @@ def test_initial_size_is_reserved_at_once_in_one_segment():
     p.close()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"initial_size": "4 parsecs"}, "initial_size"),
-    ({"initial_size": "abc"}, "initial_size"),
-    ({"initial_size": -1}, "initial_size"),
-    ({"initial_size": 1.5}, "initial_size"),
-    ({"initial_size": True}, "initial_size"),
-    ({"initial_size": None}, "initial_size"),
-    ({"max_size": "lots"}, "max_size"),
-    ({"max_size": 0}, "max_size"),
-    ({"initial_size": "2MiB", "max_size": "1MiB"}, "max_size"),
-    ({"growth_size": "-3MB"}, "growth_size"),
-    ({"device": "tpu"}, "device"),
-    ({"device": "cuda:x"}, "device"),
-    ({"device": -1}, "device"),
-    ({"device": 3.0}, "device"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"initial_size": "4 parsecs"}, "initial_size"),
+        ({"initial_size": "abc"}, "initial_size"),
+        ({"initial_size": -1}, "initial_size"),
+        ({"initial_size": 1.5}, "initial_size"),
+        ({"initial_size": True}, "initial_size"),
+        ({"initial_size": None}, "initial_size"),
+        ({"max_size": "lots"}, "max_size"),
+        ({"max_size": 0}, "max_size"),
+        ({"initial_size": "2MiB", "max_size": "1MiB"}, "max_size"),
+        ({"growth_size": "-3MB"}, "growth_size"),
+        ({"device": "tpu"}, "device"),
+        ({"device": "cuda:x"}, "device"),
+        ({"device": -1}, "device"),
+        ({"device": 3.0}, "device"),
+    ],
+)
 def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llmmem.MemoryPool(**kwargs)
@@ -78,8 +84,20 @@ def test_cuda_and_pinned_pools_without_a_gpu_say_why(device):
 
 # ---- tensors from the pool --------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
-                                   torch.uint8, torch.complex64, torch.float64])
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int64,
+        torch.bool,
+        torch.uint8,
+        torch.complex64,
+        torch.float64,
+    ],
+)
 def test_empty_gives_a_writable_tensor_from_the_pool(dtype):
     p = llmmem.MemoryPool(initial_size="4MiB", device="cpu")
     t = p.empty((3, 5, 7), dtype=dtype)
@@ -124,8 +142,10 @@ def test_zero_element_tensors_take_nothing_from_the_pool():
     p.close()
 
 
-@pytest.mark.parametrize("shape, exc", [((-1, 2), ValueError), ((2.5,), TypeError), ("abc", TypeError),
-                                        (None, TypeError), ((True, 2), TypeError)])
+@pytest.mark.parametrize(
+    "shape, exc",
+    [((-1, 2), ValueError), ((2.5,), TypeError), ("abc", TypeError), (None, TypeError), ((True, 2), TypeError)],
+)
 def test_bad_shapes(shape, exc):
     p = llmmem.MemoryPool(initial_size="1MiB", device="cpu")
     with pytest.raises(exc, match="shape"):
@@ -257,9 +277,11 @@ def test_expandable_cuda_falls_back_to_cudamalloc_with_a_warning_when_the_driver
 
 
 def test_torch_oom_errors_converts_only_an_installed_pools_oom():
-    msg = ("CUDA out of memory (llmmem pool, slot 0): out of memory allocating 134217728 bytes (134217728 "
-           "rounded): 0 bytes allocated, 67108864 reserved (67108864 free, largest free block 67108864) in 1 "
-           "segments, max_size 67108864; ...")
+    msg = (
+        "CUDA out of memory (llmmem pool, slot 0): out of memory allocating 134217728 bytes (134217728 "
+        "rounded): 0 bytes allocated, 67108864 reserved (67108864 free, largest free block 67108864) in 1 "
+        "segments, max_size 67108864; ..."
+    )
     with pytest.raises(torch.OutOfMemoryError, match="llmmem pool, slot 0") as info:
         with llmmem.torch_oom_errors():
             raise RuntimeError(msg)  # what PyTorch raises from install_allocator's entry point
@@ -289,6 +311,7 @@ def test_out_of_memory_message_carries_the_pools_state():
 
 
 # ---- statistics, summary, snapshot ------------------------------------------------------------
+
 
 def test_statistics_are_consistent_and_peaks_reset():
     p = llmmem.MemoryPool(initial_size="16MiB", device="cpu")
@@ -329,6 +352,7 @@ def test_memory_summary_and_snapshot_describe_the_pool():
 
 
 # ---- lifetime -----------------------------------------------------------------------------
+
 
 def test_close_refuses_while_tensors_live_and_closed_pools_refuse_use():
     p = llmmem.MemoryPool(initial_size="1MiB", device="cpu")
@@ -383,7 +407,7 @@ def test_threads_allocate_and_free_concurrently():
                 t.fill_(seed)
                 assert int(t[0]) == seed and int(t[-1]) == seed
                 del t
-        except Exception as exc:  # noqa: BLE001 - surfaced below
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -398,6 +422,7 @@ def test_threads_allocate_and_free_concurrently():
 
 
 # ---- use_pool / install_allocator: what can be checked without a GPU ----------------------------
+
 
 def test_use_pool_on_cpu_sets_the_current_pool_and_nests_but_does_not_route_torch_empty():
     a = llmmem.MemoryPool(initial_size="1MiB", device="cpu")
@@ -516,8 +541,13 @@ class _FakeTorch:
             calls.append(("installed",) + alloc.names)
 
         self.device = lambda kind, index=None: f"{kind}:{index}"
-        self.cuda = types.SimpleNamespace(MemPool=MemPool, use_mem_pool=use_mem_pool, memory=types.SimpleNamespace(
-            CUDAPluggableAllocator=Pluggable, change_current_allocator=change_current_allocator))
+        self.cuda = types.SimpleNamespace(
+            MemPool=MemPool,
+            use_mem_pool=use_mem_pool,
+            memory=types.SimpleNamespace(
+                CUDAPluggableAllocator=Pluggable, change_current_allocator=change_current_allocator
+            ),
+        )
 
 
 def _pretend_cuda(pool, index=0):
@@ -601,8 +631,9 @@ def test_close_racing_other_threads_never_crashes():
         "        pass  # StateError: the worker still holds a block of it\n"
         "stop = True; t.join(); print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=tempfile.gettempdir())
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir()
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 

@@ -125,8 +125,9 @@ def test_oom_inside_use_pool_is_torch_out_of_memory():
 
 def _run(script: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_install_allocator_in_a_subprocess():

@@ -22,13 +22,18 @@ def test_fuzz_pool_c_api():
     if shutil.which(cc) is None or shutil.which("make") is None:
         pytest.skip(f"the pool fuzzer needs {cc} with libFuzzer and make")
     seconds = int(os.environ.get("LLMMEM_FUZZ_SECONDS", "30"))
-    build = subprocess.run(["make", "-s", "-C", str(ROOT), "build/fuzz/fuzz_pool", f"FUZZ_CC={cc}"],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "build/fuzz/fuzz_pool", f"FUZZ_CC={cc}"], capture_output=True, text=True
+    )
     if build.returncode != 0 and "fuzzer" in build.stderr and "unsupported" in build.stderr:
         pytest.skip(f"{cc} has no libFuzzer: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stdout + build.stderr
-    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "fuzz-pool", f"FUZZ_SECONDS={seconds}", f"FUZZ_CC={cc}"],
-                          capture_output=True, text=True, timeout=seconds + 120)
+    proc = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "fuzz-pool", f"FUZZ_SECONDS={seconds}", f"FUZZ_CC={cc}"],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "Done" in out and "ERROR" not in out, out[-4000:]

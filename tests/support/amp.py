@@ -29,9 +29,14 @@ def odd_layout_param(layout):
     nn.Embedding(sparse=True) makes; the others on a parameter of their own layout, which torch
     requires. The C walk does not read layouts: each of these must fail one of its other tests."""
     dense = torch.arange(16.0).reshape(4, 4)
-    make = {"sparse_coo": lambda: dense.to_sparse(), "sparse_csr": lambda: dense.to_sparse_csr(),
-            "sparse_csc": lambda: dense.to_sparse_csc(), "sparse_bsr": lambda: dense.to_sparse_bsr((2, 2)),
-            "sparse_bsc": lambda: dense.to_sparse_bsc((2, 2)), "mkldnn": lambda: dense.to_mkldnn()}[layout]
+    make = {
+        "sparse_coo": lambda: dense.to_sparse(),
+        "sparse_csr": lambda: dense.to_sparse_csr(),
+        "sparse_csc": lambda: dense.to_sparse_csc(),
+        "sparse_bsr": lambda: dense.to_sparse_bsr((2, 2)),
+        "sparse_bsc": lambda: dense.to_sparse_bsc((2, 2)),
+        "mkldnn": lambda: dense.to_mkldnn(),
+    }[layout]
     p = torch.nn.Parameter(torch.zeros(4, 4) if layout == "sparse_coo" else make())
     p.grad = make()
     return p

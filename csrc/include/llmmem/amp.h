@@ -33,10 +33,10 @@ typedef enum llmmem_scaler_dtype_e {
 
 /* One gradient: `numel` contiguous elements of `dtype` starting at `data`. */
 typedef struct llmmem_scaler_tensor_s {
-  void *data;      /* first element; may be NULL only when numel == 0 */
-  int64_t numel;   /* elements, not bytes; >= 0 */
-  int32_t dtype;   /* an llmmem_scaler_dtype_t */
-  int32_t flag;    /* index into tensor_flags this tensor reports to (several tensors may share one) */
+  void *data;    /* first element; may be NULL only when numel == 0 */
+  int64_t numel; /* elements, not bytes; >= 0 */
+  int32_t dtype; /* an llmmem_scaler_dtype_t */
+  int32_t flag;  /* index into tensor_flags this tensor reports to (several tensors may share one) */
 } llmmem_scaler_tensor_t;
 
 /* Bytes per element of `dtype`, 0 for an unknown code. */
@@ -108,11 +108,11 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_ref(const llmmem_scaler_t
 
 /* Scale-update rule. With hysteresis == 1 and min_scale == 0 it is torch's _amp_update_scale_. */
 typedef struct llmmem_scaler_config_s {
-  double growth_factor;    /* > 1 */
-  double backoff_factor;   /* in (0, 1) */
-  int64_t growth_interval; /* >= 1: consecutive finite steps before the scale grows */
-  int32_t hysteresis;      /* >= 1: back off only after this many consecutive non-finite steps */
-  float min_scale;         /* >= 0; 0 = no floor. The scale never backs off below it. */
+  double growth_factor;         /* > 1 */
+  double backoff_factor;        /* in (0, 1) */
+  int64_t growth_interval;      /* >= 1: consecutive finite steps before the scale grows */
+  int32_t hysteresis;           /* >= 1: back off only after this many consecutive non-finite steps */
+  float min_scale;              /* >= 0; 0 = no floor. The scale never backs off below it. */
   int32_t hysteresis_on_growth; /* 0: any finite step refills the hysteresis budget ("consecutive",
                                    apex); 1: only a growth of the scale does (Megatron-LM, DeepSpeed's
                                    default). Last, so initialisers without it mean 0. */
@@ -120,10 +120,10 @@ typedef struct llmmem_scaler_config_s {
 
 /* Counters kept next to the scale (int64 each), in this order. */
 enum {
-  LLMMEM_SCALER_STAT_UPDATES = 0,       /* update() calls that consumed found_inf */
-  LLMMEM_SCALER_STAT_SKIPPED = 1,       /* of those, how many found inf/NaN (a skipped step) */
-  LLMMEM_SCALER_STAT_LAST_SKIPPED = 2,  /* 1 if the latest update found inf/NaN, else 0 */
-  LLMMEM_SCALER_STAT_MIN_HITS = 3,      /* backoffs that were clamped to min_scale */
+  LLMMEM_SCALER_STAT_UPDATES = 0,      /* update() calls that consumed found_inf */
+  LLMMEM_SCALER_STAT_SKIPPED = 1,      /* of those, how many found inf/NaN (a skipped step) */
+  LLMMEM_SCALER_STAT_LAST_SKIPPED = 2, /* 1 if the latest update found inf/NaN, else 0 */
+  LLMMEM_SCALER_STAT_MIN_HITS = 3,     /* backoffs that were clamped to min_scale */
   LLMMEM_SCALER_STAT_COUNT = 4
 };
 
@@ -155,7 +155,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_config_check(const llmmem_scaler_config
  * Without a CUDA build these return LLMMEM_ERR_NOT_BUILT.
  */
 #define LLMMEM_SCALER_CUDA_MAX_TENSORS 1024
-#define LLMMEM_SCALER_CUDA_MAX_FOUND 16
+#define LLMMEM_SCALER_CUDA_MAX_FOUND   16
 
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check_cuda(const llmmem_scaler_tensor_t *tensors, size_t count,
                                                             const float *scale, int scale_is_inverse, float *found_inf,

@@ -50,9 +50,9 @@
 extern "C" {
 #endif
 
-#define LLMMEM_PLAN_MAX_MODES 8
+#define LLMMEM_PLAN_MAX_MODES  8
 #define LLMMEM_PLAN_MAX_BLOCKS 16384
-#define LLMMEM_PLAN_MAX_SLOTS 100000
+#define LLMMEM_PLAN_MAX_SLOTS  100000
 /* Any byte size above this (1 PiB) is rejected: it is a unit mistake, and it keeps sums exact. */
 #define LLMMEM_PLAN_MAX_BYTES (1ULL << 50)
 
@@ -60,42 +60,42 @@ extern "C" {
  * n_blocks entries (input_bytes has n_blocks + 1); arrays indexed [i][k] are row-major,
  * n_blocks * n_modes entries. Times are in any one unit (seconds, say), finite and >= 0. */
 typedef struct llmmem_plan_chain_s {
-  int32_t n_blocks;                /* L >= 1 */
-  int32_t n_modes;                 /* K in 1..LLMMEM_PLAN_MAX_MODES; mode 0 is store-all */
-  const double *fwd_time;          /* [i][k] forward of block i keeping its tape in mode k */
-  const double *fwd_nostore_time;  /* [i] forward of block i inside a region (tape not kept); NULL: fwd_time[i][0] */
-  const double *bwd_time;          /* [i][k] backward of block i in mode k (with any in-block recompute) */
-  const uint64_t *input_bytes;     /* [i], i = 0..L: bytes of a_i; a_L is the chain output */
-  const uint64_t *saved_bytes;     /* [i][k] bytes block i keeps for backward beyond its input */
-  const uint64_t *fwd_tmp_bytes;   /* [i] transient peak of the forward; NULL: all 0 */
-  const uint64_t *bwd_tmp_bytes;   /* [i][k] transient peak of the backward; NULL: all 0 */
-  const uint8_t *mode_nestable;    /* [k] 1 if mode k may be used inside a region; NULL: only mode 0 */
-  const uint8_t *output_kept;      /* [i][k] 1 if block i's tape in mode k keeps its output a_{i+1}; NULL: none */
-  double host_bandwidth;           /* bytes per time unit of a host<->device copy; 0: no offloading */
+  int32_t n_blocks;               /* L >= 1 */
+  int32_t n_modes;                /* K in 1..LLMMEM_PLAN_MAX_MODES; mode 0 is store-all */
+  const double *fwd_time;         /* [i][k] forward of block i keeping its tape in mode k */
+  const double *fwd_nostore_time; /* [i] forward of block i inside a region (tape not kept); NULL: fwd_time[i][0] */
+  const double *bwd_time;         /* [i][k] backward of block i in mode k (with any in-block recompute) */
+  const uint64_t *input_bytes;    /* [i], i = 0..L: bytes of a_i; a_L is the chain output */
+  const uint64_t *saved_bytes;    /* [i][k] bytes block i keeps for backward beyond its input */
+  const uint64_t *fwd_tmp_bytes;  /* [i] transient peak of the forward; NULL: all 0 */
+  const uint64_t *bwd_tmp_bytes;  /* [i][k] transient peak of the backward; NULL: all 0 */
+  const uint8_t *mode_nestable;   /* [k] 1 if mode k may be used inside a region; NULL: only mode 0 */
+  const uint8_t *output_kept;     /* [i][k] 1 if block i's tape in mode k keeps its output a_{i+1}; NULL: none */
+  double host_bandwidth;          /* bytes per time unit of a host<->device copy; 0: no offloading */
 } llmmem_plan_chain_t;
 
 typedef struct llmmem_plan_region_s {
-  int32_t start; /* first block of the region */
-  int32_t end;   /* one past its last block */
+  int32_t start;   /* first block of the region */
+  int32_t end;     /* one past its last block */
   int32_t offload; /* 1: the region's input is kept in host memory (top-level regions only) */
 } llmmem_plan_region_t;
 
 /* A plan, in caller-owned arrays. Regions are listed in pre-order (by start, outer before inner);
  * 2 * n_blocks entries always suffice. */
 typedef struct llmmem_plan_s {
-  int32_t *mode;                    /* [n_blocks] mode of each block */
-  llmmem_plan_region_t *regions;    /* [regions_capacity] */
+  int32_t *mode;                 /* [n_blocks] mode of each block */
+  llmmem_plan_region_t *regions; /* [regions_capacity] */
   int32_t regions_capacity;
-  int32_t n_regions;                /* out: number of regions written */
+  int32_t n_regions; /* out: number of regions written */
 } llmmem_plan_t;
 
 typedef struct llmmem_plan_prediction_s {
-  double time;             /* forward + recompute + backward time of one step */
-  double overhead_time;    /* time minus that of keeping every tape in mode 0 (no checkpointing) */
-  uint64_t peak_bytes;     /* peak activation memory of the step (model above), from a simulation */
-  uint64_t held_bytes;     /* device bytes held for backward at the end of the forward (input a_0 included) */
-  double transfer_time;    /* part of time (and of overhead_time) charged to host<->device copies */
-  uint64_t host_bytes;     /* bytes of offloaded region inputs in host memory at the end of the forward */
+  double time;          /* forward + recompute + backward time of one step */
+  double overhead_time; /* time minus that of keeping every tape in mode 0 (no checkpointing) */
+  uint64_t peak_bytes;  /* peak activation memory of the step (model above), from a simulation */
+  uint64_t held_bytes;  /* device bytes held for backward at the end of the forward (input a_0 included) */
+  double transfer_time; /* part of time (and of overhead_time) charged to host<->device copies */
+  uint64_t host_bytes;  /* bytes of offloaded region inputs in host memory at the end of the forward */
 } llmmem_plan_prediction_t;
 
 /* Solve for the fastest plan whose simulated peak is <= budget_bytes, with the budget cut into

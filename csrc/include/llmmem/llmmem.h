@@ -18,9 +18,9 @@
 extern "C" {
 #endif
 
-#define LLMMEM_VERSION_MAJOR 0
-#define LLMMEM_VERSION_MINOR 1
-#define LLMMEM_VERSION_PATCH 0
+#define LLMMEM_VERSION_MAJOR  0
+#define LLMMEM_VERSION_MINOR  1
+#define LLMMEM_VERSION_PATCH  0
 #define LLMMEM_VERSION_STRING "0.1.0"
 
 /* The library is built with -fvisibility=hidden; only names marked LLMMEM_API are exported. */
@@ -32,14 +32,14 @@ extern "C" {
 
 typedef enum llmmem_status_e {
   LLMMEM_OK = 0,
-  LLMMEM_ERR_INVALID = 1,         /* an argument is out of range, NULL, or inconsistent */
-  LLMMEM_ERR_NOMEM = 2,           /* host or device memory could not be obtained */
-  LLMMEM_ERR_CUDA = 3,            /* a CUDA runtime call failed (detail names it) */
-  LLMMEM_ERR_NO_DEVICE = 4,       /* built with CUDA, but no driver or no GPU at run time */
-  LLMMEM_ERR_NOT_BUILT = 5,       /* the capability was not compiled into this build */
-  LLMMEM_ERR_INFEASIBLE = 6,      /* a request that cannot be met (e.g. a memory budget too small) */
-  LLMMEM_ERR_STATE = 7,           /* a call made in the wrong order or on a destroyed object */
-  LLMMEM_ERR_INTERNAL = 8,        /* a broken invariant inside llmmem: a bug, please report it */
+  LLMMEM_ERR_INVALID = 1,    /* an argument is out of range, NULL, or inconsistent */
+  LLMMEM_ERR_NOMEM = 2,      /* host or device memory could not be obtained */
+  LLMMEM_ERR_CUDA = 3,       /* a CUDA runtime call failed (detail names it) */
+  LLMMEM_ERR_NO_DEVICE = 4,  /* built with CUDA, but no driver or no GPU at run time */
+  LLMMEM_ERR_NOT_BUILT = 5,  /* the capability was not compiled into this build */
+  LLMMEM_ERR_INFEASIBLE = 6, /* a request that cannot be met (e.g. a memory budget too small) */
+  LLMMEM_ERR_STATE = 7,      /* a call made in the wrong order or on a destroyed object */
+  LLMMEM_ERR_INTERNAL = 8,   /* a broken invariant inside llmmem: a bug, please report it */
   LLMMEM_STATUS_COUNT_ = 9
 } llmmem_status_t;
 
@@ -57,12 +57,12 @@ LLMMEM_API llmmem_status_t llmmem_version(int *major, int *minor, int *patch);
 
 /* What this binary was built with. Strings are static. */
 typedef struct llmmem_build_info_s {
-  int cuda_built;               /* 1 when the CUDA kernels were compiled in */
-  int cuda_runtime_version;     /* CUDART_VERSION the kernels were compiled against (e.g. 13000), 0 if none */
-  const char *cuda_archs;       /* e.g. "sm_80,sm_90,compute_90", "" if none */
-  const char *c_compiler;       /* compiler of the C core */
-  const char *cuda_compiler;    /* nvcc version line, "" if none */
-  int debug_level;              /* LLMMEM_DEBUG the core was compiled with (0 = release) */
+  int cuda_built;            /* 1 when the CUDA kernels were compiled in */
+  int cuda_runtime_version;  /* CUDART_VERSION the kernels were compiled against (e.g. 13000), 0 if none */
+  const char *cuda_archs;    /* e.g. "sm_80,sm_90,compute_90", "" if none */
+  const char *c_compiler;    /* compiler of the C core */
+  const char *cuda_compiler; /* nvcc version line, "" if none */
+  int debug_level;           /* LLMMEM_DEBUG the core was compiled with (0 = release) */
 } llmmem_build_info_t;
 
 LLMMEM_API llmmem_status_t llmmem_build_info(llmmem_build_info_t *out);

@@ -28,15 +28,15 @@ extern "C" {
 
 typedef struct llmmem_pool_s llmmem_pool_t;
 
-#define LLMMEM_POOL_GRANULARITY ((size_t)512)         /* bytes: every block size is a multiple */
-#define LLMMEM_POOL_SMALL_MAX ((size_t)1 << 20)       /* bytes: requests up to this are "small" */
-#define LLMMEM_POOL_CHUNK_SIZE ((size_t)2 << 20)      /* bytes: small requests are packed in chunks this big */
+#define LLMMEM_POOL_GRANULARITY ((size_t)512)     /* bytes: every block size is a multiple */
+#define LLMMEM_POOL_SMALL_MAX   ((size_t)1 << 20) /* bytes: requests up to this are "small" */
+#define LLMMEM_POOL_CHUNK_SIZE  ((size_t)2 << 20) /* bytes: small requests are packed in chunks this big */
 
 /* What a pool needs from the memory it manages. Called with the pool's lock held. `ctx` is the
  * backend's own state; `stream` and `event` are opaque (cudaStream_t / cudaEvent_t for CUDA). */
 typedef struct llmmem_pool_backend_s {
-  const char *name;   /* "host", "pinned", "cuda": shown in summaries */
-  int device;         /* CUDA device ordinal, or -1 for host memory */
+  const char *name; /* "host", "pinned", "cuda": shown in summaries */
+  int device;       /* CUDA device ordinal, or -1 for host memory */
   void *ctx;
   /* Reserve `bytes` (a multiple of 512) aligned to at least 512 bytes. LLMMEM_ERR_NOMEM when the
    * memory is not there; any other status is passed to the caller. */
@@ -46,9 +46,9 @@ typedef struct llmmem_pool_backend_s {
   /* Stream events, all four NULL when the memory is not stream-ordered (host memory): then a
    * freed block is reusable at once by anyone. */
   llmmem_status_t (*event_record)(void *ctx, void *stream, void **out_event);
-  int (*event_done)(void *ctx, void *event);                   /* 1 complete, 0 pending */
-  llmmem_status_t (*event_wait)(void *ctx, void *event);       /* block the host until complete */
-  void (*event_release)(void *ctx, void *event);               /* the pool no longer needs it */
+  int (*event_done)(void *ctx, void *event);             /* 1 complete, 0 pending */
+  llmmem_status_t (*event_wait)(void *ctx, void *event); /* block the host until complete */
+  void (*event_release)(void *ctx, void *event);         /* the pool no longer needs it */
   /* Frees ctx; called once by llmmem_pool_destroy after every region is released. May be NULL. */
   void (*destroy)(void *ctx);
   /* Optional (NULL: regions keep the size they were reserved with). Grows or shrinks region `ptr`
@@ -70,11 +70,11 @@ typedef struct llmmem_pool_backend_s {
 } llmmem_pool_backend_t;
 
 typedef struct llmmem_pool_options_s {
-  size_t initial_size;  /* bytes reserved at creation in one segment, kept until destroy (0: none) */
-  size_t max_size;      /* cap on reserved bytes; 0 = no cap beyond what the backend gives */
-  size_t growth_size;   /* bytes: growth segments (or in-place growth steps) are at least this big
+  size_t initial_size; /* bytes reserved at creation in one segment, kept until destroy (0: none) */
+  size_t max_size;     /* cap on reserved bytes; 0 = no cap beyond what the backend gives */
+  size_t growth_size;  /* bytes: growth segments (or in-place growth steps) are at least this big
                            (0: just what the request lacks, rounded up to 2 MiB) */
-  int fixed_segments;   /* 1: never resize regions even when the backend can (each growth is a new
+  int fixed_segments;  /* 1: never resize regions even when the backend can (each growth is a new
                            segment, as with cudaMalloc); for comparisons and tests */
 } llmmem_pool_options_t;
 
@@ -86,38 +86,38 @@ typedef struct llmmem_pool_stat_s {
 
 /* Statistics in PyTorch's vocabulary (torch.cuda.memory_stats). Bytes unless named otherwise. */
 typedef struct llmmem_pool_stats_s {
-  llmmem_pool_stat_t allocated_bytes;  /* live blocks, sizes rounded to 512 B */
-  llmmem_pool_stat_t requested_bytes;  /* live blocks, sizes as asked for */
-  llmmem_pool_stat_t active_bytes;     /* allocated + freed blocks still awaiting a stream event */
-  llmmem_pool_stat_t reserved_bytes;   /* segments obtained from the backend */
-  llmmem_pool_stat_t allocations;      /* number of live blocks */
-  llmmem_pool_stat_t segments;         /* number of segments */
-  uint64_t num_allocs;                 /* successful allocations since creation */
-  uint64_t num_frees;                  /* successful frees since creation */
-  uint64_t num_ooms;                   /* allocations refused for lack of memory */
-  uint64_t num_invalid_frees;          /* double frees and foreign pointers refused */
-  uint64_t num_backend_reserves;       /* backend calls that take memory: reserve (cudaMalloc, ...),
+  llmmem_pool_stat_t allocated_bytes; /* live blocks, sizes rounded to 512 B */
+  llmmem_pool_stat_t requested_bytes; /* live blocks, sizes as asked for */
+  llmmem_pool_stat_t active_bytes;    /* allocated + freed blocks still awaiting a stream event */
+  llmmem_pool_stat_t reserved_bytes;  /* segments obtained from the backend */
+  llmmem_pool_stat_t allocations;     /* number of live blocks */
+  llmmem_pool_stat_t segments;        /* number of segments */
+  uint64_t num_allocs;                /* successful allocations since creation */
+  uint64_t num_frees;                 /* successful frees since creation */
+  uint64_t num_ooms;                  /* allocations refused for lack of memory */
+  uint64_t num_invalid_frees;         /* double frees and foreign pointers refused */
+  uint64_t num_backend_reserves;      /* backend calls that take memory: reserve (cudaMalloc, ...),
                                           in-place growth, commit of decommitted pages */
-  uint64_t num_backend_releases;       /* ... that give it back: release, shrink, decommit */
-  uint64_t num_event_waits;            /* host waits on stream events (OOM path, empty_cache) */
-  size_t free_bytes;                   /* reserved - allocated */
-  size_t decommitted_bytes;            /* free address space inside segments whose memory was given
+  uint64_t num_backend_releases;      /* ... that give it back: release, shrink, decommit */
+  uint64_t num_event_waits;           /* host waits on stream events (OOM path, empty_cache) */
+  size_t free_bytes;                  /* reserved - allocated */
+  size_t decommitted_bytes;           /* free address space inside segments whose memory was given
                                           back (pages of holes, see the backend's decommit); not in
                                           reserved_bytes, committed again when handed out */
-  size_t largest_free_block;           /* the longest free stretch of reserved (committed) memory:
+  size_t largest_free_block;          /* the longest free stretch of reserved (committed) memory:
                                           decommitted pages inside a free block break it, so it is
                                           never more than free_bytes (a request may still get a
                                           bigger block by committing those pages again) */
-  double fragmentation;                /* 1 - largest_free_block / free_bytes, 0 when nothing is free */
-  size_t small_chunks;                 /* 2 MiB chunks currently carved for small requests */
+  double fragmentation;               /* 1 - largest_free_block / free_bytes, 0 when nothing is free */
+  size_t small_chunks;                /* 2 MiB chunks currently carved for small requests */
   size_t initial_size;
-  size_t max_size;                     /* 0 = uncapped */
+  size_t max_size; /* 0 = uncapped */
 } llmmem_pool_stats_t;
 
 typedef enum llmmem_pool_block_state_e {
   LLMMEM_POOL_BLOCK_FREE = 0,
   LLMMEM_POOL_BLOCK_ALLOCATED = 1,
-  LLMMEM_POOL_BLOCK_FREE_PENDING = 2,  /* free, but reusable on other streams only after its event */
+  LLMMEM_POOL_BLOCK_FREE_PENDING = 2, /* free, but reusable on other streams only after its event */
 } llmmem_pool_block_state_t;
 
 /* One block of a snapshot, in address order within its segment. */
@@ -125,11 +125,11 @@ typedef struct llmmem_pool_block_info_s {
   uintptr_t segment_base;
   size_t segment_size;
   uintptr_t addr;
-  size_t size;                 /* bytes, multiple of 512 */
-  size_t requested;            /* bytes asked for (0 when free) */
-  int state;                   /* llmmem_pool_block_state_t */
-  int small;                   /* 1 when inside a 2 MiB chunk for small requests */
-  uintptr_t stream;            /* allocation stream (allocated) or stream freed on (pending) */
+  size_t size;      /* bytes, multiple of 512 */
+  size_t requested; /* bytes asked for (0 when free) */
+  int state;        /* llmmem_pool_block_state_t */
+  int small;        /* 1 when inside a 2 MiB chunk for small requests */
+  uintptr_t stream; /* allocation stream (allocated) or stream freed on (pending) */
 } llmmem_pool_block_info_t;
 
 /* Creates a pool over `backend` (copied; the pool owns backend->ctx from now on, even on failure).
@@ -174,8 +174,8 @@ LLMMEM_API llmmem_status_t llmmem_pool_reset_peak_stats(llmmem_pool_t *pool);
 
 /* Fills up to `capacity` blocks (all segments, address order) and sets *count to the number of
  * blocks there are; call with capacity 0 first to size the array. */
-LLMMEM_API llmmem_status_t llmmem_pool_snapshot(llmmem_pool_t *pool, llmmem_pool_block_info_t *out,
-                                                size_t capacity, size_t *count);
+LLMMEM_API llmmem_status_t llmmem_pool_snapshot(llmmem_pool_t *pool, llmmem_pool_block_info_t *out, size_t capacity,
+                                                size_t *count);
 
 /* The backend's name and device ("host"/-1, "pinned"/-1, "cuda"/ordinal). */
 LLMMEM_API llmmem_status_t llmmem_pool_device(llmmem_pool_t *pool, const char **name, int *device);
