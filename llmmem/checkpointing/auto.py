@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from llmmem.checkpointing.core import checkpoint
-from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner
+from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpointing_flags_off, restore_flags
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
 from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
@@ -309,21 +309,26 @@ def auto_checkpoint(
             raise ValueError(
                 f"auto_checkpoint: block {i} of {name!r} already runs a plan; call .remove() on that plan first"
             )
-    start = time.perf_counter()
-    if profile is None:
-        if sample is None:
-            raise TypeError(
-                "auto_checkpoint: sample= is needed to profile the model (a batch, or a callable running one "
-                "training step), or give profile="
-            )
-        profile = profile_model(model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0)
-    elif profile.n_blocks != len(block_list):
+    if profile is None and sample is None:
+        raise TypeError(
+            "auto_checkpoint: sample= is needed to profile the model (a batch, or a callable running one "
+            "training step), or give profile="
+        )
+    if profile is not None and profile.n_blocks != len(block_list):
         raise ValueError(
             f"auto_checkpoint: the profile is for {profile.n_blocks} blocks, {name!r} has {len(block_list)}"
         )
-    plan = plan_checkpoints(
-        None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
-    )
-    runner = ChainRunner(block_list, plan, profile.hidden, options)
-    runner.install()
+    start = time.perf_counter()
+    flags = checkpointing_flags_off(block_list)  # the plan takes over from Hugging Face's own checkpointing
+    try:
+        if profile is None:
+            profile = profile_model(model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0)
+        plan = plan_checkpoints(
+            None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
+        )
+        runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags)
+        runner.install()
+    except BaseException:
+        restore_flags(block_list, flags)
+        raise
     return AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start)

@@ -44,7 +44,7 @@ from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
 from llmmem.checkpointing.profile import find_hidden, hidden_of, run_call, without_cache
 from llmmem.checkpointing.replay import RngState, accelerator_type, autocast_state
 
-__all__ = ["ChainRunner", "RUNNER_OPTIONS"]
+__all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "restore_flags"]
 
 # llmmem.checkpoint options a plan on a whole model can take
 RUNNER_OPTIONS = ("preserve_rng_state", "determinism_check", "early_stop")
@@ -252,6 +252,25 @@ class _Pass:
         self.last_out = None
 
 
+def checkpointing_flags_off(blocks) -> list:
+    """Turn Hugging Face's own checkpointing of each block off (it would recompute a planned block a
+    second time, and profile it as keeping nothing); returns what to give :func:`restore_flags`."""
+    saved = []
+    for block in blocks:
+        saved.append(("gradient_checkpointing" in block.__dict__, block.__dict__.get("gradient_checkpointing")))
+        if getattr(block, "gradient_checkpointing", False) is True:
+            block.gradient_checkpointing = False
+    return saved
+
+
+def restore_flags(blocks, saved: list) -> None:
+    for block, (had, flag) in zip(blocks, saved):
+        if had:
+            block.__dict__["gradient_checkpointing"] = flag
+        else:
+            block.__dict__.pop("gradient_checkpointing", None)
+
+
 def _planned_forward(self, *args, **kwargs):
     """The instance-level ``forward`` of a planned block (bound with types.MethodType)."""
     runner, index = self.__dict__["_llmmem_chain"]
@@ -267,7 +286,7 @@ class ChainRunner:
     :param options: :data:`RUNNER_OPTIONS` of :func:`llmmem.checkpoint`.
     """
 
-    def __init__(self, blocks, plan, hidden, options: dict) -> None:
+    def __init__(self, blocks, plan, hidden, options: dict, saved_flags: list | None = None) -> None:
         unknown = set(options) - set(RUNNER_OPTIONS)
         if unknown:
             raise TypeError(
@@ -296,7 +315,7 @@ class ChainRunner:
                     reach = re_
             self.children[(s, e)] = direct
         self.originals: list = []
-        self._saved_flags: list = []
+        self._saved_flags = saved_flags
         self._pass: _Pass | None = None
         self._warned: set = set()
         self.active = False
@@ -308,18 +327,11 @@ class ChainRunner:
                 raise ValueError(
                     f"auto_checkpoint: block {i} ({type(block).__name__}) already runs a plan; remove() it first"
                 )
+        if self._saved_flags is None:
+            self._saved_flags = checkpointing_flags_off(self.blocks)
         for i, block in enumerate(self.blocks):
             own = block.__dict__.get("forward")
             self.originals.append(own if own is not None else types.MethodType(type(block).forward, block))
-            # Hugging Face's own checkpointing of the layer would recompute it a second time.
-            flag = (
-                block.__dict__.get("gradient_checkpointing", None)
-                if hasattr(block, "gradient_checkpointing")
-                else None
-            )
-            self._saved_flags.append(("gradient_checkpointing" in block.__dict__, flag))
-            if getattr(block, "gradient_checkpointing", False) is True:
-                block.gradient_checkpointing = False
             block.__dict__["_llmmem_chain"] = (self, i)
             block.__dict__["forward"] = types.MethodType(_planned_forward, block)
         self.active = True
@@ -328,16 +340,13 @@ class ChainRunner:
         """Give every block its own ``forward`` back (and Hugging Face's checkpointing flag)."""
         if not self.active:
             return
-        for block, original, (had_flag, flag) in zip(self.blocks, self.originals, self._saved_flags):
+        for block, original in zip(self.blocks, self.originals):
             block.__dict__.pop("_llmmem_chain", None)
             if isinstance(original, types.MethodType) and original.__func__ is type(block).forward:
                 block.__dict__.pop("forward", None)
             else:
                 block.__dict__["forward"] = original
-            if had_flag:
-                block.__dict__["gradient_checkpointing"] = flag
-            else:
-                block.__dict__.pop("gradient_checkpointing", None)
+        restore_flags(self.blocks, self._saved_flags)
         self._pass = None
         self.active = False
 

@@ -590,7 +590,7 @@ class _BlockCosts:
     btmp: list  # [K]
     kept_out: list  # [K] bytes of the output kept by the tape
     input_only: dict  # costs of the store-input-only column
-    recompute_seconds: float  # measured
+    forward_seconds: float  # measured store-all forward
     recompute_units: float
     step_seconds: float  # measured store-all step
 
@@ -663,31 +663,27 @@ def _allocator_transients(run, block, call: BlockCall, mode: str, device: torch.
 
 
 def _timed_steps(run, block, call: BlockCall, repeats: int, warmup: int, device: torch.device):
-    """Medians (seconds) of a store-all step and of a checkpointed (no-store) step of the block,
-    and of their paired per-round difference (the recompute). Round-robin, so that a load change
-    on a shared machine shifts both alike."""
+    """Medians (seconds) of a store-all step of the block and of its forward. The forward is what
+    a recompute runs again, and timing it alone is steadier on a shared machine than the small
+    difference between a checkpointed step and a plain one."""
     x = call.hidden_tensor.detach().clone().requires_grad_(call.hidden_tensor.is_floating_point())
     args, kwargs = call.with_hidden(x)
-
-    def step(mode):
+    steps, forwards = [], []
+    for r in range(warmup + repeats):
         _sync(device)
         t0 = time.perf_counter()
-        y = _grad_tensor(run_call(run, args, kwargs, mode, block))
+        y = _grad_tensor(run_call(run, args, kwargs, "store-all", block))
+        _sync(device)
+        t1 = time.perf_counter()
         torch.autograd.backward(y, torch.ones_like(y))
         _sync(device)
-        return time.perf_counter() - t0
-
-    samples = {"store-all": [], "nostore": []}
-    for r in range(warmup + repeats):
-        for mode in samples:
-            t = step(mode)
-            if r >= warmup:
-                samples[mode].append(t)
+        if r >= warmup:
+            steps.append(time.perf_counter() - t0)
+            forwards.append(t1 - t0)
+        del y
     if isinstance(block, nn.Module):
         block.zero_grad(set_to_none=True)
-    store = statistics.median(samples["store-all"])
-    recompute = statistics.median(b - a for a, b in zip(samples["store-all"], samples["nostore"]))
-    return store, recompute
+    return statistics.median(steps), statistics.median(forwards)
 
 
 def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, device: torch.device) -> _BlockCosts:
@@ -706,9 +702,9 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
     # Modes other than store-all run store-all's operators plus extra work: never cheaper.
     fwd = [per_mode[m]["fwd"] for m in modes]
     bwd = [max(per_mode[m]["bwd"], store["fwd"] + store["bwd"] - per_mode[m]["fwd"]) for m in modes]
-    store_seconds, recompute_seconds = 0.0, 0.0
+    store_seconds, forward_seconds = 0.0, 0.0
     if repeats > 0:
-        store_seconds, recompute_seconds = _timed_steps(run, block, call, repeats, warmup, device)
+        store_seconds, forward_seconds = _timed_steps(run, block, call, repeats, warmup, device)
     return _BlockCosts(
         fwd=fwd,
         bwd=bwd,
@@ -719,7 +715,7 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         btmp=[per_mode[m]["btmp"] for m in modes],
         kept_out=[per_mode[m]["kept_out"] for m in modes],
         input_only={"fwd": nostore["fwd"], "bwd": nostore["bwd"], "btmp": nostore["btmp"]},
-        recompute_seconds=recompute_seconds,
+        forward_seconds=forward_seconds,
         recompute_units=recompute_units,
         step_seconds=store_seconds,
     )
@@ -820,14 +816,12 @@ def profile_calls(
         prof.fwd_tmp_bytes.append(c.ftmp)
         prof.bwd_tmp_bytes.append(btmp)
         prof.output_kept.append(kept)
-    measured = [c for c in {id(c): c for c in costs}.values() if c.recompute_units > 0]
-    seconds = sum(max(c.recompute_seconds, 0.0) for c in measured)
-    units = sum(c.recompute_units for c in measured)
+    # Seconds per work unit: the measured forwards over their work (a recompute is a forward again).
+    distinct = list({id(c): c for c in costs}.values())
+    seconds = sum(c.forward_seconds for c in distinct)
+    units = sum(c.fwd[0] for c in distinct)
     if seconds > 0 and units > 0:
         prof.time_unit = seconds / units
-    elif measured and measured[0].step_seconds > 0:  # recompute lost in the noise: scale by the step
-        c = measured[0]
-        prof.time_unit = c.step_seconds / max(c.fwd[0] + c.bwd[0], 1e-30)
     prof.measured_step_time = sum(c.step_seconds for c in costs)
     return prof
 
