@@ -119,13 +119,14 @@ class CheckpointPlan:
     def describe(self) -> str:
         """A readable table of the plan and its predictions."""
         p = self.profile
-        unit = 1e3 * p.time_unit
+        times, unit = (p.seconds, 1e3) if p.seconds else (p.__dict__, 1e3 * p.time_unit)
         rows = [f"{'block':>5}  {'plan':<32} {'fwd ms':>8} {'bwd ms':>8} {'input':>11} {'kept (store-all)':>17}"]
         for i in range(self.n_blocks):
             k = p.modes.index(self.modes[i])
             rows.append(
-                f"{i:>5}  {self.block_label(i):<32} {unit * p.fwd_time[i][k]:>8.3f} {unit * p.bwd_time[i][k]:>8.3f} "
-                f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}"
+                f"{i:>5}  {self.block_label(i):<32} {unit * times['fwd_time'][i][k]:>8.3f} "
+                f"{unit * times['bwd_time'][i][k]:>8.3f} {format_bytes(p.input_bytes[i]):>11} "
+                f"{format_bytes(p.saved_bytes[i][0]):>17}"
             )
         base = self.predicted_time - self.predicted_overhead_time
         what = "recompute and transfers" if self.offloaded else "recompute"
@@ -290,10 +291,20 @@ def plan_checkpoints(
         )
         err.min_budget_bytes = least
         raise err from None
-    unit = profile.time_unit
     regions = [tuple(r) for r in result["regions"]]
     if any(e > L for _, e in regions):  # pragma: no cover - the head is always the last tape
         raise RuntimeError(f"plan_checkpoints: the planner put the head in a region {regions} (please report)")
+    offloaded = [tuple(r) for r in result["offloaded"]]
+    if profile.seconds:
+        # chosen on work (the same plan every run), predicted on the measured seconds
+        timed = native.plan_simulate(
+            profile.to_chain(host_bandwidth if offload else 0.0, seconds=True),
+            result["modes"],
+            [r + ((1,) if r in offloaded else ()) for r in regions],
+        )
+        unit = 1.0
+    else:
+        timed, unit = result, profile.time_unit
     return CheckpointPlan(
         modes=[profile.modes[k] for k in result["modes"][:L]],
         regions=regions,
@@ -301,12 +312,12 @@ def plan_checkpoints(
         min_budget_bytes=max(result["min_budget_bytes"] + static, outside),
         predicted_peak_bytes=max(result["peak_bytes"] + static, outside),
         predicted_held_bytes=result["held_bytes"] + static,
-        predicted_time=result["time"] * unit,
-        predicted_overhead_time=result["overhead_time"] * unit,
+        predicted_time=timed["time"] * unit,
+        predicted_overhead_time=timed["overhead_time"] * unit,
         no_checkpoint_peak_bytes=reference,
         profile=profile,
-        offloaded=[tuple(r) for r in result["offloaded"]],
-        predicted_transfer_time=result["transfer_time"] * unit,
+        offloaded=offloaded,
+        predicted_transfer_time=timed["transfer_time"] * unit,
         predicted_host_bytes=result["host_bytes"],
         host_bandwidth=float(host_bandwidth) if offload else None,
         host_bandwidth_measured=measured,

@@ -493,15 +493,19 @@ class ChainProfile:
     measured_step_time: float = 0.0  # seconds of one store-all step of the chain (0: not measured)
     hidden: list = field(default_factory=list)  # [L] where each block's chain input is in its call
     chainable: bool = True
+    # the time fields measured in seconds ({"fwd_time", "bwd_time", "fwd_nostore_time"}), for the
+    # predictions of a plan chosen on work (None: not timed)
+    seconds: dict | None = None
 
-    def to_chain(self, host_bandwidth: float = 0.0) -> dict:
+    def to_chain(self, host_bandwidth: float = 0.0, seconds: bool = False) -> dict:
         """The dict the C planner takes (llmmem._C.plan_solve); ``host_bandwidth`` in bytes per
-        time unit, 0 for no offloading. With a ``head`` the chain has one more block (its modes
-        other than store-all are made unusable)."""
+        time unit, 0 for no offloading. ``seconds``: the measured times instead of the work. With a
+        ``head`` the chain has one more block (its modes other than store-all are made unusable)."""
+        times = self.seconds if seconds else self.__dict__
         chain = {
-            "fwd_time": [list(r) for r in self.fwd_time],
-            "fwd_nostore_time": list(self.fwd_nostore_time),
-            "bwd_time": [list(r) for r in self.bwd_time],
+            "fwd_time": [list(r) for r in times["fwd_time"]],
+            "fwd_nostore_time": list(times["fwd_nostore_time"]),
+            "bwd_time": [list(r) for r in times["bwd_time"]],
             "input_bytes": list(self.input_bytes),
             "saved_bytes": [list(r) for r in self.saved_bytes],
             "fwd_tmp_bytes": list(self.fwd_tmp_bytes),
@@ -582,17 +586,30 @@ def _grad_tensor(out) -> torch.Tensor:
 
 @dataclass
 class _BlockCosts:
-    fwd: list  # [K] work units
-    bwd: list  # [K]
-    nostore: float
+    work: dict  # the planner's costs in work units (_planner_costs)
+    seconds: dict | None  # the same from timed steps (None: not timed)
     saved: list  # [K] bytes
     ftmp: int
     btmp: list  # [K]
     kept_out: list  # [K] bytes of the output kept by the tape
-    input_only: dict  # costs of the store-input-only column
-    forward_seconds: float  # measured store-all forward
-    recompute_units: float
-    step_seconds: float  # measured store-all step
+    input_only_btmp: int
+
+
+def _planner_costs(fwd: dict, bwd: dict, modes) -> dict:
+    """The planner's time costs of a block from each mode's forward and backward (and "nostore",
+    the block checkpointed alone), in any unit."""
+    store = modes[0]
+    # The planner charges fwd_nostore_time twice per recomputed block: the forward inside the
+    # region, and its recompute in backward, which costs more (it records a graph again and fills
+    # the region's slots); the mean of the two makes a one-level region cost what it does.
+    recompute = max(bwd["nostore"] - bwd[store], fwd["nostore"])
+    return {
+        "fwd": [fwd[m] for m in modes],
+        # other modes run store-all's operators plus extra work: never cheaper (a lower figure is noise)
+        "bwd": [max(bwd[m], fwd[store] + bwd[store] - fwd[m]) for m in modes],
+        "nostore": 0.5 * (fwd["nostore"] + recompute),
+        "input_only": (fwd["nostore"], fwd[store] + bwd[store] - fwd["nostore"] + recompute),
+    }
 
 
 def _memory_and_work(run, block, call: BlockCall, mode: str, device: torch.device, exclude: list) -> dict:
@@ -662,28 +679,33 @@ def _allocator_transients(run, block, call: BlockCall, mode: str, device: torch.
     return max(0, ftmp), max(0, btmp)
 
 
-def _timed_steps(run, block, call: BlockCall, repeats: int, warmup: int, device: torch.device):
-    """Medians (seconds) of a store-all step of the block and of its forward. The forward is what
-    a recompute runs again, and timing it alone is steadier on a shared machine than the small
-    difference between a checkpointed step and a plain one."""
+def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, device: torch.device) -> dict:
+    """Seconds of a step of the block in each mode (and "nostore"): ``{mode: (forward, backward)}``,
+    the least of the rounds: on a shared machine other work only ever slows a step down, so the
+    fastest round is the one closest to the step's own cost. Round-robin over the modes."""
     x = call.hidden_tensor.detach().clone().requires_grad_(call.hidden_tensor.is_floating_point())
     args, kwargs = call.with_hidden(x)
-    steps, forwards = [], []
-    for r in range(warmup + repeats):
+
+    def step(mode):
         _sync(device)
         t0 = time.perf_counter()
-        y = _grad_tensor(run_call(run, args, kwargs, "store-all", block))
+        y = _grad_tensor(run_call(run, args, kwargs, mode, block))
         _sync(device)
         t1 = time.perf_counter()
         torch.autograd.backward(y, torch.ones_like(y))
         _sync(device)
-        if r >= warmup:
-            steps.append(time.perf_counter() - t0)
-            forwards.append(t1 - t0)
-        del y
+        return t1 - t0, time.perf_counter() - t1
+
+    timed = (*modes, "nostore")
+    samples: dict = {m: [] for m in timed}
+    for r in range(warmup + repeats):
+        for mode in timed:
+            sample = step(mode)
+            if r >= warmup:
+                samples[mode].append(sample)
     if isinstance(block, nn.Module):
         block.zero_grad(set_to_none=True)
-    return statistics.median(steps), statistics.median(forwards)
+    return {m: (min(f for f, _ in v), min(b for _, b in v)) for m, v in samples.items()}
 
 
 def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, device: torch.device) -> _BlockCosts:
@@ -693,31 +715,22 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         for m, costs in per_mode.items():
             ftmp, btmp = _allocator_transients(run, block, call, m, device)
             costs["ftmp"], costs["btmp"] = max(costs["ftmp"], ftmp), max(costs["btmp"], btmp)
-    store, nostore = per_mode[modes[0]], per_mode["nostore"]
-    # The planner charges fwd_nostore_time twice per recomputed block: the forward inside the
-    # region, and its recompute in backward, which costs a little more (it records a graph again
-    # and fills the region's slots); the mean of the two makes a one-level region cost what it does.
-    recompute_units = max(nostore["bwd"] - store["bwd"], nostore["fwd"])
-    nostore_units = 0.5 * (nostore["fwd"] + recompute_units)
-    # Modes other than store-all run store-all's operators plus extra work: never cheaper.
-    fwd = [per_mode[m]["fwd"] for m in modes]
-    bwd = [max(per_mode[m]["bwd"], store["fwd"] + store["bwd"] - per_mode[m]["fwd"]) for m in modes]
-    store_seconds, forward_seconds = 0.0, 0.0
+    work = _planner_costs(
+        {m: c["fwd"] for m, c in per_mode.items()}, {m: c["bwd"] for m, c in per_mode.items()}, modes
+    )
+    seconds = None
     if repeats > 0:
-        store_seconds, forward_seconds = _timed_steps(run, block, call, repeats, warmup, device)
+        timed = _timed_steps(run, block, call, modes, repeats, warmup, device)
+        seconds = _planner_costs({m: t[0] for m, t in timed.items()}, {m: t[1] for m, t in timed.items()}, modes)
     return _BlockCosts(
-        fwd=fwd,
-        bwd=bwd,
-        nostore=nostore_units,
+        work=work,
+        seconds=seconds,
         saved=[per_mode[m]["saved"] for m in modes],
         # a no-store forward keeps nothing: its intermediates can peak higher than a tape's end
         ftmp=max(c["ftmp"] for c in per_mode.values()),
         btmp=[per_mode[m]["btmp"] for m in modes],
         kept_out=[per_mode[m]["kept_out"] for m in modes],
-        input_only={"fwd": nostore["fwd"], "bwd": nostore["bwd"], "btmp": nostore["btmp"]},
-        forward_seconds=forward_seconds,
-        recompute_units=recompute_units,
-        step_seconds=store_seconds,
+        input_only_btmp=per_mode["nostore"]["btmp"],
     )
 
 
@@ -795,34 +808,42 @@ def profile_calls(
         chainable=chainable,
         hidden=[c.hidden for c in calls],
     )
+    timed = all(c.seconds is not None for c in costs)
+    seconds = {"fwd_time": [], "bwd_time": [], "fwd_nostore_time": []}
     for i, c in enumerate(costs):
-        fwd, bwd, saved, btmp = list(c.fwd), list(c.bwd), list(c.saved), list(c.btmp)
+        saved, btmp = list(c.saved), list(c.btmp)
         kept = [int(o > 0) for o in c.kept_out]
         if not chainable:
             # a checkpoint of the block alone: keeps its input only; its backward rebuilds the tape
-            fwd.append(c.input_only["fwd"])
-            bwd.append(c.input_only["bwd"])
             saved.append(0)
-            btmp.append(c.input_only["btmp"])
+            btmp.append(c.input_only_btmp)
             kept.append(0)
         if i == n - 1:
             # a tape keeping its own output: the planner counts it with the next block's input,
             # and there is no next block
             saved = [s + o for s, o in zip(saved, c.kept_out + [0] * (K - len(c.kept_out)))]
-        prof.fwd_time.append(fwd)
-        prof.fwd_nostore_time.append(c.nostore)
-        prof.bwd_time.append(bwd)
+        for costs_of, into in ((c.work, prof), (c.seconds, seconds) if timed else (None, None)):
+            if costs_of is None:
+                continue
+            fwd, bwd = list(costs_of["fwd"]), list(costs_of["bwd"])
+            if not chainable:
+                fwd.append(costs_of["input_only"][0])
+                bwd.append(costs_of["input_only"][1])
+            times = into if isinstance(into, dict) else into.__dict__
+            times["fwd_time"].append(fwd)
+            times["bwd_time"].append(bwd)
+            times["fwd_nostore_time"].append(costs_of["nostore"])
         prof.saved_bytes.append(saved)
         prof.fwd_tmp_bytes.append(c.ftmp)
         prof.bwd_tmp_bytes.append(btmp)
         prof.output_kept.append(kept)
-    # Seconds per work unit: the measured forwards over their work (a recompute is a forward again).
-    distinct = list({id(c): c for c in costs}.values())
-    seconds = sum(c.forward_seconds for c in distinct)
-    units = sum(c.fwd[0] for c in distinct)
-    if seconds > 0 and units > 0:
-        prof.time_unit = seconds / units
-    prof.measured_step_time = sum(c.step_seconds for c in costs)
+    if timed:
+        prof.seconds = seconds
+        prof.measured_step_time = sum(f[0] + b[0] for f, b in zip(seconds["fwd_time"], seconds["bwd_time"]))
+        # seconds per work unit, for figures given per block
+        work = sum(f[0] for f in prof.fwd_time)
+        if work > 0:
+            prof.time_unit = sum(f[0] for f in seconds["fwd_time"]) / work
     return prof
 
 
