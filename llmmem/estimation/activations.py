@@ -31,7 +31,21 @@ def materialises_scores(cfg: ModelConfig, st: Settings) -> bool:
     """
     if st.attention == "explicit":
         return True
-    return st.device_type == "cpu" and cfg.dropout > 0
+    return st.device_type == "cpu" and cfg.attention_dropout > 0
+
+
+def kv_heads_saved(cfg: ModelConfig, st: Settings) -> int:
+    """Key/value heads whose K and V are kept: explicit attention (and the math path SDPA falls back
+    to) repeats grouped key/value heads to every query head before the products that keep them;
+    a fused kernel takes the grouped ones as they are."""
+    return cfg.heads if materialises_scores(cfg, st) else cfg.kv_heads
+
+
+# Tensors an MLP activation keeps for backward, per element of the MLP width (not counting the
+# down projection's input, its output): torch's GELU and SiLU their input; ReLU nothing more (the
+# down projection keeps its output, which is all ReLU needs); the tanh approximation written as
+# elementwise operators (Hugging Face's gelu_new) its input, the tanh, x/2 and 1 + tanh.
+_ACTIVATION_SAVES = {"gelu": 1, "silu": 1, "relu": 0, "gelu_new": 4}
 
 
 def element_bytes(cfg: ModelConfig, st: Settings) -> tuple[int, int, int, int]:
@@ -54,37 +68,44 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     """Bytes one transformer layer saves for backward on one device, term by term (no recompute).
 
     Derived from what each op of a pre-norm layer saves in PyTorch's autograd, with ``s`` sequence,
-    ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``k`` kv heads of size ``d = h/a``, ``f`` MLP width,
-    ``e`` bytes per activation element (4 fp32, 2 fp16/bf16), ``m`` bytes per dropout-mask element,
-    ``t`` tensor-parallel size and ``r = t`` with sequence parallelism, else 1:
+    ``b`` micro-batch, ``h`` hidden, ``a`` heads of size ``d`` (``A = a·d``, ``h`` unless
+    ``head_dim`` says otherwise), ``k`` kv heads (``k' = a`` where the attention repeats them, see
+    :func:`kv_heads_saved`), ``f`` MLP width, ``e`` bytes per activation element (4 fp32, 2
+    fp16/bf16), ``m`` bytes per dropout-mask element, ``t`` tensor-parallel size and ``r = t`` with
+    sequence parallelism, else 1:
 
     ==============================================  ===========================  ==========
     term                                            bytes                        Megatron
     ==============================================  ===========================  ==========
     two norm inputs                                 ``2·e·sbh / r``              4sbh
     norm statistics (fp32 mean+rstd / rstd)         ``2·8·sb / r`` / ``2·4·sb/r``  (omitted)
+    unfused RMSNorm (fp32 input, normalized)        ``2·4·sbh / r``
     Q/K/V projection input                          ``e·sbh / r``                2sbh
-    Q, K, V (inputs of QK^T and of P·V)             ``e·sb·(h + 2kd) / t``       6sbh
+    Q, K, V (inputs of QK^T and of P·V)             ``e·sb·(A + 2k'd) / t``      6sbh
     softmax output                                  ``e·a·s²·b / t``             2as²b
     attention dropout mask, dropout output          ``(m + e)·a·s²·b / t``       3as²b
-    attention output projection input               ``e·sbh / t``                2sbh
+    attention output projection input               ``e·sbA / t``                2sbh
     residual dropout mask after attention           ``m·sbh / r``                sbh
     MLP input                                       ``e·sbh / r``                2sbh
     GELU input and output (down-projection input)   ``2·e·sbf / t``              16sbh
+    (gelu_new: also tanh, x/2, 1 + tanh)            ``+3·e·sbf / t``
     (SwiGLU: gate out, SiLU out, up out, product)   ``4·e·sbf / t``
     residual dropout mask after the MLP             ``m·sbh / r``                sbh
     ==============================================  ===========================  ==========
 
-    With ``e = 2``, ``m = 1`` (a CUDA dropout keeps a bool mask), ``f = 4h``, ``k = a`` and dropout,
-    the sum is ``sbh·(34 + 5as/h)/t``-shaped exactly as Megatron-LM's formula (Korthikanti et al.
-    2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1 and table 2;
-    see :func:`megatron_layer_activation_bytes`) plus the small norm statistics it omits. On CPU,
-    PyTorch's dropout multiplies by a noise tensor of the activation dtype instead, so ``m = e``.
-    Without dropout (LLaMA) the masks and the dropout output vanish and P·V reads the softmax output.
-    A fused attention kernel (``attention="sdpa"`` on CUDA) keeps no ``s x s`` tensor; besides Q, K, V
-    it saves its output, which it lays out as ``(b, s, a, d)`` so that the output projection's input is
-    a view of the same storage (counted once, as the projection input), and the fp32 log-sum-exp,
-    ``4·a·s·b/t``.
+    With ``e = 2``, ``m = 1`` (a CUDA dropout keeps a bool mask), ``f = 4h``, ``k = a``, a fused
+    LayerNorm, torch's GELU and dropout, the sum is ``sbh·(34 + 5as/h)/t``-shaped exactly as
+    Megatron-LM's formula (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", section 4.1 and table 2; see :func:`megatron_layer_activation_bytes`) plus
+    the small norm statistics it omits. On CPU, PyTorch's dropout multiplies by a noise tensor of
+    the activation dtype instead, so ``m = e``. Without dropout (LLaMA) the masks and the dropout
+    output vanish and P·V reads the softmax output. A fused attention kernel (``attention="sdpa"``)
+    keeps no ``s x s`` tensor; besides Q, K, V it saves its output, which it lays out as
+    ``(b, s, a, d)`` so that the output projection's input is a view of the same storage (counted
+    once, as the projection input), and the fp32 log-sum-exp, ``4·a·s·b/t``. An RMSNorm written
+    from elementwise operators (Hugging Face, Meta) keeps its input upcast to fp32 (the input itself
+    in fp32) and the normalized tensor before the weight: ``4·sbh`` more than one kernel would,
+    whatever ``e``.
 
     Not counted: explicit attention with ``masked_fill`` also saves the ``s x s`` bool causal mask
     (``s²`` bytes per layer, independent of batch and heads), which a fused scale-mask-softmax
@@ -92,35 +113,43 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     """
     s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
     e, mask, r, stat = element_bytes(cfg, st)
-    sbh, a, f = s * b * h, cfg.heads, cfg.ffn
-    dropout = cfg.dropout > 0
+    sbh, a, f, d = s * b * h, cfg.heads, cfg.ffn, cfg.head_dim
+    width = a * d
 
     terms = {
         "norm inputs (2)": ceil_div(2 * e * sbh, r),
         "norm statistics (fp32)": ceil_div(2 * stat * s * b, r),
-        "q/k/v projection input": ceil_div(e * sbh, r),
-        "q, k, v": ceil_div(e * s * b * (h + 2 * cfg.kv_heads * cfg.head_dim), t),
     }
+    if not cfg.fused_norm:
+        terms["unfused norms (fp32 input, normalized)"] = ceil_div(2 * 4 * sbh, r)
+    terms["q/k/v projection input"] = ceil_div(e * sbh, r)
+    terms["q, k, v"] = ceil_div(e * s * b * (width + 2 * kv_heads_saved(cfg, st) * d), t)
     if materialises_scores(cfg, st):
         terms["attention probabilities (softmax output)"] = ceil_div(e * a * s * s * b, t)
-        if dropout:
+        if cfg.attention_dropout > 0:
             terms["attention dropout mask"] = ceil_div(mask * a * s * s * b, t)
             terms["attention dropout output"] = ceil_div(e * a * s * s * b, t)
     else:
         terms["attention log-sum-exp (fp32)"] = ceil_div(4 * a * s * b, t)
-    terms["attention projection input"] = ceil_div(e * sbh, t)
-    if dropout:
+    terms["attention projection input"] = ceil_div(e * s * b * width, t)
+    if cfg.hidden_dropout > 0:
         terms["attention residual dropout mask"] = ceil_div(mask * sbh, r)
     terms["mlp input"] = ceil_div(e * sbh, r)
+    act, sbf = cfg.activation, s * b * f
     if cfg.mlp == "gelu":
-        terms["gelu input"] = ceil_div(e * s * b * f, t)
-        terms["mlp down-projection input (gelu output)"] = ceil_div(e * s * b * f, t)
+        if _ACTIVATION_SAVES[act]:
+            terms[f"{act} input" + (", tanh, x/2, 1 + tanh" if act == "gelu_new" else "")] = ceil_div(
+                _ACTIVATION_SAVES[act] * e * sbf, t
+            )
+        terms[f"mlp down-projection input ({act} output)"] = ceil_div(e * sbf, t)
     else:
-        terms["gate projection output (silu input)"] = ceil_div(e * s * b * f, t)
-        terms["silu output"] = ceil_div(e * s * b * f, t)
-        terms["up projection output"] = ceil_div(e * s * b * f, t)
-        terms["mlp down-projection input (silu·up)"] = ceil_div(e * s * b * f, t)
-    if dropout:
+        terms[f"gate projection output ({act} input)"] = ceil_div(e * sbf, t)
+        terms[f"{act} output"] = ceil_div(e * sbf, t)
+        terms["up projection output"] = ceil_div(e * sbf, t)
+        terms[f"mlp down-projection input ({act}·up)"] = ceil_div(e * sbf, t)
+        if act == "gelu_new":
+            terms["gelu_new tanh, x/2, 1 + tanh"] = ceil_div(3 * e * sbf, t)
+    if cfg.hidden_dropout > 0:
         terms["mlp residual dropout mask"] = ceil_div(mask * sbh, r)
     return terms
 
@@ -129,8 +158,10 @@ def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     """Bytes saved for backward outside the transformer layers, on one device.
 
     Token ids and targets are int64 (``8·sb``); a learned position table also saves its ids
-    (``8·s``); the embedding dropout keeps a mask (``m·sbh/r``); the final norm keeps its input and
-    statistics and the LM head its input (``e·sbh/r`` each). The loss is computed in fp32 in every
+    (``8·s``), rotary positions their cos and sin tables, which every layer shares (``2·e·s·d``);
+    the embedding dropout keeps a mask (``m·sbh/r``); the final norm keeps its input and
+    statistics (an unfused RMSNorm ``4·sbh/r`` more) and the LM head its input (``e·sbh/r``
+    each). The loss is computed in fp32 in every
     precision (Megatron and Hugging Face upcast the logits for a stable softmax): the cross entropy's
     log-softmax keeps its fp32 output, ``4·s·b·V/t`` bytes (vocabulary-parallel with TP). Full
     recompute keeps all of these: they are outside the checkpointed layers.
@@ -140,10 +171,14 @@ def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     terms = {"token ids (int64)": 8 * s * b}
     if cfg.positions == "learned":
         terms["position ids (int64)"] = 8 * s
-    if cfg.dropout > 0:
+    else:
+        terms["rotary cos and sin (shared by the layers)"] = 2 * e * s * cfg.head_dim
+    if cfg.hidden_dropout > 0:
         terms["embedding dropout mask"] = ceil_div(mask * s * b * h, r)
     terms["final norm input"] = ceil_div(e * s * b * h, r)
     terms["final norm statistics (fp32)"] = ceil_div(stat * s * b, r)
+    if not cfg.fused_norm:
+        terms["unfused final norm (fp32 input, normalized)"] = ceil_div(4 * s * b * h, r)
     terms["lm head input"] = ceil_div(e * s * b * h, r)
     terms["log-probabilities (fp32, loss)"] = 4 * s * b * ceil_div(cfg.vocab, t)
     terms["targets (int64)"] = 8 * s * b

@@ -74,8 +74,9 @@ def slowdown_terms(cfg: ModelConfig, st: Settings) -> dict:
     return parts
 
 
-def compute(cfg: ModelConfig, counted: int | None, st: Settings) -> dict:
-    """Every number of an :class:`Estimate`, in bytes per device."""
+def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: float = 1.0) -> dict:
+    """Every number of an :class:`Estimate`, in bytes per device. ``layer_scale``: the layer's
+    activation terms times this (a measured layer over the formula's, see ``estimate(measure=)``)."""
     t, n_d = st.tensor_parallel, st.data_parallel
     prec = PRECISIONS[st.precision]
     total_params = cfg.parameters(seq=st.seq)
@@ -95,6 +96,8 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings) -> dict:
     }
 
     layer_terms = layer_activation_terms(cfg, st)
+    if layer_scale != 1.0:
+        layer_terms = {k: round(v * layer_scale) for k, v in layer_terms.items()}
     full_layer = sum(layer_terms.values())
     score_bytes = sum(layer_terms.get(k, 0) for k in SCORE_TERMS)
     stored_layer = full_layer - score_bytes if st.checkpointing == "selective" else full_layer

@@ -51,7 +51,7 @@ from llmmem.estimation.activations import (
     other_activation_terms,
 )
 from llmmem.estimation.breakdown import compute as _compute
-from llmmem.estimation.model_configs import ModelConfig
+from llmmem.estimation.model_configs import ModelConfig, positive_int
 from llmmem.estimation.recommend import MAX_DEVICES, Recommendation, changes_between, search
 from llmmem.estimation.recommend import pct as _pct
 from llmmem.estimation.settings import OPTIMIZERS, PRECISIONS
@@ -104,6 +104,10 @@ class Estimate:
         self.fits = None if device_memory is None else self.total <= device_memory
         self.recommendation: Recommendation | None = None
         self.advice = ""
+        # estimate(measure=): the measured bytes of one layer (in the module's dtype) and the factor
+        # the layer terms were scaled by
+        self.measured_layer_bytes: int | None = None
+        self.layer_scale = 1.0
 
     _ROWS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary", "total")
 
@@ -121,6 +125,8 @@ class Estimate:
                 for k in self._ROWS + ("activations_per_layer", "activations_layers", "activations_other")
             },
             "layer_terms": dict(self.layer_terms),
+            "measured_layer_bytes": self.measured_layer_bytes,
+            "layer_scale": self.layer_scale,
             "other_terms": dict(self.other_terms),
             "temporary_terms": dict(self.temporary_terms),
             "slowdown": self.slowdown,
@@ -182,7 +188,7 @@ class Estimate:
 # =================================================================================================
 def _recommend(est: Estimate, counted: int | None) -> None:
     cfg, st, budget = est.model, est.settings, est.device_memory
-    found = search(cfg, counted, st, budget)
+    found = search(cfg, counted, st, budget, est.layer_scale)
     if found is None:
         est.advice = (
             f"impossible: no combination of checkpointing, ZeRO, tensor/sequence parallelism and fused "
@@ -193,7 +199,8 @@ def _recommend(est: Estimate, counted: int | None) -> None:
     if est.fits and slowdown >= est.slowdown - 1e-9:
         est.advice = "the requested settings are already the cheapest that fit"
         return
-    rec_est = Estimate(cfg, cand, _compute(cfg, counted, cand), budget)
+    rec_est = Estimate(cfg, cand, _compute(cfg, counted, cand, est.layer_scale), budget)
+    rec_est.layer_scale = est.layer_scale
     est.recommendation = Recommendation(
         settings=cand.public(),
         changes=changes_between(st, cand),
@@ -228,15 +235,19 @@ def estimate(
     attention: str | None = None,
     device_type: str = "cuda",
     device_memory=None,
+    measure=False,
 ) -> Estimate:
     """Estimate the per-device memory of training ``model``; optionally, what makes it fit.
 
     :param model: a name (``llama-7b``, ``llama-13b``, ``llama-70b``, ``gpt2``, ``gpt2-medium``,
         ``gpt2-large``, ``gpt2-xl``; case-insensitive), a dict or dataclass of dimensions
         (``layers, hidden, heads, vocab`` and optionally ``kv_heads, ffn, mlp ("gelu"|"swiglu"),
-        norm, tied_embeddings, positions, max_positions, bias, dropout, attention``; see
-        :class:`llmmem.estimation.model_configs.ModelConfig`), or an ``nn.Module`` whose parameters are counted
-        and whose ``cfg``/``config`` gives the dimensions.
+        activation, norm, fused_norm, tied_embeddings, positions, max_positions, bias, dropout,
+        attention``; see :class:`llmmem.estimation.model_configs.ModelConfig`), a Hugging Face config
+        (``model.config``: its architecture is read too: norm, activation, grouped key/value heads,
+        positions, biases, dropout, attention implementation), or an ``nn.Module`` whose parameters
+        are counted and whose ``cfg``/``config`` gives the dimensions. Training is assumed to run
+        without a key/value cache (``use_cache=False``).
     :param batch: micro-batch per data-parallel rank. :param seq: sequence length.
     :param precision: ``fp32``; ``fp16-mixed`` / ``bf16-mixed`` (16-bit parameters, gradients and
         activations with an fp32 master copy and fp32 optimizer state); ``bf16`` (pure bf16, no
@@ -254,9 +265,46 @@ def estimate(
     :param device_memory: bytes per device (``80e9``, ``"80GB"``, ``"80GiB"``); when given, the
         estimate says whether it fits and recommends the combination with the least expected
         slowdown (see ``_slowdown`` for the cost model).
+    :param measure: for an ``nn.Module``: ``True`` (token ids of ``batch x seq``) or a batch of the
+        model's inputs (a tensor, tuple or dict): run the model's first repeated block once on what
+        the model gives it, measure the bytes it keeps for backward, and scale the layer terms so
+        that they add up to that for the module's own dtype and device (what the formulas cannot
+        see: a custom norm or activation, extra saved tensors). Imports torch; memory: one block.
     :raises ValueError: naming the argument, for any invalid input.
     """
     cfg, counted = model_configs.resolve(model)
+    layer_scale, measured = 1.0, None
+    if measure is not False:
+        if counted is None:
+            raise ValueError("measure: needs an nn.Module to run (got a name or dimensions)")
+        from llmmem.estimation.measure import measure_layer_bytes, model_settings
+
+        if measure is True:
+            import torch
+
+            p = next(model.parameters())
+            sample = torch.randint(
+                0, cfg.vocab, (positive_int(batch, "batch"), positive_int(seq, "seq")), device=p.device
+            )
+        else:
+            sample = measure
+        measured = measure_layer_bytes(model, sample)
+        native_precision, native_device = model_settings(model)
+        as_run = _settings(
+            cfg,
+            batch=batch,
+            seq=seq,
+            precision=native_precision,
+            optimizer=optimizer,
+            zero_stage=0,
+            data_parallel=1,
+            tensor_parallel=1,
+            sequence_parallel=False,
+            checkpointing="none",
+            attention=attention,
+            device_type=native_device,
+        )
+        layer_scale = measured / sum(layer_activation_terms(cfg, as_run).values())
     st = _settings(
         cfg,
         batch=batch,
@@ -276,7 +324,8 @@ def estimate(
         budget = parse_bytes(device_memory, "device_memory")
         if budget == 0:
             raise ValueError("device_memory: must be more than 0 bytes")
-    est = Estimate(cfg, st, _compute(cfg, counted, st), budget)
+    est = Estimate(cfg, st, _compute(cfg, counted, st, layer_scale), budget)
+    est.layer_scale, est.measured_layer_bytes = layer_scale, measured
     if budget is not None:
         _recommend(est, counted)
     return est

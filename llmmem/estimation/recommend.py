@@ -94,14 +94,14 @@ def changes_between(old: Settings, new: Settings) -> dict:
     return {k: v for k, v in new.public().items() if getattr(old, k) != v}
 
 
-def best_fit(cfg: ModelConfig, counted: int | None, st: Settings, devices: int, budget: int):
+def best_fit(cfg: ModelConfig, counted: int | None, st: Settings, devices: int, budget: int, layer_scale: float = 1.0):
     """``((slowdown, number of changes, total), settings)`` of the cheapest fitting candidate, or None.
 
     Ties in slowdown go to fewer changes, then to less memory.
     """
     best = None
     for cand in candidates(cfg, st, devices):
-        nums = compute(cfg, counted, cand)
+        nums = compute(cfg, counted, cand, layer_scale)
         total = nums["bytes"]["total"]
         if total > budget:
             continue
@@ -111,12 +111,12 @@ def best_fit(cfg: ModelConfig, counted: int | None, st: Settings, devices: int, 
     return best
 
 
-def search(cfg: ModelConfig, counted: int | None, st: Settings, budget: int):
+def search(cfg: ModelConfig, counted: int | None, st: Settings, budget: int, layer_scale: float = 1.0):
     """``(devices, ((slowdown, changes, total), settings))``: the cheapest fitting settings on the
     user's device count, or on the fewest doublings of it that fit; None if none up to MAX_DEVICES."""
     devices = st.devices
     while devices <= MAX_DEVICES:
-        best = best_fit(cfg, counted, st, devices, budget)
+        best = best_fit(cfg, counted, st, devices, budget, layer_scale)
         if best is not None:
             return devices, best
         devices *= 2
