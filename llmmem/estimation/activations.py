@@ -41,10 +41,8 @@ def kv_heads_saved(cfg: ModelConfig, st: Settings) -> int:
     return cfg.heads if materialises_scores(cfg, st) else cfg.kv_heads
 
 
-# Tensors an MLP activation keeps for backward, per element of the MLP width (not counting the
-# down projection's input, its output): torch's GELU and SiLU their input; ReLU nothing more (the
-# down projection keeps its output, which is all ReLU needs); the tanh approximation written as
-# elementwise operators (Hugging Face's gelu_new) its input, the tanh, x/2 and 1 + tanh.
+# Tensors of the MLP width an activation keeps beyond its output (which the down projection keeps):
+# GELU and SiLU their input, ReLU none, gelu_new's elementwise operators input, tanh, x/2, 1 + tanh.
 _ACTIVATION_SAVES = {"gelu": 1, "silu": 1, "relu": 0, "gelu_new": 4}
 
 
