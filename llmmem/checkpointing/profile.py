@@ -67,8 +67,10 @@ _NESTABLE = {"store-all": 1, "selective": 0, "recompute-cheap": 0, INPUT_ONLY: 0
 # FLOP-equivalents per byte moved and per operator, by device type: only their ratios choose plans
 # (round figures: a few-core CPU ~50 GFLOP/s, ~50 GB/s, ~4 us/op; a GPU ~100 TFLOP/s, ~3 TB/s, ~5 us).
 WORK_MODEL = {"cpu": (1.0, 2e5), "cuda": (30.0, 5e8)}
-# Modes that run Python for every operator (a dispatch mode) pay that again per operator.
+# Modes that run a Python dispatch mode pay this per operator too (~20 us): dear on small models,
+# nothing next to a large model's matmuls.
 _PYTHON_PER_OP = {"selective"}
+PYTHON_OP_WORK = {"cpu": 1e6, "cuda": 2e9}
 # Saved bytes of a mode the head pseudo-block cannot use (plan.py): more than any budget.
 UNUSABLE_BYTES = 1 << 50
 
@@ -635,8 +637,9 @@ def _memory_and_work(run, block, call: BlockCall, mode: str, device: torch.devic
     del out, y, grad
     if isinstance(block, nn.Module):
         block.zero_grad(set_to_none=True)
-    backward_work = work.backward + (work.backward_ops if mode in _PYTHON_PER_OP else 0) * work.per_op
-    forward_work = work.forward + (work.forward_ops if mode in _PYTHON_PER_OP else 0) * work.per_op
+    python_op = PYTHON_OP_WORK.get(device.type, PYTHON_OP_WORK["cuda"]) if mode in _PYTHON_PER_OP else 0.0
+    backward_work = work.backward + work.backward_ops * python_op
+    forward_work = work.forward + work.forward_ops * python_op
     return {
         # held after the forward beyond the output: everything the forward made that is still alive
         "saved": max(0, fwd_end - out_bytes),
