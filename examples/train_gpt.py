@@ -196,12 +196,14 @@ class Dist:
         self.tp, self.dp = args.tp, self.world // args.tp
         self.tp_group = self.dp_group = None
         self.tp_rank = self.dp_rank = 0
+        self.owns_process_group = False
         if self.world > 1:
             import torch.distributed as dist
 
             import llmmem.parallel as tp
 
             backend = "nccl" if args.device_obj.type == "cuda" else "gloo"
+            self.owns_process_group = not dist.is_initialized()  # else the caller made it, and ends it
             tp.init(tensor_parallel_size=args.tp, backend=backend)
             self.tp_group, self.dp_group = tp.get_tensor_parallel_group(), tp.get_data_parallel_group()
             self.tp_rank, self.dp_rank = dist.get_rank(self.tp_group), dist.get_rank(self.dp_group)
@@ -583,7 +585,8 @@ def main(argv=None) -> int:
         import llmmem.parallel as tp
 
         tp.destroy()
-        dist.destroy_process_group()
+        if d.owns_process_group:
+            dist.destroy_process_group()
     return 0
 
 

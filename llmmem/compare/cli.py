@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["register_cli", "run"]
+__all__ = ["register_cli", "run", "run_strategy"]
 
 DESCRIPTION = """\
 Train the same GPT with each memory technique of llmmem (and torch's own), every strategy in a
@@ -49,10 +49,11 @@ def register_cli(sub) -> None:
     p.add_argument("--threads", type=_positive, default=1, help="torch threads per process (default 1)")
     p.add_argument(
         "--timer",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="step time of single-process rows: wall clock (default) or the process's CPU time, steadier on "
-        "a shared machine (parallel rows are always wall clock)",
+        choices=["auto", "wall", "cpu"],
+        default="auto",
+        help="step time of single-process rows: wall clock, or the process's CPU time (the same on an idle "
+        "machine, and steady on a shared one); auto (default): CPU time on the CPU with --threads 1, else wall "
+        "clock. Parallel rows are always wall clock",
     )
     p.add_argument("--steps", type=_at_least(3), default=None, help="training steps per strategy (>= 3)")
     p.add_argument("--batch", type=_positive, default=None, help="batch size of every strategy")
@@ -60,7 +61,7 @@ def register_cli(sub) -> None:
         "--jobs",
         type=_positive,
         default=None,
-        help="single-process strategies run at once (default 1; 2 with --quick); more than one perturbs the timing",
+        help="single-process strategies run at once (default: 2 when timing CPU time, else 1)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
@@ -110,7 +111,9 @@ def _cuda_available() -> bool:
     return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
-def _run_worker(spec: dict, tmp: str, timeout: float) -> dict:
+def run_strategy(spec: dict, tmp: str, timeout: float) -> dict:
+    """Train and measure one strategy (``spec["strategy"]``) in a fresh process (or, for a parallel
+    strategy, on ranks forked from a fresh launcher); its result dict, with ``error`` set on failure."""
     key = spec["strategy"]["key"]
     spec_path = os.path.join(tmp, f"{key}.spec.json")
     out_path = os.path.join(tmp, f"{key}.json")
@@ -204,13 +207,18 @@ def run(args) -> int:
         f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
         flush=True,
     )
-    jobs = args.jobs if args.jobs is not None else (2 if args.quick else 1)
+    timer = args.timer
+    if timer == "auto":
+        timer = "cpu" if device == "cpu" and args.threads == 1 else "wall"
+    # Two single-threaded workers at once on two cores leave each one's CPU time as it was; wall clock
+    # timing needs the machine to itself.
+    jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if timer == "cpu" else 1)
     with tempfile.TemporaryDirectory(prefix="llmmem-compare-") as tmp:
         done = [0]
 
         def run_one(s, extra):
             t0 = time.perf_counter()
-            row = _run_worker(dict(common, strategy=s.to_dict(), **extra), tmp, timeout)
+            row = run_strategy(dict(common, strategy=s.to_dict(), **extra), tmp, timeout)
             row["wall_seconds"] = time.perf_counter() - t0
             done[0] += 1
             status = "error: " + row["error"][:100] if row.get("error") else "ok"
@@ -234,7 +242,7 @@ def run(args) -> int:
                 by_key_row[s.key] = run_one(s, extra)
         rows = [by_key_row[s.key] for s in strategies]
     wall = time.perf_counter() - t_start
-    report.derive(rows, args.timer)
+    report.derive(rows, timer)
     targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
     machine = _machine(device)
     results = {
@@ -244,7 +252,7 @@ def run(args) -> int:
         "device": device,
         "machine": machine,
         "threads_per_process": args.threads,
-        "timer": args.timer,
+        "timer": timer,
         "wall_seconds": wall,
         "skipped": skipped,
         "rows": rows,
@@ -255,13 +263,13 @@ def run(args) -> int:
     text = report.table(rows)
     md = report.markdown(rows)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(f"Machine: {machine}; {args.threads} torch thread(s) per process; step time: {args.timer}.\n\n")
+        f.write(f"Machine: {machine}; {args.threads} torch thread(s) per process; step time: {timer}.\n\n")
         f.write(md + "\n")
     print()
     print(text)
-    timer = "process CPU time" if args.timer == "cpu" else "wall clock"
+    timer_text = "process CPU time" if timer == "cpu" else "wall clock"
     print(
-        f"\nstep ms: median of {preset.steps - 2} steps ({timer}; † wall clock of the slowest rank). Memory: "
+        f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). Memory: "
         + ("torch.cuda.max_memory_allocated" if device == "cuda" else "live tensor bytes (llmmem LiveBytes)")
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
     )

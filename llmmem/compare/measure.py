@@ -170,13 +170,18 @@ def _guess(points: dict, cap: int, lo, hi) -> int:
     return max(1, guess)
 
 
-def search_largest(peak_at, *, start: int, start_peak: int, cap: int, trials: int, kind: str) -> dict:
+def search_largest(
+    peak_at, *, start: int, start_peak: int, cap: int, trials: int, kind: str, first: int | None = None, linear=True
+) -> dict:
     """The largest size (batch or layers) whose measured peak is at most ``cap`` bytes.
 
     ``peak_at(n)`` runs a step at size ``n`` and returns its peak (``None``: cannot run, counts as
-    not fitting). At most ``trials`` runs: each next size is where a line through the measured
-    peaks nearest the cap crosses it, then its neighbour, until a size that fits and the next that
-    does not are both measured (``exact``) or the runs are spent (``largest`` is then a lower bound).
+    not fitting). At most ``trials`` runs, until a size that fits and the next one, which does not,
+    are both measured (``exact``); otherwise ``largest`` is the largest size measured to fit (a
+    lower bound). The first size tried is ``first`` if given, then its neighbour; then, with
+    ``linear``, where a line through the measured peaks nearest the cap crosses it (peaks grow
+    linearly with the batch or the depth), else the middle of the bracket (or twice the largest
+    fit while nothing is too big).
     """
     points = {start: start_peak}
     lo = start if start_peak <= cap else None
@@ -187,7 +192,19 @@ def search_largest(peak_at, *, start: int, start_peak: int, cap: int, trials: in
             break
         if lo is None and hi == 1:
             break
-        n = _guess(points, cap, lo, hi)
+        if not log and first is not None:
+            n = max(1, first)
+            if lo is not None and n <= lo:
+                n = lo + 1
+        elif linear:
+            n = _guess(points, cap, lo, hi)
+        elif len(log) == 1 and first is not None:
+            n = log[0][0] + 1 if log[0][0] == lo else log[0][0] - 1  # the guess's neighbour
+        elif hi is None:
+            n = 2 * lo
+        else:
+            n = ((lo or 0) + hi) // 2 if hi - (lo or 0) > 2 else (lo or 0) + 1
+            n = max(1, n)
         if n in points:
             break
         peak = peak_at(n)

@@ -256,8 +256,22 @@ def run_single(spec: dict) -> dict:
         x, y = trial_sampler.next_batch(b)
         return measure.measured_step(trainer, x.to(device), y.to(device), device)["peak_bytes"]
 
+    first = None
+    if planned is not None:
+        # A plan uses the budget it is given, so its peak is not linear in the batch: start from the
+        # batch at which the planner's least feasible budget (proportional to the batch) reaches the
+        # cap, then bisect.
+        per_sample = (planned.outside + planned.plan.min_budget_bytes) / batch
+        first = int((cap - result["start_bytes"]) // per_sample) if per_sample > 0 else None
     result["search"] = measure.search_largest(
-        peak_at, start=batch, start_peak=result["peak_bytes"], cap=cap, trials=spec["search_trials"], kind="batch"
+        peak_at,
+        start=batch,
+        start_peak=result["peak_bytes"],
+        cap=cap,
+        trials=spec["search_trials"],
+        kind="batch",
+        first=first,
+        linear=planned is None,
     )
     if planned is not None:
         planned.install(planned.chain_budget, batch)  # the row's own plan, for the record
