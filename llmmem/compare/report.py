@@ -256,21 +256,23 @@ def plot_timelines(rows: list[dict], path: str, *, title: str = "") -> None:
     nrows = math.ceil(n / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.9 * nrows), sharey=True, squeeze=False)
     ymax = max(max(b for _, b in r["timeline"]) for r in rows) / MiB * 1.12
+
+    def fraction(row):
+        # time as a fraction of the step: the shapes line up whatever each step's speed under the tracker
+        total = row["phases"].get("optimizer") or max(p[0] for p in row["timeline"]) or 1.0
+        return [p[0] / total for p in row["timeline"]], total
+
     for ax, r in zip(axes.flat, rows):
-        t = [1e3 * p[0] for p in r["timeline"]]
+        t, total = fraction(r)
         b = [p[1] / MiB for p in r["timeline"]]
         start = 0.0
         for phase in ("forward", "backward", "optimizer"):
-            end = 1e3 * r["phases"].get(phase, 0.0)
+            end = r["phases"].get(phase, 0.0) / total
             ax.axvspan(start, end, color=PHASE_COLORS[phase], lw=0)
             start = end
         if base is not None and r is not base:
             ax.plot(
-                [1e3 * p[0] for p in base["timeline"]],
-                [p[1] / MiB for p in base["timeline"]],
-                color="0.6",
-                lw=1,
-                label="fp32 baseline",
+                fraction(base)[0], [p[1] / MiB for p in base["timeline"]], color="0.6", lw=1, label="fp32 baseline"
             )
         ax.plot(t, b, color="#c0392b" if r is not base else "0.2", lw=1.4, label=r["key"])
         peak = max(b)
@@ -278,14 +280,16 @@ def plot_timelines(rows: list[dict], path: str, *, title: str = "") -> None:
         per_rank = " (rank 0)" if r.get("world", 1) > 1 else ""
         ax.set_title(f"{r['label']}{per_rank}\npeak {peak:.1f} MiB", fontsize=9)
         ax.set_ylim(0, ymax)
+        ax.set_xlim(0, 1.0)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3, lw=0.5)
     for ax in axes.flat[n:]:
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel("live tensor MiB", fontsize=8)
-    for ax in axes[-1, :]:
-        ax.set_xlabel("ms into the step (measured under the tracker)", fontsize=8)
+    for i, ax in enumerate(axes.flat[:n]):
+        if i + cols >= n:  # the lowest panel of its column
+            ax.set_xlabel("fraction of the step's time", fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
     handles += [plt.Line2D([], [], color="0.6"), plt.Line2D([], [], color="#c0392b")]
     fig.legend(

@@ -47,7 +47,7 @@ def _same_as_gpt(rank, world, checkpoint):
             assert torch.allclose(p.grad, g_ref, rtol=1e-4, atol=1e-6), name
         else:  # split: this rank's rows or columns of the whole gradient
             dim = getattr(p, "tensor_parallel_dim", 0)
-            if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+            if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
                 continue  # q/k/v rows are regrouped by head before splitting (checked by loss and the rest)
             want = g_ref.chunk(t, dim=dim)[rank]
             assert torch.allclose(p.grad, want, rtol=1e-4, atol=1e-6), name

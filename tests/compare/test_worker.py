@@ -87,9 +87,7 @@ def test_mixed_precision_rows(baseline, tmp_path):
 
 def test_infeasible_plan_is_a_row_error_not_a_crash(baseline, tmp_path):
     # a budget far below what one block needs: the row says what the least feasible budget is
-    row = run_strategy(
-        _spec("plan-25", dict(baseline, activation_bytes=1000)), str(tmp_path), timeout=300
-    )
+    row = run_strategy(_spec("plan-25", dict(baseline, activation_bytes=1000)), str(tmp_path), timeout=300)
     assert row["error"] and "infeasible" in row["error"] and "smallest feasible budget" in row["error"]
 
 
@@ -104,3 +102,14 @@ def test_tp2_x_dp2_zero1_trains_the_baseline_model_per_rank(baseline, tmp_path):
     s = row["search"]
     assert s["kind"] == "layers" and s["largest"] > MODEL["layers"]
     assert row["search"]["largest_params"] > baseline["params"]
+
+
+@pytest.mark.cuda
+def test_rows_on_cuda_use_the_allocator_figures(tmp_path):
+    base = run_strategy(_spec("baseline", device="cuda"), str(tmp_path), timeout=300)
+    assert base["error"] is None, base.get("log")
+    assert base["device"].startswith("cuda") and base["reserved_peak_bytes"] >= base["peak_bytes"]
+    row = run_strategy(_spec("every+bf16", base, device="cuda"), str(tmp_path), timeout=300)
+    assert row["error"] is None, row.get("log")
+    assert row["activation_bytes"] < 0.5 * base["activation_bytes"]
+    assert row["search"]["largest"] > base["search"]["largest"]
