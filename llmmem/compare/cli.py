@@ -200,6 +200,7 @@ def run(args) -> int:
         threads=args.threads,
         device=device,
         search_trials=preset.search_trials,
+        profile_repeats=preset.profile_repeats,
     )
     print(
         f"llmmem compare: GPT {preset.layers} layers x {preset.hidden} hidden, {preset.heads} heads, "

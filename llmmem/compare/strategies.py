@@ -6,7 +6,7 @@ A strategy is data, so the orchestrator can hand it to a fresh worker process as
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 __all__ = ["Strategy", "STRATEGIES", "Preset", "PRESETS", "by_key"]
 
@@ -104,7 +104,7 @@ class Preset:
     search_trials: int  # measured steps allowed per strategy for the largest-batch / largest-model search
     vocab_size: int = 256
     lr: float = 1e-3
-    extra: dict = field(default_factory=dict)
+    profile_repeats: int = 5  # timed repeats of each block mode when the planner profiles
 
     def model_config(self) -> dict:
         return dict(
@@ -123,5 +123,5 @@ class Preset:
 PRESETS = {
     "full": Preset(layers=8, hidden=64, heads=4, seq_len=256, batch=4, steps=10, search_trials=4),
     # Quick: the same depth and heads * seq / hidden at a fraction of the width and length.
-    "quick": Preset(layers=8, hidden=32, heads=4, seq_len=128, batch=2, steps=4, search_trials=3),
+    "quick": Preset(layers=8, hidden=32, heads=4, seq_len=128, batch=2, steps=4, search_trials=3, profile_repeats=2),
 }

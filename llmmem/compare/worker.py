@@ -166,18 +166,18 @@ class _Planned:
     less what the rest of the step (embedding, head, loss) needs, measured as the baseline's activation
     memory minus the chain's own no-checkpoint peak from the profile."""
 
-    def __init__(self, model: GPT, strategy: Strategy, device, baseline_act: int, sample_x) -> None:
+    def __init__(self, model: GPT, strategy: Strategy, device, baseline_act: int, sample_x, repeats: int = 5) -> None:
         from llmmem.checkpointing import plan_checkpoints
 
         self.model, self.strategy, self.device = model, strategy, device
         self.blocks = [model.blocks[i] for i in range(len(model.blocks))]
         t0 = time.perf_counter()
         x0 = model.embed(sample_x).detach()
-        fp32 = plan_checkpoints(self.blocks, x0, budget=1.0)
+        fp32 = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=repeats)
         self.outside = max(0, baseline_act - fp32.no_checkpoint_peak_bytes)
         if strategy.amp != "none":
             with amp_context(strategy.amp, device):
-                self.profile = plan_checkpoints(self.blocks, x0, budget=1.0).profile
+                self.profile = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=repeats).profile
         else:
             self.profile = fp32.profile
         self.batch = sample_x.shape[0]
@@ -222,7 +222,14 @@ def run_single(spec: dict) -> dict:
     planned = None
     if strategy.checkpoint == "plan":
         sample_x, _ = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()
-        planned = _Planned(model, strategy, device, int(spec["baseline_activation_bytes"]), sample_x.to(device))
+        planned = _Planned(
+            model,
+            strategy,
+            device,
+            int(spec["baseline_activation_bytes"]),
+            sample_x.to(device),
+            repeats=int(spec.get("profile_repeats", 5)),
+        )
         try:
             planned.install(planned.chain_budget, batch)
         except llmmem.InfeasibleError as exc:
