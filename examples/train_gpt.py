@@ -165,6 +165,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); hf-llama trains data-parallel only")
     if a.tp > 1 and (a.heads % a.tp or (4 * a.hidden) % a.tp or VOCAB_SIZE % a.tp):
         p.error(f"--tp {a.tp} must divide --heads ({a.heads}), 4 x --hidden and the vocabulary ({VOCAB_SIZE})")
+    if a.model == "hf-llama" and a.checkpoint == "auto":
+        p.error(
+            "--checkpoint auto plans a chain of blocks called with one tensor: with --model hf-llama use every or selective"
+        )
     if a.tp > 1 and a.checkpoint == "auto":
         p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
     dp = world // a.tp
@@ -291,11 +295,6 @@ def checkpoint_blocks(blocks, mode: str, offload: bool) -> None:
 def plan_blocks(args, model, blocks, sample_x) -> str:
     """``--checkpoint auto``: the llmmem planner picks, per block, what to keep and what to recompute
     so that the blocks' activations fit ``--budget``. Exits with the smallest feasible budget when none fits."""
-    if args.model != "gpt":
-        raise SystemExit(
-            "--checkpoint auto on --model hf-llama needs llmmem.auto_checkpoint on a whole model; "
-            "use --checkpoint every or selective"
-        )
     x0 = model.embed(sample_x).detach()
     with amp_context(args):
         try:
