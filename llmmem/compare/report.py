@@ -310,31 +310,34 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
     """Activation memory saved (%) against step-time overhead (%), one point per strategy."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 6))
+    points = []
     for r in rows:
         d = r.get("derived") or {}
         if r.get("error") or r["key"] == "baseline" or d.get("overhead_pct") is None:
             continue
-        saved = -d["activation_change_pct"]
         parallel = r.get("world", 1) > 1
         llm = (
             r["strategy"]["checkpoint"] in ("every", "selective", "plan", "offload") or r["strategy"]["amp"] == "fp16"
         )
-        color = "#7f8c8d" if not llm else "#c0392b"
-        if parallel:
-            color = "#2471a3"
-        ax.scatter(d["overhead_pct"], saved, s=55, color=color, marker="s" if parallel else "o", zorder=3)
-        ax.annotate(
-            r["key"] + (" (per rank)" if parallel else ""),
-            (d["overhead_pct"], saved),
-            textcoords="offset points",
-            xytext=(6, 4),
-            fontsize=8,
-        )
+        color = "#2471a3" if parallel else ("#c0392b" if llm else "#7f8c8d")
+        x, y = d["overhead_pct"], -d["activation_change_pct"]
+        ax.scatter(x, y, s=55, color=color, marker="s" if parallel else "o", zorder=3)
+        points.append((x, y, r["key"] + (" (per rank)" if parallel else "")))
+    ax.set_ylim(min(-5, ax.get_ylim()[0]), 100)
+    fig.canvas.draw()
+    # Labels of points that (nearly) coincide are stacked instead of printed over each other.
+    placed = []
+    for x, y, text in sorted(points, key=lambda p: (-p[1], p[0])):
+        px, py = ax.transData.transform((x, y))
+        dy = 4
+        while any(abs(px - qx) < 90 and abs(py + dy - qy) < 11 for qx, qy in placed):
+            dy -= 11
+        placed.append((px, py + dy))
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, dy), fontsize=8)
     ax.axhline(0, color="0.5", lw=0.8)
     ax.axvline(0, color="0.5", lw=0.8)
     ax.set_xlabel("step-time overhead vs fp32 baseline (%)")
     ax.set_ylabel("activation memory saved vs fp32 baseline (%)")
-    ax.set_ylim(min(-5, ax.get_ylim()[0]), 100)
     ax.grid(alpha=0.3)
     handles = [
         plt.Line2D([], [], marker="o", ls="", color="#c0392b"),
