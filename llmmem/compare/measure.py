@@ -180,8 +180,8 @@ def search_largest(
     are both measured (``exact``); otherwise ``largest`` is the largest size measured to fit (a
     lower bound). The first size tried is ``first`` if given, then its neighbour; then, with
     ``linear``, where a line through the measured peaks nearest the cap crosses it (peaks grow
-    linearly with the batch or the depth), else the middle of the bracket (or twice the largest
-    fit while nothing is too big).
+    linearly with the batch or the depth), else the middle of the bracket (or an eighth more than
+    the largest fit while nothing is too big).
     """
     points = {start: start_peak}
     lo = start if start_peak <= cap else None
@@ -201,7 +201,7 @@ def search_largest(
         elif len(log) == 1 and first is not None:
             n = log[0][0] + 1 if log[0][0] == lo else log[0][0] - 1  # the guess's neighbour
         elif hi is None:
-            n = 2 * lo
+            n = lo + max(1, lo // 8)  # a plan's peak says little about the next size: grow gently
         else:
             n = ((lo or 0) + hi) // 2 if hi - (lo or 0) > 2 else (lo or 0) + 1
             n = max(1, n)
