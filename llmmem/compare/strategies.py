@@ -104,7 +104,7 @@ class Preset:
     search_trials: int  # measured steps allowed per strategy for the largest-batch / largest-model search
     vocab_size: int = 256
     lr: float = 1e-3
-    profile_repeats: int = 5  # timed repeats of each block mode when the planner profiles
+    profile_repeats: int = 3  # timed repeats of each block mode when the planner profiles
 
     def model_config(self) -> dict:
         return dict(
