@@ -166,9 +166,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); hf-llama trains data-parallel only")
     if a.tp > 1 and (a.heads % a.tp or (4 * a.hidden) % a.tp or VOCAB_SIZE % a.tp):
         p.error(f"--tp {a.tp} must divide --heads ({a.heads}), 4 x --hidden and the vocabulary ({VOCAB_SIZE})")
-    if a.model == "hf-llama" and a.checkpoint == "auto":
+    if a.model == "hf-llama" and a.checkpoint == "auto" and not whole_model_planner():
         p.error(
-            "--checkpoint auto plans a chain of blocks called with one tensor: with --model hf-llama use every or selective"
+            "--checkpoint auto with --model hf-llama needs an llmmem whose auto_checkpoint plans whole models: "
+            "use --checkpoint every or selective"
         )
     if a.tp > 1 and a.checkpoint == "auto":
         p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
