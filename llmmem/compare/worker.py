@@ -288,7 +288,9 @@ def run_single(spec: dict) -> dict:
         try:
             planned.install(budget, sample_x.to(device), sample_y.to(device))
         except llmmem.InfeasibleError as exc:
+            # a result, not a failure: the planner says what the least feasible budget is
             result["error"] = f"infeasible: {exc}"
+            result["infeasible"] = True
             result["plan"] = {"budget_bytes": budget}
             return result
     else:

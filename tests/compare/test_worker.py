@@ -89,7 +89,7 @@ def test_mixed_precision_rows(baseline, tmp_path):
 def test_infeasible_plan_is_a_row_error_not_a_crash(baseline, tmp_path):
     # a budget far below what one block needs: the row says what the least feasible budget is
     row = run_strategy(_spec("plan-25", dict(baseline, activation_bytes=1000)), str(tmp_path), timeout=300)
-    assert row["error"] and "infeasible" in row["error"] and "smallest feasible budget" in row["error"]
+    assert row["infeasible"] and "smallest feasible budget" in row["error"]
 
 
 @pytest.mark.distributed
