@@ -270,7 +270,9 @@ def run(args) -> int:
     print(text)
     timer_text = "process CPU time" if timer == "cpu" else "wall clock"
     print(
-        f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). Memory: "
+        f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). overhead: "
+        "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
+        "(†: ratio of medians). Memory: "
         + ("torch.cuda.max_memory_allocated" if device == "cuda" else "live tensor bytes (llmmem LiveBytes)")
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
     )
@@ -278,7 +280,11 @@ def run(args) -> int:
         print("offload on the CPU moves nothing: the host is the device (the row shows llmmem.checkpoint's cost).")
     if skipped:
         print(f"skipped on {device}: {', '.join(skipped)} (parallel rows run over gloo with --device cpu)")
-    print("\ntargets (issue 17), on this run's ratios:")
+    print(
+        "\ntargets (issue 17), on this run's ratios"
+        + (" (the quick run: indicative only)" if args.quick else "")
+        + ":"
+    )
     print(report.format_targets(targets))
     if not args.no_charts:
         title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"

@@ -110,28 +110,47 @@ def measured_step(trainer, x, y, device: torch.device, *, timeline: bool = False
     return out
 
 
-def train_and_measure(trainer, batches, steps: int, device: torch.device, *, reduce_loss=None) -> dict:
+def _timed(fn, device):
+    _sync(device)
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def train_and_measure(trainer, batches, steps: int, device: torch.device, *, reduce_loss=None, reference=None) -> dict:
     """Train ``steps`` steps on ``batches()``: the first warms up, the middle ones are timed, the
-    last is :func:`measured_step`. ``reduce_loss`` maps a rank's loss to the global one."""
+    last is :func:`measured_step`. ``reduce_loss`` maps a rank's loss to the global one.
+
+    ``reference`` (a trainer of the fp32 baseline on its own copy of the model): after each timed
+    step it takes a step on the same batch, timed too, and is then dropped (before the measured
+    step, so it holds no memory there). The median of the per-step ratios, ``relative_step_time``
+    (``relative_cpu_step_time`` on the process's CPU time), compares the strategy with the baseline
+    at the same moment, in the same process: what load on a shared machine does to one it does to
+    the other, unlike a comparison of medians taken minutes apart in different processes.
+    """
     if steps < 3:
         raise ValueError(f"steps must be at least 3 (warm-up, timed, measured), got {steps}")
-    losses, wall, cpu = [], [], []
+    losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
     measured = None
     for i in range(steps):
         x, y = batches()
         if i == steps - 1:
+            reference = None  # its memory is freed before the measured step
             measured = measured_step(trainer, x, y, device, timeline=True)
             loss = measured.pop("loss")
         else:
-            _sync(device)
-            w, c = time.perf_counter(), time.process_time()
-            loss = trainer.step(x, y)
-            _sync(device)
+            loss, w, c = _timed(lambda: trainer.step(x, y), device)
+            if reference is not None:
+                _, rw, rc = _timed(lambda: reference.step(x, y), device)
             if i >= 1:
-                wall.append(time.perf_counter() - w)
-                cpu.append(time.process_time() - c)
+                wall.append(w)
+                cpu.append(c)
+                if reference is not None:
+                    ref_wall.append(rw)
+                    ref_cpu.append(rc)
         losses.append(reduce_loss(loss) if reduce_loss is not None else loss)
-    return {
+    out = {
         "losses": losses,
         "final_loss": losses[-1],
         "step_times": wall,
@@ -140,6 +159,14 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
         "cpu_step_time": statistics.median(cpu),
         **measured,
     }
+    if ref_wall:
+        out.update(
+            reference_step_times=ref_wall,
+            reference_cpu_step_times=ref_cpu,
+            relative_step_time=statistics.median(a / b for a, b in zip(wall, ref_wall)),
+            relative_cpu_step_time=statistics.median(a / max(b, 1e-9) for a, b in zip(cpu, ref_cpu)),
+        )
+    return out
 
 
 def _guess(points: dict, cap: int, lo, hi) -> int:

@@ -27,17 +27,36 @@ def _step_time(row: dict, timer: str) -> float | None:
     return row.get("step_time")
 
 
+def _relative(row: dict, timer: str) -> float | None:
+    """The row's step time over the fp32 reference stepped alternately with it (median of the ratios)."""
+    if row.get("world", 1) > 1:
+        return None
+    return row.get("relative_cpu_step_time" if timer == "cpu" else "relative_step_time")
+
+
 def derive(rows: list[dict], timer: str = "wall") -> list[dict]:
-    """Each row's comparisons with the baseline (the row with key ``baseline``), added in place."""
+    """Each row's comparisons with the baseline (the row with key ``baseline``), added in place.
+
+    The overhead of a single-process row is its step time over the fp32 reference stepped
+    alternately with it in its own process, divided by the same ratio of the baseline row (which
+    removes whatever the alternation itself costs); a parallel row's is its median step time (wall
+    clock) over the baseline's median."""
     base = next(r for r in rows if r["key"] == "baseline")
     base_time = _step_time(base, timer)
+    base_rel = _relative(base, timer)
     for r in rows:
         d = {}
         if not r.get("error"):
             d["peak_change_pct"] = _pct(r["peak_bytes"], base["peak_bytes"])
             d["activation_change_pct"] = _pct(r["activation_bytes"], base["activation_bytes"])
             d["step_time"] = _step_time(r, timer)
-            d["overhead_pct"] = _pct(d["step_time"], base_time)
+            rel = _relative(r, timer)
+            if rel is not None and base_rel:
+                d["overhead_pct"] = 100.0 * (rel / base_rel - 1.0)
+                d["overhead_basis"] = "paired"
+            else:
+                d["overhead_pct"] = _pct(d["step_time"], base_time if r.get("world", 1) == 1 else base["step_time"])
+                d["overhead_basis"] = "medians"
             d["loss_rel_diff"] = (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
             s = r.get("search") or {}
             if s.get("kind") == "batch" and s.get("largest") is not None:
@@ -305,7 +324,7 @@ def plot_timelines(rows: list[dict], path: str, *, title: str = "") -> None:
     )
     fig.suptitle(title or "Memory over one training step", fontsize=11)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -328,15 +347,30 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
         points.append((x, y, r["key"] + (" (per rank)" if parallel else "")))
     ax.set_ylim(min(-5, ax.get_ylim()[0]), 100)
     fig.canvas.draw()
-    # Labels of points that (nearly) coincide are stacked instead of printed over each other.
-    placed = []
+    # Each label goes to the first of a few spots around its point where it overlaps no other label
+    # or point (boxes estimated in pixels), with a leader line when it had to move away.
+    char_w, line_h = 6.2, 12.0
+    boxes = [(px - 5, py - 5, px + 5, py + 5) for px, py in (ax.transData.transform((x, y)) for x, y, _ in points)]
+    spots = [(6, 3), (6, -13), (-6, 3), (-6, -13), (6, 15), (6, -25), (-6, 15), (-6, -25), (6, 27), (6, -37)]
     for x, y, text in sorted(points, key=lambda p: (-p[1], p[0])):
         px, py = ax.transData.transform((x, y))
-        dy = 4
-        while any(abs(px - qx) < 90 and abs(py + dy - qy) < 11 for qx, qy in placed):
-            dy -= 11
-        placed.append((px, py + dy))
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, dy), fontsize=8)
+        w = char_w * len(text)
+        for dx, dy in spots:
+            x0 = px + dx if dx > 0 else px + dx - w
+            box = (x0, py + dy, x0 + w, py + dy + line_h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
+                break
+        boxes.append(box)
+        far = abs(dy) > 15
+        ax.annotate(
+            text,
+            (x, y),
+            textcoords="offset points",
+            xytext=(dx * 72 / fig.dpi, dy * 72 / fig.dpi),
+            ha="left" if dx > 0 else "right",
+            fontsize=8,
+            arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6) if far else None,
+        )
     ax.axhline(0, color="0.5", lw=0.8)
     ax.axvline(0, color="0.5", lw=0.8)
     ax.set_xlabel("step-time overhead vs fp32 baseline (%)")
@@ -352,3 +386,35 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """``python -m llmmem.compare.report RESULTS.json [OUT_DIR]``: the table, the targets and the
+    charts again from a run's results.json (nothing is re-run)."""
+    import json
+    import os
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(argv) <= 2:
+        print("usage: python -m llmmem.compare.report RESULTS.json [OUT_DIR]", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        results = json.load(f)
+    out = argv[1] if len(argv) == 2 else os.path.dirname(os.path.abspath(argv[0]))
+    rows = derive(results["rows"], results.get("timer", "wall"))
+    print(table(rows))
+    print(
+        format_targets(
+            check_targets(rows, wall_seconds=results.get("wall_seconds"), quick=results.get("preset") == "quick")
+        )
+    )
+    cfg = results.get("config", {})
+    title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
+    plot_timelines(rows, os.path.join(out, "memory_timeline.png"), title=title)
+    plot_tradeoff(rows, os.path.join(out, "saved_vs_overhead.png"), title=title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -301,7 +301,8 @@ def run_single(spec: dict) -> dict:
         x, y = sampler.next_batch()
         return x.to(device), y.to(device)
 
-    result.update(measure.train_and_measure(trainer, batches, steps, device))
+    # Only train_and_measure holds the reference, so that it is freed before the measured step.
+    result.update(measure.train_and_measure(trainer, batches, steps, device, reference=_reference(cfg, spec, device)))
     if planned is not None:
         result["plan"] = planned.describe()
 
@@ -337,6 +338,14 @@ def run_single(spec: dict) -> dict:
         linear=planned is None,
     )
     return result
+
+
+def _reference(cfg: GPTConfig, spec: dict, device) -> Trainer:
+    """The fp32 baseline again, on its own copy of the model, to be stepped alternately with the
+    strategy: the overhead is the median ratio of the two, taken at the same moments in one process."""
+    torch.manual_seed(spec["seed"] + 3)
+    model = GPT(cfg).to(device)
+    return Trainer(model, make_optimizer(model.parameters(), spec["lr"]), Strategy("reference", "fp32"), device)
 
 
 def _header(spec: dict, strategy: Strategy, device, params: int, params_per_rank: int) -> dict:

@@ -32,6 +32,18 @@ def test_compare_writes_table_json_markdown_and_charts(tmp_path):
     for name in ("memory_timeline.png", "saved_vs_overhead.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # the table and the charts again from results.json, without re-running
+    again = tmp_path / "again"
+    again.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmmem.compare.report", str(tmp_path / "results.json"), str(again)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "llmmem.checkpoint every layer + bf16" in proc.stdout
+    assert (again / "memory_timeline.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(

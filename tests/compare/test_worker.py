@@ -51,6 +51,9 @@ def test_baseline_measures_itself(baseline):
     s = baseline["search"]
     assert s["kind"] == "batch" and s["largest"] == 2 and s["exact"]
     assert baseline["timeline"] and set(baseline["phases"]) == {"forward", "backward", "optimizer"}
+    # each timed step is paired with a step of the fp32 reference, timed the same way
+    assert len(baseline["reference_cpu_step_times"]) == len(baseline["cpu_step_times"]) == 1
+    assert baseline["relative_cpu_step_time"] > 0 and baseline["relative_step_time"] > 0
 
 
 @pytest.mark.parametrize("key", ["every", "selective"])
