@@ -32,12 +32,14 @@ from llmmem.amp import cpu_unscale
 from llmmem.amp import kernels as _k
 from llmmem.amp.args import (
     ScaleInputError,
-    ScalerArgumentError,
     _check_backoff_factor,
     _check_growth_factor,
     _check_growth_interval,
+    _check_hysteresis,
     _check_hysteresis_mode,
-    _check_number,
+    _check_init_scale,
+    _check_min_scale,
+    checked_state_dict,
 )
 from llmmem.amp.cpu_unscale import Checked
 from llmmem.amp.visibility import _ScalerVisibility
@@ -190,22 +192,13 @@ class GradScaler(_ScalerVisibility):
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         if self._enabled:
-            _check_number("init_scale", init_scale)
-            if not init_scale > 0:
-                raise ScalerArgumentError(f"llmmem.GradScaler: init_scale must be > 0, got {init_scale}")
+            _check_init_scale(init_scale)
             _check_growth_factor(growth_factor)
             _check_backoff_factor(backoff_factor)
             _check_growth_interval(growth_interval)
-            _check_number("hysteresis", hysteresis, integer=True)
-            if hysteresis < 1:
-                raise ScalerArgumentError(f"llmmem.GradScaler: hysteresis must be >= 1, got {hysteresis}")
+            _check_hysteresis(hysteresis)
             _check_hysteresis_mode(hysteresis_mode)
-            if min_scale is not None:
-                _check_number("min_scale", min_scale)
-                if not 0 < min_scale <= init_scale:
-                    raise ScalerArgumentError(
-                        f"llmmem.GradScaler: min_scale must be in (0, init_scale={init_scale}], got {min_scale}"
-                    )
+            _check_min_scale(min_scale, init_scale)
             self._init_scale = init_scale
             self._scale: Optional[torch.Tensor] = None  # created on the first scale(), on its tensor's device
             self._growth_factor = growth_factor
@@ -689,31 +682,35 @@ class GradScaler(_ScalerVisibility):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state from :meth:`state_dict`, of this class or of ``torch.amp.GradScaler``.
-        No-op when disabled."""
+        """Loads a state from :meth:`state_dict`, of this class or of ``torch.amp.GradScaler`` (whose
+        state has no hysteresis: this scaler keeps its own options, with a full hysteresis budget).
+        No-op when disabled.
+
+        The whole dict is checked before anything changes, as the constructor checks its
+        arguments; on an error the scaler is as it was.
+
+        Raises:
+            RuntimeError: ``state_dict`` is empty (saved from a disabled scaler), as torch.
+            KeyError: a key is missing (the error is also a ``ValueError``).
+            TypeError: a value of the wrong type, or ``state_dict`` is not a dict.
+            ValueError: a value out of range (e.g. ``min_scale`` above ``scale``), naming the key.
+        """
         if not self._enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-            )
-        self._init_scale = state_dict["scale"]
+        sd = checked_state_dict(state_dict, self._hysteresis, self._min_scale, self._hysteresis_mode)
+        self._init_scale = sd["scale"]
         if self._scale is not None:
-            self._scale.fill_(state_dict["scale"])
-        self._growth_factor = state_dict["growth_factor"]
-        self._backoff_factor = state_dict["backoff_factor"]
-        self._growth_interval = state_dict["growth_interval"]
-        self._init_growth_tracker = state_dict["_growth_tracker"]
+            self._scale.fill_(sd["scale"])
+        self._growth_factor = sd["growth_factor"]
+        self._backoff_factor = sd["backoff_factor"]
+        self._growth_interval = sd["growth_interval"]
+        self._init_growth_tracker = sd["_growth_tracker"]
         if self._growth_tracker is not None:
-            self._growth_tracker.fill_(state_dict["_growth_tracker"])
-        if "hysteresis" in state_dict:
-            self._hysteresis = int(state_dict["hysteresis"])
-            self._min_scale = state_dict.get("min_scale")
-            mode = state_dict.get("hysteresis_mode", "consecutive")  # states saved before the option
-            _check_hysteresis_mode(mode)
-            self._hysteresis_mode = mode
-        # A torch state has no hysteresis tracker: start with a full budget.
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+            self._growth_tracker.fill_(sd["_growth_tracker"])
+        self._hysteresis = sd["hysteresis"]
+        self._min_scale = sd["min_scale"]
+        self._hysteresis_mode = sd["hysteresis_mode"]
+        self._init_hysteresis_tracker = sd["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
 
