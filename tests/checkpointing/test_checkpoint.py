@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
+from support.models import gpt_block
 
 import llmmem
 from llmmem.models.gpt import GPT, GPTConfig
@@ -32,13 +33,6 @@ IMPLS = {
 @pytest.fixture(params=sorted(IMPLS))
 def impl(request):
     return IMPLS[request.param]
-
-
-def _block(dropout=0.1, attention="explicit"):
-    torch.manual_seed(0)
-    return GPT(
-        GPTConfig(layers=1, hidden=32, heads=4, seq_len=16, vocab_size=64, dropout=dropout, attention=attention)
-    ).blocks[0]
 
 
 def _grads(module, *tensors):
@@ -62,7 +56,7 @@ def _assert_bitwise(a, b):
 
 def test_gpt_block_with_dropout_bitwise(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.2)
+    block = gpt_block(dropout=0.2)
     x = torch.randn(2, 16, 32, requires_grad=True)
     y_ref, g_ref = _run(block, block, x)
     y, g = _run(lambda t: ckpt(block, t), block, x)
@@ -70,8 +64,8 @@ def test_gpt_block_with_dropout_bitwise(impl):
     _assert_bitwise(g, g_ref)
 
 
-def test_both_implementations_agree_on_sdpa_block():
-    block = _block(dropout=0.1, attention="sdpa")
+def test_both_implementations_agree_on_sdpagpt_block():
+    block = gpt_block(dropout=0.1, attention="sdpa")
     x = torch.randn(2, 16, 32, requires_grad=True)
     results = [_run(lambda t, c=c: c(block, t), block, x) for c, _ in IMPLS.values()]
     assert torch.equal(results[0][0], results[1][0])
@@ -117,7 +111,7 @@ def test_tensors_in_containers_and_non_tensor_outputs(impl):
 
 def test_inputs_without_requires_grad(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32)  # e.g. a frozen embedding's output
     torch.manual_seed(5)
     block(x).sum().backward()
@@ -130,7 +124,7 @@ def test_inputs_without_requires_grad(impl):
 
 def test_cpu_autocast_bf16(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
 
     def run(fn):
@@ -175,7 +169,7 @@ def test_nested_checkpoints(impl):
 
 def test_autograd_grad_and_backward_inputs(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.0)
+    block = gpt_block(dropout=0.0)
     x = torch.randn(2, 16, 32, requires_grad=True)
     ref = torch.autograd.grad(block(x).sum(), [x])[0]
     got = torch.autograd.grad(ckpt(block, x).sum(), [x])[0]
@@ -201,7 +195,7 @@ def test_retain_graph_recomputes_for_each_backward(impl):
 
 def test_early_stop_off_gives_same_grads(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     _, g_ref = _run(lambda t: ckpt(block, t), block, x)
     _, g = _run(lambda t: ckpt(block, t, early_stop=False), block, x)
@@ -330,7 +324,7 @@ def test_no_grad_just_runs():
 
 def test_offload_gives_identical_grads(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     _, g_ref = _run(block, block, x)
     _, g = _run(lambda t: ckpt(block, t, offload=True), block, x)
@@ -358,7 +352,7 @@ def test_offload_cuda_identical_grads_and_inputs_leave_the_device():
 
 def test_saves_only_the_inputs():
     """What a checkpointed block leaves saved for backward (seen from outside) is its input."""
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     seen = {}
 
@@ -465,7 +459,7 @@ def test_selective_context_fn_keeps_matmul_outputs_and_matches_grads():
     the input alone (the Linear outputs)."""
     from llmmem.checkpointing import measure_saved_bytes
 
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     _, g_ref = _run(block, block, x)
     _, g = _run(lambda t: llmmem.checkpoint(block, t, context_fn=llmmem.selective_context_fn), block, x)
@@ -496,7 +490,7 @@ def test_regions_are_freed_after_backward_without_gc(monkeypatch):
         alive.append(weakref.ref(self))
 
     monkeypatch.setattr(core._Region, "__init__", tracking_init)
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     gc.disable()
     try:
         for _ in range(5):

@@ -10,21 +10,14 @@ import types
 
 import pytest
 import torch
+from support.cuda import cuda_usable
+from support.pool import inside
 
 import llmmem
 from llmmem._native import native
 from llmmem.pool import memory_pool as pool_mod
 
 MiB = 1 << 20
-
-
-def _cuda_usable() -> bool:
-    return torch.cuda.is_available()
-
-
-def _inside(pool, tensor) -> bool:
-    ptr = tensor.data_ptr()
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
 
 
 # ---- construction and bad input -------------------------------------------------------------
@@ -73,7 +66,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, match):
         llmmem.MemoryPool(**kwargs)
 
 
-@pytest.mark.skipif(_cuda_usable(), reason="checks the error of a machine without a GPU")
+@pytest.mark.skipif(cuda_usable(), reason="checks the error of a machine without a GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "pinned"], ids=["dev_gpu", "dev_gpu0", "dev_pinned"])
 def test_cuda_and_pinned_pools_without_a_gpu_say_why(device):
     with pytest.raises(llmmem.LlmmemError) as info:
@@ -102,7 +95,7 @@ def test_empty_gives_a_writable_tensor_from_the_pool(dtype):
     p = llmmem.MemoryPool(initial_size="4MiB", device="cpu")
     t = p.empty((3, 5, 7), dtype=dtype)
     assert t.shape == (3, 5, 7) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
-    assert _inside(p, t)
+    assert inside(p, t)
     ref = torch.arange(105).reshape(3, 5, 7).to(dtype)
     t.copy_(ref)
     assert torch.equal(t, ref)
@@ -433,7 +426,7 @@ def test_use_pool_on_cpu_sets_the_current_pool_and_nests_but_does_not_route_torc
         with llmmem.use_pool(b):
             assert llmmem.pool.current_pool() is b
             t = torch.empty(1000)
-            assert not _inside(b, t) and not _inside(a, t)  # documented: CPU torch.empty is not routed
+            assert not inside(b, t) and not inside(a, t)  # documented: CPU torch.empty is not routed
         assert llmmem.pool.current_pool() is a
     assert llmmem.pool.current_pool() is None
     a.close()
