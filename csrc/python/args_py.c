@@ -16,10 +16,10 @@
 /* Longer strings are recorded by length only: no key or value of _C is longer. */
 #define MAX_TEXT 256
 
-/* A conversion failed with an ordinary exception: the value is just not of that kind. Memory
- * errors and non-Exception exceptions (KeyboardInterrupt) propagate. */
+/* A conversion raised TypeError: the value is just not of that kind (a numpy array's __index__,
+ * say), so the next kind is tried. Any other exception is the user's and propagates. */
 static int conversion_refused(void) {
-  if (PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception)) return 0;
+  if (!PyErr_ExceptionMatches(PyExc_TypeError)) return 0;
   PyErr_Clear();
   return 1;
 }
@@ -146,7 +146,8 @@ static int snapshot_str(PyObject *obj, args_arena_t *a, args_value_t *out) {
   Py_ssize_t len = 0;
   const char *text = PyUnicode_AsUTF8AndSize(obj, &len);
   if (!text) { /* lone surrogates: not text any key could match */
-    if (!conversion_refused()) return -1;
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeError)) return -1;
+    PyErr_Clear();
     out->big = 1;
     out->seq.n = (size_t)PyUnicode_GET_LENGTH(obj);
     return 0;
