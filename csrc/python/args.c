@@ -162,8 +162,7 @@ int _llmmem_args_int(const args_value_t *v, const char *what, int64_t lo, int64_
 int _llmmem_args_size(const args_value_t *v, const char *what, size_t min, size_t *out, args_error_t *e) {
   char desc[64];
   if (v->kind != ARGS_INT) return fail(e, ARGS_TYPE, "%s must be an int number of bytes, got %s", what, name_of(v));
-  if (v->neg && v->mag)
-    return fail(e, ARGS_VALUE, "%s must be >= %zu bytes, got %s", what, min, DESCRIBE(v));
+  if (v->neg && v->mag) return fail(e, ARGS_VALUE, "%s must be >= %zu bytes, got %s", what, min, DESCRIBE(v));
   if (v->big || v->mag > SIZE_MAX)
     return fail(e, ARGS_TOO_BIG, "%s must be at most %zu bytes (the address space), got %s", what, (size_t)SIZE_MAX,
                 DESCRIBE(v));
@@ -367,8 +366,7 @@ int _llmmem_args_plan_regions(const args_value_t *v, int32_t L, llmmem_plan_regi
   if (v->kind != ARGS_LIST)
     return fail(e, ARGS_TYPE, "plan: regions must be a list of (start, end) pairs, got %s", name_of(v));
   const size_t R = v->seq.n;
-  if (R > 2 * (size_t)L)
-    return fail(e, ARGS_VALUE, "plan: %zu regions for %d blocks cannot be properly nested", R, L);
+  if (R > 2 * (size_t)L) return fail(e, ARGS_VALUE, "plan: %zu regions for %d blocks cannot be properly nested", R, L);
   if (v->big) return too_large(e, "regions");
   llmmem_plan_region_t *regions = malloc((R + 1) * sizeof *regions);
   if (!regions) return fail(e, ARGS_NOMEM, "plan: no memory for %zu regions", R);

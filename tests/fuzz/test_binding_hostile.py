@@ -76,7 +76,9 @@ def _isolated(body: str) -> dict[str, str]:
         proc = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=cwd
         )
-    assert proc.returncode == 0, f"the interpreter died (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"the interpreter died (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    )
     results = {}
     for line in proc.stdout.splitlines():
         label, _, rest = line.partition(" ")
@@ -261,7 +263,11 @@ CASES = {
         "input_bytes",
         ValueError,
     ),
-    "plan chain time": (lambda: _C.plan_min_budget(dict(_plan_chain(), fwd_time=[[1.0], [10**400]])), "fwd_time", ValueError),
+    "plan chain time": (
+        lambda: _C.plan_min_budget(dict(_plan_chain(), fwd_time=[[1.0], [10**400]])),
+        "fwd_time",
+        ValueError,
+    ),
     "plan regions": (lambda: _C.plan_simulate(_plan_chain(), [0, 0], [(0, HUGE)]), "regions", ValueError),
     "plan modes": (lambda: _C.plan_simulate(_plan_chain(), [0, HUGE], []), "modes", ValueError),
     "pool_create initial": (lambda: _C.pool_create("cpu", -1, 2**64 + 4096, 0, 0), "initial_size", ValueError),
@@ -303,3 +309,19 @@ def test_values_that_were_silently_truncated_are_refused():
         _C.pool_create("cpu", -1, 2**64 + 4096, 0, 0)
     with pytest.raises(ValueError, match="dtype"):
         _C.shm_all_reduce(None, 0, 0, 0, 2**32)
+
+
+def test_planner_size_errors_state_the_real_figures():
+    # The refusals of chains too long to plan used to print their figures after the chain was
+    # freed ("0 heterogeneous blocks").
+    L = 3000
+    chain = {
+        "fwd_time": [[1.0 + i % 7] for i in range(L)],
+        "bwd_time": [[2.0]] * L,
+        "input_bytes": [10] * (L + 1),
+        "saved_bytes": [[1 + i % 5] for i in range(L)],
+    }
+    with pytest.raises(ValueError, match=f"{L} heterogeneous blocks: at most"):
+        _C.plan_min_budget(chain)
+    with pytest.raises(ValueError, match=f"{L} heterogeneous blocks with 100000 slots"):
+        _C.plan_solve(chain, 10**9, 100000)
