@@ -212,7 +212,7 @@ extern int _llmmem_pool_host_populate;
 /* slots.c */
 void _llmmem_slots_forget(llmmem_pool_t *pool);
 
-/* pool_check.c: verifies every invariant (tiling, heaps, map, counters). LLMMEM_OK or
+/* pool_query.c: verifies every invariant (tiling, heaps, map, counters). LLMMEM_OK or
  * LLMMEM_ERR_INTERNAL naming the broken one. Takes the lock. For tests and debug builds. */
 llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool);
 
