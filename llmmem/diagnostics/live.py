@@ -13,6 +13,11 @@ What it does not see: memory that no tensor storage owns (an allocator's cache, 
 scratch buffer), and tensors made on threads the mode is not active on (autograd's backward
 threads inherit it; other threads do not).
 
+Hooks for tools built on it (:class:`llmmem.diagnostics.tracker.MemoryTracker`): ``listeners``
+hear every change of a counted storage; ``tensor_listeners`` hear, once per new storage, the tensor
+that revealed it (its shape and dtype, where it is being made); ``error_listeners`` hear an operator
+that raised inside the mode (an out-of-memory error, before the stack unwinds).
+
 Cost: a Python call per operator and a weak reference per new storage, so it is a diagnostic,
 not something to leave on in production; it never changes what the operators compute.
 """
@@ -29,10 +34,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "device_key"]
+__all__ = ["LiveBytes", "device_key", "storage_key"]
 
 # (event, storage id, device key, bytes): event is "alloc", "free" or "resize" (bytes is then the change)
 Listener = Callable[[str, int, str, int], None]
+# (tensor, storage id, device key, bytes): called once per new storage, before the "alloc" listeners
+TensorListener = Callable[[torch.Tensor, int, str, int], None]
+# (operator, exception): an operator run inside the mode raised; called before the exception propagates
+ErrorListener = Callable[[object, BaseException], None]
 
 
 def device_key(device: torch.device) -> str:
@@ -40,6 +49,12 @@ def device_key(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
     return f"{device.type}:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key :class:`LiveBytes` counts ``t``'s storage under (the storage object's id, stable for
+    the storage's life); the storage id its listeners are given."""
+    return id(t.untyped_storage())
 
 
 class LiveBytes(TorchDispatchMode):
@@ -66,6 +81,8 @@ class LiveBytes(TorchDispatchMode):
         self._current: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
         self.listeners: list[Listener] = []
+        self.tensor_listeners: list[TensorListener] = []
+        self.error_listeners: list[ErrorListener] = []
 
     # -- counting -------------------------------------------------------------------------------
     def track(self, tensors: Iterable) -> None:
@@ -89,9 +106,10 @@ class LiveBytes(TorchDispatchMode):
             entry = self._entries.get(key)
             if entry is not None and entry[0]() is storage:
                 if entry[2] != nbytes:  # grown or shrunk in place
-                    self._change(entry[1], nbytes - entry[2])
+                    delta = nbytes - entry[2]
+                    self._change(entry[1], delta)
                     entry[2] = nbytes
-                    self._notify("resize", key, entry[1], nbytes)
+                    self._notify("resize", key, entry[1], delta)
                 return
             if nbytes == 0:
                 return
@@ -99,6 +117,8 @@ class LiveBytes(TorchDispatchMode):
             ref = weakref.ref(storage, self._freed_callback(key))
             self._entries[key] = [ref, dev, nbytes]
             self._change(dev, nbytes)
+            for listener in self.tensor_listeners:
+                listener(t, key, dev, nbytes)
             self._notify("alloc", key, dev, nbytes)
 
     def _freed_callback(self, key: int):
@@ -162,7 +182,12 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except BaseException as exc:
+            for listener in self.error_listeners:
+                listener(func, exc)
+            raise
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t)
