@@ -8,8 +8,9 @@ model's own blocks, profiled at the failing input shape).
 
 The predicted peak of a configuration is the estimator's total with the measured parameters,
 buffers and optimizer state in place of its own figures, plus tensors that outlived the previous
-step. The estimator sums every term at once (activations at their peak while all gradients
-exist), so the prediction errs high: a change said to fit does, a change said not to may.
+step; a change's peak is that less what the estimator (or the planner) says it saves. It is a
+prediction: ``fits`` says the predicted peak is within the capacity, and a margin of
+:data:`MARGIN` is kept when sizing a checkpointing budget or a batch.
 """
 
 from __future__ import annotations
@@ -177,18 +178,17 @@ def suggest(
     basis: dict = {"capacity": capacity, "notes": []}
     notes = basis["notes"]
     if outlived > 0:
-        out.append(
-            Suggestion(
-                kind="free-outlived",
-                change=f"free the tensors kept from the previous step ({format_bytes(outlived)})",
-                code="drop references to last step's tensors (e.g. keep loss.item(), not loss; del outputs)",
-                saves=outlived,
-                predicted_peak=None,
-                fits=None,
-                slowdown=0.0,
-                source="measured",
-            )
+        leak = Suggestion(
+            kind="free-outlived",
+            change=f"free the tensors kept from the previous step ({format_bytes(outlived)})",
+            code="drop references to last step's tensors (e.g. keep loss.item(), not loss; del outputs)",
+            saves=outlived,
+            predicted_peak=None,
+            fits=None,
+            slowdown=0.0,
+            source="measured",
         )
+        out.append(leak)
     if fragmentation and fragmentation.get("reserved_free"):
         free, req = fragmentation["reserved_free"], fragmentation.get("requested")
         out.append(
@@ -217,6 +217,9 @@ def suggest(
     opt_state = measured.get("optimizer_state", 0) or (est0.optimizer_state + est0.master_weights)
     fixed = measured_state + est0.gradients + opt_state + outlived
     peak0 = fixed + _act(est0)
+    if outlived > 0:
+        leak.predicted_peak = peak0 - outlived
+        leak.fits = leak.predicted_peak <= capacity
     basis.update(
         predicted_peak=peak0,
         estimate=settings,

@@ -144,7 +144,7 @@ class OutOfMemoryReport:
             over = self.basis["predicted_peak"] - (self.capacity or 0)
             lines.append(
                 f"predicted peak of this step: {format_bytes(self.basis['predicted_peak'])} "
-                f"(measured model state + estimator, errs high)"
+                f"(measured model state + estimator)"
                 + (f", {format_bytes(over)} over capacity" if self.capacity and over > 0 else "")
             )
         if self.suggestions:
@@ -284,7 +284,7 @@ class oom_report(contextlib.ContextDecorator):
     def _make_report(self, exc) -> OutOfMemoryReport:
         tracker = self.tracker
         failure = tracker.failure
-        if failure is not None and tracker._failure_exc is not exc:
+        if failure is not None and tracker._failure_exc != id(exc):
             # the autograd engine may re-raise a copy: the same failure if the message and step match
             first = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
             if failure["message"] != first or failure["step"] != tracker._step:

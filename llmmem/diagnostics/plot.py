@@ -4,8 +4,6 @@ used directly, so no display is needed and pyplot's global state is left alone."
 
 from __future__ import annotations
 
-from llmmem.diagnostics.tracker import CATEGORIES
-
 __all__ = ["plot_tracker", "CATEGORY_COLORS", "PHASE_COLORS"]
 
 CATEGORY_COLORS = {
@@ -32,7 +30,7 @@ def _reduce(xs: list, ys: dict, max_points: int) -> list[int]:
     n = len(xs)
     if n <= max_points:
         return list(range(n))
-    totals = [sum(ys[c][i] for c in CATEGORIES) for i in range(n)]
+    totals = [sum(series[i] for series in ys.values()) for i in range(n)]
     per = n / max_points
     keep = []
     for k in range(max_points):
@@ -58,7 +56,7 @@ def plot_tracker(tracker, path, *, device: str, title: str | None = None, max_po
     xs, ys = tracker.timeline(device)
     keep = _reduce(xs, ys, max_points)
     x = [xs[i] for i in keep]
-    cats = [c for c in CATEGORIES if any(ys[c])]
+    cats = [c for c in ys if any(ys[c])]  # the tracker's category order
     peak = tracker.peak(device)
     top = max([peak["bytes"], tracker.budget or 0] if device == tracker.device else [peak["bytes"]])
     cuda = [s for s in tracker.cuda_samples if device == tracker.device]
@@ -77,7 +75,7 @@ def plot_tracker(tracker, path, *, device: str, title: str | None = None, max_po
             x,
             [[ys[c][i] / div for i in keep] for c in cats],
             labels=[c.replace("_", " ") for c in cats],
-            colors=[CATEGORY_COLORS[c] for c in cats],
+            colors=[CATEGORY_COLORS.get(c, "#777777") for c in cats],
             step="post",
             linewidth=0,
         )

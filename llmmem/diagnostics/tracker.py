@@ -17,9 +17,10 @@ freed):
   computed outside the model counts), ``backward``, ``recompute`` (a module's forward run again
   inside backward: activation checkpointing), ``optimizer`` (inside ``optimizer.step``) or
   ``other``;
-* **module**: the innermost module running (global forward hooks; in backward, multi-grad hooks on
-  each module's outputs and inputs, as ``torch.distributed._tools.mod_tracker`` does, but also on
-  tensors passed by keyword). Names are hierarchical, ``GPT.blocks.0.attn``.
+* **module**: the innermost module running (global forward hooks; in backward, gradient hooks on
+  each module's outputs (it enters) and inputs (it leaves), as ``torch.distributed._tools.mod_tracker``
+  does, but also on tensors passed by keyword, and without its reference cycle). Names are
+  hierarchical, ``GPT.blocks.0.attn``.
 
 ``llmmem.checkpoint`` regions show as what they are: inside a region nothing is saved (its own
 hooks replace the tracker's), so the region's tensors are temporaries in the forward and only its
@@ -32,7 +33,7 @@ statistics of the llmmem pool in use are sampled at every phase change.
 
 Cost: the tracker is a diagnostic. Per operator a Python call (the dispatch mode); per new storage
 a small record, and a short stack summary (``stacks=True``); per module call two hooks and, in
-training, two multi-grad hooks. No GPU synchronisation, except that CUDA statistics are read at
+training, a gradient hook per output and per input. No GPU synchronisation, except that CUDA statistics are read at
 phase changes. Memory: about 200 bytes per storage ever made while tracking (``timeline=True``),
 or per storage alive (``timeline=False``).
 
@@ -56,7 +57,6 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
@@ -480,7 +480,7 @@ class MemoryTracker:
         raise exc
 
     def _on_error(self, func, exc: BaseException) -> None:
-        if not is_out_of_memory(exc) or self._failure_exc is exc:
+        if not is_out_of_memory(exc) or self._failure_exc == id(exc):
             return
         with self._lock:
             phase, module = self._phase_module()
@@ -488,7 +488,7 @@ class MemoryTracker:
 
     def _snapshot_failure(self, exc, *, op, requested, phase, module) -> None:
         """What was live when an allocation failed, taken before the stack unwinds and frees it."""
-        self._failure_exc = exc
+        self._failure_exc = id(exc)  # not the exception: its traceback holds the failed step's tensors
         self.failure = {
             "message": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__,
             "type": type(exc).__name__,
@@ -613,18 +613,29 @@ class MemoryTracker:
                 _pop(self._rstack, name, self._close)
                 return
             _pop(self._stack, name, self._close)
-            if not self._stack and not failed:
-                self._label_inputs(kwargs)
+            if not self._stack:
+                if failed:  # the attempt is over: a retry is the next step
+                    self._step_done = True
+                    self._fwd_active = False
+                    self._mark_phase("other")
+                else:
+                    self._label_inputs(kwargs)
         if failed or not torch.is_grad_enabled():
             return
-        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if not outs:
             return
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         me = weakref.ref(self)
-        register_multi_grad_hook(outs, _BackwardMark(me, name, True), mode="any")
-        if ins:  # without inputs needing a gradient, the module leaves backward when backward ends
-            register_multi_grad_hook(ins, _BackwardMark(me, name, False), mode="all")
+        push = _BackwardMark(me, name, True)
+        for t in outs:
+            t.register_hook(push)
+        # Leaves are skipped: a hook on a leaf stays on it after the step. Without a non-leaf input,
+        # the module leaves backward when backward ends.
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if ins:
+            pop = _BackwardMark(me, name, False)
+            for t in ins:
+                t.register_hook(pop)
 
     def _open(self, name: str, phase: str, outermost: bool = False) -> int:
         self._intervals.append([name, phase, self._step, self.events, None, outermost])
@@ -1103,15 +1114,24 @@ class MemoryTracker:
 # helpers
 # =================================================================================================
 class _BackwardMark:
-    """A multi-grad hook marking a module entering (outputs' gradients) or leaving (inputs')
-    backward; holds the tracker weakly so a graph that outlives it keeps nothing alive."""
+    """A gradient hook on a module's outputs (it enters backward at the first of their gradients)
+    or on its inputs (it leaves at the first of theirs: exact for one input, early for several).
 
-    __slots__ = ("tracker", "name", "push")
+    Holds nothing but a weak reference to the tracker: torch's ``register_multi_grad_hook`` keeps
+    the inputs' autograd nodes in the hook stored on those nodes, a reference cycle through C++
+    that the garbage collector cannot break, so an abandoned graph (an out-of-memory error in the
+    forward) would keep every activation alive."""
+
+    __slots__ = ("tracker", "name", "push", "task")
 
     def __init__(self, tracker, name: str, push: bool) -> None:
-        self.tracker, self.name, self.push = tracker, name, push
+        self.tracker, self.name, self.push, self.task = tracker, name, push, None
 
-    def __call__(self, *_):
+    def __call__(self, grad):
+        task = torch._C._current_graph_task_id()
+        if task == self.task:  # once per backward pass
+            return
+        self.task = task
         tracker = self.tracker()
         if tracker is not None:
             tracker._bw_mark(self.name, self.push)
