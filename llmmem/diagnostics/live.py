@@ -178,7 +178,8 @@ class LiveBytes(TorchDispatchMode):
     def __enter__(self):
         out = super().__enter__()
         if self._existing == "gc":
-            self.track(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+            # type(), not isinstance(): a deprecated module attribute warns when its __class__ is read
+            self.track(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -331,6 +331,7 @@ class oom_report(contextlib.ContextDecorator):
             if cuda:
                 frag = {"reserved_free": cuda["reserved"] - cuda["allocated"], "requested": failure.get("requested")}
             if capacity is not None:
+                notes = basis["notes"]
                 suggestions, basis = suggest(
                     model,
                     capacity=capacity,
@@ -341,6 +342,7 @@ class oom_report(contextlib.ContextDecorator):
                     fragmentation=frag,
                     plan=self.plan,
                 )
+                basis["notes"] = notes + basis["notes"]
         else:
             basis["notes"].append("no model seen: pass model= for per-model suggestions")
         return OutOfMemoryReport(exc, failure, capacity, source, suggestions, basis, state)

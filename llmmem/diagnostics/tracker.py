@@ -527,6 +527,9 @@ class MemoryTracker:
             self._names.setdefault(sub, f"{prefix}.{sub_name}" if sub_name else prefix)
         if "." not in prefix and not any(r() is root for r in self._roots):
             self._roots.append(weakref.ref(root))
+        # The global pre-forward hook sees no keyword arguments (Hugging Face models take
+        # input_ids=...): the outermost module gets its own hook for them.
+        self._param_handles.append(root.register_forward_pre_hook(self._root_kwargs, with_kwargs=True))
         seen = set()
         for sub in root.modules():
             if sub in self._adopted:
@@ -592,6 +595,11 @@ class MemoryTracker:
         self._mark_phase("forward")
         self._label_inputs(args)
 
+    def _root_kwargs(self, module, args, kwargs):
+        if self._active and len(self._stack) == 1 and torch._C._current_graph_task_id() == -1:
+            with self._lock:
+                self._label_inputs(kwargs)
+
     def _label_inputs(self, obj) -> None:
         for t in tree_leaves(obj):
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
@@ -618,8 +626,6 @@ class MemoryTracker:
                     self._step_done = True
                     self._fwd_active = False
                     self._mark_phase("other")
-                else:
-                    self._label_inputs(kwargs)
         if failed or not torch.is_grad_enabled():
             return
         outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
