@@ -51,6 +51,9 @@ def device_key(device: torch.device) -> str:
     return f"{device.type}:{device.index if device.index is not None else torch.cuda.current_device()}"
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types counted; subclasses wrap counted tensors
+
+
 def storage_key(t: torch.Tensor) -> int:
     """The key :class:`LiveBytes` counts ``t``'s storage under (the storage object's id, stable for
     the storage's life); the storage id its listeners are given."""
@@ -92,10 +95,10 @@ class LiveBytes(TorchDispatchMode):
             self._see(t)
 
     def _see(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
-            return
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if type(t) not in _PLAIN:
             return  # wrapper subclasses (DTensor, FakeTensor): their inner tensors are counted
+        if t.is_meta or t.layout != torch.strided:
+            return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -175,6 +178,13 @@ class LiveBytes(TorchDispatchMode):
         return entry[2] if entry is not None and entry[0]() is storage else None
 
     # -- the mode -------------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says False:
+        # two more Python frames and an eval-frame switch per operator, the larger part of this
+        # mode's cost on small tensors. Eager only: the mode is not meant to run under torch.compile.
+        return False
+
     def __enter__(self):
         out = super().__enter__()
         if self._existing == "gc":
@@ -189,9 +199,21 @@ class LiveBytes(TorchDispatchMode):
             for listener in self.error_listeners:
                 listener(func, exc)
             raise
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._see(t)
+        kind = type(out)
+        if kind in _PLAIN:  # most operators return one tensor or a flat tuple of them: no pytree walk
+            self._see(out)
+        elif kind is tuple or kind is list:
+            for t in out:
+                if type(t) in _PLAIN:
+                    self._see(t)
+                elif t is not None and not isinstance(t, (int, float, bool)):
+                    for leaf in tree_leaves(t):
+                        if isinstance(leaf, torch.Tensor):
+                            self._see(leaf)
+        elif out is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._see(t)
         if func is torch.ops.aten.resize_.default or func is torch.ops.aten.set_.source_Storage:
             self._see(args[0])
         return out

@@ -423,20 +423,21 @@ class MemoryTracker:
 
     def _label(self, t, identity: str | None = None, *, saved: bool = False, module: str | None = None) -> None:
         """Counts ``t``'s storage if it is not yet, then gives it ``identity`` / marks it saved."""
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided:
             return
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return
+        try:
+            key = storage_key(t)
+        except (RuntimeError, NotImplementedError):
+            return  # no storage
         with self._lock:
-            self._adopting = True
-            try:
-                self.live.track([t])
-            finally:
-                self._adopting = False
-            try:
-                rec = self._alive.get(storage_key(t))
-            except (RuntimeError, NotImplementedError):
-                return
+            rec = self._alive.get(key)
+            if rec is None:
+                self._adopting = True
+                try:
+                    self.live._see(t)
+                finally:
+                    self._adopting = False
+                rec = self._alive.get(key)
             if rec is not None:
                 self._relabel(rec, identity=identity, saved=saved, module=module)
 
