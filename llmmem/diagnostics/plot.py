@@ -54,6 +54,11 @@ def plot_tracker(tracker, path, *, device: str, title: str | None = None, max_po
         raise ImportError("MemoryTracker.plot needs matplotlib (pip install matplotlib)") from exc
 
     xs, ys = tracker.timeline(device)
+    # Start where the step starts: what the tracker counted on entry (the model's parameters...) is
+    # the baseline, not a ramp of allocations.
+    first = tracker.first_event or 0
+    skip = next((i for i, x in enumerate(xs) if x >= first), len(xs))
+    xs, ys = xs[skip:], {c: v[skip:] for c, v in ys.items()}
     keep = _reduce(xs, ys, max_points)
     x = [xs[i] for i in keep]
     cats = [c for c in ys if any(ys[c])]  # the tracker's category order
@@ -86,7 +91,7 @@ def plot_tracker(tracker, path, *, device: str, title: str | None = None, max_po
             continue
         ax.axvspan(span["start"], span["end"], color=color, alpha=0.06, linewidth=0)
         bar.axvspan(span["start"], span["end"], color=color, alpha=0.85, linewidth=0)
-        if span["end"] - span["start"] > 0.06 * end:
+        if span["end"] - span["start"] > 0.06 * (end - first):
             bar.text(
                 (span["start"] + span["end"]) / 2,
                 0.5,
@@ -112,7 +117,7 @@ def plot_tracker(tracker, path, *, device: str, title: str | None = None, max_po
         where = peak["phase"] + (f", {peak['module']}" if peak["module"] else "")
         ax.axhline(peak["bytes"] / div, color="#444444", linewidth=0.6, alpha=0.6)
         ax.plot([peak["event"]], [peak["bytes"] / div], marker="v", color="black", markersize=7)
-        near_right = peak["event"] > 0.6 * end
+        near_right = peak["event"] > first + 0.6 * (end - first)
         ax.annotate(
             f"peak {peak['bytes'] / div:.3g} {unit}\n{where}",
             xy=(peak["event"], peak["bytes"] / div),
@@ -123,7 +128,7 @@ def plot_tracker(tracker, path, *, device: str, title: str | None = None, max_po
             fontsize=9,
             bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#444444", "alpha": 0.9},
         )
-    ax.set_xlim(0, end)
+    ax.set_xlim(first, end)
     ax.set_ylim(0, top / div * 1.18)
     ax.set_ylabel(f"live tensor bytes ({unit})")
     ax.grid(axis="y", alpha=0.3)

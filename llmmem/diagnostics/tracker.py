@@ -277,6 +277,7 @@ class MemoryTracker:
         self._handles: list = []
         self._contexts: list = []
         self.started = self.stopped = None
+        self.first_event: int | None = None  # the last event of the first entry's counting of existing tensors
         self.module_inputs: dict[str, tuple] = {}  # module -> (shape, dtype, device) of its first input
         self.input_shapes: list[tuple] = []  # (shape, dtype) of the outermost module's inputs, last step
         self.autocast_dtype = None  # autocast's dtype when the last step's forward began, if enabled
@@ -309,6 +310,8 @@ class MemoryTracker:
                 ctx.__enter__()
                 self._contexts.append(ctx)
             self.started = self.started or time.perf_counter()
+            if self.first_event is None:  # what was counted on entry (the model, ...) is the baseline
+                self.first_event = max(0, self.events - 1)
             self._sample_cuda("enter")
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -970,8 +973,7 @@ class MemoryTracker:
         totals = self._total_series(dev)
         out: dict[str, int] = {}
         for span in self.phases():
-            lo = max(0, span["start"] - 1)
-            segment = totals[lo : span["end"]]
+            segment = totals[span["start"] : span["end"]]
             if segment:
                 out[span["phase"]] = max(out.get(span["phase"], 0), max(segment))
         return out
