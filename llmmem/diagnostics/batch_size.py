@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmmem.diagnostics.oom import cuda_capacity
 from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory
 from llmmem.errors import InfeasibleError
 from llmmem.units import format_bytes, parse_bytes
@@ -152,7 +153,7 @@ def find_batch_size(step, *, low: int = 1, high: int | None = None, budget=None,
         (default: no limit).
     :param budget: bytes (or ``"20GB"``) the step may use at its peak: live tensor bytes of the
         whole process on the CPU, ``torch.cuda.max_memory_reserved`` on CUDA. Default: the
-        device's memory (CUDA: free + reserved by torch, less 5%; CPU: available host memory plus
+        device's memory (CUDA: free + reserved by torch, or the per-process fraction's cap, less 5%; CPU: available host memory plus
         live tensors, less 10%).
     :param device: ``"cpu"`` or ``"cuda[:N]"``; default: the current CUDA device if CUDA is in use,
         else the CPU.
@@ -206,8 +207,7 @@ def find_batch_size(step, *, low: int = 1, high: int | None = None, budget=None,
         if budget_bytes == 0:
             raise ValueError("find_batch_size: budget must be more than 0 bytes")
     elif dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev_key)
-        budget_bytes = int((free + torch.cuda.memory_reserved(dev_key)) * (1 - _DEVICE_MARGIN["cuda"]))
+        budget_bytes = int(cuda_capacity(dev_key)[0] * (1 - _DEVICE_MARGIN["cuda"]))
     else:
         avail = _host_capacity()
         if avail is None:

@@ -27,7 +27,7 @@ from llmmem.diagnostics.advice import estimate_settings, find_blocks, suggest
 from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory
 from llmmem.units import format_bytes, parse_bytes
 
-__all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError"]
+__all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError", "cuda_capacity"]
 
 
 class OutOfMemoryReportError(Exception):
@@ -174,9 +174,7 @@ def _capacity(tracker: MemoryTracker, given):
         return tracker.budget, "tracker budget"
     dev = tracker.device
     if dev.startswith("cuda") and torch.cuda.is_initialized():
-        free, total = torch.cuda.mem_get_info(dev)
-        usable = free + torch.cuda.memory_reserved(dev)
-        return usable, f"free + reserved by torch on {dev}, of {format_bytes(total)}"
+        return cuda_capacity(dev)
     pool_stats = (tracker.failure or {}).get("pool") or {}
     if pool_stats.get("max_size"):
         return pool_stats["max_size"], "llmmem pool max_size"
@@ -186,6 +184,22 @@ def _capacity(tracker: MemoryTracker, given):
         return info["MemAvailable"] + sum(tracker.current().values()), "host memory available + live tensors"
     except (OSError, KeyError, ValueError):
         return None, "unknown"
+
+
+def cuda_capacity(dev: str) -> tuple[int, str]:
+    """(bytes torch may use on ``dev``, how it was found): free + reserved by torch, or the cap of
+    ``torch.cuda.set_per_process_memory_fraction`` when that is lower."""
+    free, total = torch.cuda.mem_get_info(dev)
+    usable, source = (
+        free + torch.cuda.memory_reserved(dev),
+        f"free + reserved by torch on {dev}, of {format_bytes(total)}",
+    )
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        cap = int(getter(dev) * total)
+        if cap < usable:
+            usable, source = cap, f"set_per_process_memory_fraction cap on {dev}"
+    return usable, source
 
 
 class oom_report(contextlib.ContextDecorator):

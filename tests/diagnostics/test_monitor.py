@@ -4,6 +4,9 @@ survives a failing callback."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -97,3 +100,17 @@ def test_cuda_figures():
     x = torch.ones(2**20, device="cuda")
     s = llmmem.monitor(1.0, callback=lambda s: None).sample()
     assert s.cuda_allocated >= x.numel() * 4 and s.cuda_reserved >= s.cuda_allocated
+
+
+def test_monitor_works_without_importing_torch():
+    code = (
+        "import sys, llmmem\n"
+        "s = llmmem.monitor(1.0, callback=lambda s: None).sample()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert s.rss > 0 and s.cuda_allocated is None\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir()
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

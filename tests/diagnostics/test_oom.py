@@ -162,3 +162,30 @@ def test_hugging_face_model_gets_gradient_checkpointing_advice():
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         llmmem.oom_report(**kwargs)
+
+
+@pytest.mark.cuda
+def test_cuda_out_of_memory_report_under_a_memory_fraction():
+    """A real CUDA out-of-memory error, on a device capped with set_per_process_memory_fraction."""
+    model, opt = tiny_gpt(hidden=256, seq_len=128)
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 64 * 2**20) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            with llmmem.oom_report(model, opt, plan=False):
+                idx = torch.randint(0, 256, (256, 128), device="cuda")  # ~70 MiB of scores per layer
+                _, loss = model(idx, targets=idx)
+                loss.backward()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    exc = info.value
+    assert isinstance(exc, OutOfMemoryReportError) and type(exc.__cause__) is torch.OutOfMemoryError
+    failure = exc.report.failure
+    assert failure["op"] and failure["requested"] and failure["cuda"]["reserved"] >= failure["cuda"]["allocated"]
+    assert "reserved but free" in str(exc)
+    assert exc.report.capacity_source.startswith("set_per_process_memory_fraction")
+    assert all(p.grad is None for p in model.parameters())
