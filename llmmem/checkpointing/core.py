@@ -152,12 +152,17 @@ def checkpoint(
         the recompute (e.g. ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
     :param determinism_check: ``"default"`` compares shape, dtype and device of every recomputed
         tensor with the original and raises :class:`CheckpointError` on a difference; ``"none"``.
-    :param debug: record the operators run in the forward and in the recompute and print both in a
-        :class:`CheckpointError`.
+    :param debug: record the operators run in the forward and in the recompute, each with the
+        Python stack that called it, and print both in a :class:`CheckpointError` (as torch's debug
+        mode does, without its C++ frames). Costs a stack walk per operator.
     :param early_stop: stop the recompute as soon as every saved tensor of the region is rebuilt.
     :param offload: keep the region's inputs in host memory (pinned, copied on a side stream and
         prefetched during backward when they live on a CUDA device; a no-op for CPU tensors).
     :returns: what ``function`` returns (any structure; non-tensor outputs are fine).
+
+    Backward calls under one ``torch.utils.checkpoint.GraphExecGroup`` (torch >= 2.10) share one
+    recompute of the region, and may not need the same saved tensor twice, as with torch. Every
+    bool option must be a bool (``TypeError`` otherwise; torch takes any object's truth).
 
     Memory: the region's inputs (on the host with ``offload=True``) until backward reaches it.
     Synchronisation: none, except that ``offload=True`` pins host memory.
