@@ -39,7 +39,7 @@ def wait_bounded(work, deadline: float, what: str, timeout: float) -> None:
                 f"llmmem.parallel: {what} timed out after {timeout:g} s waiting for the other ranks "
                 "(a rank did not make the same call; the timeout is llmmem.parallel.set_timeout / "
                 "LLMMEM_TP_TIMEOUT). The process group may be unusable now: its pending exchange "
-                "is still queued"
+                "is still queued (and some torch versions wait for it in destroy_process_group)"
             )
         time.sleep(pause)
         pause = min(pause * 2, 2e-3)

@@ -7,6 +7,7 @@ from the same seed, bitwise on CPU, and the two implementations must agree with 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -16,10 +17,16 @@ import torch.utils.checkpoint as tuc
 import llmmem
 from llmmem.models.gpt import GPT, GPTConfig
 
+# torch < 2.9 has no early_stop option (set_checkpoint_early_stop only): it would pass it to the function
+_TORCH_HAS_EARLY_STOP = "early_stop" in inspect.signature(tuc.checkpoint).parameters
+
 
 def _torch_ckpt(fn, *args, **kwargs):
     kwargs.setdefault("use_reentrant", False)
     kwargs.pop("offload", None)  # torch has no offload option; its result must match anyway
+    if not _TORCH_HAS_EARLY_STOP and "early_stop" in kwargs:
+        with tuc.set_checkpoint_early_stop(kwargs.pop("early_stop")):
+            return tuc.checkpoint(fn, *args, **kwargs)
     return tuc.checkpoint(fn, *args, **kwargs)
 
 
