@@ -3,6 +3,7 @@
 #
 #   make demo        the main job (see README), setting up the environment first
 #   make test        the whole test suite (lint, C tests under ASan+UBSan, pytest), set-up included
+#   make test TORCH=2.5.1   the same against another torch, in its own environment (see below)
 #   make lint        ruff (lint + format check) and clang-format --dry-run; make format fixes
 #   make test-c      only the C unit tests, built with the system compiler, no Python involved
 #   make bench       the CPU benchmarks (JSON under benchmarks/results/)
@@ -12,7 +13,14 @@
 #   make clean
 
 SHELL := /bin/bash
+# `make test TORCH=2.5.1`: the same commands in an environment of their own with that torch (the
+# oldest pyproject.toml promises), beside the pinned one, which CI keeps using.
+ifdef TORCH
+LLMMEM_VENV := $(HOME)/.cache/llmmem-venv-torch$(TORCH)
+export LLMMEM_TORCH_VERSION := $(TORCH)
+endif
 LLMMEM_VENV ?= $(HOME)/.cache/llmmem-venv
+export LLMMEM_VENV
 PY := $(LLMMEM_VENV)/bin/python
 CC ?= cc
 

@@ -7,6 +7,7 @@ from the same seed, bitwise on CPU, and the two implementations must agree with 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -17,10 +18,16 @@ from support.models import gpt_block
 import llmmem
 from llmmem.models.gpt import GPT, GPTConfig
 
+# torch < 2.9 has no early_stop option (set_checkpoint_early_stop only): it would pass it to the function
+_TORCH_HAS_EARLY_STOP = "early_stop" in inspect.signature(tuc.checkpoint).parameters
+
 
 def _torch_ckpt(fn, *args, **kwargs):
     kwargs.setdefault("use_reentrant", False)
     kwargs.pop("offload", None)  # torch has no offload option; its result must match anyway
+    if not _TORCH_HAS_EARLY_STOP and "early_stop" in kwargs:
+        with tuc.set_checkpoint_early_stop(kwargs.pop("early_stop")):
+            return tuc.checkpoint(fn, *args, **kwargs)
     return tuc.checkpoint(fn, *args, **kwargs)
 
 
@@ -258,7 +265,7 @@ def test_checkpoint_error_message_is_useful():
         out.backward()
     text = str(info.value)
     assert "shape=[4, 3]" in text and "shape=[2, 3]" in text
-    assert "operators run in the forward" in text and "aten.exp" in text
+    assert "forward: " in text and "recompute: " in text and "aten.exp" in text
     assert isinstance(info.value, tuc.CheckpointError) and isinstance(info.value, llmmem.LlmmemError)
 
 
@@ -365,18 +372,20 @@ def test_saves_only_the_inputs():
     assert sum(seen.values()) == x.numel() * x.element_size()
 
 
-def test_checkpoint_sequential_even_split_matches_plain():
-    from llmmem.checkpointing.sequential import _even_split
+def test_checkpoint_sequential_matches_plain():
+    from llmmem.checkpointing.sequential import _even_split, _torch_split
 
     assert [e - s for s, e in _even_split(9, 5)] == [2, 2, 2, 2, 1]
     assert [e - s for s, e in _even_split(8, 4)] == [2, 2, 2, 2]
+    assert [e - s for s, e in _torch_split(9, 5)] == [1, 1, 1, 1, 5]
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1)) for _ in range(7)])
     x = torch.randn(4, 8, requires_grad=True)
     y_ref, g_ref = _run(seq, seq, x)
-    y, g = _run(lambda t: llmmem.checkpoint_sequential(seq, 3, t), seq, x)
-    assert torch.equal(y, y_ref)
-    _assert_bitwise(g, g_ref)
+    for split in ("torch", "even"):
+        y, g = _run(lambda t: llmmem.checkpoint_sequential(seq, 3, t, split=split), seq, x)
+        assert torch.equal(y, y_ref)
+        _assert_bitwise(g, g_ref)
     for bad in (0, 8, "two", 1.5):
         with pytest.raises(ValueError, match="segments"):
             llmmem.checkpoint_sequential(seq, bad, x)
