@@ -1,7 +1,8 @@
 # Convenience targets. The package itself is built by setup.py (`pip install .`); this file drives
 # the README commands, the sanitized C unit tests and the benchmarks.
 #
-#   make demo        the main job (see README), setting up the environment first
+#   make demo        the main job, python -m llmmem compare (see README), setting up the environment first;
+#                    COMPARE_ARGS="--quick" for the small version CI runs
 #   make test        the whole test suite (lint, C tests under ASan+UBSan, pytest), set-up included
 #   make test TORCH=2.5.1   the same against another torch, in its own environment (see below)
 #   make lint        ruff (lint + format check) and clang-format --dry-run; make format fixes
@@ -42,8 +43,12 @@ export UBSAN_OPTIONS ?= print_stacktrace=1
 env:
 	@bash scripts/setup_env.sh
 
+# Every memory technique on one GPT, each in a fresh process: table, results.json/.md and two charts
+# in ./llmmem-compare (about 3 minutes on 2 idle cores; --quick about 1).
+# The console script, not `python -m`, keeps the checkout off sys.path: the installed llmmem runs.
+COMPARE_ARGS ?=
 demo: env
-	$(PY) -m llmmem estimate llama-7b --batch 1 --seq 2048 --device-memory 80GB
+	$(LLMMEM_VENV)/bin/llmmem compare $(COMPARE_ARGS)
 
 # pytest builds and runs the C tests too (tests/test_c_core.py), so this is the one test command.
 # The pytest script (not `python -m pytest`) keeps the checkout off sys.path: the installed llmmem is tested.
