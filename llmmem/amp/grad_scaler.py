@@ -344,7 +344,7 @@ class GradScaler(_ScalerVisibility):
         per_device_found_inf: _MultiDeviceReplicator,
         allow_fp16: bool,
         resume: int,
-    ) -> tuple:
+    ) -> Checked:
         """The walk in Python, for every case the C walk does not take, over the parameters from
         flat position ``resume`` on (torch's ``_unscale_grads_``, on llmmem's kernels)."""
         # The walk over parameters is the per-tensor cost that dominates lists of many small
