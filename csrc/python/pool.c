@@ -5,7 +5,8 @@
  * A pool lives in a capsule. Buffers handed out by pool_buffer() hold a reference to it, so the
  * pool outlives every CPU tensor made from its memory. When the capsule dies while blocks are
  * still out (CUDA segments PyTorch has not returned yet) the pool is destroyed by the last free.
- * The GIL is released around calls that may reach the backend (cudaMalloc, cudaFree, syncs).
+ * Calls on an open pool hold the GIL throughout (see get_pool), and convert every argument before
+ * they look the pool up: a conversion can run Python code (__index__), which could close it.
  */
 #include "binding.h" /* first: Python.h sets the feature macros */
 
