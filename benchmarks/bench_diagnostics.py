@@ -182,8 +182,7 @@ def batch_search(targets) -> list[dict]:
         rows.append(
             {
                 "largest": target,
-                "find_batch_size": search.batch,
-                "find_batch_size_trials": len(search.trials),
+                "llmmem": (len(search.trials), search.batch),
                 "halving_from_128": _retry_trials(fits, 128, lambda b: b // 2),
                 "x0.9_from_128": _retry_trials(fits, 128, lambda b: int(b * 0.9)),
                 "binsearch": _binsearch_trials(fits),
@@ -192,17 +191,18 @@ def batch_search(targets) -> list[dict]:
     return rows
 
 
-def _retry_trials(fits, start: int, shrink) -> int:
+def _retry_trials(fits, start: int, shrink) -> tuple[int, int]:
+    """(trials, batch found) of shrink-after-each-failure from ``start``."""
     b, n = start, 0
     while b >= 1:
         n += 1
         if fits(b):
-            return n
+            return n, b
         b = shrink(b)
-    return n
+    return n, 0
 
 
-def _binsearch_trials(fits) -> int:
+def _binsearch_trials(fits) -> tuple[int, int]:
     """Lightning's binsearch: double from 2 until a failure, then bisect (one trial per size)."""
     n, lo, b = 0, 0, 2
     while True:
@@ -218,7 +218,7 @@ def _binsearch_trials(fits) -> int:
             lo = mid
         else:
             hi = mid
-    return n
+    return n, lo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,17 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     targets = [5, 19] if args.quick else [5, 19, 77]
     search = batch_search(targets)
     _harness.print_table(
-        "batch-size search: trials (tiny GPT on the CPU, budget halfway between the largest batch and one more)",
-        ["largest", "found", "llmmem trials", "halve from 128", "x0.9 from 128", "binsearch"],
+        "batch-size search: trials / batch found (tiny GPT on the CPU, budget halfway between the largest "
+        "batch and one more)",
+        ["largest", "llmmem", "halve from 128", "x0.9 from 128", "binsearch"],
         [
-            [
-                r["largest"],
-                r["find_batch_size"],
-                r["find_batch_size_trials"],
-                r["halving_from_128"],
-                r["x0.9_from_128"],
-                r["binsearch"],
-            ]
+            [r["largest"]]
+            + [f"{r[k][0]} / {r[k][1]}" for k in ("llmmem", "halving_from_128", "x0.9_from_128", "binsearch")]
             for r in search
         ],
     )
@@ -267,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json,
     )
     print(f"\nwrote {path}")
-    ok = all(r["find_batch_size"] == r["largest"] and r["find_batch_size_trials"] <= 4 for r in search)
+    ok = all(r["llmmem"][1] == r["largest"] and r["llmmem"][0] <= 4 for r in search)
     return 0 if ok and not math.isnan(mon["sample_us"]) else 1
 
 

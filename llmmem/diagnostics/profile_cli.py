@@ -231,6 +231,11 @@ def _run_cli(args) -> int:
             ("parameters + buffers", now["parameters"] + now["buffers"], est.parameters + est.master_weights),
             ("gradients (most at once)", most["gradients"], est.gradients),
             ("optimizer state", most["optimizer_state"], est.optimizer_state),
+            (
+                "model state (the three above)",
+                now["parameters"] + now["buffers"] + most["gradients"] + most["optimizer_state"],
+                est.parameters + est.master_weights + est.gradients + est.optimizer_state,
+            ),
             ("activations kept at backward start", eof.get("activations", 0), est.activations),
             ("peak (estimate: all terms at once)", tracker.peak_bytes(), est.total),
         ]
@@ -241,6 +246,11 @@ def _run_cli(args) -> int:
             ratio = f"{m / e:.3f}" if e else "-"
             print(f"  {label:<38}{format_bytes(m):>14}{format_bytes(e):>14}{ratio:>9}")
             comparison.append({"what": label, "measured": m, "estimate": e})
+        if args.precision == "bf16-mixed":
+            print(
+                "  (torch.autocast keeps fp32 parameters and gradients; the estimator's bf16-mixed splits the same "
+                "16 B/param with Adam as 2 + 2 + 4 master + 8: compare the model state total)"
+            )
     if not args.no_png:
         tracker.plot(args.png, title=f"{d['name']} ({kind}), batch {batch} x seq {seq}: memory on {tracker.device}")
         print(f"\nwrote {args.png}")

@@ -109,6 +109,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
+# Trackers inside their ``with`` block (see MemoryTracker._pack).
+_ACTIVE: weakref.WeakSet = weakref.WeakSet()
+
+
 class _Record:
     """One storage seen by the tracker. ``alloc``/``free`` are event indices (``free`` None while live)."""
 
@@ -296,6 +300,7 @@ class MemoryTracker:
             self._adopting = False
         try:
             self._active = True
+            _ACTIVE.add(self)
             if self.model is not None:
                 self._adopt(self.model)
             if self.optimizer is not None:
@@ -320,6 +325,7 @@ class MemoryTracker:
 
     def __exit__(self, *exc):
         self._active = False
+        _ACTIVE.discard(self)
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
         for h in self._handles + self._param_handles:
@@ -720,8 +726,10 @@ class MemoryTracker:
         self._sample_cuda("optimizer end")
 
     def _pack(self, t: torch.Tensor):
-        if self._active:
-            self._label(t, saved=True)
+        # Only the innermost saved_tensors_hooks run: the innermost tracker's pack labels the tensor
+        # for every tracker active (an oom_report inside a profiling tracker, say).
+        for tracker in list(_ACTIVE):
+            tracker._label(t, saved=True)
         # A saved output returned as itself would hold its own grad_fn: a reference cycle through C++
         # that leaks when a forward is abandoned (an out-of-memory error). Detached: same storage and
         # version counter, so backward computes the same thing.

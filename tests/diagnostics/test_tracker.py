@@ -385,3 +385,19 @@ def test_cuda_totals_match_memory_allocated():
     mine_peak = tracker.peak_bytes() - entry
     assert abs(torch_peak - mine_peak) <= 0.02 * torch_peak + 512 * 400, (torch_peak, mine_peak)
     assert "allocator: allocated" in tracker.table()
+
+
+def test_nested_trackers_both_see_what_is_saved():
+    """Only the innermost saved-tensor hooks run; the inner tracker labels for both."""
+    model, opt = tiny_gpt()
+    with MemoryTracker(model, opt) as outer:
+        with MemoryTracker(model, opt) as inner:
+            idx = torch.randint(0, 256, (4, 64))
+            logits, loss = model(idx, targets=idx)
+            assert inner.current() == outer.current()
+            assert outer.current()["activations"] > 0
+            del logits
+            loss.backward()
+            del loss
+            opt.step()
+    assert inner.peak() == {**outer.peak(), "event": inner.peak()["event"]}
