@@ -105,9 +105,8 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->bw = chain->host_bandwidth;
   for (int32_t k = 0; k < K; k++) out->nest[k] = chain->mode_nestable ? chain->mode_nestable[k] : (uint8_t)(k == 0);
 
-  /* A recompute never contains the last block (it would be recomputed at once) and never holds the
-   * chain output, so the fast path only needs blocks 0..L-2 and a_0..a_{L-1} alike: the last block
-   * may differ (a model's head and loss, appended by the Python side). */
+  /* No recompute holds the last block or a_L, so the fast path needs only blocks 0..L-2 and
+   * a_0..a_{L-1} alike: the last block may differ (a model's head and loss, from the Python side). */
   const int32_t Lr = L - 1;
   int same_x = 1;
   for (int32_t i = 1; i < L; i++) same_x &= out->x[i] == out->x[0];

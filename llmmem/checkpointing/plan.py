@@ -76,7 +76,8 @@ class CheckpointPlan:
     ``predicted_peak_bytes`` is the activation peak of a step (see the module docstring); on a
     whole model it includes what the rest of the step holds (``static_bytes``, the head and loss)
     and the peaks outside the chain (``outside_peak_bytes``). ``predicted_held_bytes`` is what is
-    held when the backward starts. Times are seconds.
+    held when the backward starts. Times are seconds; ``predicted_work`` is what the plan was chosen
+    on (the profile's time units: counted work for :func:`profile_blocks`).
     """
 
     modes: list
@@ -97,6 +98,7 @@ class CheckpointPlan:
     static_bytes: int = 0
     outside_peak_bytes: int = 0
     reference_measured: bool = False
+    predicted_work: float = 0.0  # what the planner minimised, in the profile's time units
 
     @property
     def n_blocks(self) -> int:
@@ -324,4 +326,5 @@ def plan_checkpoints(
         static_bytes=static,
         outside_peak_bytes=outside,
         reference_measured=bool(profile.measured_peak_bytes),
+        predicted_work=result["time"],
     )

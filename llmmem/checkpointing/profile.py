@@ -64,10 +64,8 @@ MODES = ("store-all", "selective", "recompute-cheap")
 INPUT_ONLY = "store-input-only"
 _NESTABLE = {"store-all": 1, "selective": 0, "recompute-cheap": 0, INPUT_ONLY: 0}
 
-# The work model, per device type: (FLOP-equivalents per byte an operator reads and writes, per
-# operator launched). Only ratios matter (seconds come from a measured factor); these are round
-# figures for a few-core CPU (~50 GFLOP/s, ~50 GB/s, ~4 us per operator from Python) and a
-# datacenter GPU (~100 TFLOP/s, ~3 TB/s, ~5 us per kernel).
+# FLOP-equivalents per byte moved and per operator, by device type: only their ratios choose plans
+# (round figures: a few-core CPU ~50 GFLOP/s, ~50 GB/s, ~4 us/op; a GPU ~100 TFLOP/s, ~3 TB/s, ~5 us).
 WORK_MODEL = {"cpu": (1.0, 2e5), "cuda": (30.0, 5e8)}
 # Modes that run Python for every operator (a dispatch mode) pay that again per operator.
 _PYTHON_PER_OP = {"selective"}
@@ -599,9 +597,8 @@ def _planner_costs(fwd: dict, bwd: dict, modes) -> dict:
     """The planner's time costs of a block from each mode's forward and backward (and "nostore",
     the block checkpointed alone), in any unit."""
     store = modes[0]
-    # The planner charges fwd_nostore_time twice per recomputed block: the forward inside the
-    # region, and its recompute in backward, which costs more (it records a graph again and fills
-    # the region's slots); the mean of the two makes a one-level region cost what it does.
+    # The planner charges fwd_nostore_time twice per region (its forward and its recompute, which
+    # costs more: a graph again, the slots filled); their mean makes a one-level region exact.
     recompute = max(bwd["nostore"] - bwd[store], fwd["nostore"])
     return {
         "fwd": [fwd[m] for m in modes],
