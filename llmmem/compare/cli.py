@@ -61,7 +61,7 @@ def register_cli(sub) -> None:
         "--jobs",
         type=_positive,
         default=None,
-        help="single-process strategies run at once (default: 2 when timing CPU time, else 1)",
+        help="single-process strategies run at once (default 1; 2 with --quick): more than one perturbs the timing",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
@@ -211,9 +211,9 @@ def run(args) -> int:
     timer = args.timer
     if timer == "auto":
         timer = "cpu" if device == "cpu" and args.threads == 1 else "wall"
-    # Two single-threaded workers at once on two cores leave each one's CPU time as it was; wall clock
-    # timing needs the machine to itself.
-    jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if timer == "cpu" else 1)
+    # One worker at a time: two at once on two cores slow each other (shared caches, memory bandwidth,
+    # or hyperthreads of one core), CPU time included. The quick run trades that for speed.
+    jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if args.quick else 1)
     with tempfile.TemporaryDirectory(prefix="llmmem-compare-") as tmp:
         done = [0]
 

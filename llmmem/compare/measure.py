@@ -135,6 +135,7 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
         "losses": losses,
         "final_loss": losses[-1],
         "step_times": wall,
+        "cpu_step_times": cpu,
         "step_time": statistics.median(wall),
         "cpu_step_time": statistics.median(cpu),
         **measured,
