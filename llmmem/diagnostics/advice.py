@@ -256,12 +256,13 @@ def suggest(
     hf = hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False)
     full = with_(checkpointing="full")
     if hf:
-        add(
-            "gradient_checkpointing",
-            "activation checkpointing of every layer",
-            "model.gradient_checkpointing_enable()",
-            full,
+        # transformers 5 renamed the switch (the old name warns that it will go in v6)
+        switch = (
+            "activation_checkpointing_enable"
+            if hasattr(model, "activation_checkpointing_enable")
+            else "gradient_checkpointing_enable"
         )
+        add("gradient_checkpointing", "activation checkpointing of every layer", f"model.{switch}()", full)
     elif plan and blocks is not None and block_input is not None:
         out.extend(_planned(model, blocks, block_input, capacity, peak0, est0, full, notes))
     else:
