@@ -361,7 +361,7 @@ def _planned(model, blocks, block_input, capacity, peak0, est0, full, notes) -> 
     peak = peak0 - est0.activations_layers + plan.predicted_peak_bytes
     dims = ", ".join(str(d) for d in shape)
     code = (
-        f"model.{path} = llmmem.auto_checkpoint(model.{path}, torch.randn({dims}, dtype={dtype}), "
+        f"model.{path} = llmmem.auto_checkpoint(model.{path}, torch.randn({dims}, dtype={dtype}, device='{device}'), "
         f"budget={plan.budget_bytes})"
     )
     return [

@@ -214,7 +214,7 @@ class LiveBytes(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._see(t)
-        if func is torch.ops.aten.resize_.default or func is torch.ops.aten.set_.source_Storage:
+        if func is torch.ops.aten.resize_.default or func.overloadpacket is torch.ops.aten.set_:
             self._see(args[0])
         return out
 

@@ -155,7 +155,9 @@ class Monitor:
             s.cuda_max_allocated = torch.cuda.max_memory_allocated(dev)
         if self.live is not None:
             s.tensors = (
-                sum(self.live.current().values()) if hasattr(self.live, "current") else self.live.allocated("cpu")
+                sum(self.live.current().values())
+                if hasattr(self.live, "current")
+                else sum(self.live.allocated(d) for d in self.live.devices())
             )
         pool = self._pool_stats()
         if pool is not None:
@@ -217,6 +219,10 @@ class Monitor:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("monitor: already started")
         self._stop.clear()
+        torch = sys.modules.get("torch")
+        if self.device is None and torch is not None and torch.cuda.is_initialized():
+            # the current device is per thread: read it here, on the caller's, not on the sampler's
+            self.device = f"cuda:{torch.cuda.current_device()}"
         self._thread = threading.Thread(target=self._run, name="llmmem-monitor", daemon=True)
         self._thread.start()
         return self

@@ -285,7 +285,11 @@ class oom_report(contextlib.ContextDecorator):
             self.tracker.__exit__(exc_type, exc, tb)
         if exc is None or not is_out_of_memory(exc) or isinstance(exc, OutOfMemoryReportError):
             return False
-        report = self._make_report(exc)
+        try:
+            report = self._make_report(exc)
+        except Exception as failure:  # noqa: BLE001 - the user's OOM must reach them whatever the report does
+            exc.add_note(f"llmmem.oom_report: no report ({type(failure).__name__}: {failure})")
+            return False
         self.report = report
         try:
             new = _report_type(type(exc))(str(report))
