@@ -287,8 +287,9 @@ class oom_report(contextlib.ContextDecorator):
             return False
         try:
             report = self._make_report(exc)
-        except Exception as failure:  # noqa: BLE001 - the user's OOM must reach them whatever the report does
-            exc.add_note(f"llmmem.oom_report: no report ({type(failure).__name__}: {failure})")
+        except Exception as failure:  # the user's OOM must reach them whatever the report does
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"llmmem.oom_report: no report ({type(failure).__name__}: {failure})")
             return False
         self.report = report
         try:
