@@ -28,7 +28,7 @@ from llmmem.units import format_bytes, parse_bytes
 __all__ = ["find_batch_size", "BatchSizeSearch", "MAX_TRIALS"]
 
 MAX_TRIALS = 4
-_log = logging.getLogger("llmmem.diagnostics")
+_log = logging.getLogger(__name__)
 # Kept free when the budget is the device's own memory (fraction): allocator rounding and
 # fragmentation on CUDA, other allocations of the process on the host.
 _DEVICE_MARGIN = {"cuda": 0.05, "cpu": 0.10}
