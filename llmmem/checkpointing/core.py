@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import weakref
 from collections import defaultdict
@@ -279,6 +280,12 @@ class _KeepInputs(torch.autograd.Function):
 _unique_pass_ids = itertools.count(start=-2, step=-1)  # negative: never a real graph task id
 
 
+# torch >= 2.9 has checkpoint(early_stop=) and leaves set_checkpoint_early_stop's switch None unless
+# set; before, the switch is True by default, so only False there says the caller turned it off.
+_TORCH_EARLY_STOP_IS_OPTIONAL = (
+    "early_stop" in inspect.signature(_torch_checkpoint or _torch_ckpt.checkpoint).parameters
+)
+
 # torch >= 2.10: torch.utils.checkpoint.GraphExecGroup, whose backward calls share one recompute
 _graph_exec_group = getattr(torch._C, "_get_graph_exec_group", None)
 
@@ -478,6 +485,8 @@ def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
     # torch's global switches (torch.utils.checkpoint.set_checkpoint_early_stop and
     # set_checkpoint_debug_enabled) override the per-call options there, so they do here too.
     early_stop = getattr(_torch_ckpt, "_enable_checkpoint_early_stop", None)
+    if early_stop is True and not _TORCH_EARLY_STOP_IS_OPTIONAL:
+        early_stop = None  # torch < 2.9: True is the switch's default, not a request
     early_stop = opts["early_stop"] if early_stop is None else early_stop
     debug = getattr(_torch_ckpt, "_checkpoint_debug_enabled", None)
     debug = opts["debug"] if debug is None else debug
