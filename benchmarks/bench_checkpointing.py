@@ -529,7 +529,7 @@ def bench_hf(args, device) -> list:
             ref = copy.deepcopy(model)
             ref_peak, _, ref_alloc = _hf_memory(ref, _hf_step(ref, batch), device)
             for budget in (0.5, 0.25):
-                plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch)
+                plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch, repeats=args.hf_repeats)
                 peak, held, alloc = _hf_memory(model, _hf_step(model, batch), device)
                 for m in (model, ref):
                     for p in m.parameters():
@@ -629,6 +629,9 @@ def main(argv=None) -> int:
         "--hf", default=None, help="comma-separated Hugging Face models for part 3: llama, gpt2 (needs transformers)"
     )
     parser.add_argument("--hf-vocab", type=int, default=1024, help="vocabulary of the --hf models (default 1024)")
+    parser.add_argument(
+        "--hf-repeats", type=int, default=3, help="auto_checkpoint(repeats=): timed rounds per mode (default 3)"
+    )
     parser.add_argument("--skip-solver", action="store_true")
     parser.add_argument(
         "--preset",
