@@ -225,7 +225,7 @@ def run(args) -> int:
             row = run_strategy(dict(common, strategy=s.to_dict(), **extra), tmp, timeout)
             row["wall_seconds"] = time.perf_counter() - t0
             done[0] += 1
-            status = "error: " + row["error"][:100] if row.get("error") else "ok"
+            status = ("" if row.get("infeasible") else "error: ") + row["error"][:100] if row.get("error") else "ok"
             print(f"  [{done[0]:>2}/{len(strategies)}] {s.key:<15} {row['wall_seconds']:6.1f} s  {status}", flush=True)
             return row
 
@@ -292,7 +292,7 @@ def run(args) -> int:
         + ("" if args.no_charts else ", memory_timeline.png, saved_vs_overhead.png")
         + f" ({wall:.0f} s)"
     )
-    return 1 if any(r.get("error") for r in rows) else 0
+    return 1 if any(r.get("error") and not r.get("infeasible") for r in rows) else 0
 
 
 def _machine(device: str) -> str:

@@ -77,7 +77,7 @@ def _cells(r: dict, base: dict) -> list[str]:
     d = r["derived"]
     label = r["label"] + (" [per rank]" if r.get("world", 1) > 1 else "")
     if r.get("error"):
-        return [label, "failed"] + [""] * 8
+        return [label, "infeasible" if r.get("infeasible") else "failed"] + [""] * 8
     search = r.get("search") or {}
     if search.get("kind") == "batch" and d.get("max_batch") is not None:
         approx = "" if search.get("exact") else ">="
@@ -172,7 +172,10 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
     else:
         add("every-layer checkpoint + bf16 vs torch every-layer", None, "rows every+bf16 / torch-every not run")
     p50 = by.get("plan-50")
-    if p50 and torch_every:
+    p50_row = next((r for r in rows if r["key"] == "plan-50"), None)
+    if p50_row is not None and p50_row.get("infeasible"):
+        add("llmmem plan at 50%", False, p50_row["error"])
+    elif p50 and torch_every:
         over = p50["derived"]["overhead_pct"]
         budget = p50["plan"]["budget_bytes"]
         within = p50["activation_bytes"] <= budget

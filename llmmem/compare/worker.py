@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import os
 import sys
@@ -160,50 +161,106 @@ def _device(spec: dict) -> torch.device:
     return torch.device("cpu")
 
 
-class _Planned:
-    """The llmmem plan of a strategy with ``checkpoint='plan'``: its budget is ``fraction`` of the
-    fp32 baseline's measured activation memory, for the whole step. The blocks' chain gets that budget
-    less what the rest of the step (embedding, head, loss) needs, measured as the baseline's activation
-    memory minus the chain's own no-checkpoint peak from the profile."""
+def _whole_model_planner() -> bool:
+    """Whether this llmmem's auto_checkpoint plans a whole model (``sample=``) with a budget on the
+    step's activation peak; older ones plan a bare chain of blocks only."""
+    return "sample" in inspect.signature(llmmem.auto_checkpoint).parameters
 
-    def __init__(self, model: GPT, strategy: Strategy, device, baseline_act: int, sample_x, repeats: int = 5) -> None:
-        from llmmem.checkpointing import plan_checkpoints
 
-        self.model, self.strategy, self.device = model, strategy, device
-        self.blocks = [model.blocks[i] for i in range(len(model.blocks))]
-        t0 = time.perf_counter()
-        x0 = model.embed(sample_x).detach()
-        fp32 = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=repeats)
-        self.outside = max(0, baseline_act - fp32.no_checkpoint_peak_bytes)
-        if strategy.amp != "none":
-            with amp_context(strategy.amp, device):
-                self.profile = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=repeats).profile
-        else:
-            self.profile = fp32.profile
-        self.batch = sample_x.shape[0]
-        self.profile_seconds = time.perf_counter() - t0
-        self.total_budget = int(strategy.budget_fraction * baseline_act)
-        self.chain_budget = self.total_budget - self.outside
+class _PlannedModel:
+    """The llmmem plan of a strategy with ``checkpoint='plan'``: ``llmmem.auto_checkpoint`` on the
+    whole model with a budget on the step's activation peak. The planner measures the rest of the
+    step (embedding, head, loss) itself on a sample step: forward and backward of a batch drawn apart
+    from the training batches, in the strategy's precision."""
+
+    def __init__(self, model: GPT, strategy: Strategy, device, repeats: int) -> None:
+        self.model, self.strategy, self.device, self.repeats = model, strategy, device, repeats
         self.plan = None
+        self.budget = None
+        self.planning_seconds = 0.0
 
-    def install(self, chain_budget: int, batch: int) -> None:
-        """Plan the chain for ``chain_budget`` bytes at ``batch`` and run the blocks by the plan.
-        Raises llmmem.InfeasibleError when no plan fits."""
-        profile = self.profile if batch == self.batch else _scaled_profile(self.profile, batch / self.batch)
-        module = llmmem.auto_checkpoint(self.blocks, None, budget=max(1, int(chain_budget)), profile=profile)
-        self.model.blocks = module
-        self.plan = module.plan
+    def install(self, budget: int, x, y) -> None:
+        """Plan for ``budget`` bytes of activation peak on a sample step with batch ``(x, y)`` and run
+        the blocks by the plan. Raises llmmem.InfeasibleError when no plan fits."""
+        if self.plan is not None:
+            self.plan.remove()
+            self.plan = None
+        model, amp = self.model, self.strategy.amp
+
+        def sample_step():
+            with amp_context(amp, self.device):
+                _, loss = model(x, y)
+            loss.backward()
+
+        t0 = time.perf_counter()
+        try:
+            # under autocast, so that the blocks are profiled in the precision they train in
+            with amp_context(amp, self.device):
+                self.plan = llmmem.auto_checkpoint(
+                    model, budget=max(1, int(budget)), sample=sample_step, repeats=self.repeats
+                )
+        finally:
+            for p in model.parameters():  # the sample step's gradients are not the training's
+                if p.grad is not None:
+                    p.grad.zero_()
+        self.planning_seconds = time.perf_counter() - t0
+        self.budget = int(budget)
+
+    def least_budget_per_sample(self, batch: int) -> float:
+        return self.plan.min_budget_bytes / batch
 
     def describe(self) -> dict:
         return {
-            "budget_bytes": self.total_budget,
-            "outside_chain_bytes": self.outside,
-            "chain_budget_bytes": self.chain_budget,
-            "predicted_chain_peak_bytes": self.plan.predicted_peak_bytes if self.plan else None,
-            "least_chain_budget_bytes": self.plan.min_budget_bytes if self.plan else None,
-            "profile_seconds": self.profile_seconds,
+            "budget_bytes": self.budget,
+            "predicted_peak_bytes": self.plan.predicted_peak_bytes if self.plan else None,
+            "least_budget_bytes": self.plan.min_budget_bytes if self.plan else None,
+            "planning_seconds": self.planning_seconds,
             "describe": self.plan.describe() if self.plan else None,
         }
+
+
+class _PlannedChain(_PlannedModel):
+    """The same with an llmmem whose planner takes a bare chain of blocks: the chain gets the budget
+    less what the rest of the step needs, taken as the baseline's activation memory less the chain's
+    own no-checkpoint peak from the profile, in proportion to the batch."""
+
+    def __init__(self, model: GPT, strategy: Strategy, device, repeats: int, baseline_act: int) -> None:
+        super().__init__(model, strategy, device, repeats)
+        self.blocks = [model.blocks[i] for i in range(len(model.blocks))]
+        self.baseline_act = baseline_act
+        self.profile = self.outside = self.batch = None
+
+    def _profile(self, x) -> None:
+        from llmmem.checkpointing import plan_checkpoints
+
+        x0 = self.model.embed(x).detach()
+        fp32 = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=self.repeats)
+        self.outside = max(0, self.baseline_act - fp32.no_checkpoint_peak_bytes)
+        if self.strategy.amp != "none":
+            with amp_context(self.strategy.amp, self.device):
+                self.profile = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=self.repeats).profile
+        else:
+            self.profile = fp32.profile
+        self.batch = x.shape[0]
+
+    def install(self, budget: int, x, y) -> None:
+        t0 = time.perf_counter()
+        if self.profile is None:
+            self._profile(x)
+        b = x.shape[0]
+        profile = self.profile if b == self.batch else _scaled_profile(self.profile, b / self.batch)
+        chain_budget = budget - self.outside * b // self.batch
+        module = llmmem.auto_checkpoint(self.blocks, None, budget=max(1, int(chain_budget)), profile=profile)
+        self.model.blocks = module
+        self.plan = module.plan
+        self.planning_seconds = time.perf_counter() - t0
+        self.budget = int(budget)
+
+    def least_budget_per_sample(self, batch: int) -> float:
+        return (self.outside + self.plan.min_budget_bytes) / batch
+
+    def describe(self) -> dict:
+        return dict(super().describe(), outside_chain_bytes=self.outside)
 
 
 def run_single(spec: dict) -> dict:
@@ -221,20 +278,20 @@ def run_single(spec: dict) -> dict:
     result = _header(spec, strategy, device, model.num_parameters(), model.num_parameters())
     planned = None
     if strategy.checkpoint == "plan":
-        sample_x, _ = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()
-        planned = _Planned(
-            model,
-            strategy,
-            device,
-            int(spec["baseline_activation_bytes"]),
-            sample_x.to(device),
-            repeats=int(spec.get("profile_repeats", 5)),
-        )
+        repeats = int(spec.get("profile_repeats", 3))
+        if _whole_model_planner():
+            planned = _PlannedModel(model, strategy, device, repeats)
+        else:
+            planned = _PlannedChain(model, strategy, device, repeats, int(spec["baseline_activation_bytes"]))
+        sample_x, sample_y = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()
+        budget = int(strategy.budget_fraction * spec["baseline_activation_bytes"])
         try:
-            planned.install(planned.chain_budget, batch)
+            planned.install(budget, sample_x.to(device), sample_y.to(device))
         except llmmem.InfeasibleError as exc:
+            # a result, not a failure: the planner says what the least feasible budget is
             result["error"] = f"infeasible: {exc}"
-            result["plan"] = planned.describe()
+            result["infeasible"] = True
+            result["plan"] = {"budget_bytes": budget}
             return result
     else:
         checkpoint_every_block(model.blocks, strategy.checkpoint)
@@ -252,24 +309,23 @@ def run_single(spec: dict) -> dict:
     trial_sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 2)
 
     def peak_at(b: int) -> int | None:
+        x, y = trial_sampler.next_batch(b)
+        x, y = x.to(device), y.to(device)
         if planned is not None:
-            # at a larger batch the planner is given the baseline's whole memory: the peak it may use
-            # is the cap less this strategy's own state, less what the rest of the step needs
-            start = result["start_bytes"]
+            # at a larger batch the planner is given the baseline's whole memory: the activation peak
+            # it may use is the cap less this strategy's parameters, gradients, optimizer state and batch
             try:
-                planned.install(cap - start - planned.outside * b // batch, b)
+                planned.install(cap - result["start_bytes"], x, y)
             except llmmem.InfeasibleError:
                 return None  # no plan fits: counts as not fitting
-        x, y = trial_sampler.next_batch(b)
-        return measure.measured_step(trainer, x.to(device), y.to(device), device)["peak_bytes"]
+        return measure.measured_step(trainer, x, y, device)["peak_bytes"]
 
     first = None
     if planned is not None:
         # A plan uses the budget it is given, so its peak is not linear in the batch: start from the
         # batch at which the planner's least feasible budget (proportional to the batch) reaches the
-        # cap, then bisect.
-        per_sample = (planned.outside + planned.plan.min_budget_bytes) / batch
-        first = int((cap - result["start_bytes"]) // per_sample) if per_sample > 0 else None
+        # cap, then its neighbour, then bisect.
+        first = int((cap - result["start_bytes"]) // planned.least_budget_per_sample(batch))
     result["search"] = measure.search_largest(
         peak_at,
         start=batch,
@@ -280,9 +336,6 @@ def run_single(spec: dict) -> dict:
         first=first,
         linear=planned is None,
     )
-    if planned is not None:
-        planned.install(planned.chain_budget, batch)  # the row's own plan, for the record
-        result["plan"] = planned.describe()
     return result
 
 

@@ -72,9 +72,10 @@ def test_plan_row_has_a_budget_and_trains_exactly(baseline, tmp_path):
     assert row["losses"] == baseline["losses"]
     plan = row["plan"]
     assert plan["budget_bytes"] == int(0.5 * baseline["activation_bytes"])
-    assert plan["chain_budget_bytes"] == plan["budget_bytes"] - plan["outside_chain_bytes"]
-    assert "budget" in plan["describe"]
+    assert plan["least_budget_bytes"] <= plan["budget_bytes"] and "budget" in plan["describe"]
     assert row["activation_bytes"] < baseline["activation_bytes"]
+    s = row["search"]  # the planner, given the baseline's memory, fits a larger batch
+    assert s["largest"] is not None and s["largest"] > 2
 
 
 def test_mixed_precision_rows(baseline, tmp_path):
@@ -88,7 +89,7 @@ def test_mixed_precision_rows(baseline, tmp_path):
 def test_infeasible_plan_is_a_row_error_not_a_crash(baseline, tmp_path):
     # a budget far below what one block needs: the row says what the least feasible budget is
     row = run_strategy(_spec("plan-25", dict(baseline, activation_bytes=1000)), str(tmp_path), timeout=300)
-    assert row["error"] and "infeasible" in row["error"] and "smallest feasible budget" in row["error"]
+    assert row["infeasible"] and "smallest feasible budget" in row["error"]
 
 
 @pytest.mark.distributed
