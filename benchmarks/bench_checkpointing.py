@@ -22,7 +22,15 @@ modelled, not measured; on CUDA the bandwidth is measured and the step time incl
 Part 2, planner solve time for L = 32, 96, 256 blocks at 500 and 2000 slots (heterogeneous random
 chains and identical blocks; heterogeneous L = 256 runs at 500 slots only, and not with --quick).
 
+Part 3 (--hf llama,gpt2): llmmem.auto_checkpoint(model, budget, sample=batch) on Hugging Face Llama
+and GPT-2 built from small configs (random weights, dropout on), sdpa and eager attention, budgets
+50% and 25%: predicted and measured peak and held bytes (ActivationMeter: exact tensor bytes of the
+step beyond parameters and their gradients; on CUDA also the allocator's peak), predicted recompute
+overhead against the measured one (median of interleaved steps of the planned model and an identical
+unplanned copy), and the planning time in training steps.
+
 python benchmarks/run.py --only checkpoint [--quick] [--device cuda]
+python benchmarks/bench_checkpointing.py --hf llama,gpt2 --skip-chain --skip-solver [--device cuda]
 python benchmarks/bench_checkpointing.py --device cuda --preset 1b --skip-solver   (the large-GPU check)
 On CUDA the "alloc MiB" column is torch.cuda.max_memory_allocated during the step beyond the
 parameters and their gradients, to compare with the plan's predicted peak.
@@ -145,11 +153,11 @@ def bench_chain(args, device) -> dict:
     print(
         "profile of block 0 (ms): "
         + ", ".join(
-            f"{m} fwd {1e3 * prof.fwd_time[0][k]:.2f} bwd {1e3 * prof.bwd_time[0][k]:.2f} kept "
-            f"{prof.saved_bytes[0][k] / MiB:.2f} MiB"
+            f"{m} fwd {1e3 * prof.time_unit * prof.fwd_time[0][k]:.2f} bwd "
+            f"{1e3 * prof.time_unit * prof.bwd_time[0][k]:.2f} kept {prof.saved_bytes[0][k] / MiB:.2f} MiB"
             for k, m in enumerate(prof.modes)
         )
-        + f"; in a region: forward/recompute {1e3 * prof.fwd_nostore_time[0]:.2f}"
+        + f"; in a region: forward/recompute {1e3 * prof.time_unit * prof.fwd_nostore_time[0]:.2f}"
     )
     chain = prof.to_chain()
     no_ckpt = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
@@ -418,6 +426,189 @@ def bench_solver(args) -> list:
     return out
 
 
+def _hf_model(kind: str, attn: str, args):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=args.hf_vocab,
+            hidden_size=args.hidden,
+            intermediate_size=(8 * args.hidden) // 3,
+            num_hidden_layers=args.layers or 8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=args.seq,
+            attention_dropout=0.1,
+            attn_implementation=attn,
+        )
+        return transformers.LlamaForCausalLM(cfg).train()
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=args.hf_vocab,
+            n_embd=args.hidden,
+            n_layer=args.layers or 8,
+            n_head=4,
+            n_positions=args.seq,
+            attn_implementation=attn,
+        )
+        return transformers.GPT2LMHeadModel(cfg).train()
+    raise ValueError(f"--hf: unknown model {kind!r} (llama, gpt2)")
+
+
+def _hf_step(model, batch, seed=3):
+    def step():
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+
+    return step
+
+
+def _hf_memory(model, step, device):
+    """(peak, held when the backward starts, allocator peak or None): activation bytes of a step."""
+    from llmmem.checkpointing import ActivationMeter
+
+    for p in model.parameters():
+        p.grad = None
+    alloc = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    with ActivationMeter(list(model.parameters()), device=device) as meter:
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+        alloc = torch.cuda.max_memory_allocated() - base - grads  # gradients: not activations (upper bound)
+    return meter.peak, meter.marks["backward"][0], alloc
+
+
+def _paired_times(steps: dict, device, rounds: int) -> dict:
+    """(median, least) seconds of each step, in rounds of shuffled order (a shared machine's load
+    drifts; other work only slows a step down, so the least is the step's own cost)."""
+    import statistics
+    import time
+
+    for step in steps.values():
+        step()
+    samples = {k: [] for k in steps}
+    order = list(steps.items())
+    shuffler = random.Random(0)
+    for _ in range(rounds):
+        shuffler.shuffle(order)
+        for key, step in order:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples[key].append(time.perf_counter() - t0)
+    return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
+
+
+def bench_hf(args, device) -> list:
+    import copy
+    import warnings
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bench_checkpointing --hf: transformers is not installed; skipped")
+        return []
+    warnings.filterwarnings("ignore", message=".*caching is incompatible.*")
+    rounds = 8 if args.quick else 30
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.hf_vocab, (args.batch, args.seq), generator=g).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    rows, out = [], []
+    for kind in args.hf.split(","):
+        for attn in ("sdpa", "eager"):
+            model = _hf_model(kind, attn, args).to(device)
+            ref = copy.deepcopy(model)
+            ref_peak, _, ref_alloc = _hf_memory(ref, _hf_step(ref, batch), device)
+            for budget in (0.5, 0.25):
+                plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch, repeats=args.hf_repeats)
+                peak, held, alloc = _hf_memory(model, _hf_step(model, batch), device)
+                for m in (model, ref):
+                    for p in m.parameters():
+                        p.grad = None
+                times = _paired_times({"plan": _hf_step(model, batch), "none": _hf_step(ref, batch)}, device, rounds)
+                (plan_median, plan_least), (none_median, none_least) = times["plan"], times["none"]
+                measured = plan_least / none_least - 1.0
+                measured_median = plan_median / none_median - 1.0
+                predicted = plan.predicted_overhead_time / none_least
+                record = {
+                    "model": kind,
+                    "attention": attn,
+                    "budget": budget,
+                    "budget_bytes": plan.budget_bytes,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes,
+                    "measured_peak_bytes": peak,
+                    "allocator_peak_bytes": alloc,
+                    "predicted_held_bytes": plan.predicted_held_bytes,
+                    "measured_held_bytes": held,
+                    "no_checkpoint_peak_predicted": plan.no_checkpoint_peak_bytes,
+                    "no_checkpoint_peak_measured": ref_peak,
+                    "no_checkpoint_allocator_peak": ref_alloc,
+                    "predicted_overhead_s": plan.predicted_overhead_time,
+                    "measured_overhead_s": plan_least - none_least,
+                    "step_s": none_least,
+                    "step_median_s": none_median,
+                    "predicted_overhead": predicted,
+                    "measured_overhead": measured,
+                    "measured_overhead_median": measured_median,
+                    "planning_s": plan.planning_time,
+                    "planning_steps": plan.planning_time / none_median,
+                    "regions": plan.regions,
+                    "modes": plan.modes,
+                }
+                out.append(record)
+                error = predicted / measured - 1.0 if measured > 0 else float("nan")
+                rows.append(
+                    [
+                        kind,
+                        attn,
+                        f"{100 * budget:.0f}%",
+                        f"{plan.budget_bytes / MiB:.3f}",
+                        f"{plan.predicted_peak_bytes / MiB:.3f}",
+                        f"{peak / MiB:.3f}" + (f" / {alloc / MiB:.3f}" if alloc is not None else ""),
+                        "yes" if peak <= plan.budget_bytes else "NO",
+                        f"{100 * (held / plan.predicted_held_bytes - 1):+.1f}%",
+                        f"{100 * predicted:+.1f}%",
+                        f"{100 * measured:+.1f}% ({100 * measured_median:+.0f}%)",
+                        f"{100 * error:+.0f}%",
+                        f"{plan.planning_time / none_median:.1f}",
+                    ]
+                )
+                plan.remove()
+    _harness.print_table(
+        f"auto_checkpoint on Hugging Face models ({device.type}, {torch.get_num_threads()} torch threads; hidden "
+        f"{args.hidden}, {args.layers or 8} layers, seq {args.seq}, batch {args.batch}, vocab {args.hf_vocab}; "
+        f"least (median) of {rounds} interleaved steps)\n"
+        "  peaks: activation bytes of a step beyond parameters and their gradients (measured: exact tensor bytes"
+        + (" / allocator" if device.type == "cuda" else "")
+        + "); held: at the start of the backward; overhead: step time over the unplanned model's",
+        [
+            "model",
+            "attention",
+            "budget",
+            "budget MiB",
+            "pred. peak",
+            "meas. peak",
+            "fits",
+            "held vs pred.",
+            "pred. overhead",
+            "meas. overhead (median)",
+            "pred. error",
+            "planning (steps)",
+        ],
+        rows,
+    )
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -434,6 +625,13 @@ def main(argv=None) -> int:
         help="torch CPU threads (default 1: steadier timings on a shared machine; 0 = torch's choice)",
     )
     parser.add_argument("--skip-chain", action="store_true")
+    parser.add_argument(
+        "--hf", default=None, help="comma-separated Hugging Face models for part 3: llama, gpt2 (needs transformers)"
+    )
+    parser.add_argument("--hf-vocab", type=int, default=1024, help="vocabulary of the --hf models (default 1024)")
+    parser.add_argument(
+        "--hf-repeats", type=int, default=3, help="auto_checkpoint(repeats=): timed rounds per mode (default 3)"
+    )
     parser.add_argument("--skip-solver", action="store_true")
     parser.add_argument(
         "--preset",
@@ -455,6 +653,8 @@ def main(argv=None) -> int:
         payload["chain"] = bench_chain(args, device)
     if not args.skip_solver:
         payload["solver"] = bench_solver(args)
+    if args.hf:
+        payload["hf"] = bench_hf(args, device)
     path = _harness.write_json("checkpoint", payload, args.json)
     print(f"\nwrote {path}")
     return 0

@@ -26,7 +26,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 step build 120 env MAX_JOBS=16 "$PY" setup.py -q build_ext --inplace -j 16
 step info 30 env PYTHONPATH="$PWD" "$PY" -m llmmem info
 step tests 150 env PYTHONPATH="$PWD" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests
-step bench 180 env PYTHONPATH="$PWD" "$PY" benchmarks/run.py --device cuda --quick
+step bench 150 env PYTHONPATH="$PWD" "$PY" benchmarks/run.py --device cuda --quick
+# auto_checkpoint on Hugging Face Llama and GPT-2 (skips itself when transformers is missing)
+step hf_planner 30 env PYTHONPATH="$PWD" "$PY" benchmarks/bench_checkpointing.py --device cuda --hf llama,gpt2 \
+  --skip-chain --skip-solver --quick --json "$OUT_DIR/checkpoint_hf.json"
 cp benchmarks/results/*.json "$OUT_DIR"/ 2>/dev/null || true
 
 echo

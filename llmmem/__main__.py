@@ -15,6 +15,7 @@ import sys
 _SUBCOMMANDS = {
     "info": "llmmem.diagnostics.info",
     "estimate": "llmmem.estimation.cli",
+    "profile": "llmmem.diagnostics.profile_cli",
     "compare": "llmmem.compare.cli",
 }
 

@@ -105,11 +105,14 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->bw = chain->host_bandwidth;
   for (int32_t k = 0; k < K; k++) out->nest[k] = chain->mode_nestable ? chain->mode_nestable[k] : (uint8_t)(k == 0);
 
+  /* No recompute holds the last block or a_L, so the fast path needs only blocks 0..L-2 and
+   * a_0..a_{L-1} alike: the last block may differ (a model's head and loss, from the Python side). */
+  const int32_t Lr = L - 1;
   int same_x = 1;
-  for (int32_t i = 1; i <= L; i++) same_x &= out->x[i] == out->x[0];
-  out->identical = same_x && all_rows_equal_d(out->f, L, K) && all_rows_equal_d(out->fn, L, 1) &&
-                   all_rows_equal_d(out->b, L, K) && all_rows_equal_u(out->s, L, K) &&
-                   all_rows_equal_u(out->ft, L, 1) && all_rows_equal_u(out->bt, L, K);
+  for (int32_t i = 1; i < L; i++) same_x &= out->x[i] == out->x[0];
+  out->identical = same_x && all_rows_equal_d(out->f, Lr, K) && all_rows_equal_d(out->fn, Lr, 1) &&
+                   all_rows_equal_d(out->b, Lr, K) && all_rows_equal_u(out->s, Lr, K) &&
+                   all_rows_equal_u(out->ft, Lr, 1) && all_rows_equal_u(out->bt, Lr, K);
   /* (kept is not part of it: it only matters in the top-level rows, which are per block anyway) */
   return LLMMEM_OK;
 }

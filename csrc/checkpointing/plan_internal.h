@@ -23,7 +23,7 @@ typedef struct plan_costs_s {
   uint8_t *kept; /* [i*K+k] block i's tape in mode k keeps a_{i+1} */
   double bw;     /* host<->device bytes per time unit; 0: no offloading */
   uint8_t nest[LLMMEM_PLAN_MAX_MODES];
-  int identical; /* 1 when every block has the same costs and every a_i the same size */
+  int identical; /* 1 when blocks 0..L-2 have the same costs and a_0..a_{L-1} the same size (chain.c) */
 } plan_costs_t;
 
 /* Checks every field (names the bad one in the error detail) and copies it into *out. */

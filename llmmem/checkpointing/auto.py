@@ -1,15 +1,22 @@
-"""``auto_checkpoint``: profile a chain of blocks, plan it for a budget and run the plan."""
+"""``auto_checkpoint``: profile a model's chain of blocks, plan it for a budget on the step's peak
+memory, and run the plan, in place (:class:`AutoCheckpointPlan`, :mod:`llmmem.checkpointing.inplace`)
+or, for a bare chain, as a module that runs the chain itself (:class:`AutoCheckpointed`)."""
 
 from __future__ import annotations
 
+import time
+
+import torch
 import torch.nn as nn
 
 from llmmem.checkpointing.core import checkpoint
+from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpointing_flags_off, restore_flags
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, run_mode
+from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
+from llmmem.units import format_bytes
 
-__all__ = ["auto_checkpoint", "AutoCheckpointed"]
+__all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
 
 
 class _Step:
@@ -89,32 +96,239 @@ class AutoCheckpointed(nn.ModuleList):
         return iter([_Step(self, firsts.get(i)) for i in range(len(self))])
 
 
+def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
+    """``(name, blocks)``: the chain of repeated blocks of ``model``.
+
+    ``blocks=None``: the longest ``nn.ModuleList`` or ``nn.Sequential`` whose children (at least two)
+    are all of one class, the first found (outermost) on a tie (a transformer's layers). Or name it:
+    a dotted path (``"model.layers"``), the container itself, or a list of ``model``'s submodules.
+    """
+    if blocks is None:
+        best = None
+        for name, m in model.named_modules():
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and len({type(c) for c in m}) == 1:
+                if best is None or len(m) > len(best[1]):
+                    best = (name, list(m))
+        if best is None:
+            raise ValueError(
+                f"auto_checkpoint: found no nn.ModuleList or nn.Sequential of two or more blocks of one class in "
+                f"{type(model).__name__}; name the blocks with blocks= (a path such as 'model.layers', or the modules)"
+            )
+        return best
+    if isinstance(blocks, str):
+        try:
+            container = model.get_submodule(blocks)
+        except AttributeError as e:
+            raise ValueError(
+                f"auto_checkpoint: blocks={blocks!r} is not a submodule of {type(model).__name__} ({e})"
+            ) from None
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise ValueError(
+                f"auto_checkpoint: blocks={blocks!r} is a {type(container).__name__}; expected a non-empty "
+                "nn.ModuleList or nn.Sequential"
+            )
+        return blocks, list(container)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential, list, tuple)):
+        found = list(blocks)
+        if not found or not all(isinstance(b, nn.Module) for b in found):
+            raise TypeError("auto_checkpoint: blocks must hold one or more nn.Module")
+        names = {id(m): n for n, m in model.named_modules()}
+        name = names.get(id(blocks))
+        outside = [i for i, b in enumerate(found) if id(b) not in names]
+        if outside:
+            raise ValueError(f"auto_checkpoint: blocks[{outside[0]}] is not a submodule of {type(model).__name__}")
+        return (name if name is not None else f"{len(found)} blocks"), found
+    raise TypeError(
+        f"auto_checkpoint: blocks must be None, a dotted submodule path, an nn.ModuleList/nn.Sequential or a list "
+        f"of modules, got {type(blocks).__name__}"
+    )
+
+
+class AutoCheckpointPlan:
+    """A plan running in place on a model's blocks (what :func:`auto_checkpoint` returns for a model).
+
+    ``print(plan.describe())`` shows the budget, the predicted peak, the bytes held when the
+    backward starts and the recompute time; the attributes of the
+    :class:`~llmmem.checkpointing.plan.CheckpointPlan` (``modes``, ``regions``,
+    ``predicted_peak_bytes``, ...) are readable here too. :meth:`remove` gives the blocks their own
+    ``forward`` back (``with llmmem.auto_checkpoint(...):`` removes it on exit). ``planning_time`` is
+    the seconds profiling and solving took.
+    """
+
+    def __init__(self, model: nn.Module, name: str, runner: ChainRunner, plan: CheckpointPlan, planning_time: float):
+        self.model = model
+        self.blocks_name = name
+        self.runner = runner
+        self.plan = plan
+        self.planning_time = planning_time
+
+    @property
+    def active(self) -> bool:
+        return self.runner.active
+
+    @property
+    def profile(self) -> ChainProfile:
+        return self.plan.profile
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name in ("plan", "runner"):
+            raise AttributeError(name)
+        return getattr(self.plan, name)
+
+    def remove(self) -> None:
+        """Undo: every block runs its own ``forward`` again (idempotent)."""
+        self.runner.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False
+
+    def describe(self) -> str:
+        blocks = self.runner.blocks
+        kinds = sorted({type(b).__name__ for b in blocks})
+        state = "" if self.active else " (removed)"
+        head = [
+            f"llmmem.auto_checkpoint on {type(self.model).__name__}: {len(blocks)} blocks "
+            f"({', '.join(kinds)}) at {self.blocks_name!r}{state}; planned in {self.planning_time:.2f} s",
+        ]
+        if not self.plan.profile.chainable:
+            head.append(
+                "  (the model changes a block's input between blocks: regions hold one block each, store-input-only)"
+            )
+        return "\n".join(head) + "\n" + self.plan.describe()
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return (
+            f"<AutoCheckpointPlan {type(self.model).__name__}.{self.blocks_name}: budget "
+            f"{format_bytes(self.plan.budget_bytes)}, predicted peak {format_bytes(self.plan.predicted_peak_bytes)}"
+            f"{'' if self.active else ', removed'}>"
+        )
+
+
 def auto_checkpoint(
-    blocks,
-    sample_input,
+    model,
+    sample_input=None,
     budget=0.5,
     *,
+    sample=None,
+    blocks=None,
     slots: int = DEFAULT_SLOTS,
     profile: ChainProfile | None = None,
     offload: bool = False,
     host_bandwidth: float | None = None,
+    repeats: int = 3,
     **options,
-) -> AutoCheckpointed:
-    """Profile ``blocks``, plan them for ``budget`` and return a module that runs the plan.
+):
+    """Plan activation checkpointing for a memory budget and run it.
 
-    ``model.layers = llmmem.auto_checkpoint(model.layers, x0, budget="6GB")``: the result is an
-    ``nn.ModuleList`` of the same blocks (same parameters and state_dict keys). ``budget`` is
-    bytes, a string like ``"6GB"``, or a fraction of the activation memory without checkpointing.
-    ``offload=True`` lets the planner keep some regions' inputs in host memory (those in
-    ``.plan.offloaded`` run as ``llmmem.checkpoint(offload=True)``); ``host_bandwidth`` as in
-    :func:`plan_checkpoints`. ``options`` are passed to :func:`llmmem.checkpoint` for every region
-    (``preserve_rng_state``, ``determinism_check``, ...). The plan is in ``.plan``
-    (``print(module.plan.describe())``).
+    **A whole model** (``plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch)``): finds
+    the chain of repeated blocks (see :func:`find_blocks`; ``blocks=`` names it), runs one real
+    training step on ``sample`` to record how the model calls each block (every positional and
+    keyword argument) and what the rest of the step holds, profiles the blocks (one per class and
+    call signature), plans, and gives each block an instance-level ``forward`` that runs the plan:
+    the model's own forward, slicing of its block list, ``state_dict`` keys, ``named_modules`` and
+    ``.to()`` are unchanged. Returns an :class:`AutoCheckpointPlan` (``print(plan.describe())``,
+    ``plan.remove()``).
 
-    Raises :class:`llmmem.InfeasibleError` (a ``ValueError``) stating the smallest feasible budget.
+    ``sample`` is what a training step gets: a batch (a tensor for ``model(x)``, a tuple for
+    ``model(*sample)``, a dict for ``model(**sample)``; the loss is the output's ``.loss`` or a
+    scalar output, else the sum of the first floating-point output) or a callable that runs one
+    training step (called once: its side effects, such as an optimizer step, happen).
+
+    **A bare chain** (``model.blocks = llmmem.auto_checkpoint(model.blocks, x0, budget="6GB")``,
+    blocks taking one tensor each): returns an :class:`AutoCheckpointed` module list that runs the
+    plan when called on the chain input or iterated by the model's loop.
+
+    :param budget: the **peak** activation memory of a training step: bytes, a string like
+        ``"6GB"``, or a fraction in (0, 1] of that peak without checkpointing (measured on the
+        sample step for a model; the planner's model of it for a bare chain). Activation memory is
+        what the step allocates beyond the parameters, their gradients and the batch: what is kept
+        for backward and every temporary of the forward and the backward.
+    :param slots, offload, host_bandwidth: as in :func:`llmmem.plan_checkpoints`.
+    :param profile: a :class:`ChainProfile` to plan from instead of profiling (e.g. ``plan.profile``
+        of an earlier call, for another budget).
+    :param repeats: timed repeats (median) that turn the planner's work units into seconds.
+    :param options: for a model: ``preserve_rng_state``, ``determinism_check``, ``early_stop`` (as in
+        :func:`llmmem.checkpoint`); for a bare chain, any :func:`llmmem.checkpoint` option.
+    :raises llmmem.InfeasibleError: (a ``ValueError``) stating the smallest feasible budget.
+
+    Cost: one step of the model (every block checkpointed) under a memory meter, then per distinct
+    block a few forward and backward passes; the solver takes milliseconds for identical blocks.
+    Memory: that step's, then one block's activations at a time. Profile with the batch and
+    sequence length you train with: the costs depend on them.
     """
-    blocks = as_block_list(blocks, "auto_checkpoint")
-    plan = plan_checkpoints(
-        blocks, sample_input, budget, slots=slots, profile=profile, offload=offload, host_bandwidth=host_bandwidth
+    if profile is not None and not isinstance(profile, ChainProfile):
+        raise TypeError(
+            f"auto_checkpoint: profile must be a ChainProfile (from llmmem.profile_blocks or plan.profile) or None, "
+            f"got {type(profile).__name__}"
+        )
+    chain_form = (
+        sample is None
+        and blocks is None
+        and (
+            isinstance(model, (nn.ModuleList, list, tuple))
+            or (isinstance(model, nn.Sequential) and (isinstance(sample_input, torch.Tensor) or profile is not None))
+        )
     )
-    return AutoCheckpointed(blocks, plan, **options)
+    if chain_form:
+        block_list = as_block_list(model, "auto_checkpoint")
+        plan = plan_checkpoints(
+            block_list,
+            sample_input,
+            budget,
+            slots=slots,
+            profile=profile,
+            offload=offload,
+            host_bandwidth=host_bandwidth,
+        )
+        return AutoCheckpointed(block_list, plan, **options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"auto_checkpoint: model must be an nn.Module (or a list of blocks), got {type(model).__name__}"
+        )
+    if sample is not None and sample_input is not None:
+        raise TypeError("auto_checkpoint: give the sample once, as sample=")
+    sample = sample if sample is not None else sample_input
+    unknown = set(options) - set(RUNNER_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"auto_checkpoint: unexpected keyword argument(s) {sorted(unknown)}; a plan on a whole model takes "
+            f"{list(RUNNER_OPTIONS)} as checkpoint options"
+        )
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"auto_checkpoint: repeats must be an int >= 0, got {repeats!r}")
+    name, block_list = find_blocks(model, blocks)
+    for i, b in enumerate(block_list):
+        if "_llmmem_chain" in b.__dict__:
+            raise ValueError(
+                f"auto_checkpoint: block {i} of {name!r} already runs a plan; call .remove() on that plan first"
+            )
+    if profile is None and sample is None:
+        raise TypeError(
+            "auto_checkpoint: sample= is needed to profile the model (a batch, or a callable running one "
+            "training step), or give profile="
+        )
+    if profile is not None and profile.n_blocks != len(block_list):
+        raise ValueError(
+            f"auto_checkpoint: the profile is for {profile.n_blocks} blocks, {name!r} has {len(block_list)}"
+        )
+    start = time.perf_counter()
+    flags = checkpointing_flags_off(block_list)  # the plan takes over from Hugging Face's own checkpointing
+    try:
+        if profile is None:
+            profile = profile_model(model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0)
+        plan = plan_checkpoints(
+            None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
+        )
+        runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags)
+        runner.install()
+    except BaseException:
+        restore_flags(block_list, flags)
+        raise
+    return AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start)

@@ -1,20 +1,24 @@
 """Memory-budgeted activation checkpointing: measure a chain of blocks, plan it in C, run the plan.
 
-* :func:`profile_blocks` measures, per block and per mode, forward and backward times (median of
-  repeats) and the bytes autograd keeps for backward (every storage counted once, parameters and
-  buffers excluded), on the CPU or a CUDA device.
+* :func:`profile_blocks` (and, for a whole model, :func:`llmmem.checkpointing.profile.profile_model`)
+  measures per block and per mode the bytes autograd keeps for backward and the transient peaks of
+  the forward and the backward, exactly, and the work, counted (see :mod:`llmmem.checkpointing.profile`).
 * :func:`plan_checkpoints` hands those costs to the C planner (Rotor's dynamic program,
   csrc/checkpointing/) and returns a :class:`CheckpointPlan`: which blocks run normally, which selectively,
   which inside (nested) checkpointed regions; with its predicted peak, held bytes and time.
-* :func:`auto_checkpoint` does both and returns a module that runs the plan.
+* :func:`llmmem.auto_checkpoint` does both and runs the plan.
 
 Modes of a block: ``"store-all"`` (autograd keeps its tape), ``"selective"`` (keeps matmul and
 attention outputs, recomputes the rest: :mod:`llmmem.checkpointing.selective`), ``"recompute-cheap"`` (keeps the
 tape but rebuilds in backward the tensors one elementwise operator or a LayerNorm makes from kept
 ones, such as GELU outputs and dropped-out attention probabilities: :mod:`llmmem.checkpointing.remat`), and,
-from regions of one block, ``"store-input-only"``. Budgets: bytes (``int``), a string (``"6GB"``,
-``"512MiB"``) or a fraction (``float`` in (0, 1]) of the activation memory of the chain without
-checkpointing.
+from regions of one block, ``"store-input-only"``.
+
+Budgets bound the **peak** of activation memory during a training step (what the step allocates
+beyond the parameters, their gradients and the batch: kept tensors and every temporary of the
+forward and the backward): bytes (``int``), a string (``"6GB"``, ``"512MiB"``) or a fraction
+(``float`` in (0, 1]) of that peak without checkpointing (measured on a whole model; the
+planner's model of it for a chain of blocks).
 
 With ``offload=True`` the planner may also keep the input of a top-level region in host memory
 (``llmmem.checkpoint(offload=True)``): zero device bytes for that input between the region's forward
@@ -46,9 +50,10 @@ DEFAULT_HOST_BANDWIDTH = 25e9
 
 
 def _default_slots(profile) -> int:
-    chain = profile.to_chain()
+    # the C planner's fast path: every block but the last alike (a recompute never holds the last)
+    rows = range(profile.n_blocks - 1)
     identical = all(
-        chain[k][i] == chain[k][0] for k in ("fwd_time", "bwd_time", "saved_bytes") for i in range(profile.n_blocks)
+        getattr(profile, k)[i] == getattr(profile, k)[0] for k in ("fwd_time", "bwd_time", "saved_bytes") for i in rows
     )
     return 2000 if identical or profile.n_blocks <= 32 else 500
 
@@ -67,6 +72,12 @@ class CheckpointPlan:
     offloading, ``predicted_time`` includes ``predicted_transfer_time`` (modelled from
     ``host_bandwidth``, bytes/s), and ``predicted_held_bytes`` counts device bytes only
     (``predicted_host_bytes`` are on the host).
+
+    ``predicted_peak_bytes`` is the activation peak of a step (see the module docstring); on a
+    whole model it includes what the rest of the step holds (``static_bytes``, the head and loss)
+    and the peaks outside the chain (``outside_peak_bytes``). ``predicted_held_bytes`` is what is
+    held when the backward starts. Times are seconds; ``predicted_work`` is what the plan was chosen
+    on (the profile's time units: counted work for :func:`profile_blocks`).
     """
 
     modes: list
@@ -84,6 +95,10 @@ class CheckpointPlan:
     predicted_host_bytes: int = 0
     host_bandwidth: float | None = None
     host_bandwidth_measured: bool = False
+    static_bytes: int = 0
+    outside_peak_bytes: int = 0
+    reference_measured: bool = False
+    predicted_work: float = 0.0  # what the planner minimised, in the profile's time units
 
     @property
     def n_blocks(self) -> int:
@@ -106,26 +121,41 @@ class CheckpointPlan:
     def describe(self) -> str:
         """A readable table of the plan and its predictions."""
         p = self.profile
+        times, unit = (p.seconds, 1e3) if p.seconds else (p.__dict__, 1e3 * p.time_unit)
         rows = [f"{'block':>5}  {'plan':<32} {'fwd ms':>8} {'bwd ms':>8} {'input':>11} {'kept (store-all)':>17}"]
         for i in range(self.n_blocks):
             k = p.modes.index(self.modes[i])
             rows.append(
-                f"{i:>5}  {self.block_label(i):<32} {1e3 * p.fwd_time[i][k]:>8.3f} {1e3 * p.bwd_time[i][k]:>8.3f} "
-                f"{format_bytes(p.input_bytes[i]):>11} {format_bytes(p.saved_bytes[i][0]):>17}"
+                f"{i:>5}  {self.block_label(i):<32} {unit * times['fwd_time'][i][k]:>8.3f} "
+                f"{unit * times['bwd_time'][i][k]:>8.3f} {format_bytes(p.input_bytes[i]):>11} "
+                f"{format_bytes(p.saved_bytes[i][0]):>17}"
             )
         base = self.predicted_time - self.predicted_overhead_time
         what = "recompute and transfers" if self.offloaded else "recompute"
+        reference = "measured" if self.reference_measured else "predicted"
         rows += [
             "",
             f"budget                {format_bytes(self.budget_bytes)}  (least feasible "
-            f"{format_bytes(self.min_budget_bytes)}; no checkpointing needs {format_bytes(self.no_checkpoint_peak_bytes)})",
+            f"{format_bytes(self.min_budget_bytes)}; no checkpointing peaks at "
+            f"{format_bytes(self.no_checkpoint_peak_bytes)}, {reference})",
             f"predicted peak        {format_bytes(self.predicted_peak_bytes)}",
             f"held after forward    {format_bytes(self.predicted_held_bytes)}"
             + (" on the device" if self.offloaded else ""),
-            f"predicted step time   {1e3 * self.predicted_time:.2f} ms  (+{100 * self.predicted_overhead_time / base:.1f}% "
-            f"{what} over no checkpointing)"
-            if base > 0
-            else f"predicted step time   {1e3 * self.predicted_time:.2f} ms",
+        ]
+        if p.head is not None:
+            rows.append(
+                f"outside the blocks    {format_bytes(self.static_bytes)} held throughout, "
+                f"head and loss {format_bytes(p.head['saved_bytes'])} kept + "
+                f"{format_bytes(max(p.head['fwd_tmp_bytes'], p.head['bwd_tmp_bytes']))} transient"
+            )
+        overhead = f"{1e3 * self.predicted_overhead_time:.2f} ms"
+        if p.measured_step_time > 0:
+            overhead += f" (+{100 * self.predicted_overhead_time / p.measured_step_time:.1f}% of the blocks' step"
+            overhead += f", {1e3 * p.measured_step_time:.2f} ms measured)"
+        elif base > 0:
+            overhead += f" (+{100 * self.predicted_overhead_time / base:.1f}% over no checkpointing)"
+        rows += [
+            f"{what + ' time':<22}{overhead}",
             f"regions               {self.regions if self.regions else 'none'}",
         ]
         if self.host_bandwidth is not None:
@@ -210,6 +240,11 @@ def plan_checkpoints(
     """
     if not isinstance(offload, bool):
         raise ValueError(f"plan_checkpoints: offload must be True or False, got {offload!r}")
+    if profile is not None and not isinstance(profile, ChainProfile):
+        raise TypeError(
+            f"plan_checkpoints: profile must be a ChainProfile (from llmmem.profile_blocks) or None, "
+            f"got {type(profile).__name__}"
+        )
     if host_bandwidth is not None:
         if (
             isinstance(host_bandwidth, bool)
@@ -236,13 +271,20 @@ def plan_checkpoints(
     measured = False
     if offload and host_bandwidth is None:
         host_bandwidth, measured = measure_host_bandwidth(profile.device)
-    chain = profile.to_chain(host_bandwidth if offload else 0.0)
-    reference = native.plan_simulate(chain, [0] * profile.n_blocks, [])["peak_bytes"]
+    # The chain's times are in units of profile.time_unit seconds: so is the bandwidth handed over.
+    chain = profile.to_chain(host_bandwidth * profile.time_unit if offload else 0.0)
+    L = profile.n_blocks
+    n = len(chain["fwd_time"])  # L, or L + 1 with the head
+    static, outside = int(profile.static_bytes), int(profile.outside_peak_bytes)
+    plain = native.plan_simulate(chain, [0] * n, [])["peak_bytes"]
+    reference = profile.measured_peak_bytes or max(plain + static, outside)
     budget_bytes = _resolve_budget(budget, reference, "plan_checkpoints")
     try:
-        result = native.plan_solve(chain, budget_bytes, slots, fast_path=fast_path)
+        if budget_bytes < outside or budget_bytes < static:
+            raise InfeasibleError("outside the blocks")
+        result = native.plan_solve(chain, budget_bytes - static, slots, fast_path=fast_path)
     except InfeasibleError:
-        least = native.plan_min_budget(chain)
+        least = max(native.plan_min_budget(chain) + static, outside)
         with_offload = " with offloading" if offload else " (offload=True may lower it)"
         err = InfeasibleError(
             f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); the smallest "
@@ -251,20 +293,38 @@ def plan_checkpoints(
         )
         err.min_budget_bytes = least
         raise err from None
+    regions = [tuple(r) for r in result["regions"]]
+    if any(e > L for _, e in regions):  # pragma: no cover - the head is always the last tape
+        raise RuntimeError(f"plan_checkpoints: the planner put the head in a region {regions} (please report)")
+    offloaded = [tuple(r) for r in result["offloaded"]]
+    if profile.seconds:
+        # chosen on work (the same plan every run), predicted on the measured seconds
+        timed = native.plan_simulate(
+            profile.to_chain(host_bandwidth if offload else 0.0, seconds=True),
+            result["modes"],
+            [r + ((1,) if r in offloaded else ()) for r in regions],
+        )
+        unit = 1.0
+    else:
+        timed, unit = result, profile.time_unit
     return CheckpointPlan(
-        modes=[profile.modes[k] for k in result["modes"]],
-        regions=[tuple(r) for r in result["regions"]],
+        modes=[profile.modes[k] for k in result["modes"][:L]],
+        regions=regions,
         budget_bytes=budget_bytes,
-        min_budget_bytes=result["min_budget_bytes"],
-        predicted_peak_bytes=result["peak_bytes"],
-        predicted_held_bytes=result["held_bytes"],
-        predicted_time=result["time"],
-        predicted_overhead_time=result["overhead_time"],
+        min_budget_bytes=max(result["min_budget_bytes"] + static, outside),
+        predicted_peak_bytes=max(result["peak_bytes"] + static, outside),
+        predicted_held_bytes=result["held_bytes"] + static,
+        predicted_time=timed["time"] * unit,
+        predicted_overhead_time=timed["overhead_time"] * unit,
         no_checkpoint_peak_bytes=reference,
         profile=profile,
-        offloaded=[tuple(r) for r in result["offloaded"]],
-        predicted_transfer_time=result["transfer_time"],
+        offloaded=offloaded,
+        predicted_transfer_time=timed["transfer_time"] * unit,
         predicted_host_bytes=result["host_bytes"],
         host_bandwidth=float(host_bandwidth) if offload else None,
         host_bandwidth_measured=measured,
+        static_bytes=static,
+        outside_peak_bytes=outside,
+        reference_measured=bool(profile.measured_peak_bytes),
+        predicted_work=result["time"],
     )

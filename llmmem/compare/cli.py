@@ -146,8 +146,11 @@ def run_strategy(spec: dict, tmp: str, timeout: float) -> dict:
                 return _failed(spec, (proc.stderr or proc.stdout)[-4000:])
     except subprocess.TimeoutExpired:
         return _failed(spec, f"timed out after {timeout:.0f} s")
-    with open(out_path) as f:
-        return json.load(f)
+    try:
+        with open(out_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:  # a worker that exited 0 without a whole result
+        return _failed(spec, f"no result from the worker: {exc}")
 
 
 def _failed(spec: dict, text: str) -> dict:

@@ -28,6 +28,9 @@ import numbers
 from dataclasses import dataclass, field
 
 MLP_KINDS = ("gelu", "swiglu")
+# The MLP's activation, as implemented: "gelu" (one kernel, torch's exact or tanh GELU), "gelu_new"
+# (the tanh approximation written as elementwise operators, Hugging Face's GPT-2), "relu", "silu".
+ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu")
 NORM_KINDS = ("layernorm", "rmsnorm")
 POSITION_KINDS = ("learned", "rotary")
 ATTENTION_KINDS = ("explicit", "sdpa")
@@ -53,13 +56,18 @@ def choice(value, name: str, choices) -> str:
 class ModelConfig:
     """Dimensions of a decoder-only transformer.
 
-    ``kv_heads`` defaults to ``heads``. ``ffn`` defaults to ``4·hidden`` for a GELU MLP and, for
-    SwiGLU, to LLaMA's rule ``256·ceil((8·hidden/3) / 256)`` (which gives 11008 for hidden 4096
-    and 13824 for 5120). ``dropout`` is the dropout probability used on the attention
-    probabilities, the residual branches and the embeddings (GPT-2: 0.1, LLaMA: 0); it decides
-    whether dropout masks are saved for backward. ``attention`` is how the model computes
-    attention: ``"explicit"`` (scores materialised, as Megatron's formula assumes) or ``"sdpa"``
-    (a fused kernel such as flash attention that keeps no ``s x s`` tensor).
+    ``kv_heads`` defaults to ``heads``, ``head_dim`` to ``hidden / heads``. ``ffn`` defaults to
+    ``4·hidden`` for a GELU MLP and, for SwiGLU, to LLaMA's rule ``256·ceil((8·hidden/3) / 256)``
+    (which gives 11008 for hidden 4096 and 13824 for 5120). ``mlp`` is ``"gelu"`` (two matrices)
+    or ``"swiglu"`` (gated, three); ``activation`` is how its nonlinearity is written (see
+    :data:`ACTIVATIONS`; default ``"gelu"`` resp. ``"silu"``). ``norm`` is ``"layernorm"`` or
+    ``"rmsnorm"``; ``fused_norm`` whether it is one kernel (default: LayerNorm yes, RMSNorm no, as
+    Hugging Face and Meta write it, from elementwise operators that keep more). ``dropout`` is the
+    dropout probability on the residual branches and the embeddings and, unless
+    ``attention_dropout`` says otherwise, on the attention probabilities (GPT-2: 0.1, LLaMA: 0);
+    ``hidden_dropout`` overrides the former. ``attention`` is how the model computes attention:
+    ``"explicit"`` (scores materialised, as Megatron's formula assumes; grouped key/value heads
+    repeated to every head) or ``"sdpa"`` (a fused kernel that keeps no ``s x s`` tensor).
     """
 
     layers: int
@@ -76,6 +84,11 @@ class ModelConfig:
     bias: bool = True
     dropout: float = 0.0
     attention: str = "explicit"
+    activation: str | None = None
+    fused_norm: bool | None = None
+    head_dim: int | None = None
+    attention_dropout: float | None = None
+    hidden_dropout: float | None = None
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -87,8 +100,22 @@ class ModelConfig:
         set_(self, "positions", choice(self.positions, "positions", POSITION_KINDS))
         set_(self, "attention", choice(self.attention, "attention", ATTENTION_KINDS))
         set_(self, "kv_heads", self.heads if self.kv_heads is None else positive_int(self.kv_heads, "kv_heads"))
-        if self.hidden % self.heads:
-            raise ValueError(f"heads: {self.heads} heads do not divide hidden size {self.hidden}")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(f"heads: {self.heads} heads do not divide hidden size {self.hidden}")
+            set_(self, "head_dim", self.hidden // self.heads)
+        else:
+            set_(self, "head_dim", positive_int(self.head_dim, "head_dim"))
+        default_act = "gelu" if self.mlp == "gelu" else "silu"
+        set_(
+            self,
+            "activation",
+            default_act if self.activation is None else choice(self.activation, "activation", ACTIVATIONS),
+        )
+        if self.fused_norm is None:
+            set_(self, "fused_norm", self.norm == "layernorm")
+        elif not isinstance(self.fused_norm, bool):
+            raise ValueError(f"fused_norm: must be True or False, got {self.fused_norm!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} key/value heads do not divide {self.heads} heads")
         if self.ffn is None:
@@ -102,19 +129,16 @@ class ModelConfig:
             or self.max_positions < 0
         ):
             raise ValueError(f"max_positions: must be an integer >= 0, got {self.max_positions!r}")
-        if (
-            isinstance(self.dropout, bool)
-            or not isinstance(self.dropout, numbers.Real)
-            or not 0.0 <= self.dropout < 1.0
-        ):
-            raise ValueError(f"dropout: must be a probability in [0, 1), got {self.dropout!r}")
+        for key in ("dropout", "attention_dropout", "hidden_dropout"):
+            value = getattr(self, key)
+            if key != "dropout" and value is None:
+                set_(self, key, self.dropout)
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{key}: must be a probability in [0, 1), got {value!r}")
         for key in ("tied_embeddings", "bias"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: must be True or False, got {getattr(self, key)!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     # -- parameter counts (elements) -------------------------------------------------------------
     def layer_parameters(self, tensor_parallel: int = 1) -> int:
@@ -125,9 +149,10 @@ class ModelConfig:
         projections row-parallel (weights divided, biases replicated); norms are replicated.
         """
         h, f, t = self.hidden, self.ffn, tensor_parallel
-        qkv_out = h + 2 * self.kv_heads * self.head_dim
+        width = self.heads * self.head_dim  # h unless head_dim is set otherwise
+        qkv_out = width + 2 * self.kv_heads * self.head_dim
         mlp_mats = 2 if self.mlp == "gelu" else 3
-        sharded = h * qkv_out + h * h + mlp_mats * h * f
+        sharded = h * qkv_out + width * h + mlp_mats * h * f
         replicated = 2 * self._norm_parameters()
         if self.bias:
             sharded += qkv_out + (mlp_mats - 1) * f  # column-parallel biases
@@ -153,14 +178,16 @@ class ModelConfig:
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
+        act = "" if self.activation == ("gelu" if self.mlp == "gelu" else "silu") else f", {self.activation}"
         return (
             f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
-            f"ffn {self.ffn} ({self.mlp}), vocab {self.vocab}"
+            f"ffn {self.ffn} ({self.mlp}{act}), vocab {self.vocab}"
         )
 
 
 def _gpt2(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
-    # Radford et al. 2019; Hugging Face config: n_positions 1024, vocab 50257, dropout 0.1 everywhere.
+    # Radford et al. 2019; Hugging Face config: n_positions 1024, vocab 50257, dropout 0.1 everywhere,
+    # activation "gelu_new" (elementwise operators).
     return ModelConfig(
         layers=layers,
         hidden=hidden,
@@ -173,12 +200,14 @@ def _gpt2(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
         max_positions=1024,
         bias=True,
         dropout=0.1,
+        activation="gelu_new",
         name=name,
     )
 
 
 def _llama(layers: int, hidden: int, heads: int, ffn: int, name: str, kv_heads: int | None = None) -> ModelConfig:
-    # Touvron et al. 2023: RMSNorm, SwiGLU, rotary positions, no biases, untied head, no dropout.
+    # Touvron et al. 2023: RMSNorm (unfused, as in Meta's and Hugging Face's code), SwiGLU, rotary
+    # positions, no biases, untied head, no dropout.
     return ModelConfig(
         layers=layers,
         hidden=hidden,
@@ -266,11 +295,12 @@ def from_mapping(mapping, *, strict: bool = True, name: str = "custom") -> Model
 
 
 def resolve(model) -> tuple[ModelConfig, int | None]:
-    """``(config, counted parameters or None)`` for a name, a dict, a dataclass or an ``nn.Module``.
+    """``(config, counted parameters or None)`` for a name, a dict, a dataclass, a Hugging Face
+    config or an ``nn.Module``.
 
     An ``nn.Module`` is recognised without importing torch (only an imported torch can have made
     one); its parameters are counted (shared ones once) and its dimensions read from its ``cfg`` or
-    ``config`` attribute.
+    ``config`` attribute (a Hugging Face config is read for its architecture too).
     """
     if isinstance(model, ModelConfig):
         return model, None
@@ -278,6 +308,8 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
         return lookup(model), None
     if isinstance(model, dict):
         return from_mapping(model), None
+    if is_hf_config(model):  # (before dataclasses: Hugging Face's configs are dataclasses since 5.0)
+        return from_hf_config(model), None
     if dataclasses.is_dataclass(model) and not isinstance(model, type):
         return from_mapping(dataclasses.asdict(model), name=type(model).__name__), None
     import sys
@@ -286,6 +318,8 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
     if torch is not None and isinstance(model, torch.nn.Module):
         counted = sum(p.numel() for p in model.parameters())
         cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+        if is_hf_config(cfg):
+            return from_hf_config(cfg), counted
         if cfg is None:
             raise ValueError(
                 f"model: this {type(model).__name__} has no .cfg or .config attribute with its dimensions; "
@@ -299,5 +333,80 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
             mapping = dict(vars(cfg))
         return from_mapping(mapping, strict=False, name=type(model).__name__), counted
     raise ValueError(
-        f"model: expected a model name, a dict or dataclass of dimensions, or an nn.Module, got {type(model).__name__}"
+        f"model: expected a model name, a dict or dataclass of dimensions, a Hugging Face config or an nn.Module, "
+        f"got {type(model).__name__}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face configs (read without importing transformers)
+
+# activation names in Hugging Face configs -> how the activation is written (ACTIVATIONS)
+_HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu",  # torch's tanh GELU: one kernel
+    "gelu_new": "gelu_new",
+    "gelu_fast": "gelu_new",
+    "quick_gelu": "gelu_new",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+_HF_ATTENTION = {"eager": "explicit"}  # sdpa, flash and flex attention keep no s x s tensor
+
+
+def is_hf_config(obj) -> bool:
+    """A Hugging Face ``PretrainedConfig`` (duck-typed: ``model_type`` and ``to_dict``)."""
+    return obj is not None and hasattr(obj, "model_type") and callable(getattr(obj, "to_dict", None))
+
+
+def from_hf_config(config) -> ModelConfig:
+    """A :class:`ModelConfig` from a Hugging Face config, reading the architecture, not only the sizes:
+    the norm (RMSNorm written from elementwise operators when ``rms_norm_eps`` is set, else
+    LayerNorm), the activation and whether the MLP is gated, grouped key/value heads and
+    ``head_dim``, rotary or learned positions, biases, dropout on attention and on the residual
+    branches, tied embeddings, and the attention implementation (``eager`` materialises the scores;
+    ``sdpa`` and flash attention do not). Multimodal configs are read through their text config.
+    """
+    if callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config()
+    raw = config.to_dict()
+
+    def get(*names, default=None):
+        for n in names:
+            v = getattr(config, n, None)
+            if v is not None:
+                return v
+        return default
+
+    act_name = str(get("hidden_act", "activation_function", default="gelu")).lower()
+    activation = _HF_ACTIVATIONS.get(act_name, "gelu")
+    model_type = str(getattr(config, "model_type", "") or "")
+    gated = activation == "silu" or model_type.startswith("gemma")
+    rms = "rms_norm_eps" in raw or "rms_norm_epsilon" in raw
+    rotary = any(k in raw for k in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct"))
+    hidden_dropout = get("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "dropout", default=0.0)
+    attention_dropout = get("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob", default=0.0)
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"  # HF picks sdpa when none is asked for
+    bias = get("attention_bias", "bias")
+    return ModelConfig(
+        layers=get("num_hidden_layers", "n_layer", "num_layers"),
+        hidden=get("hidden_size", "n_embd", "d_model"),
+        heads=get("num_attention_heads", "n_head"),
+        vocab=get("vocab_size"),
+        kv_heads=get("num_key_value_heads"),
+        ffn=get("intermediate_size", "n_inner", "ffn_dim"),
+        mlp="swiglu" if gated else "gelu",
+        activation=activation,
+        norm="rmsnorm" if rms else "layernorm",
+        tied_embeddings=bool(get("tie_word_embeddings", default=True)),
+        positions="rotary" if rotary else "learned",
+        max_positions=int(get("max_position_embeddings", "n_positions", default=0) or 0),
+        bias=True if bias is None else bool(bias),
+        dropout=float(hidden_dropout or 0.0),
+        hidden_dropout=float(hidden_dropout or 0.0),
+        attention_dropout=float(attention_dropout or 0.0),
+        attention=_HF_ATTENTION.get(impl, "sdpa"),
+        head_dim=get("head_dim"),
+        name=str(getattr(config, "name_or_path", "") or model_type or type(config).__name__),
     )

@@ -262,6 +262,43 @@ int main(void) {
     }
   }
 
+  TEST("identical blocks but a different last block and output (a model's head): fast path equals general DP") {
+    for (int32_t trial = 0; trial < 40; trial++) {
+      const int32_t L = 2 + (int32_t)(th_rand(&rng) % (MAXL - 1)), K = 1 + (int32_t)(th_rand(&rng) % MAXK);
+      chain_buf_t cb, other;
+      random_chain(&cb, L, K, &rng, 1);
+      random_chain(&other, 1, K, &rng, 0);
+      const int32_t last = L - 1;
+      cb.fn[last] = other.fn[0];
+      cb.ft[last] = other.ft[0] + th_rand(&rng) % 8; /* a loss can need more than a layer */
+      for (int32_t k = 0; k < K; k++) {
+        cb.f[last * K + k] = other.f[k], cb.b[last * K + k] = other.b[k];
+        cb.s[last * K + k] = other.s[k], cb.bt[last * K + k] = other.bt[k] + th_rand(&rng) % 8;
+      }
+      cb.x[L] = th_rand(&rng) % 3; /* a scalar loss: as good as nothing */
+      uint64_t least = 0;
+      CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
+      for (uint64_t budget = least; budget < 2 * least + 4; budget += 1 + budget / 8) {
+        llmmem_plan_prediction_t fast, general;
+        CHECK_OK(solve(&cb.chain, budget, (int32_t)budget, 0, &fast, NULL));
+        CHECK_OK(solve(&cb.chain, budget, (int32_t)budget, LLMMEM_PLAN_NO_FAST_PATH, &general, NULL));
+        CHECK(close_enough(fast.time, general.time));
+        CHECK(fast.peak_bytes <= budget && general.peak_bytes <= budget);
+      }
+      if (L <= 5) { /* and both are optimal over every plan */
+        uint64_t budgets[NBUDGETS] = {least, least + 1, least + least / 2, 3 * least};
+        brute_t bf;
+        brute_force(&cb.chain, budgets, &bf);
+        CHECK(least == bf.least_peak);
+        for (int i = 0; i < NBUDGETS; i++) {
+          llmmem_plan_prediction_t p;
+          CHECK_OK(solve(&cb.chain, budgets[i], (int32_t)budgets[i], 0, &p, NULL));
+          CHECK(close_enough(p.time, bf.best_time[i]));
+        }
+      }
+    }
+  }
+
   TEST("few slots: rounding is conservative and solve still succeeds at the least budget") {
     for (int32_t trial = 0; trial < 10; trial++) {
       chain_buf_t cb;

@@ -35,7 +35,7 @@
  *
  * Solving: the Rotor dynamic program over (segment start, segment end, memory slots), with the
  * budget cut into `slots` equal slots and sizes rounded up (so a plan found always fits), plus a
- * fast path when all blocks are identical (tables indexed by segment length only). Time O(K·M·L³)
+ * fast path when all blocks but the last are identical (tables indexed by segment length only). Time O(K·M·L³)
  * in general, O(K·M·L²) for identical blocks; memory O(M·L²) resp. O(M·L) (M slots, K modes).
  * Offloading adds one option per top-level split (O(M·L²) more work, no more memory).
  *

@@ -1,0 +1,445 @@
+"""A checkpointing plan run on blocks that the model's own code calls one at a time.
+
+:func:`llmmem.auto_checkpoint` on a whole model gives each block of the chain an instance-level
+``forward`` (the class, the parameters, ``state_dict`` keys, ``named_modules`` and the model's own
+loop are untouched; :meth:`ChainRunner.remove` takes it away). A block called outside any region
+runs in its mode. The regions of the plan span several blocks, each called separately, with the
+model's code in between; they run as nested non-reentrant checkpoints would:
+
+* forward: entering a region saves its input (through an autograd node, so the enclosing region's
+  hooks, or the offload hooks, decide where it lives); every block inside runs under the hooks of
+  its innermost region, which keep a placeholder instead of each tensor saved for backward. A
+  region's input is such a tensor for the region around it. Each block's call (its other
+  arguments, random state and autocast state) is recorded for the recompute.
+* backward: the first placeholder of a region that autograd needs, once per backward pass, has the
+  region re-run from its input: its blocks one after the other, each fed the previous one's output
+  (valid because the forward checked that each block got exactly that), their saved tensors handed
+  to the placeholders, the blocks inside a nested region run only to get its input and keep
+  nothing. The re-run stops once every placeholder is filled.
+
+If the model feeds a block something other than the previous block's output in the middle of a
+region, the region cannot be re-run: from that block on, until the region ends, each block is
+checkpointed alone (a warning says so once); gradients stay exact, memory is then not the plan's.
+
+A recompute must not write a key/value cache a second time: while gradients are on, every planned
+block gets ``use_cache=False`` and no cache, as Hugging Face's ``GradientCheckpointingLayer`` does for
+the layers it checkpoints (with gradients off, for generation, blocks run as they are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+import warnings
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from llmmem.checkpointing.errors import CheckpointError
+from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
+from llmmem.checkpointing.profile import find_hidden, hidden_of, run_call, without_cache
+from llmmem.checkpointing.replay import RngState, accelerator_type, autocast_state
+
+__all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "restore_flags"]
+
+# llmmem.checkpoint options a plan on a whole model can take
+RUNNER_OPTIONS = ("preserve_rng_state", "determinism_check", "early_stop")
+
+
+class _Keep(torch.autograd.Function):
+    """Saves a region's input through the active saved-tensor hooks; its output is never differentiated."""
+
+    @staticmethod
+    def forward(ctx, anchor, tensor):
+        ctx.save_for_backward(tensor)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, *grads):  # pragma: no cover - the output is never used
+        raise RuntimeError("llmmem.auto_checkpoint: internal node was differentiated (please report)")
+
+
+class _Stop(Exception):
+    """Raised inside a region's re-run once every placeholder of the region is filled."""
+
+
+class _Ticket:
+    __slots__ = ("__weakref__",)
+
+
+class _Slot:
+    """What a block inside a region saves instead of a tensor: per backward pass, its value's ticket."""
+
+    __slots__ = ("tickets", "__weakref__")
+
+    def __init__(self) -> None:
+        self.tickets: dict = {}
+
+
+_unique_pass_ids = itertools.count(start=-2, step=-1)
+
+
+def _pass_id() -> int:
+    gid = torch._C._current_graph_task_id()
+    return next(_unique_pass_ids) if gid == -1 else gid
+
+
+def _never_unpacked(_):  # pragma: no cover - a discarded re-run's graph is never differentiated
+    raise RuntimeError("llmmem.auto_checkpoint: a discarded tensor was needed (please report)")
+
+
+@dataclass
+class _Call:
+    """One block call inside a region, as its re-run replays it (the chain input left out)."""
+
+    fn: object
+    args: tuple
+    kwargs: dict
+    hidden: int | str
+    requires_grad: bool
+    rng: RngState | None
+    autocast: dict
+
+    def run(self, h):
+        h = h.detach().requires_grad_(self.requires_grad)
+        if isinstance(self.hidden, int):
+            args = list(self.args)
+            args[self.hidden] = h
+            args, kwargs = tuple(args), self.kwargs
+        else:
+            args, kwargs = self.args, {**self.kwargs, self.hidden: h}
+        with contextlib.ExitStack() as stack:
+            if self.rng is not None:
+                stack.enter_context(self.rng.restored())
+            for dev, state in self.autocast.items():
+                stack.enter_context(torch.amp.autocast(dev, **state))
+            stack.enter_context(torch.enable_grad())
+            return hidden_of(self.fn(*args, **kwargs))
+
+
+class _Span:
+    """One region of the plan during one forward pass, alive while its placeholders are."""
+
+    def __init__(self, runner: ChainRunner, start: int, end: int, calls: dict) -> None:
+        self.start, self.end = start, end
+        self.children = runner.children.get((start, end), {})
+        self.calls = calls  # block index -> _Call, shared by the regions of one forward pass
+        self.early_stop = runner.options.get("early_stop", True)
+        self.check = runner.options.get("determinism_check", "default") == "default"
+        self.keeper = None
+        self.last = start - 1  # the last block that ran inside it (less than end - 1 if the chain broke)
+        self.slots: list = []
+        self.meta: list = []
+        self.values: dict = defaultdict(weakref.WeakKeyDictionary)
+        self.count: dict = defaultdict(int)
+        self.recomputed: set = set()
+
+    def keep_input(self, h: torch.Tensor, parent: _Span | None, offload: bool) -> None:
+        anchor = torch.empty(0, requires_grad=True)  # so the node exists even if h needs no grad
+        if parent is not None:
+            with parent.hooks():
+                self.keeper = _Keep.apply(anchor, h)
+        elif offload:
+            with offload_without_prefetch():
+                copies = HostCopies()
+            with torch.autograd.graph.saved_tensors_hooks(copies.pack, copies.unpack):
+                self.keeper = _Keep.apply(anchor, h)
+        else:
+            self.keeper = _Keep.apply(anchor, h)
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    # forward ---------------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Slot:
+        slot = _Slot()
+        self.slots.append(weakref.ref(slot))
+        if self.check:
+            self.meta.append((tuple(t.shape), t.dtype, t.device))
+        return slot
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        key = _pass_id()
+        if key not in self.recomputed:
+            self._recompute(key)
+        ticket = slot.tickets.get(key)
+        if ticket is None:
+            raise CheckpointError(
+                "llmmem.auto_checkpoint: a saved tensor was not rebuilt by the recompute, or was needed twice in one "
+                f"backward pass (region of blocks [{self.start}, {self.end}))"
+            )
+        slot.tickets[key] = None
+        return self.values[key].pop(ticket)
+
+    # backward --------------------------------------------------------------------------------
+    def _store(self, key: int, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach() if t.requires_grad else t
+        index = self.count[key]
+        self.count[key] += 1
+        if index >= len(self.slots):
+            raise CheckpointError(
+                f"llmmem.auto_checkpoint: the recompute of blocks [{self.start}, {self.end}) saved more tensors for "
+                f"backward than their forward ({len(self.slots)}): the blocks do not do the same work when run again"
+            )
+        slot = self.slots[index]()
+        if slot is not None:
+            ticket = _Ticket()
+            slot.tickets[key] = ticket
+            self.values[key][ticket] = t
+        if self.early_stop and self.count[key] == len(self.slots):
+            raise _Stop
+        return t
+
+    def _recompute(self, key: int) -> None:
+        (h,) = self.keeper.grad_fn.saved_tensors  # may re-run the region around this one first
+        store = torch.autograd.graph.saved_tensors_hooks(lambda t: self._store(key, t), lambda t: t)
+        discard = torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked)
+        try:
+            j = self.start
+            while j <= self.last:
+                child_end = self.children.get(j)
+                if child_end is not None:
+                    child_end = min(child_end, self.last + 1)
+                    # the forward saved the nested region's input here, and nothing of its blocks
+                    self._store(key, h)
+                    with discard:
+                        for b in range(j, child_end):
+                            h = self.calls[b].run(h)
+                    j = child_end
+                else:
+                    with store:
+                        h = self.calls[j].run(h)
+                    j += 1
+        except _Stop:
+            pass
+        self.recomputed.add(key)
+        self._check(key)
+
+    def _check(self, key: int) -> None:
+        if self.count[key] != len(self.slots):
+            raise CheckpointError(
+                f"llmmem.auto_checkpoint: the recompute of blocks [{self.start}, {self.end}) saved {self.count[key]} "
+                f"tensors for backward, their forward {len(self.slots)}: the blocks must do the same work when run again"
+            )
+        if not self.check:
+            return
+        for i, ref in enumerate(self.slots):
+            slot = ref()
+            ticket = slot.tickets.get(key) if slot is not None else None
+            if ticket is None:
+                continue
+            t = self.values[key][ticket]
+            got = (tuple(t.shape), t.dtype, t.device)
+            if got != self.meta[i]:
+                raise CheckpointError(
+                    f"llmmem.auto_checkpoint: the recompute of blocks [{self.start}, {self.end}) gave tensor #{i} as "
+                    f"shape={list(got[0])} dtype={got[1]} device={got[2]}, the forward saved shape="
+                    f"{list(self.meta[i][0])} dtype={self.meta[i][1]} device={self.meta[i][2]}"
+                )
+
+
+class _Pass:
+    """State of one forward pass through the chain."""
+
+    def __init__(self) -> None:
+        self.stack: list = []  # open regions, outermost first
+        self.calls: dict = {}
+        self.last = -1
+        self.last_out = None
+
+
+def checkpointing_flags_off(blocks) -> list:
+    """Turn Hugging Face's own checkpointing of each block off (it would recompute a planned block a
+    second time, and profile it as keeping nothing); returns what to give :func:`restore_flags`."""
+    saved = []
+    for block in blocks:
+        saved.append(("gradient_checkpointing" in block.__dict__, block.__dict__.get("gradient_checkpointing")))
+        if getattr(block, "gradient_checkpointing", False) is True:
+            block.gradient_checkpointing = False
+    return saved
+
+
+def restore_flags(blocks, saved: list) -> None:
+    for block, (had, flag) in zip(blocks, saved):
+        if had:
+            block.__dict__["gradient_checkpointing"] = flag
+        else:
+            block.__dict__.pop("gradient_checkpointing", None)
+
+
+def _planned_forward(self, *args, **kwargs):
+    """The instance-level ``forward`` of a planned block (bound with types.MethodType)."""
+    runner, index = self.__dict__["_llmmem_chain"]
+    return runner.call(index, args, kwargs)
+
+
+class ChainRunner:
+    """Runs ``plan`` on ``blocks`` called by the model's own code (module docstring).
+
+    :param blocks: the chain's modules, in order.
+    :param plan: a :class:`llmmem.checkpointing.plan.CheckpointPlan` for them.
+    :param hidden: where each block's chain input is in its call (index or keyword).
+    :param options: :data:`RUNNER_OPTIONS` of :func:`llmmem.checkpoint`.
+    """
+
+    def __init__(self, blocks, plan, hidden, options: dict, saved_flags: list | None = None) -> None:
+        unknown = set(options) - set(RUNNER_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"auto_checkpoint: unexpected option(s) {sorted(unknown)}; a plan on a whole model takes "
+                f"{list(RUNNER_OPTIONS)}"
+            )
+        self.blocks = list(blocks)
+        self.plan = plan
+        self.hidden = list(hidden) if hidden else [0] * len(self.blocks)
+        self.options = dict(options)
+        self.modes = list(plan.modes)
+        self.offloaded = set(plan.offloaded)
+        regions = sorted({tuple(r) for r in plan.regions}, key=lambda r: (r[0], -r[1]))
+        self.starting = defaultdict(list)  # block -> regions starting there, outermost first
+        self.enclosing = defaultdict(list)  # block -> regions containing it that start before it
+        self.children: dict = {}  # region -> {start: end} of the regions directly inside it
+        for s, e in regions:
+            self.starting[s].append((s, e))
+            for j in range(s + 1, e):
+                self.enclosing[j].append((s, e))
+            inside = [r for r in regions if s <= r[0] and r[1] <= e and r != (s, e)]
+            direct, reach = {}, s
+            for rs, re_ in inside:
+                if rs >= reach:
+                    direct[rs] = re_
+                    reach = re_
+            self.children[(s, e)] = direct
+        self.originals: list = []
+        self._saved_flags = saved_flags
+        self._pass: _Pass | None = None
+        self._warned: set = set()
+        self.active = False
+
+    # installing --------------------------------------------------------------------------------
+    def install(self) -> None:
+        for i, block in enumerate(self.blocks):
+            if "_llmmem_chain" in block.__dict__:
+                raise ValueError(
+                    f"auto_checkpoint: block {i} ({type(block).__name__}) already runs a plan; remove() it first"
+                )
+        if self._saved_flags is None:
+            self._saved_flags = checkpointing_flags_off(self.blocks)
+        for i, block in enumerate(self.blocks):
+            own = block.__dict__.get("forward")
+            self.originals.append(own if own is not None else types.MethodType(type(block).forward, block))
+            block.__dict__["_llmmem_chain"] = (self, i)
+            block.__dict__["forward"] = types.MethodType(_planned_forward, block)
+        self.active = True
+
+    def remove(self) -> None:
+        """Give every block its own ``forward`` back (and Hugging Face's checkpointing flag)."""
+        if not self.active:
+            return
+        for block, original in zip(self.blocks, self.originals):
+            block.__dict__.pop("_llmmem_chain", None)
+            if isinstance(original, types.MethodType) and original.__func__ is type(block).forward:
+                block.__dict__.pop("forward", None)
+            else:
+                block.__dict__["forward"] = original
+        restore_flags(self.blocks, self._saved_flags)
+        self._pass = None
+        self.active = False
+
+    # running -------------------------------------------------------------------------------------
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=4)
+
+    def _hidden(self, j: int, args: tuple, kwargs: dict):
+        where = self.hidden[j]
+        if isinstance(where, int) and where < len(args) and isinstance(args[where], torch.Tensor):
+            return where, args[where]
+        if isinstance(where, str) and isinstance(kwargs.get(where), torch.Tensor):
+            return where, kwargs[where]
+        where, _ = find_hidden(args, kwargs)
+        if where is None:
+            return None, None
+        return where, args[where] if isinstance(where, int) else kwargs[where]
+
+    def _strip_cache(self, j: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs, changed = without_cache(args, kwargs)
+        if changed:
+            self._warn_once(
+                "cache",
+                f"llmmem.auto_checkpoint: caching is incompatible with recomputing {type(self.blocks[j]).__name__}: "
+                f"{', '.join(changed)} for the planned blocks while gradients are on",
+            )
+        return args, kwargs
+
+    def call(self, j: int, args: tuple, kwargs: dict):
+        fn = self.originals[j]
+        if not torch.is_grad_enabled():
+            self._pass = None
+            return fn(*args, **kwargs)
+        where, h = self._hidden(j, args, kwargs)
+        if h is None:
+            self._pass = None
+            return fn(*args, **kwargs)
+        st = self._pass
+        if st is None or j != st.last + 1 or st.last_out is None or st.last_out() is not h:
+            st = self._pass = _Pass()
+        while st.stack and st.stack[-1].end <= j:
+            st.stack.pop()
+        expected = self.enclosing.get(j, [])
+        if [(s.start, s.end) for s in st.stack] != expected:
+            # a region of the plan started before j and cannot be re-run up to here: check the
+            # blocks one by one until it ends
+            self._warn_once(
+                "broken",
+                f"llmmem.auto_checkpoint: block {j} did not get the previous block's output, inside a region of the "
+                "plan that spans several blocks; such blocks are checkpointed one by one (gradients are exact, "
+                "memory is not the plan's). Give the blocks the model calls one after the other.",
+            )
+            st.stack = []
+            regions = self.starting.get(j) or [(j, j + 1)]
+        else:
+            regions = self.starting.get(j, [])
+        for s, e in regions:
+            span = _Span(self, s, e, st.calls)
+            parent = st.stack[-1] if st.stack else None
+            span.keep_input(h, parent, offload=parent is None and (s, e) in self.offloaded)
+            st.stack.append(span)
+        mode = self.modes[j]
+        # every block, recomputed or not: a cache written by some layers only is of no use, and the
+        # plan's memory is that of blocks that write none
+        args, kwargs = self._strip_cache(j, args, kwargs)
+        if st.stack:
+            st.calls[j] = self._record(fn, args, kwargs, where, h)
+            for span in st.stack:
+                span.last = j
+            with st.stack[-1].hooks():
+                out = fn(*args, **kwargs)
+        elif mode == "store-all":
+            out = fn(*args, **kwargs)
+        else:
+            opts = {k: v for k, v in self.options.items() if k in RUNNER_OPTIONS}
+            out = run_call(fn, args, kwargs, mode, self.blocks[j], **opts)
+        st.last = j
+        st.last_out = weakref.ref(hidden_of(out))
+        if j == len(self.blocks) - 1:
+            self._pass = None
+        return out
+
+    def _record(self, fn, args: tuple, kwargs: dict, where, h: torch.Tensor) -> _Call:
+        if isinstance(where, int):
+            args = args[:where] + (None,) + args[where + 1 :]
+        else:
+            kwargs = {**kwargs, where: None}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] + [h]
+        rng = RngState(tensors) if self.options.get("preserve_rng_state", True) else None
+        autocast = {"cpu": autocast_state("cpu")}
+        accel = accelerator_type(tensors)
+        if accel is not None and torch.amp.is_autocast_available(accel):
+            autocast[accel] = autocast_state(accel)
+        return _Call(fn, args, kwargs, where, h.requires_grad, rng, autocast)

@@ -1,0 +1,216 @@
+"""The activation model: the bytes each operator of a transformer layer (and of the embeddings, head
+and loss) keeps for backward, per device, from the model's architecture and the run settings."""
+
+from __future__ import annotations
+
+from llmmem.estimation.model_configs import ModelConfig
+from llmmem.estimation.settings import PRECISIONS, Settings
+
+__all__ = [
+    "ceil_div",
+    "materialises_scores",
+    "element_bytes",
+    "SCORE_TERMS",
+    "layer_activation_terms",
+    "other_activation_terms",
+    "megatron_layer_activation_bytes",
+]
+
+
+def ceil_div(x: int, t: int) -> int:
+    return -(-x // t)  # ceil: a rank holds whole elements
+
+
+def materialises_scores(cfg: ModelConfig, st: Settings) -> bool:
+    """Whether attention keeps ``s x s`` tensors for backward.
+
+    Explicit attention does. A fused kernel (flash / memory-efficient SDPA) does not, except that
+    PyTorch's CPU flash kernel has no dropout, so SDPA on CPU with dropout > 0 falls back to the math
+    path, which saves the same ``s x s`` tensors as explicit attention (checked with saved_tensors_hooks
+    on torch 2.11).
+    """
+    if st.attention == "explicit":
+        return True
+    return st.device_type == "cpu" and cfg.attention_dropout > 0
+
+
+def kv_heads_saved(cfg: ModelConfig, st: Settings) -> int:
+    """Key/value heads whose K and V are kept: explicit attention (and the math path SDPA falls back
+    to) repeats grouped key/value heads to every query head before the products that keep them;
+    a fused kernel takes the grouped ones as they are."""
+    return cfg.heads if materialises_scores(cfg, st) else cfg.kv_heads
+
+
+# Tensors of the MLP width an activation keeps beyond its output (which the down projection keeps):
+# GELU and SiLU their input, ReLU none, gelu_new's elementwise operators input, tanh, x/2, 1 + tanh.
+_ACTIVATION_SAVES = {"gelu": 1, "silu": 1, "relu": 0, "gelu_new": 4}
+
+
+def element_bytes(cfg: ModelConfig, st: Settings) -> tuple[int, int, int, int]:
+    """``(e, m, r, stat)``: bytes per activation element; per dropout-mask element (a CUDA dropout
+    keeps a bool mask, a CPU one a noise tensor of the activation dtype); the divisor of the
+    activations outside the tensor-parallel regions (``t`` with sequence parallelism, else 1); and
+    the fp32 norm statistics per token (mean and rstd for LayerNorm, rstd only for RMSNorm)."""
+    e = PRECISIONS[st.precision]["activation"]
+    mask = 1 if st.device_type == "cuda" else e
+    r = st.tensor_parallel if st.sequence_parallel else 1
+    stat = 8 if cfg.norm == "layernorm" else 4
+    return e, mask, r, stat
+
+
+# Terms that hold s x s tensors: what Megatron's selective recompute drops.
+SCORE_TERMS = ("attention probabilities (softmax output)", "attention dropout mask", "attention dropout output")
+
+
+def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
+    """Bytes one transformer layer saves for backward on one device, term by term (no recompute).
+
+    Derived from what each op of a pre-norm layer saves in PyTorch's autograd, with ``s`` sequence,
+    ``b`` micro-batch, ``h`` hidden, ``a`` heads of size ``d`` (``A = a·d``, ``h`` unless
+    ``head_dim`` says otherwise), ``k`` kv heads (``k' = a`` where the attention repeats them, see
+    :func:`kv_heads_saved`), ``f`` MLP width, ``e`` bytes per activation element (4 fp32, 2
+    fp16/bf16), ``m`` bytes per dropout-mask element, ``t`` tensor-parallel size and ``r = t`` with
+    sequence parallelism, else 1:
+
+    ==============================================  ===========================  ==========
+    term                                            bytes                        Megatron
+    ==============================================  ===========================  ==========
+    two norm inputs                                 ``2·e·sbh / r``              4sbh
+    norm statistics (fp32 mean+rstd / rstd)         ``2·8·sb / r`` / ``2·4·sb/r``  (omitted)
+    unfused RMSNorm (fp32 input, normalized)        ``2·4·sbh / r``
+    Q/K/V projection input                          ``e·sbh / r``                2sbh
+    Q, K, V (inputs of QK^T and of P·V)             ``e·sb·(A + 2k'd) / t``      6sbh
+    softmax output                                  ``e·a·s²·b / t``             2as²b
+    attention dropout mask, dropout output          ``(m + e)·a·s²·b / t``       3as²b
+    attention output projection input               ``e·sbA / t``                2sbh
+    residual dropout mask after attention           ``m·sbh / r``                sbh
+    MLP input                                       ``e·sbh / r``                2sbh
+    GELU input and output (down-projection input)   ``2·e·sbf / t``              16sbh
+    (gelu_new: also tanh, x/2, 1 + tanh)            ``+3·e·sbf / t``
+    (SwiGLU: gate out, SiLU out, up out, product)   ``4·e·sbf / t``
+    residual dropout mask after the MLP             ``m·sbh / r``                sbh
+    ==============================================  ===========================  ==========
+
+    With ``e = 2``, ``m = 1`` (a CUDA dropout keeps a bool mask), ``f = 4h``, ``k = a``, a fused
+    LayerNorm, torch's GELU and dropout, the sum is ``sbh·(34 + 5as/h)/t``-shaped exactly as
+    Megatron-LM's formula (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", section 4.1 and table 2; see :func:`megatron_layer_activation_bytes`) plus
+    the small norm statistics it omits. On CPU, PyTorch's dropout multiplies by a noise tensor of
+    the activation dtype instead, so ``m = e``. Without dropout (LLaMA) the masks and the dropout
+    output vanish and P·V reads the softmax output. A fused attention kernel (``attention="sdpa"``)
+    keeps no ``s x s`` tensor; besides Q, K, V it saves its output, which it lays out as
+    ``(b, s, a, d)`` so that the output projection's input is a view of the same storage (counted
+    once, as the projection input), and the fp32 log-sum-exp, ``4·a·s·b/t``. An RMSNorm written
+    from elementwise operators (Hugging Face, Meta) keeps its input upcast to fp32 (the input itself
+    in fp32) and the normalized tensor before the weight: ``4·sbh`` more than one kernel would,
+    whatever ``e``.
+
+    Not counted: explicit attention with ``masked_fill`` also saves the ``s x s`` bool causal mask
+    (``s²`` bytes per layer, independent of batch and heads), which a fused scale-mask-softmax
+    (Megatron) does not.
+    """
+    s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
+    e, mask, r, stat = element_bytes(cfg, st)
+    sbh, a, f, d = s * b * h, cfg.heads, cfg.ffn, cfg.head_dim
+    width = a * d
+
+    terms = {
+        "norm inputs (2)": ceil_div(2 * e * sbh, r),
+        "norm statistics (fp32)": ceil_div(2 * stat * s * b, r),
+    }
+    if not cfg.fused_norm:
+        terms["unfused norms (fp32 input, normalized)"] = ceil_div(2 * 4 * sbh, r)
+    terms["q/k/v projection input"] = ceil_div(e * sbh, r)
+    terms["q, k, v"] = ceil_div(e * s * b * (width + 2 * kv_heads_saved(cfg, st) * d), t)
+    if materialises_scores(cfg, st):
+        terms["attention probabilities (softmax output)"] = ceil_div(e * a * s * s * b, t)
+        if cfg.attention_dropout > 0:
+            terms["attention dropout mask"] = ceil_div(mask * a * s * s * b, t)
+            terms["attention dropout output"] = ceil_div(e * a * s * s * b, t)
+    else:
+        terms["attention log-sum-exp (fp32)"] = ceil_div(4 * a * s * b, t)
+    terms["attention projection input"] = ceil_div(e * s * b * width, t)
+    if cfg.hidden_dropout > 0:
+        terms["attention residual dropout mask"] = ceil_div(mask * sbh, r)
+    terms["mlp input"] = ceil_div(e * sbh, r)
+    act, sbf = cfg.activation, s * b * f
+    if cfg.mlp == "gelu":
+        if _ACTIVATION_SAVES[act]:
+            terms[f"{act} input" + (", tanh, x/2, 1 + tanh" if act == "gelu_new" else "")] = ceil_div(
+                _ACTIVATION_SAVES[act] * e * sbf, t
+            )
+        terms[f"mlp down-projection input ({act} output)"] = ceil_div(e * sbf, t)
+    else:
+        terms[f"gate projection output ({act} input)"] = ceil_div(e * sbf, t)
+        terms[f"{act} output"] = ceil_div(e * sbf, t)
+        terms["up projection output"] = ceil_div(e * sbf, t)
+        terms[f"mlp down-projection input ({act}·up)"] = ceil_div(e * sbf, t)
+        if act == "gelu_new":
+            terms["gelu_new tanh, x/2, 1 + tanh"] = ceil_div(3 * e * sbf, t)
+    if cfg.hidden_dropout > 0:
+        terms["mlp residual dropout mask"] = ceil_div(mask * sbh, r)
+    return terms
+
+
+def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
+    """Bytes saved for backward outside the transformer layers, on one device.
+
+    Token ids and targets are int64 (``8·sb``); a learned position table also saves its ids
+    (``8·s``), rotary positions their cos and sin tables, which every layer shares (``2·e·s·d``);
+    the embedding dropout keeps a mask (``m·sbh/r``); the final norm keeps its input and
+    statistics (an unfused RMSNorm ``4·sbh/r`` more) and the LM head its input (``e·sbh/r``
+    each). The loss is computed in fp32 in every
+    precision (Megatron and Hugging Face upcast the logits for a stable softmax): the cross entropy's
+    log-softmax keeps its fp32 output, ``4·s·b·V/t`` bytes (vocabulary-parallel with TP). Full
+    recompute keeps all of these: they are outside the checkpointed layers.
+    """
+    s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
+    e, mask, r, stat = element_bytes(cfg, st)
+    terms = {"token ids (int64)": 8 * s * b}
+    if cfg.positions == "learned":
+        terms["position ids (int64)"] = 8 * s
+    else:
+        terms["rotary cos and sin (shared by the layers)"] = 2 * e * s * cfg.head_dim
+    if cfg.hidden_dropout > 0:
+        terms["embedding dropout mask"] = ceil_div(mask * s * b * h, r)
+    terms["final norm input"] = ceil_div(e * s * b * h, r)
+    terms["final norm statistics (fp32)"] = ceil_div(stat * s * b, r)
+    if not cfg.fused_norm:
+        terms["unfused final norm (fp32 input, normalized)"] = ceil_div(4 * s * b * h, r)
+    terms["lm head input"] = ceil_div(e * s * b * h, r)
+    terms["log-probabilities (fp32, loss)"] = 4 * s * b * ceil_div(cfg.vocab, t)
+    terms["targets (int64)"] = 8 * s * b
+    return terms
+
+
+def megatron_layer_activation_bytes(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> int:
+    """Megatron-LM's activation bytes per transformer layer (Korthikanti et al. 2022, table 2).
+
+    16-bit activations, 1-byte dropout masks, GELU MLP of width 4h, multi-head attention:
+
+    - no parallelism: ``s·b·h·(34 + 5·a·s/h)``;
+    - tensor parallel ``t``: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` (norms, their outputs feeding
+      the column-parallel layers and the dropout masks, 10·sbh, stay replicated);
+    - tensor + sequence parallel: ``s·b·h·(34 + 5·a·s/h) / t``;
+    - selective recompute drops the ``5·a·s²·b`` attention term: ``34·sbh/t`` (with sequence parallel);
+    - full recompute keeps only the layer input: ``2·sbh`` (``/t`` with sequence parallel).
+
+    The reference the derived model (:func:`layer_activation_terms`) is checked against; exact
+    integer arithmetic when ``t`` divides the sizes.
+    """
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    sbh = s * b * h
+    r = t if sequence_parallel else 1
+    if recompute == "full":
+        return 2 * sbh // r
+    scores = 0 if recompute == "selective" else 5 * a * s * s * b
+    return 10 * sbh // r + (24 * sbh + scores) // t

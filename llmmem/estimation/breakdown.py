@@ -1,0 +1,144 @@
+"""Every number of an estimate: model state, activations under the chosen checkpointing, the
+largest temporary, and the expected slowdown of the memory techniques."""
+
+from __future__ import annotations
+
+import math
+
+from llmmem.estimation.activations import (
+    SCORE_TERMS,
+    ceil_div,
+    element_bytes,
+    layer_activation_terms,
+    materialises_scores,
+    other_activation_terms,
+)
+from llmmem.estimation.model_configs import ModelConfig
+from llmmem.estimation.settings import OPTIMIZERS, PRECISIONS, Settings
+
+__all__ = ["compute", "flops", "slowdown_terms", "ZERO3_SLOWDOWN", "TP_SLOWDOWN_PER_DOUBLING"]
+
+# --- the slowdown model (fractions of one training step; assumptions, not measurements) --------
+# Recompute costs are FLOP ratios computed per model (see slowdown_terms). Communication costs depend on
+# the interconnect, so they are stated constants:
+# - ZeRO stages 1 and 2 move the same volume as DDP's gradient all-reduce (2Ψ: reduce-scatter +
+#   all-gather; Rajbhandari et al. 2020, section 7), so they cost nothing extra here.
+# - ZeRO-3 moves 3Ψ (an extra parameter all-gather per pass): +50% data-parallel traffic. We
+#   assume that traffic is partly exposed and costs ~10% of a step.
+ZERO3_SLOWDOWN = 0.10
+# - Tensor parallelism adds 4 all-reduces of s·b·h activations per layer and step (Narayanan et al.
+#   2021); within one NVLink node we assume ~5% of a step per doubling of t. The search stays in one
+#   node (t <= 8). Sequence parallelism replaces each all-reduce by a reduce-scatter + all-gather of
+#   the same volume (Korthikanti et al. 2022, section 4.2.2): no extra cost.
+TP_SLOWDOWN_PER_DOUBLING = 0.05
+
+
+def flops(cfg: ModelConfig, st: Settings) -> tuple[int, int, int]:
+    """(layer forward, attention-core forward, whole step) FLOPs, 2 per multiply-add.
+
+    Layer: ``2sb·(h(h + 2kd) + h² + n·h·f)`` for the projections (``n`` = 2 GELU, 3 SwiGLU) plus
+    ``4·s²·b·h`` for QK^T and P·V. Step = 3 x forward (backward ≈ 2 x forward; Kaplan et al. 2020),
+    forward = layers + the LM head ``2·s·b·h·V``.
+    """
+    s, b, h, f = st.seq, st.batch, cfg.hidden, cfg.ffn
+    n = 2 if cfg.mlp == "gelu" else 3
+    core = 4 * s * s * b * h
+    layer = 2 * s * b * (h * (h + 2 * cfg.kv_heads * cfg.head_dim) + h * h + n * h * f) + core
+    step = 3 * (cfg.layers * layer + 2 * s * b * h * cfg.vocab)
+    return layer, core, step
+
+
+def slowdown_terms(cfg: ModelConfig, st: Settings) -> dict:
+    """Expected extra step time, as fractions of a step without any technique, by cause.
+
+    - full / every-K recompute: one extra forward of each recomputed layer, ``n_r·F_layer / F_step``
+      (≈ 1/3 for full recompute: Chen et al. 2016; Korthikanti et al. 2022 measure 30-40%);
+    - selective recompute: the attention core (QK^T, softmax, dropout, P·V) again,
+      ``L·4s²bh / F_step`` (Korthikanti et al. report 2-4% in time: softmax and dropout are
+      memory-bound, which FLOPs undercount); nothing with a fused kernel, which keeps no scores;
+    - ZeRO-3 (data_parallel > 1): :data:`ZERO3_SLOWDOWN`; stages 1-2: 0 (same traffic as DDP);
+    - tensor parallel: :data:`TP_SLOWDOWN_PER_DOUBLING` x log2(t); sequence parallel: 0;
+    - fused attention instead of explicit: 0 (flash attention is usually faster; we claim nothing).
+    """
+    layer, core, step = flops(cfg, st)
+    parts = {}
+    n_r = st.recomputed_layers(cfg.layers)
+    if n_r:
+        parts["recompute"] = n_r * layer / step
+    elif st.checkpointing == "selective" and materialises_scores(cfg, st):
+        parts["selective recompute"] = cfg.layers * core / step
+    if st.zero_stage == 3 and st.data_parallel > 1:
+        parts["ZeRO-3 parameter gathers"] = ZERO3_SLOWDOWN
+    if st.tensor_parallel > 1:
+        parts["tensor-parallel collectives"] = TP_SLOWDOWN_PER_DOUBLING * math.log2(st.tensor_parallel)
+    return parts
+
+
+def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: float = 1.0) -> dict:
+    """Every number of an :class:`Estimate`, in bytes per device. ``layer_scale``: the layer's
+    activation terms times this (a measured layer over the formula's, see ``estimate(measure=)``)."""
+    t, n_d = st.tensor_parallel, st.data_parallel
+    prec = PRECISIONS[st.precision]
+    total_params = cfg.parameters(seq=st.seq)
+    device_params = cfg.parameters(seq=st.seq, tensor_parallel=t)
+    if counted is not None:  # an nn.Module: its real count, split across TP as the formula splits
+        device_params = ceil_div(counted * device_params, total_params)
+        total_params = counted
+
+    def part(per_param: int, sharded: bool) -> int:
+        return ceil_div(device_params * per_param, n_d if sharded else 1)
+
+    out = {
+        "parameters": part(prec["param"], st.zero_stage >= 3),
+        "gradients": part(prec["grad"], st.zero_stage >= 2),
+        "master_weights": part(prec["master"], st.zero_stage >= 1),
+        "optimizer_state": part(prec["moment"] * OPTIMIZERS[st.optimizer], st.zero_stage >= 1),
+    }
+
+    layer_terms = layer_activation_terms(cfg, st)
+    if layer_scale != 1.0:
+        layer_terms = {k: round(v * layer_scale) for k, v in layer_terms.items()}
+    full_layer = sum(layer_terms.values())
+    score_bytes = sum(layer_terms.get(k, 0) for k in SCORE_TERMS)
+    stored_layer = full_layer - score_bytes if st.checkpointing == "selective" else full_layer
+    # A recomputed layer keeps only its input, e·sbh (divided by t with sequence parallelism).
+    e, _, r, _ = element_bytes(cfg, st)
+    layer_input = ceil_div(e * st.seq * st.batch * cfg.hidden, r)
+    n_r = st.recomputed_layers(cfg.layers)
+    other_terms = other_activation_terms(cfg, st)
+    out["activations_per_layer"] = full_layer
+    out["activations_layers"] = n_r * layer_input + (cfg.layers - n_r) * stored_layer
+    out["activations_other"] = sum(other_terms.values())
+    out["activations"] = out["activations_layers"] + out["activations_other"]
+
+    # Largest transient buffer, beyond what is stored: either the loss backward (fp32 gradients of the
+    # log-probabilities and of the logits, alive together) or one layer's backward: the gradients of the
+    # s x s probabilities and scores (explicit attention), the activations it recomputes, and under
+    # ZeRO-3 its gathered parameters (one layer; prefetching more is not counted).
+    s, b = st.seq, st.batch
+    loss_tmp = {"fp32 gradients of log-probabilities and logits": 2 * 4 * s * b * ceil_div(cfg.vocab, t)}
+    layer_tmp = {}
+    if score_bytes:
+        layer_tmp["gradients of attention probabilities and scores"] = 2 * ceil_div(e * cfg.heads * s * s * b, t)
+    if n_r:
+        layer_tmp["one recomputed layer's activations"] = full_layer
+    elif st.checkpointing == "selective" and score_bytes:
+        layer_tmp["one layer's recomputed attention scores"] = score_bytes
+    if st.zero_stage == 3 and n_d > 1:
+        layer_tmp["one layer's gathered parameters (ZeRO-3)"] = cfg.layer_parameters(t) * prec["param"]
+    tmp = loss_tmp if sum(loss_tmp.values()) >= sum(layer_tmp.values()) else layer_tmp
+    out["temporary"] = sum(tmp.values())
+    out["total"] = sum(
+        out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
+    )
+    slow = slowdown_terms(cfg, st)
+    return {
+        "bytes": out,
+        "layer_terms": layer_terms,
+        "other_terms": other_terms,
+        "temporary_terms": tmp,
+        "parameter_count": total_params,
+        "parameters_per_device": device_params,
+        "slowdown": sum(slow.values()),
+        "slowdown_terms": slow,
+    }

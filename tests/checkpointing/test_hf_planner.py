@@ -1,0 +1,177 @@
+"""auto_checkpoint on Hugging Face Llama and GPT-2 (small configs, random weights, dropout on, sdpa
+and eager attention): gradients bitwise those of no checkpointing, the measured peak within the
+budget at 50% and 25%, held bytes within 5% of the prediction, the same plan on every run, caches.
+Skipped when ``transformers`` is not installed (an optional test dependency)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from support.planner import (
+    grads,
+    lm_batch,
+    same_grads,
+    step_memory,
+    tiny_gpt2,
+    tiny_llama,
+    transformers_or_skip,
+)
+
+import llmmem
+
+transformers_or_skip()
+
+BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def _step(model, batch, seed=11):
+    def step():
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+
+    return step
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*caching is incompatible.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_plans_fit_the_budget_exactly_and_the_same_every_time(kind, attn):
+    batch = lm_batch()
+    reference = BUILDERS[kind](attn, seed=0)
+    step_memory(reference, _step(reference, batch))
+    ref_grads = grads(reference)
+    seen = {0.5: set(), 0.25: set()}
+    for run in range(5):
+        model = BUILDERS[kind](attn, seed=run)  # a fresh model each run (other weights): profiled anew
+        profile = None
+        for budget in (0.5, 0.25):
+            before = grads(model)
+            plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch, profile=profile, repeats=1)
+            assert same_grads(grads(model), before)  # planning leaves the gradients as they were
+            profile = plan.profile
+            assert plan.blocks_name == ("model.layers" if kind == "llama" else "transformer.h")
+            seen[budget].add((tuple(plan.modes), tuple(plan.regions), plan.budget_bytes, plan.predicted_peak_bytes))
+            if run == 0:
+                peak, held = step_memory(model, _step(model, batch))
+                assert same_grads(grads(model), ref_grads), budget
+                assert peak <= plan.budget_bytes, (budget, peak, plan.budget_bytes)
+                assert plan.predicted_peak_bytes <= plan.budget_bytes
+                assert abs(held - plan.predicted_held_bytes) <= 0.05 * plan.predicted_held_bytes, (held, plan)
+                assert plan.regions, "a 50% or 25% budget needs some recompute"
+            plan.remove()
+    assert all(len(plans) == 1 for plans in seen.values()), seen
+
+
+def test_the_reference_peak_is_the_measured_one():
+    """A fraction is of the peak without checkpointing: the planner's figure for it is within a few
+    percent of the peak measured on the model."""
+    batch = lm_batch()
+    for kind in BUILDERS:
+        model = BUILDERS[kind]("eager")
+        peak, _ = step_memory(model, _step(model, batch))
+        plan = llmmem.auto_checkpoint(model, budget=1.0, sample=batch, repeats=0)
+        assert abs(plan.no_checkpoint_peak_bytes - peak) <= 0.06 * peak, (kind, plan.no_checkpoint_peak_bytes, peak)
+        assert plan.regions == [] or plan.predicted_peak_bytes <= plan.budget_bytes
+        plan.remove()
+
+
+def test_caches_and_generation():
+    """Training with use_cache=True: the planned layers write no cache (a recompute would write it
+    twice); with gradients off (generation) they run as they are and the cache fills."""
+    batch = lm_batch()
+    model = tiny_llama("sdpa")
+    ref = copy.deepcopy(model)
+    plan = llmmem.auto_checkpoint(model, budget=0.4, sample=batch)
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        m(**batch, use_cache=True).loss.backward()
+    assert same_grads(grads(model), grads(ref))
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], use_cache=True, return_dict=True)
+    assert out.past_key_values.get_seq_length() == batch["input_ids"].shape[1]
+    model.eval()
+    ref.eval()
+    generated = model.generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False)
+    expected = ref.generate(batch["input_ids"][:, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(generated, expected)
+    plan.remove()
+
+
+def test_takes_over_hugging_face_checkpointing_and_gives_it_back():
+    batch = lm_batch()
+    model = tiny_gpt2("sdpa")
+    model.gradient_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.transformer.h)
+    ref = copy.deepcopy(model)
+    ref.gradient_checkpointing_disable()
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch)
+    assert not any(layer.gradient_checkpointing for layer in model.transformer.h)
+    peak, _ = step_memory(model, _step(model, batch))
+    step_memory(ref, _step(ref, batch))
+    assert same_grads(grads(model), grads(ref)) and peak <= plan.budget_bytes
+    plan.remove()
+    assert all(layer.gradient_checkpointing for layer in model.transformer.h)
+    assert all("forward" not in layer.__dict__ for layer in model.transformer.h)
+
+
+@pytest.mark.cuda
+def test_hugging_face_llama_on_cuda():
+    """On a GPU: the measured peak (tensor bytes, and the allocator's) within the budget."""
+    batch = {k: v.cuda() for k, v in lm_batch(batch=4, seq=128).items()}
+    model = tiny_llama("sdpa").cuda()
+    ref = copy.deepcopy(model)
+    step_memory(ref, _step(ref, batch))
+    for budget in (0.5, 0.25):
+        plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch)
+        peak, held = step_memory(model, _step(model, batch))
+        assert same_grads(grads(model), grads(ref))
+        assert peak <= plan.budget_bytes
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _step(model, batch)()
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= 1.05 * plan.budget_bytes
+        plan.remove()
+
+
+def test_grouped_query_attention_plans_and_trains():
+    """Fewer key/value heads than query heads (Llama 2 70B, Mistral, Qwen2): sdpa is called with
+    grouped heads, which the planner's work count must accept; gradients stay those of no checkpointing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_implementation="sdpa",
+        )
+        return LlamaForCausalLM(cfg).train()
+
+    batch = lm_batch()
+    reference = build()
+    _step(reference, batch)()
+    model = build()
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=1)
+    assert plan.regions or any(m != "store-all" for m in plan.modes)
+    _step(model, batch)()
+    assert same_grads(grads(model), grads(reference))
+    plan.remove()

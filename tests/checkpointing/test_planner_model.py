@@ -1,0 +1,268 @@
+"""auto_checkpoint on a whole model: blocks found and wrapped in place, any call signature, regions
+spanning blocks the model calls one by one, the budget on the measured peak, undo, and misuse."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from support.planner import grads, same_grads, step_memory
+
+import llmmem
+from llmmem.checkpointing import AutoCheckpointed, AutoCheckpointPlan
+from llmmem.models.gpt import GPT, GPTConfig
+
+
+class KwBlock(nn.Module):
+    """Called as ``block(x, bias, mask=..., scale=0.5, use_cache=True, cache=...)``: a positional
+    parameter of the model, a tensor keyword, a float, a flag and a cache; returns ``(x, aux)``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, bias, *, mask, scale=1.0, use_cache=False, cache=None):
+        if use_cache and cache is not None:
+            cache.append(x.detach())  # a recompute must not write here a second time
+        h = self.fc2(self.drop(F.gelu(self.fc1(self.norm(x) * mask))))
+        return x + scale * h + bias, h.mean()
+
+
+class KwModel(nn.Module):
+    def __init__(self, d: int = 32, n: int = 8, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(KwBlock(d) for _ in range(n))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.head = nn.Linear(d, vocab)
+        self.transform = False  # feed each block something else than the previous output
+        self.cache = None
+
+    def forward(self, idx, upto=None):
+        x = self.embed(idx)
+        mask = (idx > 0).float().unsqueeze(-1)
+        for layer in self.layers[: upto or len(self.layers)]:
+            x, _ = layer(x, self.bias, mask=mask, scale=0.5, use_cache=True, cache=self.cache)
+            if self.transform:
+                x = x * 1.0
+        return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
+
+
+def _kw_model():
+    torch.manual_seed(0)
+    return KwModel().train(), torch.randint(0, 64, (4, 24))
+
+
+def _seeded(fn, seed=7):
+    def step():
+        torch.manual_seed(seed)
+        fn()
+
+    return step
+
+
+def _check_plan(model, plan, step, ref_grads):
+    """Gradients bitwise those of no checkpointing, measured peak within the budget, held bytes
+    within 5% of the prediction."""
+    peak, held = step_memory(model, step)
+    assert same_grads(grads(model), ref_grads)
+    assert peak <= plan.budget_bytes, (peak, plan.budget_bytes)
+    assert abs(held - plan.predicted_held_bytes) <= 0.05 * plan.predicted_held_bytes, (held, plan.predicted_held_bytes)
+    return peak, held
+
+
+def test_gpt_in_place_keeps_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.1)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    ref = copy.deepcopy(model)
+    keys, names = list(model.state_dict()), [n for n, _ in model.named_modules()]
+    block_type = type(model.blocks[0])
+
+    def step_of(m):
+        return _seeded(lambda: m(idx, idx)[1].backward())
+
+    step_memory(ref, step_of(ref))
+    ref_grads = grads(ref)
+    plan = llmmem.auto_checkpoint(model, budget=0.4, sample=(idx, idx))
+    assert isinstance(plan, AutoCheckpointPlan) and plan.active and plan.blocks_name == "blocks"
+    assert plan.regions and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert list(model.state_dict()) == keys and [n for n, _ in model.named_modules()] == names
+    assert type(model.blocks[0]) is block_type and isinstance(model.blocks, nn.ModuleList)
+    _check_plan(model, plan, step_of(model), ref_grads)
+    text = plan.describe()
+    for needle in ("budget", "predicted peak", "held after forward", "recompute time", "blocks"):
+        assert needle in text
+    assert str(plan) == text and "AutoCheckpointPlan" in repr(plan)
+    model.to(torch.float32)  # .to() keeps working (the plan holds no tensors)
+    plan.remove()
+    assert not plan.active and "removed" in repr(plan)
+    assert all("forward" not in b.__dict__ and "_llmmem_chain" not in b.__dict__ for b in model.blocks)
+    step_memory(model, step_of(model))
+    assert same_grads(grads(model), ref_grads)
+    plan.remove()  # idempotent
+
+
+def test_any_signature_and_regions_spanning_blocks():
+    """Positional parameter, tensor keyword, float and flag arguments, a cache, tuple outputs; at the
+    least feasible budget the plan nests regions over several blocks, each called separately."""
+    model, idx = _kw_model()
+    ref = copy.deepcopy(model)
+    step_memory(ref, _seeded(lambda: ref(idx).backward()))
+    ref_grads = grads(ref)
+    step = _seeded(lambda: model(idx).backward())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cache keywords
+        plan = llmmem.auto_checkpoint(model, budget=0.5, sample=lambda: model(idx).backward())
+        assert plan.profile.chainable and plan.profile.hidden == [0] * 8
+        _check_plan(model, plan, step, ref_grads)
+        least = plan.min_budget_bytes
+        plan.remove()
+        plan = llmmem.auto_checkpoint(model, budget=least, sample=lambda: model(idx).backward())
+        assert any(e - s >= 2 for s, e in plan.regions), plan.regions
+        _check_plan(model, plan, step, ref_grads)
+        model.cache = []
+        model(idx).backward()
+        assert model.cache == []  # while gradients are on, planned blocks get no cache
+        with torch.no_grad():
+            model(idx)
+        assert len(model.cache) == 8  # generation: blocks run as they are
+        model.cache = None
+    plan.remove()
+
+
+def test_a_model_that_changes_the_input_between_blocks():
+    """The profile sees it: regions hold one block each (store-input-only), and the budget holds."""
+    model, idx = _kw_model()
+    model.transform = True
+    ref = copy.deepcopy(model)
+    step_memory(ref, _seeded(lambda: ref(idx).backward()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = llmmem.auto_checkpoint(model, budget=0.35, sample=lambda: model(idx).backward())
+        assert not plan.profile.chainable
+        assert plan.regions == [] and "store-input-only" in plan.modes
+        assert "regions hold one block each" in plan.describe()
+        _check_plan(model, plan, _seeded(lambda: model(idx).backward()), grads(ref))
+    plan.remove()
+
+
+def test_chain_broken_after_planning_stays_exact():
+    """A plan with regions over several blocks, then the model starts changing the input between
+    blocks: a warning, blocks checkpointed one by one, gradients still exact."""
+    model, idx = _kw_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        least = llmmem.auto_checkpoint(model, budget=1.0, sample=lambda: model(idx).backward())
+        budget = least.min_budget_bytes
+        least.remove()
+        plan = llmmem.auto_checkpoint(model, budget=budget, sample=lambda: model(idx).backward())
+    assert any(e - s >= 2 for s, e in plan.regions)
+    model.transform = True
+    ref = copy.deepcopy(model)
+    plan_ref = ref.layers[0].__dict__["_llmmem_chain"][0]  # deepcopy: the copy runs its own plan
+    assert plan_ref is not plan.runner
+    plan_ref.remove()
+    step_memory(ref, _seeded(lambda: ref(idx).backward()))
+    with pytest.warns(UserWarning, match="one by one"):
+        step_memory(model, _seeded(lambda: model(idx).backward()))
+    assert same_grads(grads(model), grads(ref))
+    plan.remove()
+
+
+def test_the_model_runs_part_of_the_chain():
+    """The loop slices the block list (``self.layers[:n]``): the pass ends early, the next starts over."""
+    model, idx = _kw_model()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = llmmem.auto_checkpoint(model, budget=0.4, sample=lambda: model(idx).backward())
+        for upto in (3, 8, 5):
+            step_memory(ref, _seeded(lambda: ref(idx, upto).backward()))
+            step_memory(model, _seeded(lambda: model(idx, upto).backward()))
+            assert same_grads(grads(model), grads(ref)), upto
+    plan.remove()
+
+
+def test_sample_forms_and_the_same_plan_every_time():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=6, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.1)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    plans = []
+    for sample in (
+        (idx, idx),
+        {"idx": idx, "targets": idx},
+        lambda: model(idx, idx)[1].backward(),
+        (idx, idx),
+    ):
+        plan = llmmem.auto_checkpoint(model, budget=0.5, sample=sample)
+        plans.append((plan.modes, plan.regions, plan.predicted_peak_bytes, plan.predicted_held_bytes))
+        plan.remove()
+    assert all(p == plans[0] for p in plans), plans
+    # a tensor: model(idx) returns (logits, None), the loss is the logits' sum (another head)
+    plan = llmmem.auto_checkpoint(model, idx, budget=0.5)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    plan.remove()
+
+
+def test_replanning_from_a_profile_and_the_chain_form_still_works():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=6, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.0)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    plan = llmmem.auto_checkpoint(model, budget=0.6, sample=(idx, idx))
+    profile = plan.profile
+    plan.remove()
+    tighter = llmmem.auto_checkpoint(model, budget=0.3, profile=profile)
+    assert tighter.budget_bytes < plan.budget_bytes and tighter.predicted_peak_bytes <= tighter.budget_bytes
+    tighter.remove()
+    x0 = model.embed(idx).detach()
+    chain = llmmem.auto_checkpoint(model.blocks, x0, budget=0.5)
+    assert isinstance(chain, AutoCheckpointed) and len(chain) == 6
+
+
+def test_misuse_is_a_clear_error():
+    model, idx = _kw_model()
+    sample = lambda: model(idx).backward()  # noqa: E731
+    with pytest.raises(TypeError, match="profile must be a ChainProfile"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, profile="x")
+    with pytest.raises(TypeError, match="profile must be a ChainProfile"):
+        llmmem.auto_checkpoint(model.layers, idx, profile="x")
+    with pytest.raises(TypeError, match="profile must be a ChainProfile"):
+        llmmem.plan_checkpoints(None, profile="x")
+    with pytest.raises(ValueError, match="not a submodule"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, blocks="nope")
+    with pytest.raises(ValueError, match="expected a non-empty nn.ModuleList"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, blocks="head")
+    with pytest.raises(ValueError, match="not a submodule"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, blocks=[nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="blocks must be"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, blocks=3)
+    with pytest.raises(TypeError, match="sample= is needed"):
+        llmmem.auto_checkpoint(model, budget=0.5)
+    with pytest.raises(TypeError, match="sample: expected a batch"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=3)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, context_fn=None)
+    with pytest.raises(ValueError, match="repeats"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=sample, repeats=-1)
+    with pytest.raises(ValueError, match="found no nn.ModuleList"):
+        llmmem.auto_checkpoint(nn.Linear(4, 4), budget=0.5, sample=torch.randn(2, 4))
+    with pytest.raises(ValueError, match="budget"):
+        llmmem.auto_checkpoint(model, budget=1.5, sample=sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(llmmem.InfeasibleError, match="smallest feasible budget") as info:
+            llmmem.auto_checkpoint(model, budget=1000, sample=sample)
+        assert info.value.min_budget_bytes > 1000
+        assert all("forward" not in b.__dict__ for b in model.layers)  # nothing left behind
+        with llmmem.auto_checkpoint(model, budget=0.5, sample=sample, repeats=0) as plan:
+            with pytest.raises(ValueError, match="already runs a plan"):
+                llmmem.auto_checkpoint(model, budget=0.5, sample=sample)
+        assert not plan.active
