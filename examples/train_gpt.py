@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import inspect
 import math
 import os
 import pathlib
@@ -80,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--budget",
         type=_budget,
         default=None,
-        help="with --checkpoint auto: bytes ('64MB') or a fraction (0.5) of the activation memory without checkpointing",
+        help="with --checkpoint auto: the step's activation peak, in bytes ('64MB') or as a fraction (0.5) of it "
+        "without checkpointing",
     )
     mem.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="fp16 uses llmmem.GradScaler")
     mem.add_argument("--offload", action="store_true", help="keep checkpointed block inputs in host memory (CUDA)")
@@ -166,11 +166,6 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); hf-llama trains data-parallel only")
     if a.tp > 1 and (a.heads % a.tp or (4 * a.hidden) % a.tp or VOCAB_SIZE % a.tp):
         p.error(f"--tp {a.tp} must divide --heads ({a.heads}), 4 x --hidden and the vocabulary ({VOCAB_SIZE})")
-    if a.model == "hf-llama" and a.checkpoint == "auto" and not whole_model_planner():
-        p.error(
-            "--checkpoint auto with --model hf-llama needs an llmmem whose auto_checkpoint plans whole models: "
-            "use --checkpoint every or selective"
-        )
     if a.tp > 1 and a.checkpoint == "auto":
         p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
     dp = world // a.tp
@@ -294,33 +289,22 @@ def checkpoint_blocks(blocks, mode: str, offload: bool) -> None:
         block.forward = functools.partial(llmmem.checkpoint, inner, **options)
 
 
-def whole_model_planner() -> bool:
-    """Whether this llmmem's auto_checkpoint plans a whole model in place (``sample=``); older ones
-    plan a bare chain of blocks that each take one tensor (llmmem's GPT)."""
-    return "sample" in inspect.signature(llmmem.auto_checkpoint).parameters
-
-
-def plan_checkpointing(args, model, blocks, sample_x, sample_y) -> str:
+def plan_checkpointing(args, model, sample_x, sample_y) -> str:
     """``--checkpoint auto``: the llmmem planner picks, per block, what to keep and what to recompute
-    so that the step's activations fit ``--budget``. Exits with the smallest feasible budget when none fits."""
+    so that the step's activation peak fits ``--budget``, and runs the plan in place (the model's own
+    forward and ``state_dict`` are unchanged). Exits with the smallest feasible budget when none fits."""
+
+    def sample_step():  # one forward and backward on a batch of the training shape
+        loss_of(args, model, sample_x, sample_y).backward()
+
     with amp_context(args):  # the blocks are profiled in the precision they train in
         try:
-            if whole_model_planner():
-
-                def sample_step():  # one forward and backward on a batch of the training shape
-                    loss_of(args, model, sample_x, sample_y).backward()
-
-                plan = llmmem.auto_checkpoint(model, budget=args.budget, sample=sample_step, offload=args.offload)
-                model.zero_grad(set_to_none=True)  # the sample step's gradients are not the training's
-                return plan.describe()
-            planned = llmmem.auto_checkpoint(
-                blocks, model.embed(sample_x).detach(), budget=args.budget, offload=args.offload
-            )
+            plan = llmmem.auto_checkpoint(model, budget=args.budget, sample=sample_step, offload=args.offload)
         except llmmem.InfeasibleError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
-    model.blocks = planned
-    return planned.plan.describe()
+    model.zero_grad(set_to_none=True)  # the sample step's gradients are not the training's
+    return plan.describe()
 
 
 def amp_context(args):
@@ -488,7 +472,7 @@ def main(argv=None) -> int:
     if args.checkpoint == "auto":
         # profile on a batch of the training shape, drawn apart from the training batches
         sample_x, sample_y = BatchSampler(tokens, micro, args.seq_len, seed=args.seed + 1).next_batch()
-        plan_text = plan_checkpointing(args, model, blocks, sample_x.to(device), sample_y.to(device))
+        plan_text = plan_checkpointing(args, model, sample_x.to(device), sample_y.to(device))
     elif args.checkpoint != "none":
         checkpoint_blocks(blocks, args.checkpoint, args.offload)
 

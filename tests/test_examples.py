@@ -177,8 +177,6 @@ def test_train_gpt_hf_llama():
 
 def test_train_gpt_hf_llama_auto_checkpoint():
     pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
-    if not _train_module().whole_model_planner():
-        pytest.skip("this llmmem's auto_checkpoint plans bare chains of blocks only")
     proc = _train("--model", "hf-llama", "--layers", "4", "--checkpoint", "auto", "--budget", "0.7", "--steps", "2")
     assert proc.returncode == 0, proc.stderr
     assert "predicted peak" in proc.stdout and "step 2: loss" in proc.stdout

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import json
 import os
 import sys
@@ -125,27 +124,6 @@ def make_optimizer(params, lr: float, *, zero_group=None):
     return torch.optim.AdamW(params, **kwargs)
 
 
-def _scaled_profile(profile, factor: float):
-    """The chain profile of a batch ``factor`` times larger: bytes and times scaled (every activation
-    of these blocks is proportional to the batch; the times roughly). Only to choose a plan: the
-    plan's peak is then measured."""
-    import dataclasses
-
-    def scale(v):
-        if isinstance(v, list):
-            return [scale(e) for e in v]
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return v
-        return type(v)(v * factor) if isinstance(v, float) else int(round(v * factor))
-
-    changes = {
-        f.name: scale(getattr(profile, f.name))
-        for f in dataclasses.fields(profile)
-        if f.name.endswith("_bytes") or f.name.endswith("_time")
-    }
-    return dataclasses.replace(profile, **changes)
-
-
 # ------------------------------------------------------------------------------------------------
 # Single process
 
@@ -161,13 +139,7 @@ def _device(spec: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def _whole_model_planner() -> bool:
-    """Whether this llmmem's auto_checkpoint plans a whole model (``sample=``) with a budget on the
-    step's activation peak; older ones plan a bare chain of blocks only."""
-    return "sample" in inspect.signature(llmmem.auto_checkpoint).parameters
-
-
-class _PlannedModel:
+class _Planned:
     """The llmmem plan of a strategy with ``checkpoint='plan'``: ``llmmem.auto_checkpoint`` on the
     whole model with a budget on the step's activation peak. The planner measures the rest of the
     step (embedding, head, loss) itself on a sample step: forward and backward of a batch drawn apart
@@ -219,50 +191,6 @@ class _PlannedModel:
         }
 
 
-class _PlannedChain(_PlannedModel):
-    """The same with an llmmem whose planner takes a bare chain of blocks: the chain gets the budget
-    less what the rest of the step needs, taken as the baseline's activation memory less the chain's
-    own no-checkpoint peak from the profile, in proportion to the batch."""
-
-    def __init__(self, model: GPT, strategy: Strategy, device, repeats: int, baseline_act: int) -> None:
-        super().__init__(model, strategy, device, repeats)
-        self.blocks = [model.blocks[i] for i in range(len(model.blocks))]
-        self.baseline_act = baseline_act
-        self.profile = self.outside = self.batch = None
-
-    def _profile(self, x) -> None:
-        from llmmem.checkpointing import plan_checkpoints
-
-        x0 = self.model.embed(x).detach()
-        fp32 = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=self.repeats)
-        self.outside = max(0, self.baseline_act - fp32.no_checkpoint_peak_bytes)
-        if self.strategy.amp != "none":
-            with amp_context(self.strategy.amp, self.device):
-                self.profile = plan_checkpoints(self.blocks, x0, budget=1.0, repeats=self.repeats).profile
-        else:
-            self.profile = fp32.profile
-        self.batch = x.shape[0]
-
-    def install(self, budget: int, x, y) -> None:
-        t0 = time.perf_counter()
-        if self.profile is None:
-            self._profile(x)
-        b = x.shape[0]
-        profile = self.profile if b == self.batch else _scaled_profile(self.profile, b / self.batch)
-        chain_budget = budget - self.outside * b // self.batch
-        module = llmmem.auto_checkpoint(self.blocks, None, budget=max(1, int(chain_budget)), profile=profile)
-        self.model.blocks = module
-        self.plan = module.plan
-        self.planning_seconds = time.perf_counter() - t0
-        self.budget = int(budget)
-
-    def least_budget_per_sample(self, batch: int) -> float:
-        return (self.outside + self.plan.min_budget_bytes) / batch
-
-    def describe(self) -> dict:
-        return dict(super().describe(), outside_chain_bytes=self.outside)
-
-
 def run_single(spec: dict) -> dict:
     strategy = Strategy(**spec["strategy"])
     torch.set_num_threads(int(spec.get("threads", 1)))
@@ -278,11 +206,7 @@ def run_single(spec: dict) -> dict:
     result = _header(spec, strategy, device, model.num_parameters(), model.num_parameters())
     planned = None
     if strategy.checkpoint == "plan":
-        repeats = int(spec.get("profile_repeats", 3))
-        if _whole_model_planner():
-            planned = _PlannedModel(model, strategy, device, repeats)
-        else:
-            planned = _PlannedChain(model, strategy, device, repeats, int(spec["baseline_activation_bytes"]))
+        planned = _Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
         sample_x, sample_y = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()
         budget = int(strategy.budget_fraction * spec["baseline_activation_bytes"])
         try:
