@@ -1,21 +1,33 @@
 # Convenience targets. The package itself is built by setup.py (`pip install .`); this file drives
 # the README commands, the sanitized C unit tests and the benchmarks.
 #
-#   make demo        the main job (see README), setting up the environment first
+#   make demo        the main job, python -m llmmem compare (see README), setting up the environment first;
+#                    COMPARE_ARGS="--quick" for the small version CI runs
 #   make test        the whole test suite (lint, C tests under ASan+UBSan, pytest), set-up included
+#   make test TORCH=2.5.1   the same against another torch, in its own environment (see below)
 #   make lint        ruff (lint + format check) and clang-format --dry-run; make format fixes
 #   make test-c      only the C unit tests, built with the system compiler, no Python involved
 #   make bench       the CPU benchmarks (JSON under benchmarks/results/)
 #   make fuzz-pool   libFuzzer on the pool's C API for FUZZ_SECONDS (default 30), clang needed
+#   make fuzz-args   libFuzzer on the binding's argument parsers: FUZZ_ARGS_RUNS inputs from a fixed
+#                    seed (bounded, as the test suite runs it), or FUZZ_ARGS_SECONDS=N for a timed run
 #   make clean
 
 SHELL := /bin/bash
+# `make test TORCH=2.5.1`: the same commands in an environment of their own with that torch (the
+# oldest pyproject.toml promises), beside the pinned one, which CI keeps using.
+ifdef TORCH
+LLMMEM_VENV := $(HOME)/.cache/llmmem-venv-torch$(TORCH)
+export LLMMEM_TORCH_VERSION := $(TORCH)
+endif
 LLMMEM_VENV ?= $(HOME)/.cache/llmmem-venv
+export LLMMEM_VENV
 PY := $(LLMMEM_VENV)/bin/python
 CC ?= cc
 
-# The C tests link the C core built from source with the CPU stand-ins for the CUDA part.
-CORE_SRC := $(filter-out csrc/python/%,$(wildcard csrc/*/*.c))
+# The C tests link the C core built from source with the CPU stand-ins for the CUDA part, and the
+# binding's argument parsers (plain C, no Python: csrc/python/args.c).
+CORE_SRC := $(filter-out csrc/python/%,$(wildcard csrc/*/*.c)) csrc/python/args.c
 CORE_HDR := $(wildcard csrc/include/llmmem/*.h csrc/*/*.h tests/c/*.h)
 CTEST_SRC := $(wildcard tests/c/test_*.c)
 CTEST_BIN := $(patsubst tests/c/%.c,build/ctests/%,$(CTEST_SRC))
@@ -26,13 +38,17 @@ CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initial
 export ASAN_OPTIONS ?= detect_leaks=1:abort_on_error=0
 export UBSAN_OPTIONS ?= print_stacktrace=1
 
-.PHONY: demo test test-c c-tests env bench clean fuzz-pool lint format
+.PHONY: demo test test-c c-tests env bench clean fuzz-pool fuzz-args lint format
 
 env:
 	@bash scripts/setup_env.sh
 
+# Every memory technique on one GPT, each in a fresh process: table, results.json/.md and two charts
+# in ./llmmem-compare (about 3 minutes on 2 idle cores; --quick about 1).
+# The console script, not `python -m`, keeps the checkout off sys.path: the installed llmmem runs.
+COMPARE_ARGS ?=
 demo: env
-	$(PY) -m llmmem estimate llama-7b --batch 1 --seq 2048 --device-memory 80GB
+	$(LLMMEM_VENV)/bin/llmmem compare $(COMPARE_ARGS)
 
 # pytest builds and runs the C tests too (tests/test_c_core.py), so this is the one test command.
 # The pytest script (not `python -m pytest`) keeps the checkout off sys.path: the installed llmmem is tested.
@@ -117,6 +133,26 @@ fuzz-pool: build/fuzz/fuzz_pool
 	@mkdir -p build/fuzz/corpus-pool
 	build/fuzz/fuzz_pool -max_total_time=$(FUZZ_SECONDS) -max_len=512 -rss_limit_mb=4096 \
 	  -artifact_prefix=build/fuzz/ build/fuzz/corpus-pool
+
+FUZZ_ARGS_RUNS ?= 30000
+FUZZ_ARGS_SECONDS ?=
+
+build/fuzz/fuzz_args: tests/fuzz/fuzz_args.c $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	  -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -o $@ $< $(CORE_SRC) -lm -ldl
+
+# Without FUZZ_ARGS_SECONDS: a fixed number of inputs from a fixed seed and no saved corpus, so
+# every run (CI's included) tries the same inputs in the same bounded time.
+fuzz-args: build/fuzz/fuzz_args
+ifeq ($(FUZZ_ARGS_SECONDS),)
+	build/fuzz/fuzz_args -runs=$(FUZZ_ARGS_RUNS) -seed=1 -max_len=2048 -rss_limit_mb=2048 \
+	  -artifact_prefix=build/fuzz/
+else
+	@mkdir -p build/fuzz/corpus-args
+	build/fuzz/fuzz_args -max_total_time=$(FUZZ_ARGS_SECONDS) -max_len=2048 -rss_limit_mb=2048 \
+	  -artifact_prefix=build/fuzz/ build/fuzz/corpus-args
+endif
 
 bench: env
 	$(PY) benchmarks/run.py --device cpu

@@ -11,12 +11,10 @@ the copy bandwidth of this machine measured in the same run (bytes read + writte
 With more ranks than free cores (4 ranks on a 2-vCPU machine, or 2 ranks while other jobs hold a
 core) the ranks time-share cores: every wait for a peer is then a hand-over of the core, and the
 table measures scheduling as much as memory traffic, for gloo (whose progress threads add more
-contenders) as for llmmem. The title gives the CPU count. On our 2-vCPU machine gloo's times at
-64 KiB .. 1 MiB are bimodal across launches (1 MiB: ~0.8 ms or ~2 ms): the fast mode is the two
-ranks sharing one CPU (another job on the other one, or the scheduler's placement), which
-``taskset -c 1 python benchmarks/bench_parallel_comm.py --ranks 2`` reproduces (gloo 821-826 us at 1 MiB,
-llmmem 211-214 us, whose two ranks then run one after the other on one core). ``--launches N``
-starts the ranks N times and adds a table of the spread over the launches.
+contenders) as for llmmem. The title gives the CPU count. gloo's times can be bimodal across
+launches: its fast mode is the two ranks sharing one CPU, which ``taskset -c 1`` reproduces (see
+benchmarks/README.md). ``--launches N`` starts the ranks N times and adds a table of the spread
+over the launches.
 
 CUDA (``--device cuda``, for the lent GPU): two processes share GPU 0; the IPC one-shot all-reduce
 is checked against the sum computed on the CPU, then timed (CUDA events) against gloo on the same

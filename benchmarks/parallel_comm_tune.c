@@ -10,8 +10,8 @@
  * spins before it yields) and "yield" (microseconds it yields before it sleeps; both in
  * csrc/parallel/shm_comm.c).
  *
- * Not built by setup.py (a profiling tool, not part of the package); -O3 as setup.py builds the
- * library (built -O2, 2 ranks, 1 MiB took 150-154 us against 122-124 us -O3, runs alternated):
+ * Not built by setup.py (a profiling tool, not part of the package); build it -O3, as setup.py
+ * builds the library (an -O2 build is markedly slower and would tune for the wrong code):
  *   cc -O3 -std=c11 -pthread -Icsrc/include -Icsrc/common -Icsrc/parallel -o build/parallel_comm_tune
  *      benchmarks/parallel_comm_tune.c $(find csrc/parallel csrc/common -name '*.c') -lm
  *   build/parallel_comm_tune WORLD MESSAGE_BYTES chunk|spin|yield VALUES...   e.g. build/parallel_comm_tune 2 1048576 chunk 65536 131072

@@ -27,6 +27,11 @@ _LAZY = {
     "StateError": "llmmem.errors",
     "InternalError": "llmmem.errors",
     "info": "llmmem.diagnostics",
+    # where memory goes: tracker, out-of-memory report, batch-size finder, live monitor
+    "MemoryTracker": "llmmem.diagnostics.tracker",
+    "oom_report": "llmmem.diagnostics.oom",
+    "find_batch_size": "llmmem.diagnostics.batch_size",
+    "monitor": "llmmem.diagnostics.monitor",
     # activation checkpointing and the recompute planner
     "checkpoint": "llmmem.checkpointing",
     "checkpoint_sequential": "llmmem.checkpointing",

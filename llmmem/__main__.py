@@ -1,4 +1,4 @@
-"""Command line: ``python -m llmmem {info, estimate} ...``.
+"""Command line: ``python -m llmmem {info, estimate, compare} ...``.
 
 Each subcommand lives with its feature; this file only dispatches, importing a feature's module
 when its subcommand is chosen so that ``info`` works even where torch is broken.
@@ -15,6 +15,8 @@ import sys
 _SUBCOMMANDS = {
     "info": "llmmem.diagnostics.info",
     "estimate": "llmmem.estimation.cli",
+    "profile": "llmmem.diagnostics.profile_cli",
+    "compare": "llmmem.compare.cli",
 }
 
 

@@ -29,7 +29,8 @@ _UNITS = {
     "tib": 1024**4,
 }
 
-_MAX_BYTES = 2**63  # far beyond any machine, and within the C core's 64-bit sizes
+MAX_BYTES = 2**63  # far beyond any machine, and within the C core's 64-bit sizes
+_MAX_BYTES = MAX_BYTES
 
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -50,6 +51,8 @@ def parse_bytes(value, name: str = "size") -> int:
             raise ValueError(f"{name}: a byte count must be a whole number, got {value!r}")
         n = int(value)
     elif isinstance(value, str):
+        if re.match(r"^\s*-\s*[0-9.]", value):
+            raise ValueError(f"{name}: must be >= 0 bytes, got {value!r}")
         m = _PATTERN.match(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
@@ -58,9 +61,15 @@ def parse_bytes(value, name: str = "size") -> int:
                 "with a unit: B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
             )
         # Decimal, not float: "1e30GB" must not turn into float-rounded digits, nor "1e400" into inf.
+        # The default context bounds exponents (|e| < 10**6 after the multiplication, < 10**18 in the
+        # text): "1e1000000" overflows it, "1e-999999999999999999" is an invalid operation.
         try:
             exact = decimal.Decimal(m.group(1)) * _UNITS[unit]
-        except decimal.InvalidOperation:
+        except decimal.DecimalException:
+            if re.search(r"[eE]-", m.group(1)):
+                raise ValueError(
+                    f"{name}: the exponent of {value!r} is out of range; expected a byte count such as '4GB'"
+                ) from None
             exact = None
         if exact is None or not exact.is_finite() or exact > _MAX_BYTES:
             raise ValueError(f"{name}: {value!r} is larger than any memory ({_MAX_BYTES} bytes at most)")
@@ -77,11 +86,11 @@ def parse_bytes(value, name: str = "size") -> int:
 
 
 def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``; binary units, three significant figures."""
+    """``1536 -> '1.50 KiB'``; binary units up to EiB (2**60), two decimals."""
     if n < 0:
         return "-" + format_bytes(-n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -1,6 +1,7 @@
 """Shared pytest set-up: seeded tests, CUDA tests that skip cleanly without a GPU, and this folder
-on sys.path so test files can import the helper modules beside them (amp_testing). Only this
-folder: the repository root stays off sys.path, so the tests still import the installed llmmem."""
+on sys.path so test files import the shared helpers of tests/support/ (``from support.x import
+...``). Only this folder: the repository root stays off sys.path, so the tests still import the
+installed llmmem."""
 
 from __future__ import annotations
 
@@ -14,18 +15,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.append(_HERE)
 
-
-def _cuda_usable() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+from support.cuda import cuda_usable  # noqa: E402  (needs the line above)
+from support.threads import one_torch_thread  # noqa: E402, F401  (a fixture, for usefixtures in any test module)
 
 
 def pytest_collection_modifyitems(config, items):
-    if _cuda_usable():
+    if cuda_usable():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is usable here")
     for item in items:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 from llmmem.units import parse_bytes
 
@@ -27,3 +31,162 @@ def test_estimate_sweep_runs_and_never_grows():
     assert len(totals) == 7
     assert all(b <= a * 1.0001 for a, b in zip(totals, totals[1:])), totals
     assert totals[-1] < totals[0] / 4
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/train_gpt.py
+
+TRAIN = ROOT / "examples" / "train_gpt.py"
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--batch", "4", "--threads", "1"]
+
+
+def _train_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_example", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train(*args, timeout=300, env=None):
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *SMALL, "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "0.5"], "--budget goes with --checkpoint auto"),
+        (["--checkpoint", "auto", "--budget", "lots"], "--budget"),
+        (["--checkpoint", "sometimes"], "invalid choice"),
+        (["--offload"], "add --checkpoint"),
+        (["--tp", "2"], "needs 2 processes"),
+        (["--sequence-parallel"], "needs --tp > 1"),
+        (["--batch", "3", "--grad-accum", "2"], "must be divisible"),
+        (["--heads", "3"], "must divide --hidden"),
+        (["--save-every", "2"], "needs --save"),
+        (["--steps", "0"], "positive integer"),
+        (["--dropout", "1.5"], "--dropout"),
+    ],
+)
+def test_train_gpt_bad_flags_are_usage_errors(args, message, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    train = _train_module()
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_gpt_pool_needs_cuda(capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: --pool is valid here")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        _train_module().parse_args(["--pool"])
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_train_gpt_impossible_budget_states_the_smallest_feasible_one():
+    proc = _train("--steps", "2", "--checkpoint", "auto", "--budget", "1KB")
+    assert proc.returncode == 2
+    assert "smallest feasible budget" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_train_gpt_resumed_run_gives_the_same_losses(tmp_path):
+    # dropout (RNG state), fp16 with llmmem.GradScaler (scaler state), recompute (RNG replay); the
+    # three runs in one fresh process, each from main() as the command line would call it
+    common = SMALL + ["--no-progress", "--amp", "fp16", "--checkpoint", "every", "--dropout", "0.1"]
+    runs = [
+        common + ["--steps", "6", "--log-json", str(tmp_path / "full.json")],
+        common + ["--steps", "3", "--save", str(tmp_path / "ckpt")],
+        common + ["--steps", "6", "--resume", str(tmp_path / "ckpt"), "--log-json", str(tmp_path / "resumed.json")],
+    ]
+    code = (
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('train_gpt_example', {str(TRAIN)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"for argv in {runs!r}:\n"
+        "    assert m.main(argv) == 0\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    uninterrupted = json.loads((tmp_path / "full.json").read_text())["losses"]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
+    assert [s for s, _ in resumed] == [4, 5, 6]
+    assert resumed == uninterrupted[3:]  # bit for bit
+    assert uninterrupted[-1][1] < uninterrupted[0][1]
+
+
+def _train_ranks(rank, world, folder):
+    """Every rank runs the script's main three times: 6 steps, 3 steps saved, resumed to 6."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    train = _train_module()
+    common = SMALL + ["--no-progress", "--tp", "2", "--sequence-parallel", "--amp", "fp16", "--checkpoint", "every"]
+    assert train.main(common + ["--steps", "6", "--log-json", f"{folder}/full.json"]) == 0
+    assert train.main(common + ["--steps", "3", "--save", f"{folder}/ckpt"]) == 0
+    assert train.main(common + ["--steps", "6", "--resume", f"{folder}/ckpt", "--log-json", f"{folder}/res.json"]) == 0
+    if rank == 0:
+        full = json.loads(open(f"{folder}/full.json").read())["losses"]
+        resumed = json.loads(open(f"{folder}/res.json").read())["losses"]
+        assert resumed == full[3:], (full, resumed)
+
+
+@pytest.mark.distributed
+def test_train_gpt_tp2_x_dp2_zero1_resumes_exactly(tmp_path):
+    from llmmem.parallel.testing import run_ranks
+
+    run_ranks(__file__, "_train_ranks", 4, args=(str(tmp_path),), timeout=240)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank{r}.pt" for r in range(4)]
+
+
+@pytest.mark.distributed
+def test_train_gpt_under_torchrun(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(TRAIN)]
+        + SMALL
+        + ["--no-progress", "--tp", "2", "--sequence-parallel", "--checkpoint", "selective", "--amp", "bf16"]
+        + ["--steps", "2", "--log-json", str(tmp_path / "log.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TP 2 x DP 1" in proc.stdout and "per rank" in proc.stdout
+    assert len(json.loads((tmp_path / "log.json").read_text())["losses"]) == 2
+
+
+def test_train_gpt_hf_llama():
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    proc = _train("--model", "hf-llama", "--checkpoint", "every", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "hf-llama" in proc.stdout and "step 2: loss" in proc.stdout
+
+
+def test_train_gpt_hf_llama_auto_checkpoint():
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    proc = _train("--model", "hf-llama", "--layers", "4", "--checkpoint", "auto", "--budget", "0.7", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted peak" in proc.stdout and "step 2: loss" in proc.stdout
+
+
+def test_train_gpt_without_transformers_says_how_to_install(tmp_path):
+    blocker = tmp_path / "transformers"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('transformers is not installed')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = _train("--model", "hf-llama", "--steps", "1", env=env)
+    assert proc.returncode == 2
+    assert "pip install transformers" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-
 import pytest
+from support.procs import run_python
 
 import llmmem
 from llmmem import _native, errors
@@ -70,20 +66,8 @@ def test_raise_status_rejects_success_and_unknown():
     assert _native.native.strerror(99) == "unknown status"
 
 
-def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    # Outside the checkout, so `-c` (which puts the working directory on sys.path) finds the install.
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-        cwd=tempfile.gettempdir(),
-    )
-
-
 def test_import_is_lazy_and_does_not_import_torch():
-    proc = _run("import sys, llmmem; llmmem.LlmmemError; print('torch' in sys.modules)")
+    proc = run_python("import sys, llmmem; llmmem.LlmmemError; print('torch' in sys.modules)")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 
@@ -107,7 +91,7 @@ def test_import_never_fails_without_the_core():
         "from llmmem.diagnostics import info\n"
         "print('NOT LOADED' in info())\n"
     )
-    proc = _run(code)
+    proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["deferred:", "True", "True", "True"]
 

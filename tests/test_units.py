@@ -71,3 +71,34 @@ def test_parse_bytes_refuses_integers_beyond_64_bits():
     assert parse_bytes(2**63) == 2**63
     with pytest.raises(ValueError, match="larger than any memory"):
         parse_bytes(2**64 + 1, "max_size")
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("1e1000000", "larger than any memory"),  # decimal.Overflow escaped parse_bytes
+        ("1e1000000GB", "larger than any memory"),
+        ("9" * 400 + "e999999", "larger than any memory"),
+        ("1e-999999999999999999999", "exponent"),  # decimal.InvalidOperation
+        ("-1GB", ">= 0 bytes"),
+        (" -0.5 MiB", ">= 0 bytes"),
+    ],
+)
+def test_parse_bytes_extreme_strings_are_value_errors(text, words):
+    with pytest.raises(ValueError, match="budget") as info:
+        parse_bytes(text, "budget")
+    assert words in str(info.value)
+
+
+def test_format_bytes_large_figures_stay_short():
+    assert format_bytes(2**50) == "1.00 PiB"
+    assert format_bytes(2**63) == "8.00 EiB"
+
+
+def test_memory_pool_and_budget_strings_go_through_the_same_check():
+    import llmmem
+
+    with pytest.raises(ValueError, match="larger than any memory"):
+        llmmem.MemoryPool("1e1000000")
+    with pytest.raises(ValueError, match="larger than any memory"):
+        llmmem.estimate("llama-7b", device_memory="1e1000000")

@@ -4,9 +4,7 @@
  *
  * Why: after a parallel torch op, torch's OpenMP threads keep spinning for a few milliseconds,
  * waiting for the next one. Threads of our own, started then, share the CPUs with them; the
- * team's threads instead take the work at once. Measured on the GPT-2-small list (148 tensors,
- * 498 MB, 2-vCPU VM, gradients rewritten in backward order before each call, rotated order):
- * 1.135-1.159x torch with threads of our own, 1.225-1.239x on the team.
+ * team's threads instead take the work at once (benchmarks/README.md).
  *
  * The runtime is looked up by name in the process (dlsym), never linked: without one loaded
  * (no torch, or a torch on another threading backend) the callers use threads of their own.

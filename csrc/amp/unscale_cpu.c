@@ -31,8 +31,7 @@
 
 /* Below this many bytes per thread a second thread costs more than it saves: starting it takes
  * tens of microseconds, and it reads from a cold cache what the calling thread may have in its
- * own. Measured (2-core x86 VM, lists of 1K-element fp32 tensors, unscale with write): 1 thread
- * wins up to 4 MiB in all, 2 threads from 6 MiB (8 MiB: 1.2-1.5x faster). */
+ * own (on a 2-core VM one thread won up to 4 MiB in all, two from 6 MiB). */
 #define MIN_BYTES_PER_THREAD ((size_t)3 << 20)
 
 /* ---------------------------------------------------------------- loops, per instruction set */
@@ -236,12 +235,8 @@ static size_t prefetch_head(const llmmem_scaler_tensor_t *tensors, size_t i, _ll
  * at every tensor (small gradients lie scattered over the heap). So the loops ask for each
  * tensor's memory STREAM_AHEAD bytes before they reach it (the next page), and here each tensor's
  * first STREAM_AHEAD bytes are asked for before the tensors in front of it are done: at least one
- * tensor ahead, more while they are small. Measured on the 4000-small-tensor list (65 MB, 2-vCPU
- * VM, gradients rewritten in backward order before each call, rotated A/B in one process), one
- * thread: 6.5-6.8 ms with the first 512 bytes of the next tensor only (the version before), 5.7-5.9
- * ms with this; GradScaler.unscale_ on that list 5.6-5.8 ms before, 4.9-5.1 ms with it. Large
- * tensors gain too (the page breaks): benchmarks/bench_amp.py, back-to-back runs before and
- * after, x torch: GPT-2-small list 1.21 -> 1.46, 1B list 1.13 -> 1.22. */
+ * tensor ahead, more while they are small. Lists of many small tensors gain most, large tensors
+ * too (the page breaks): see benchmarks/README.md. */
 int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scaler_pos_t from, _llmmem_scaler_pos_t to,
                             float inv, int write, uint8_t *flags, _llmmem_scaler_range_fn run) {
   int found = 0;
@@ -300,9 +295,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
    * fixed share of it. Fixed shares assume every byte costs the same, but the part of the list
    * still in cache (backward wrote it last) goes several times faster than the rest, and a thread
    * can lose its CPU for a while: one thread then waits for the other. Claimed in pieces, they
-   * finish together. GPT-2-small list (148 tensors, 498 MB, 2-vCPU VM), gradients rewritten in
-   * backward order before each call: 0.93-1.06x torch with fixed shares, 0.99-1.14x claimed
-   * (both before the prefetching of _llmmem_scaler_run_span). */
+   * finish together. */
   /* The threads are the process's OpenMP team when it has one (torch's: see omp_team.c), else
    * threads the pipe starts. */
   size_t done = 0; /* tensors [0, done) went through the pipe */

@@ -136,9 +136,10 @@ LLMMEM_API llmmem_status_t llmmem_plan_min_budget(const llmmem_plan_chain_t *cha
   plan_costs_t c;
   LLMMEM_TRY(plan_costs_load(chain, &c));
   if (!c.identical && c.L > PLAN_MAX_GENERAL_BLOCKS) {
+    const int32_t L = c.L; /* plan_costs_free clears c */
     plan_costs_free(&c);
     return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
-                       "%d heterogeneous blocks: at most %d (group blocks so the chain is shorter)", c.L,
+                       "%d heterogeneous blocks: at most %d (group blocks so the chain is shorter)", L,
                        PLAN_MAX_GENERAL_BLOCKS);
   }
   const llmmem_status_t st = plan_costs_min_budget(&c, min_budget_bytes, NULL, NULL);

@@ -21,8 +21,8 @@
 #define PLAN_RELAX_STRETCH 128
 
 /* ca[t] and cb[t] are a[(t + 1) * STRETCH - 1] and b[...] (plan_relax_sample): the bounds are read
- * from these short contiguous copies, not from a cache line of each row per stretch (that latency
- * was half the time of the loop). */
+ * from these short contiguous copies, not from a cache line of each row per stretch, whose latency
+ * would dominate the loop. */
 typedef void (*plan_relax_fn)(float *best, const float *a, const float *b, const float *ca, const float *cb, float c,
                               int64_t shift, int64_t lo, int64_t hi);
 

@@ -354,11 +354,12 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
      * ~L^3/6 (general) or ~L^2 (identical blocks) steps per slot. */
     const double L = (double)c.L, steps = (c.identical ? L * L : L * L * L / 6.0) * ((double)slots + 1.0);
     if (steps > MAX_DP_STEPS) {
+      const int32_t n_blocks = c.L, identical = c.identical; /* plan_costs_free clears c */
       plan_costs_free(&c);
       return LLMMEM_FAIL(LLMMEM_ERR_INVALID,
                          "%d %s blocks with %d slots is about %.1e DP steps (limit %.0e): use fewer slots, or group "
                          "blocks so the chain is shorter",
-                         c.L, c.identical ? "identical" : "heterogeneous", slots, steps, MAX_DP_STEPS);
+                         n_blocks, identical ? "identical" : "heterogeneous", slots, steps, MAX_DP_STEPS);
     }
   }
   const size_t nR = plan_rows_R(&c);

@@ -22,17 +22,12 @@
 #include "shm_internal.h"
 
 /* Messages up to this many bytes are reduced one-shot: one barrier instead of two, which is what
- * counts below a few tens of KiB. Above it two-shot wins: medians on our 2-vCPU machine, 2 ranks,
- * fp32 (benchmarks/parallel_comm_phases.c): 16 KiB 4-9 us one-shot vs 5-7 two-shot; 64 KiB 12-18 vs 8-14;
- * 128 KiB 23-27 vs 16-23; 256 KiB 39-60 vs 33-37 (one-shot reads world x the data). */
+ * counts below a few tens of KiB. Above it two-shot wins, as one-shot reads world x the data
+ * (measured: benchmarks/README.md). */
 #define ONE_SHOT_MAX_BYTES (32u * 1024u)
 /* Two-shot chunks move at most this many bytes (and at most a slot). With the chunks pipelined
- * (one barrier each), small chunks win or tie: fp32 medians of 201 interleaved samples per run
- * (benchmarks/parallel_comm_tune.c built -O3 like the library, 2 vCPUs; chunks of 64 / 128 / 256 / 512 KiB):
- * 2 ranks, 1 MiB 118 / 122 / 122 / 120 us, 4 MiB 562 / 550 / 545 / 548 us; the same 2 ranks
- * sharing one vCPU (taskset -c 1, as when another job holds the other), 1 MiB 140 / 142 / 179 /
- * 240 us; 4 ranks, 1 MiB 301 / 300 / 320 / 331 us, 256 KiB 82 / 94 / 103 / 101 us. A chunk's
- * slots stay in L2 and the next chunk's copy-in overlaps the peers' lag. */
+ * (one barrier each), small chunks win or tie, most clearly when ranks share a core: a chunk's
+ * slots stay in L2 and the next chunk's copy-in overlaps the peers' lag (benchmarks/README.md). */
 #define TWO_SHOT_STEP_BYTES(world) ((world) <= 2 ? 128u * 1024u : 64u * 1024u)
 
 static _Atomic size_t forced_chunk_bytes; /* 0: TWO_SHOT_STEP_BYTES; else a probe's choice */

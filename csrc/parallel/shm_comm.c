@@ -5,21 +5,12 @@
  * microseconds, then sleep on a futex on the peer's arrival word (the arriving rank wakes
  * sleepers only when there are any, so the fast path makes no system call). Yielding early
  * matters: when ranks share a core (ranks outnumber cores, or other jobs hold some), a spinning
- * rank delays the peer it waits for by its whole spin. Measured with benchmarks/parallel_comm_tune.c
- * (spin counts interleaved per sample, 2 vCPUs shared with other jobs), fp32, 2 ranks: 4 KiB
- * 1.5 us spinning 1 pause before yielding, 1.6 us 8, 2.1 us 32, 3.5 us 128; 64 KiB 12.1 / 12.3 /
- * 13.2 / 15.5 us; 1 MiB 204 / 206 / 208 / 224 us; 4 ranks, 1 MiB 442 / 443 / 447 / 476 us; and
- * 2 ranks, 64 KiB: 29 us spinning 512, 81 us 2048, 227 us 8192. Yielding long enough before a
- * sleep matters as much: waking a sleeper costs tens of microseconds here (its vCPU halted), so
- * a rank woken late makes its peer wait past a short yield budget, and that peer sleeps in turn.
- * With 32 yields (~10 us) the two ranks fell into that cycle for whole samples: 2 ranks, 1 MiB
- * in 128 KiB chunks, medians 220-330 us with quartiles ~160 .. ~390 (both ranks asleep at every
- * other barrier in the slow samples), against 157 us (153 .. 162) yielding 100 us, in 3 runs of
- * each interleaved. Budgets interleaved (parallel_comm_tune "yield", 0 / 10 / 30 / 100 / 300 us): 4 ranks,
- * 1 MiB 857 / 469 / 433 / 433 / 430 us; 64 KiB 82 / 26.6 / 26.0 / 26.1 / 26.2 us; 4 KiB 33 /
- * 10.8 / 9.4 / 9.4 / 9.5 us; 2 ranks, 1 MiB 152-154 us for 10 .. 300, and no difference with a
- * busy process holding one of the 2 vCPUs. Sleeping matters too: a rank still computing its
- * matmul must not compete for a core with ranks waiting for it. While waiting we watch the abort
+ * rank delays the peer it waits for by its whole spin. Yielding long enough before a sleep
+ * matters as much: waking a sleeper costs tens of microseconds (its vCPU halted), so a rank woken
+ * late makes its peer outwait a short yield budget, and that peer sleeps in turn; ranks can fall
+ * into that cycle for whole runs. (The spin counts and budgets measured: benchmarks/README.md.)
+ * Sleeping matters too: a rank still computing its matmul must not compete for a core with ranks
+ * waiting for it. While waiting we watch the abort
  * word of the segment (another rank failed), the clock (timeout) and, every ~50 ms,
  * whether the awaited peer's process still exists, so a killed rank is reported quickly instead
  * of after the full timeout, and the calling thread's wait poll (the Python binding checks for

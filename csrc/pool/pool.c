@@ -55,6 +55,7 @@ LLMMEM_API llmmem_status_t llmmem_pool_create(const llmmem_pool_backend_t *backe
   pool->options = opt;
   pool->st.initial_size = opt.initial_size;
   pool->st.max_size = opt.max_size;
+  if (pool->backend.configure) pool->backend.configure(pool->backend.ctx, &pool->options);
   if (opt.initial_size) {
     st = _llmmem_add_segment(pool, opt.initial_size, 1);
     if (st != LLMMEM_OK) {

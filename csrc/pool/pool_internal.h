@@ -193,10 +193,26 @@ static inline void _llmmem_pages_inside(const pool_region_t *r, uintptr_t addr, 
 /* pool_query.c: the longest free stretch of committed memory (stats' largest_free_block). Lock held. */
 size_t _llmmem_largest_free(llmmem_pool_t *pool);
 
+/* host_limits.c: what the system can still give this process, for the host backend. */
+typedef struct pool_host_limits_s {
+  size_t available;  /* bytes that can still be committed (SIZE_MAX: nothing known bounds it) */
+  const char *bound; /* what sets `available`, for messages: "MemAvailable + SwapFree", ... */
+  size_t total;      /* the most memory the process could ever have (RAM + swap, cgroup limit,
+                        RLIMIT_DATA, RLIMIT_AS): no region needs more address space */
+  size_t va_limit;   /* bytes of address space the process may map (RLIMIT_AS, or the user space) */
+  size_t va_used;    /* bytes of address space mapped now (VmSize) */
+} pool_host_limits_t;
+void _llmmem_pool_host_limits(pool_host_limits_t *out);
+/* What the host backend calls: _llmmem_pool_host_limits, unless a test has put a stand-in here. */
+extern void (*_llmmem_pool_host_probe)(pool_host_limits_t *out);
+/* backend_host.c: 0 commits host memory without populating it. Only for tests of the pool's own
+ * bookkeeping, which reserve gigabytes they never touch; everything else keeps 1. */
+extern int _llmmem_pool_host_populate;
+
 /* slots.c */
 void _llmmem_slots_forget(llmmem_pool_t *pool);
 
-/* pool_check.c: verifies every invariant (tiling, heaps, map, counters). LLMMEM_OK or
+/* pool_query.c: verifies every invariant (tiling, heaps, map, counters). LLMMEM_OK or
  * LLMMEM_ERR_INTERNAL naming the broken one. Takes the lock. For tests and debug builds. */
 llmmem_status_t _llmmem_pool_check(llmmem_pool_t *pool);
 

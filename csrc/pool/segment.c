@@ -9,9 +9,9 @@
  * (PyTorch's expandable segments do the same with 20 MiB pages). When it must take memory beyond
  * what it has held, it first decommits the whole 2 MiB pages inside free holes (a hole too small
  * for what comes next, such as last step's activations when the sequence grows, then holds no
- * memory) and commits them again when a block over them is handed out. Measured on the GPT traces
- * of benchmarks/traces: without this, the waste at the peak was free tails of many segments
- * (fixed segments) or, in one segment, holes of shorter steps' buffers. A backend that cannot
+ * memory) and commits them again when a block over them is handed out: on the GPT traces of
+ * benchmarks/traces the waste at the peak is otherwise free tails of many segments (fixed
+ * segments) or, in one segment, holes of shorter steps' buffers. A backend that cannot
  * resize (cudaMalloc) gets separate segments, with fully free ones folded into the new one.
  *
  * Runs under the pool's mutex. Backend calls (cudaMalloc/cudaFree, event queries) happen here.

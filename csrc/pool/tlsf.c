@@ -8,7 +8,7 @@
  * Good fit, not first fit: the request's own class is scanned first for the tightest block that
  * fits (bounded by POOL_SCAN_LIMIT), which keeps big blocks whole; only then is the request
  * rounded up to the next class, where every block fits. This file does not split or coalesce
- * (pool.c does); it knows nothing of segments or the backend.
+ * (block.c does); it knows nothing of segments or the backend.
  */
 #include "pool_internal.h"
 

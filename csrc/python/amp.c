@@ -1,20 +1,31 @@
 /*
- * scaler.c — the Python binding of csrc/amp/ (used by llmmem/amp.py).
+ * amp.c — the Python binding of csrc/amp/ (called by llmmem/amp/launch.py).
  *
  * Tensors arrive as plain ints from Python (data_ptr(), numel(), a dtype code), never as torch
  * objects: the core stays free of torch. Tensor i reports to tensor_flags[i]. The CPU unscale
  * releases the GIL for its whole run; the CUDA calls only queue work on the given stream.
  * Argument errors raise llmmem.InvalidArgumentError (a ValueError) naming the argument.
  *
+ * Lists are read item by item through borrowed pointers, so their items must be exact ints: a
+ * conversion that ran Python code (__index__ of an int-like) could empty a list while it is read.
+ *
  * PRIVATE AND UNSAFE: the _C.scaler_* functions take raw addresses and trust them. They can check
  * only what they see (lengths, codes, NULLs), not that an address points at memory of the right
  * dtype, size, device or alignment; a wrong address corrupts memory or crashes the process. All
- * validation of tensors (dtype, device, element counts, alignment) lives in the Python wrapper
- * llmmem/_scaler_kernels.py, the only supported caller.
+ * validation of tensors (dtype, device, element counts, alignment) lives in llmmem/amp/kernels.py,
+ * the only supported caller.
  */
 #include "binding.h" /* first: Python.h must precede the system headers */
 
 #include <llmmem/amp.h>
+
+/* The exact int items[i] of the list named `what`; -1 with TypeError set for anything else. No
+ * Python code runs here, so the list cannot change while it is read. */
+static int exact_int(PyObject *const *items, Py_ssize_t i, const char *what) {
+  if (PyLong_CheckExact(items[i])) return 0;
+  PyErr_Format(PyExc_TypeError, "%s[%zd] must be an int, got %.100s", what, i, Py_TYPE(items[i])->tp_name);
+  return -1;
+}
 
 /* Parses three equally long sequences into a malloc'd tensor array (*out, freed by the caller). */
 static int parse_tensors(PyObject *ptrs, PyObject *numels, PyObject *dtypes, llmmem_scaler_tensor_t **out,
@@ -47,6 +58,10 @@ static int parse_tensors(PyObject *ptrs, PyObject *numels, PyObject *dtypes, llm
   }
   PyObject **ip = PySequence_Fast_ITEMS(fp), **in = PySequence_Fast_ITEMS(fn), **id = PySequence_Fast_ITEMS(fd);
   for (Py_ssize_t i = 0; i < n; i++) {
+    if (exact_int(ip, i, "ptrs") < 0 || exact_int(in, i, "numels") < 0 || exact_int(id, i, "dtypes") < 0) {
+      PyMem_Free(t);
+      goto done;
+    }
     t[i].data = PyLong_AsVoidPtr(ip[i]);
     t[i].numel = PyLong_AsLongLong(in[i]);
     long long dt = PyLong_AsLongLong(id[i]);
@@ -138,8 +153,9 @@ static int parse_found(PyObject *seq, const float **out, size_t cap, size_t *n) 
     PyErr_Format(PyExc_ValueError, "found_inf_ptrs: at most %zu flags per update, got %zd", cap, len);
     return -1;
   }
+  PyObject **items = PySequence_Fast_ITEMS(f);
   for (Py_ssize_t i = 0; i < len; i++) {
-    out[i] = (const float *)PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(f, i));
+    if (exact_int(items, i, "found_inf_ptrs") == 0) out[i] = (const float *)PyLong_AsVoidPtr(items[i]);
     if (PyErr_Occurred()) {
       Py_DECREF(f);
       return -1;
@@ -228,17 +244,17 @@ PyMethodDef llmmem_py_scaler_methods[] = {
      "scaler_unscale_check(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
      "num_threads, "
      "reference=False): CPU unscale + non-finite check in place (scale_ptr 0 = check only). Releases the GIL. "
-     "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
+     "Private and unsafe: takes raw addresses; use llmmem.amp.kernels, which validates the tensors."},
     {"scaler_unscale_check_cuda", py_unscale_check_cuda, METH_VARARGS,
      "scaler_unscale_check_cuda(ptrs, numels, dtypes, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr, n_flags, "
      "device, stream): "
      "queues the CUDA unscale + check on `stream`; no host synchronisation. "
-     "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
+     "Private and unsafe: takes raw addresses; use llmmem.amp.kernels, which validates the tensors."},
     {"scaler_update", py_update, METH_VARARGS,
      "scaler_update(scale_ptr, growth_ptr, hyst_ptr, stats_ptr, found_inf_ptrs, growth_factor, backoff_factor, "
      "growth_interval, hysteresis, min_scale[, device, stream, hysteresis_on_growth]): one scale update "
      "(device >= 0: on the GPU; -1: on the host). "
-     "Private and unsafe: takes raw addresses; use llmmem._scaler_kernels, which validates the tensors."},
+     "Private and unsafe: takes raw addresses; use llmmem.amp.kernels, which validates the tensors."},
     {"scaler_check_config", py_check_config, METH_VARARGS,
      "scaler_check_config(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale): raises on a bad "
      "value."},

@@ -1,7 +1,8 @@
 /*
  * amp_params.c — the CPU fast path of GradScaler.unscale_: one call walks an optimizer's
  * param_groups, reads every gradient's address, size and dtype, checks them, and runs the CPU
- * unscale + non-finite check (llmmem_scaler_unscale_check) on all of them.
+ * unscale + non-finite check (llmmem_scaler_unscale_check) on all of them. Its only caller is
+ * llmmem/amp/cpu_unscale.py, which owns the protocol around it (hand-over, resume, partial failure).
  *
  * Why in C: on lists of thousands of small gradients the walk costs as much as the kernel. Done
  * in Python it is one interpreter loop per attribute (dtype, device, contiguity, address, size),
@@ -17,6 +18,10 @@
  * the case or raises its usual error (MemoryError, and KeyboardInterrupt or any other error that
  * is no Exception, propagate instead). Nothing is cached between calls: addresses are read anew
  * each time, so gradients reallocated between steps (zero_grad(set_to_none=True)) are correct.
+ *
+ * Python code runs inside the walk (a dict key's __eq__, attribute reads under a TorchFunctionMode)
+ * and may edit or drop any list or dict being read: every container is held by a reference of
+ * our own while it is read, and list sizes are re-read at each step.
  */
 #include "binding.h" /* first: Python.h must precede the system headers */
 
@@ -45,7 +50,7 @@ static int intern_names(void) {
   return 0;
 }
 
-/* The torch objects the walk compares against, handed in by the caller (see llmmem/_scaler_kernels.py). */
+/* The torch objects the walk compares against, handed in by the caller (llmmem/amp/cpu_unscale.py). */
 typedef struct {
   PyObject *tensor_type, *param_type;
   PyObject *dtypes[LLMMEM_SCALER_DTYPE_COUNT_]; /* by llmmem_scaler_dtype_t code */
@@ -128,10 +133,8 @@ static int describe_grad(PyObject *grad, const kinds_t *k, llmmem_scaler_tensor_
   /* The layout is not read: every other one fails another test. Sparse and mkldnn tensors have no
    * storage, so data_ptr() raises (it must: the compressed and mkldnn ones give the dense size as
    * nbytes); the sparse compressed ones also raise in is_contiguous(), and COO ones return False
-   * (tests/test_amp_fast_path.py tries each). Jagged nested tensors are a Python subclass (the
-   * type test above; their data_ptr() is 0). Reading it cost about a seventh of the walk: 4000 small
-   * gradients, one thread, three runs each in turn: 2.78-2.93 ms (median 2.81) with it,
-   * 2.30-2.78 ms (median 2.41) without. */
+   * (tests/amp/test_amp_fast_path.py tries each). Jagged nested tensors are a Python subclass (the
+   * type test above; their data_ptr() is 0). Not reading it saves about a seventh of the walk. */
   is_cpu = read_attr(R_IS_CPU, grad);
   if (is_cpu != Py_True) goto done;
   contig = read_attr(R_IS_CONTIGUOUS, grad);
@@ -165,20 +168,33 @@ done:
   return plain;
 }
 
-/* Sum of len(group["params"]) over the groups, or -1 (no exception set) when the groups are not
- * a list of dicts holding lists. */
+/* groups[g]["params"] as a new reference when it is a list and groups[g] an exact dict; else NULL,
+ * with an exception set only when it must propagate (see must_propagate). The lookup can run a
+ * key's __eq__, which may drop the group from `groups`: the group is held meanwhile. */
+static PyObject *params_of(PyObject *groups, Py_ssize_t g) {
+  PyObject *group = PyList_GET_ITEM(groups, g);
+  if (!PyDict_CheckExact(group)) return NULL;
+  Py_INCREF(group);
+  PyObject *params = PyDict_GetItemWithError(group, s_params); /* borrowed from the group */
+  if (params && PyList_Check(params))
+    Py_INCREF(params);
+  else
+    params = NULL;
+  Py_DECREF(group);
+  if (!params && PyErr_Occurred() && !must_propagate()) PyErr_Clear();
+  return params;
+}
+
+/* Sum of len(group["params"]) over the groups; -1 when the groups are not a list of dicts holding
+ * lists, -2 with an exception set when it must propagate. */
 static Py_ssize_t count_params(PyObject *groups) {
   if (!PyList_Check(groups)) return -1;
   Py_ssize_t total = 0;
   for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups); g++) {
-    PyObject *group = PyList_GET_ITEM(groups, g);
-    if (!PyDict_CheckExact(group)) return -1;
-    PyObject *params = PyDict_GetItemWithError(group, s_params); /* borrowed */
-    if (!params || !PyList_Check(params)) {
-      PyErr_Clear();
-      return -1;
-    }
+    PyObject *params = params_of(groups, g);
+    if (!params) return PyErr_Occurred() ? -2 : -1;
     total += PyList_GET_SIZE(params);
+    Py_DECREF(params);
   }
   return total;
 }
@@ -197,16 +213,12 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
                 Py_ssize_t *stop_slot) {
   Py_ssize_t n = 0, slot = 0, published = 0, plain = 0, repeat_slot = -1;
   int rc = 1;
-  /* The lists are re-read at each step: a getattr can run Python code that edits them. */
   for (Py_ssize_t g = 0; rc == 1 && g < PyList_GET_SIZE(groups); g++) {
-    PyObject *group = PyList_GET_ITEM(groups, g);
-    PyObject *params = PyDict_CheckExact(group) ? PyDict_GetItemWithError(group, s_params) : NULL;
-    if (!params || !PyList_Check(params)) {
-      PyErr_Clear();
-      rc = 0;
+    PyObject *params = params_of(groups, g);
+    if (!params) {
+      rc = PyErr_Occurred() ? -1 : 0;
       break;
     }
-    Py_INCREF(params); /* borrowed from the dict, which Python code run by a getattr could change */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); i++, slot++) {
       if (slot >= cap) { /* the lists grew under us */
         rc = 0;
@@ -283,22 +295,46 @@ static PyObject *slot_list_of(const Py_ssize_t *slots, Py_ssize_t n, Py_ssize_t 
   return list;
 }
 
-/* unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, flags_ptr,
- *                      n_flags, num_threads, done_ptr) -> None | (n_grads, slots or None, resume_slot or None).
- * n_flags must cover every parameter (flags_ptr 0: no flags); *done_ptr (an int64, 0: none) gets
- * the number of gradients unscaled, also when an exception is raised. */
+/* The progress cell: `obj` None (no cell) or a writable buffer of exactly one int64, such as
+ * array("q", [0]). Held (an array cannot be resized meanwhile) until released by the caller. */
+static int get_progress(PyObject *obj, Py_buffer *view, int64_t **cell) {
+  *cell = NULL;
+  if (obj == Py_None) return 0;
+  int ok = PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_FORMAT) == 0;
+  if (ok && (view->len != (Py_ssize_t)sizeof(int64_t) || view->itemsize != (Py_ssize_t)sizeof(int64_t) ||
+             !view->format || strcmp(view->format, "q") != 0)) {
+    PyBuffer_Release(view);
+    ok = 0;
+  }
+  if (!ok) {
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_BufferError))
+      return -1;
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError, "progress must be None or a writable buffer of one int64 (array('q', [0]))");
+    return -1;
+  }
+  *cell = view->buf;
+  return 0;
+}
+
+/* (n_grads, slots or None, resume_slot or None, flags): see the method's docstring. */
+static PyObject *walk_result(Py_ssize_t n, const Py_ssize_t *slots, Py_ssize_t cap, PyObject *resume,
+                             const uint8_t *flags) {
+  PyObject *slot_list = slot_list_of(slots, n, cap);
+  if (!slot_list) return NULL;
+  return Py_BuildValue("(nNOy#)", n, slot_list, resume, (const char *)flags, n);
+}
+
+/* unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, num_threads,
+ *                      progress) -> None | (n_grads, slots or None, resume_slot or None, flags) */
 static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *groups, *kinds_tuple;
-  unsigned long long scale_ptr, found_ptr, flags_ptr, done_ptr;
-  Py_ssize_t n_flags;
+  PyObject *groups, *kinds_tuple, *progress;
+  unsigned long long scale_ptr, found_ptr;
   int allow_fp16, inverse, num_threads;
-  if (!PyArg_ParseTuple(args, "OO!pKpKKniK", &groups, &PyTuple_Type, &kinds_tuple, &allow_fp16, &scale_ptr, &inverse,
-                        &found_ptr, &flags_ptr, &n_flags, &num_threads, &done_ptr))
+  if (!PyArg_ParseTuple(args, "OO!pKpKiO", &groups, &PyTuple_Type, &kinds_tuple, &allow_fp16, &scale_ptr, &inverse,
+                        &found_ptr, &num_threads, &progress))
     return NULL;
-  /* How many gradients are unscaled, written as soon as it is known: an exception (one raised in
-   * the walk, or a signal handled right after this call returns) must not hide that some are. */
-  int64_t *done_count = (int64_t *)(uintptr_t)done_ptr;
   if (PyTuple_GET_SIZE(kinds_tuple) != 2 + LLMMEM_SCALER_DTYPE_COUNT_)
     return PyErr_Format(PyExc_ValueError, "kinds must be (Tensor, Parameter, float32, float16, bfloat16, float64)");
   if (!found_ptr) return PyErr_Format(PyExc_ValueError, "found_inf_ptr must not be 0");
@@ -307,28 +343,41 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   kinds_t k = {PyTuple_GET_ITEM(kinds_tuple, 0), PyTuple_GET_ITEM(kinds_tuple, 1), {0}, allow_fp16};
   for (int c = 0; c < LLMMEM_SCALER_DTYPE_COUNT_; c++) k.dtypes[c] = PyTuple_GET_ITEM(kinds_tuple, 2 + c);
   if (resolve_readers(&k) < 0) return NULL;
+  /* How many gradients are unscaled, written as soon as it is known: an exception (one raised in
+   * the walk, or a signal handled as this call returns, which discards its result) must not hide
+   * that some are. */
+  Py_buffer progress_view;
+  int64_t *done_count;
+  if (get_progress(progress, &progress_view, &done_count) < 0) return NULL;
 
+  PyObject *result = NULL;
+  llmmem_scaler_tensor_t *t = NULL;
+  PyObject **grads = NULL;
+  Py_ssize_t *slots = NULL;
+  uint8_t *flags = NULL;
+  Py_ssize_t n = 0, n_plain = 0, stop_slot = 0;
   Py_ssize_t cap = count_params(groups);
-  /* Too few flags for the parameters: the caller counted before another thread added some. */
-  if (cap < 0 || (flags_ptr && n_flags < cap)) Py_RETURN_NONE;
+  if (cap == -2) goto done;
+  if (cap < 0) {
+    Py_INCREF(Py_None);
+    result = Py_None;
+    goto done;
+  }
   const float *scale = (const float *)(uintptr_t)scale_ptr;
   float *found = (float *)(uintptr_t)found_ptr;
-  uint8_t *flags = (uint8_t *)(uintptr_t)flags_ptr;
-  const size_t nf = flags_ptr ? (size_t)n_flags : 0;
   size_t alloc = (size_t)(cap ? cap : 1);
-  llmmem_scaler_tensor_t *t = PyMem_Malloc(alloc * sizeof *t);
-  PyObject **grads = PyMem_Malloc(alloc * sizeof *grads);
-  Py_ssize_t *slots = PyMem_Malloc(alloc * sizeof *slots);
-  PyObject *result = NULL;
-  Py_ssize_t n = 0, n_plain = 0, stop_slot = 0;
-  if (!t || !grads || !slots) {
+  t = PyMem_Malloc(alloc * sizeof *t);
+  grads = PyMem_Malloc(alloc * sizeof *grads);
+  slots = PyMem_Malloc(alloc * sizeof *slots);
+  flags = PyMem_Calloc(alloc, 1); /* flags[i]: the i-th gradient held inf/NaN */
+  if (!t || !grads || !slots || !flags) {
     PyErr_NoMemory();
     goto done;
   }
   llmmem_status_t st = LLMMEM_OK;
   if (num_threads >= 2 && cap >= PIPE_MIN_PARAMS) {
     llmmem_scaler_pipe_t *pipe;
-    st = llmmem_scaler_pipe_start(t, (size_t)cap, scale, inverse, flags, nf, num_threads - 1, &pipe);
+    st = llmmem_scaler_pipe_start(t, (size_t)cap, scale, inverse, flags, (size_t)cap, num_threads - 1, &pipe);
     if (st != LLMMEM_OK) {
       llmmem_py_raise(st);
       goto done;
@@ -351,12 +400,16 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
       llmmem_py_raise(st);
       goto done;
     }
-    PyObject *slot_list = slot_list_of(slots, n_plain, cap);
-    if (!slot_list) goto done;
-    if (rc == 1)
-      result = Py_BuildValue("(nNO)", n_plain, slot_list, Py_None);
-    else
-      result = Py_BuildValue("(nNn)", n_plain, slot_list, stop_slot);
+    if (rc == 1) {
+      result = walk_result(n_plain, slots, cap, Py_None, flags);
+    } else if (n_plain == 0) { /* stopped at the first gradient: nothing done */
+      Py_INCREF(Py_None);
+      result = Py_None;
+    } else {
+      PyObject *resume = PyLong_FromSsize_t(stop_slot);
+      if (resume) result = walk_result(n_plain, slots, cap, resume, flags);
+      Py_XDECREF(resume);
+    }
     goto done;
   }
   int rc = walk(groups, cap, &k, t, grads, slots, &n, &n_plain, NULL, &stop_slot);
@@ -368,7 +421,7 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   }
   if (n > 0) {
     Py_BEGIN_ALLOW_THREADS st =
-        llmmem_scaler_unscale_check(t, (size_t)n, scale, inverse, found, flags, nf, num_threads);
+        llmmem_scaler_unscale_check(t, (size_t)n, scale, inverse, found, flags, (size_t)n, num_threads);
     Py_END_ALLOW_THREADS
   }
   if (st != LLMMEM_OK) {
@@ -376,25 +429,27 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
     goto done;
   }
   if (done_count) *done_count = n;
-  PyObject *slot_list = slot_list_of(slots, n, cap);
-  if (slot_list) result = Py_BuildValue("(nNO)", n, slot_list, Py_None);
+  result = walk_result(n, slots, cap, Py_None, flags);
 done:
   for (Py_ssize_t i = 0; grads && i < n; i++) Py_DECREF(grads[i]);
   PyMem_Free(t);
   PyMem_Free(grads);
   PyMem_Free(slots);
+  PyMem_Free(flags);
+  if (done_count) PyBuffer_Release(&progress_view);
   return result;
 }
 
 PyMethodDef llmmem_py_scaler_params_methods[] = {
     {"scaler_unscale_param_groups", py_unscale_param_groups, METH_VARARGS,
      "scaler_unscale_param_groups(param_groups, kinds, allow_fp16, scale_ptr, scale_is_inverse, found_inf_ptr, "
-     "flags_ptr, n_flags, num_threads, done_ptr) -> None | (n_grads, slots, resume_slot): the CPU unscale + check of "
-     "every "
-     "gradient of param_groups in one call. With few parameters or one thread: None (nothing done) when any "
-     "parameter or gradient is not the plain case. Otherwise (pipelined) the gradients before the first one that "
-     "is not are done and resume_slot is that parameter's flat position (None when all were plain). "
-     "slots: each done gradient's flat position in param_groups, None when they are slots 0..n_grads-1. "
-     "Private and unsafe: takes raw addresses for the scale, found_inf and flags; use llmmem._scaler_kernels."},
+     "num_threads, progress) -> None | (n_grads, slots, resume_slot, flags): the CPU unscale + check of every "
+     "gradient of param_groups in one call. None: nothing was done (a parameter or gradient is not the plain case "
+     "and the walk had unscaled nothing, always so with few parameters or one thread). Otherwise the first n_grads "
+     "gradients are done: all of them (resume_slot None) or, pipelined, those before the first parameter that is "
+     "not the plain case, whose flat position is resume_slot. slots: each done gradient's flat position in "
+     "param_groups, None when they are slots 0..n_grads-1; flags: bytes, flags[i] = 1 when the i-th done gradient "
+     "held inf/NaN. progress: None or array('q', [0]), which gets n_grads before the call returns or raises. "
+     "Private and unsafe: takes raw addresses for the scale and found_inf; use llmmem.amp.cpu_unscale."},
     {NULL, NULL, 0, NULL},
 };

@@ -3,6 +3,8 @@
  *
  * The C core reports failures as llmmem_status_t; these helpers turn them into the Python
  * exception classes of llmmem (created once in errors.c), carrying the core's detail string.
+ * Arguments are read through args_py.c (a snapshot that holds what it reads) and checked by the
+ * plain-C parsers of args.c.
  */
 #ifndef LLMMEM_BINDING_H
 #define LLMMEM_BINDING_H
@@ -12,19 +14,37 @@
 
 #include <llmmem/llmmem.h>
 
+#include "args.h"
+
 /* Creates the exception classes and adds them to the module. 0 on success, -1 with an exception set. */
 int llmmem_py_errors_init(PyObject *module);
 
 /* Sets the Python exception for `status` (with llmmem_last_error() as detail) and returns NULL. */
 PyObject *llmmem_py_raise(llmmem_status_t status);
+/* The same with `message` as the detail. */
+PyObject *llmmem_py_raise_message(llmmem_status_t status, const char *message);
+
+/* ---- arguments (args_py.c) ----------------------------------------------------------------- */
+
+/* Copies obj into *out: `depth` levels of containers into arena `a` (NULL: a scalar, containers
+ * recorded by length only). Runs the conversions (__index__, __float__, ...) while holding what it
+ * reads. -1 with a Python exception set. */
+int llmmem_py_snapshot(PyObject *obj, int depth, args_arena_t *a, args_value_t *out);
+/* Raises the exception a parser described; returns NULL. */
+PyObject *llmmem_py_args_raise(const args_error_t *e);
+/* One scalar argument, checked (see args.h); `what` names it. 0, or -1 with an exception set. */
+int llmmem_py_arg_uint(PyObject *obj, const char *what, uint64_t lo, uint64_t hi, uint64_t *out);
+int llmmem_py_arg_int(PyObject *obj, const char *what, int64_t lo, int64_t hi, int64_t *out);
+int llmmem_py_arg_size(PyObject *obj, const char *what, size_t min, size_t *out);
+int llmmem_py_arg_number(PyObject *obj, const char *what, double *out);
 
 /* Method tables of each concern, NULL-terminated, merged by module.c. */
 extern PyMethodDef llmmem_py_info_methods[];
 extern PyMethodDef llmmem_py_errors_methods[];
-extern PyMethodDef llmmem_py_scaler_methods[];        /* scaler.c: loss-scaler kernels */
+extern PyMethodDef llmmem_py_scaler_methods[];        /* amp.c: loss-scaler kernels */
 extern PyMethodDef llmmem_py_scaler_params_methods[]; /* amp_params.c: unscale_ fast path over param_groups */
-extern PyMethodDef llmmem_py_plan_methods[];          /* plan.c: recompute planner */
+extern PyMethodDef llmmem_py_plan_methods[];          /* checkpointing.c: recompute planner */
 extern PyMethodDef llmmem_py_pool_methods[];          /* pool.c: caching allocator */
-extern PyMethodDef llmmem_py_comm_methods[];          /* comm.c: intra-node collectives */
+extern PyMethodDef llmmem_py_comm_methods[];          /* parallel.c: intra-node collectives */
 
 #endif /* LLMMEM_BINDING_H */

@@ -61,11 +61,11 @@ int llmmem_py_errors_init(PyObject *module) {
   return 0;
 }
 
-PyObject *llmmem_py_raise(llmmem_status_t status) {
+/* Raises the class mapped to `status` with "llmmem: <status name>[: detail]" and .status set. */
+static PyObject *raise_with(llmmem_status_t status, const char *detail) {
   PyObject *cls = base_error;
   for (size_t i = 0; i < N_CLASSES; i++)
     if (classes[i].status == status) cls = classes[i].cls;
-  const char *detail = llmmem_last_error();
   PyObject *msg = detail[0] ? PyUnicode_FromFormat("llmmem: %s: %s", llmmem_strerror(status), detail)
                             : PyUnicode_FromFormat("llmmem: %s", llmmem_strerror(status));
   if (!msg) return NULL;
@@ -81,28 +81,34 @@ PyObject *llmmem_py_raise(llmmem_status_t status) {
   Py_DECREF(code);
   PyErr_SetObject(cls, exc);
   Py_DECREF(exc);
+  return NULL;
+}
+
+PyObject *llmmem_py_raise(llmmem_status_t status) {
+  raise_with(status, llmmem_last_error());
   llmmem_clear_error();
   return NULL;
 }
 
+PyObject *llmmem_py_raise_message(llmmem_status_t status, const char *message) { return raise_with(status, message); }
+
 /* _C.strerror(status) -> str */
 static PyObject *py_strerror(PyObject *self, PyObject *arg) {
   (void)self;
-  long code = PyLong_AsLong(arg);
-  if (code == -1 && PyErr_Occurred()) return NULL;
+  int64_t code;
+  if (llmmem_py_arg_int(arg, "strerror: status", INT32_MIN, INT32_MAX, &code) < 0) return NULL;
   return PyUnicode_FromString(llmmem_strerror((llmmem_status_t)code));
 }
 
 /* _C._raise_status(status, detail): raises what the binding raises for that status (for tests). */
 static PyObject *py_raise_status(PyObject *self, PyObject *args) {
   (void)self;
-  int code;
+  PyObject *code_obj;
   const char *detail;
-  if (!PyArg_ParseTuple(args, "is", &code, &detail)) return NULL;
-  if (code <= LLMMEM_OK || code >= LLMMEM_STATUS_COUNT_) {
-    PyErr_Format(PyExc_ValueError, "_raise_status: status must be in 1..%d, got %d", LLMMEM_STATUS_COUNT_ - 1, code);
+  int64_t code;
+  if (!PyArg_ParseTuple(args, "Os", &code_obj, &detail) ||
+      llmmem_py_arg_int(code_obj, "_raise_status: status", 1, LLMMEM_STATUS_COUNT_ - 1, &code) < 0)
     return NULL;
-  }
   /* Goes through the same recording path as the core so the detail format is what users see. */
   extern llmmem_status_t _llmmem_set_error(llmmem_status_t, const char *, int, const char *, ...);
   return llmmem_py_raise(_llmmem_set_error((llmmem_status_t)code, __FILE__, __LINE__, "%s", detail));

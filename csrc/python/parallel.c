@@ -1,5 +1,5 @@
 /*
- * comm.c — the Python binding of csrc/parallel/: intra-node collectives.
+ * parallel.c — the Python binding of csrc/parallel/: intra-node collectives.
  *
  * Communicators travel to Python as capsules that close themselves when collected (or earlier
  * through *_close). Buffers arrive as integer addresses (tensor.data_ptr()) with an element count
@@ -144,16 +144,36 @@ static PyObject *raise_after_wait(llmmem_status_t st) {
   return llmmem_py_raise(st);
 }
 
+/* ------------------------------------------------------------------ arguments */
+
+/* Integer arguments are converted here, before any capsule is looked at: a conversion may run
+ * Python code (__index__), which could close the communicator. */
+static int arg_int(PyObject *obj, const char *what, int *out) {
+  int64_t v;
+  if (llmmem_py_arg_int(obj, what, INT32_MIN, INT32_MAX, &v) < 0) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+static int arg_u64(PyObject *obj, const char *what, uint64_t hi, uint64_t *out) {
+  return llmmem_py_arg_uint(obj, what, 0, hi, out);
+}
+
 /* ------------------------------------------------------------------ shared memory */
 
 /* shm_comm_open(name, rank, world_size, slot_bytes, timeout_s) -> capsule */
 static PyObject *py_shm_comm_open(PyObject *self, PyObject *args) {
   (void)self;
   const char *name;
+  PyObject *rank_obj, *world_obj, *slot_obj, *timeout_obj;
+  if (!PyArg_ParseTuple(args, "sOOOO", &name, &rank_obj, &world_obj, &slot_obj, &timeout_obj)) return NULL;
   int rank, world;
-  unsigned long long slot;
+  uint64_t slot;
   double timeout;
-  if (!PyArg_ParseTuple(args, "siiKd", &name, &rank, &world, &slot, &timeout)) return NULL;
+  if (arg_int(rank_obj, "rank", &rank) < 0 || arg_int(world_obj, "world_size", &world) < 0 ||
+      arg_u64(slot_obj, "slot_bytes", SIZE_MAX, &slot) < 0 ||
+      llmmem_py_arg_number(timeout_obj, "timeout_s", &timeout) < 0)
+    return NULL;
   llmmem_shm_comm_t *comm = NULL;
   wait_ctx_t w;
   begin_wait(&w, NULL);
@@ -170,9 +190,11 @@ static PyObject *py_shm_comm_close(PyObject *self, PyObject *cap) {
 
 static PyObject *py_shm_comm_set_timeout(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *cap;
+  PyObject *cap, *timeout_obj;
   double timeout;
-  if (!PyArg_ParseTuple(args, "Od", &cap, &timeout)) return NULL;
+  if (!PyArg_ParseTuple(args, "OO", &cap, &timeout_obj) ||
+      llmmem_py_arg_number(timeout_obj, "timeout_s", &timeout) < 0)
+    return NULL;
   holder_t *h = live(cap, SHM_CAPSULE);
   if (!h) return NULL;
   llmmem_status_t st = llmmem_shm_comm_set_timeout(h->comm, timeout);
@@ -194,10 +216,13 @@ typedef llmmem_status_t (*shm_op_fn)(llmmem_shm_comm_t *, const void *, void *, 
 
 /* (capsule, in_ptr, out_ptr, count, dtype) -> None */
 static PyObject *shm_op(PyObject *args, shm_op_fn fn) {
-  PyObject *cap;
-  unsigned long long in_ptr, out_ptr, count;
+  PyObject *cap, *in_obj, *out_obj, *count_obj, *dtype_obj;
+  if (!PyArg_ParseTuple(args, "OOOOO", &cap, &in_obj, &out_obj, &count_obj, &dtype_obj)) return NULL;
+  uint64_t in_ptr, out_ptr, count;
   int dtype;
-  if (!PyArg_ParseTuple(args, "OKKKi", &cap, &in_ptr, &out_ptr, &count, &dtype)) return NULL;
+  if (arg_u64(in_obj, "in_ptr", UINTPTR_MAX, &in_ptr) < 0 || arg_u64(out_obj, "out_ptr", UINTPTR_MAX, &out_ptr) < 0 ||
+      arg_u64(count_obj, "count", SIZE_MAX, &count) < 0 || arg_int(dtype_obj, "dtype", &dtype) < 0)
+    return NULL;
   holder_t *h = live(cap, SHM_CAPSULE); /* the capsule is the caller's: alive meanwhile */
   if (!h) return NULL;
   if (h->busy) {
@@ -238,10 +263,15 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args) {
 /* cuda_ar_create(device, rank, world_size, max_bytes, timeout_s) -> (capsule, handle: bytes) */
 static PyObject *py_cuda_ar_create(PyObject *self, PyObject *args) {
   (void)self;
+  PyObject *device_obj, *rank_obj, *world_obj, *max_obj, *timeout_obj;
+  if (!PyArg_ParseTuple(args, "OOOOO", &device_obj, &rank_obj, &world_obj, &max_obj, &timeout_obj)) return NULL;
   int device, rank, world;
-  unsigned long long max_bytes;
+  uint64_t max_bytes;
   double timeout;
-  if (!PyArg_ParseTuple(args, "iiiKd", &device, &rank, &world, &max_bytes, &timeout)) return NULL;
+  if (arg_int(device_obj, "device", &device) < 0 || arg_int(rank_obj, "rank", &rank) < 0 ||
+      arg_int(world_obj, "world_size", &world) < 0 || arg_u64(max_obj, "max_bytes", SIZE_MAX, &max_bytes) < 0 ||
+      llmmem_py_arg_number(timeout_obj, "timeout_s", &timeout) < 0)
+    return NULL;
   llmmem_cuda_ar_t *ar = NULL;
   char handle[LLMMEM_CUDA_IPC_HANDLE_BYTES] = {0};
   llmmem_status_t st;
@@ -277,10 +307,14 @@ static PyObject *py_cuda_ar_connect(PyObject *self, PyObject *args) {
 /* cuda_ar_all_reduce(capsule, in_ptr, out_ptr, count, dtype, stream) -> None */
 static PyObject *py_cuda_ar_all_reduce(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *cap;
-  unsigned long long in_ptr, out_ptr, count, stream;
+  PyObject *cap, *in_obj, *out_obj, *count_obj, *dtype_obj, *stream_obj;
+  if (!PyArg_ParseTuple(args, "OOOOOO", &cap, &in_obj, &out_obj, &count_obj, &dtype_obj, &stream_obj)) return NULL;
+  uint64_t in_ptr, out_ptr, count, stream;
   int dtype;
-  if (!PyArg_ParseTuple(args, "OKKKiK", &cap, &in_ptr, &out_ptr, &count, &dtype, &stream)) return NULL;
+  if (arg_u64(in_obj, "in_ptr", UINTPTR_MAX, &in_ptr) < 0 || arg_u64(out_obj, "out_ptr", UINTPTR_MAX, &out_ptr) < 0 ||
+      arg_u64(count_obj, "count", SIZE_MAX, &count) < 0 || arg_int(dtype_obj, "dtype", &dtype) < 0 ||
+      arg_u64(stream_obj, "stream", UINTPTR_MAX, &stream) < 0)
+    return NULL;
   holder_t *h = live(cap, CUDA_AR_CAPSULE);
   if (!h) return NULL;
   llmmem_status_t st = llmmem_cuda_ar_all_reduce(h->comm, (const void *)(uintptr_t)in_ptr, (void *)(uintptr_t)out_ptr,
@@ -292,9 +326,10 @@ static PyObject *py_cuda_ar_all_reduce(PyObject *self, PyObject *args) {
 /* cuda_ar_check(capsule, stream) -> None; waits for the stream, raises if a kernel timed out */
 static PyObject *py_cuda_ar_check(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *cap;
-  unsigned long long stream;
-  if (!PyArg_ParseTuple(args, "OK", &cap, &stream)) return NULL;
+  PyObject *cap, *stream_obj;
+  uint64_t stream;
+  if (!PyArg_ParseTuple(args, "OO", &cap, &stream_obj) || arg_u64(stream_obj, "stream", UINTPTR_MAX, &stream) < 0)
+    return NULL;
   holder_t *h = live(cap, CUDA_AR_CAPSULE);
   if (!h) return NULL;
   wait_ctx_t w; /* a close from another thread meanwhile waits for us (see holder_t) */

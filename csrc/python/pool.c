@@ -5,7 +5,8 @@
  * A pool lives in a capsule. Buffers handed out by pool_buffer() hold a reference to it, so the
  * pool outlives every CPU tensor made from its memory. When the capsule dies while blocks are
  * still out (CUDA segments PyTorch has not returned yet) the pool is destroyed by the last free.
- * The GIL is released around calls that may reach the backend (cudaMalloc, cudaFree, syncs).
+ * Calls on an open pool hold the GIL throughout (see get_pool), and convert every argument before
+ * they look the pool up: a conversion can run Python code (__index__), which could close it.
  */
 #include "binding.h" /* first: Python.h sets the feature macros */
 
@@ -50,10 +51,17 @@ static PyObject *raise_status(llmmem_status_t st) { return llmmem_py_raise(st); 
 static PyObject *py_pool_create(PyObject *self, PyObject *args) {
   (void)self;
   const char *kind;
-  int device;
-  unsigned long long initial, max, growth;
+  PyObject *device_obj, *initial_obj, *max_obj, *growth_obj;
   int fixed_segments = 0;
-  if (!PyArg_ParseTuple(args, "siKKK|p", &kind, &device, &initial, &max, &growth, &fixed_segments)) return NULL;
+  if (!PyArg_ParseTuple(args, "sOOOO|p", &kind, &device_obj, &initial_obj, &max_obj, &growth_obj, &fixed_segments))
+    return NULL;
+  int64_t device;
+  uint64_t initial, max, growth;
+  if (llmmem_py_arg_int(device_obj, "device", -1, INT32_MAX, &device) < 0 ||
+      llmmem_py_arg_uint(initial_obj, "initial_size", 0, SIZE_MAX, &initial) < 0 ||
+      llmmem_py_arg_uint(max_obj, "max_size", 0, SIZE_MAX, &max) < 0 ||
+      llmmem_py_arg_uint(growth_obj, "growth_size", 0, SIZE_MAX, &growth) < 0)
+    return NULL;
   llmmem_pool_backend_t backend;
   llmmem_status_t st;
   if (strcmp(kind, "cpu") == 0)
@@ -61,9 +69,9 @@ static PyObject *py_pool_create(PyObject *self, PyObject *args) {
   else if (strcmp(kind, "pinned") == 0)
     st = llmmem_pool_backend_host(1, &backend);
   else if (strcmp(kind, "cuda") == 0)
-    st = llmmem_pool_backend_cuda(device, &backend);
+    st = llmmem_pool_backend_cuda((int)device, &backend);
   else if (strcmp(kind, "cuda_vmm") == 0)
-    st = llmmem_pool_backend_cuda_vmm(device, &backend);
+    st = llmmem_pool_backend_cuda_vmm((int)device, &backend);
   else {
     PyErr_Format(PyExc_ValueError, "device: expected 'cpu', 'pinned', 'cuda' or 'cuda_vmm', got %R",
                  PyTuple_GET_ITEM(args, 0));
@@ -101,32 +109,28 @@ static PyObject *py_pool_close(PyObject *self, PyObject *capsule) {
   Py_RETURN_NONE;
 }
 
-static int parse_stream(PyObject *obj, void **stream) {
-  if (obj == NULL || obj == Py_None) {
-    *stream = NULL;
-    return 0;
-  }
-  unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-  if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-  *stream = (void *)(uintptr_t)v;
+/* An address or a stream handle: an int in 0..UINTPTR_MAX. */
+static int parse_address(PyObject *obj, const char *what, void **out) {
+  uint64_t v = 0;
+  if (obj && obj != Py_None && llmmem_py_arg_uint(obj, what, 0, UINTPTR_MAX, &v) < 0) return -1;
+  *out = (void *)(uintptr_t)v;
   return 0;
 }
 
 /* pool_alloc(capsule, size, stream=0) -> int address */
 static PyObject *py_pool_alloc(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *capsule, *stream_obj = NULL;
-  Py_ssize_t size;
-  if (!PyArg_ParseTuple(args, "On|O", &capsule, &size, &stream_obj)) return NULL;
-  llmmem_pool_t *pool = get_pool(capsule);
+  PyObject *capsule, *size_obj, *stream_obj = NULL;
+  if (!PyArg_ParseTuple(args, "OO|O", &capsule, &size_obj, &stream_obj)) return NULL;
+  size_t size;
   void *stream;
-  if (!pool || parse_stream(stream_obj, &stream) < 0) return NULL;
-  if (size <= 0) {
-    PyErr_Format(PyExc_ValueError, "size: must be > 0 bytes, got %zd", size);
+  /* Every conversion (which may run Python code) before the pool is looked up. */
+  if (llmmem_py_arg_size(size_obj, "size", 1, &size) < 0 || parse_address(stream_obj, "stream", &stream) < 0)
     return NULL;
-  }
+  llmmem_pool_t *pool = get_pool(capsule);
+  if (!pool) return NULL;
   void *ptr = NULL;
-  llmmem_status_t st = llmmem_pool_alloc(pool, (size_t)size, stream, &ptr);
+  llmmem_status_t st = llmmem_pool_alloc(pool, size, stream, &ptr);
   if (st != LLMMEM_OK) return raise_status(st);
   return PyLong_FromVoidPtr(ptr);
 }
@@ -136,11 +140,10 @@ static PyObject *py_pool_free(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *capsule, *addr_obj, *stream_obj = NULL;
   if (!PyArg_ParseTuple(args, "OO|O", &capsule, &addr_obj, &stream_obj)) return NULL;
+  void *ptr, *stream;
+  if (parse_address(addr_obj, "address", &ptr) < 0 || parse_address(stream_obj, "stream", &stream) < 0) return NULL;
   llmmem_pool_t *pool = get_pool(capsule);
-  void *stream;
-  if (!pool || parse_stream(stream_obj, &stream) < 0) return NULL;
-  void *ptr = PyLong_AsVoidPtr(addr_obj);
-  if (!ptr && PyErr_Occurred()) return NULL;
+  if (!pool) return NULL;
   llmmem_status_t st = llmmem_pool_free(pool, ptr, stream);
   if (st != LLMMEM_OK) return raise_status(st);
   Py_RETURN_NONE;
@@ -262,8 +265,8 @@ static PyObject *py_pool_bind_slot(PyObject *self, PyObject *capsule) {
 
 static PyObject *py_pool_unbind_slot(PyObject *self, PyObject *arg) {
   (void)self;
-  long slot = PyLong_AsLong(arg);
-  if (slot == -1 && PyErr_Occurred()) return NULL;
+  int64_t slot;
+  if (llmmem_py_arg_int(arg, "slot", INT32_MIN, INT32_MAX, &slot) < 0) return NULL;
   llmmem_status_t st = llmmem_pool_unbind_slot((int)slot);
   if (st != LLMMEM_OK) return raise_status(st);
   Py_RETURN_NONE;
@@ -273,26 +276,30 @@ static PyObject *py_pool_unbind_slot(PyObject *self, PyObject *arg) {
  * exactly as PyTorch would (0 when it refuses); for tests without a GPU. */
 static PyObject *py_pool_slot_alloc(PyObject *self, PyObject *args) {
   (void)self;
-  int slot, device;
-  Py_ssize_t size;
-  if (!PyArg_ParseTuple(args, "ini", &slot, &size, &device)) return NULL;
-  if (size < 0) {
-    PyErr_SetString(PyExc_ValueError, "size: must be >= 0");
+  PyObject *slot_obj, *size_obj, *device_obj;
+  if (!PyArg_ParseTuple(args, "OOO", &slot_obj, &size_obj, &device_obj)) return NULL;
+  int64_t slot, device;
+  size_t size;
+  if (llmmem_py_arg_int(slot_obj, "slot", INT32_MIN, INT32_MAX, &slot) < 0 ||
+      llmmem_py_arg_size(size_obj, "size", 0, &size) < 0 ||
+      llmmem_py_arg_int(device_obj, "device", INT32_MIN, INT32_MAX, &device) < 0)
     return NULL;
-  }
-  void *p = llmmem_pool_slot_alloc(slot, (size_t)size, device, NULL);
+  void *p = llmmem_pool_slot_alloc((int)slot, size, (int)device, NULL);
   return PyLong_FromVoidPtr(p);
 }
 
 static PyObject *py_pool_slot_free(PyObject *self, PyObject *args) {
   (void)self;
-  int slot, device;
-  PyObject *addr_obj;
-  Py_ssize_t size;
-  if (!PyArg_ParseTuple(args, "iOni", &slot, &addr_obj, &size, &device)) return NULL;
-  void *ptr = PyLong_AsVoidPtr(addr_obj);
-  if (!ptr && PyErr_Occurred()) return NULL;
-  llmmem_pool_slot_free(slot, ptr, (size_t)size, device, NULL);
+  PyObject *slot_obj, *addr_obj, *size_obj, *device_obj;
+  if (!PyArg_ParseTuple(args, "OOOO", &slot_obj, &addr_obj, &size_obj, &device_obj)) return NULL;
+  int64_t slot, device;
+  size_t size;
+  void *ptr;
+  if (llmmem_py_arg_int(slot_obj, "slot", INT32_MIN, INT32_MAX, &slot) < 0 ||
+      parse_address(addr_obj, "address", &ptr) < 0 || llmmem_py_arg_size(size_obj, "size", 0, &size) < 0 ||
+      llmmem_py_arg_int(device_obj, "device", INT32_MIN, INT32_MAX, &device) < 0)
+    return NULL;
+  llmmem_pool_slot_free((int)slot, ptr, size, (int)device, NULL);
   Py_RETURN_NONE;
 }
 
@@ -356,15 +363,18 @@ static PyType_Spec buffer_spec = {"llmmem._C.PoolBuffer", sizeof(pool_buffer_t),
 /* pool_buffer(capsule, nbytes) -> PoolBuffer */
 static PyObject *py_pool_buffer(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *capsule;
-  Py_ssize_t nbytes;
-  if (!PyArg_ParseTuple(args, "On", &capsule, &nbytes)) return NULL;
+  PyObject *capsule, *nbytes_obj;
+  if (!PyArg_ParseTuple(args, "OO", &capsule, &nbytes_obj)) return NULL;
+  size_t nbytes;
+  /* A buffer's length is a Py_ssize_t: more is more than any address space gives anyway. */
+  if (llmmem_py_arg_size(nbytes_obj, "nbytes", 1, &nbytes) < 0) return NULL;
+  if (nbytes > PY_SSIZE_T_MAX) {
+    char msg[160];
+    PyOS_snprintf(msg, sizeof msg, "nbytes must be at most %zd bytes, got %zu", PY_SSIZE_T_MAX, nbytes);
+    return llmmem_py_raise_message(LLMMEM_ERR_NOMEM, msg);
+  }
   llmmem_pool_t *pool = get_pool(capsule);
   if (!pool) return NULL;
-  if (nbytes <= 0) {
-    PyErr_Format(PyExc_ValueError, "nbytes: must be > 0, got %zd", nbytes);
-    return NULL;
-  }
   const char *kind = NULL;
   (void)llmmem_pool_device(pool, &kind, NULL);
   if (strcmp(kind, "host") != 0 && strcmp(kind, "pinned") != 0) {
@@ -376,7 +386,7 @@ static PyObject *py_pool_buffer(PyObject *self, PyObject *args) {
     if (!buffer_type) return NULL;
   }
   void *ptr = NULL;
-  llmmem_status_t st = llmmem_pool_alloc(pool, (size_t)nbytes, NULL, &ptr);
+  llmmem_status_t st = llmmem_pool_alloc(pool, nbytes, NULL, &ptr);
   if (st != LLMMEM_OK) return raise_status(st);
   pool_buffer_t *b = PyObject_New(pool_buffer_t, (PyTypeObject *)buffer_type);
   if (!b) {
@@ -387,7 +397,7 @@ static PyObject *py_pool_buffer(PyObject *self, PyObject *args) {
   Py_INCREF(capsule);
   b->capsule = capsule;
   b->ptr = ptr;
-  b->nbytes = nbytes;
+  b->nbytes = (Py_ssize_t)nbytes;
   return (PyObject *)b;
 }
 

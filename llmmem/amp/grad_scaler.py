@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from array import array
 from collections import abc, defaultdict
 from typing import Any, Iterable, Optional, Union
 
@@ -29,16 +28,20 @@ import torch
 from torch.amp.grad_scaler import OptState  # the same enum, so `stage is OptState.READY` works with both
 
 from llmmem._native import available, load_error
+from llmmem.amp import cpu_unscale
 from llmmem.amp import kernels as _k
 from llmmem.amp.args import (
     ScaleInputError,
-    ScalerArgumentError,
     _check_backoff_factor,
     _check_growth_factor,
     _check_growth_interval,
+    _check_hysteresis,
     _check_hysteresis_mode,
-    _check_number,
+    _check_init_scale,
+    _check_min_scale,
+    checked_state_dict,
 )
+from llmmem.amp.cpu_unscale import Checked
 from llmmem.amp.visibility import _ScalerVisibility
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
@@ -72,15 +75,6 @@ class _MultiDeviceReplicator:
                 retval = master.to(device=device, non_blocking=True, copy=True)
             self._per_device_tensors[device] = retval
         return retval
-
-    def get_own(self) -> tuple[torch.device, torch.Tensor]:
-        """``(device, get(device))`` for the master's own device. A sharing replicator skips get()'s
-        device comparison, which makes one more torch.device object on the unscale_ hot path."""
-        device = self.master.device
-        if not self._share_own_device:
-            return device, self.get(device)
-        self._per_device_tensors[device] = self.master
-        return device, self.master
 
 
 class _InverseOf:
@@ -198,22 +192,13 @@ class GradScaler(_ScalerVisibility):
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         if self._enabled:
-            _check_number("init_scale", init_scale)
-            if not init_scale > 0:
-                raise ScalerArgumentError(f"llmmem.GradScaler: init_scale must be > 0, got {init_scale}")
+            _check_init_scale(init_scale)
             _check_growth_factor(growth_factor)
             _check_backoff_factor(backoff_factor)
             _check_growth_interval(growth_interval)
-            _check_number("hysteresis", hysteresis, integer=True)
-            if hysteresis < 1:
-                raise ScalerArgumentError(f"llmmem.GradScaler: hysteresis must be >= 1, got {hysteresis}")
+            _check_hysteresis(hysteresis)
             _check_hysteresis_mode(hysteresis_mode)
-            if min_scale is not None:
-                _check_number("min_scale", min_scale)
-                if not 0 < min_scale <= init_scale:
-                    raise ScalerArgumentError(
-                        f"llmmem.GradScaler: min_scale must be in (0, init_scale={init_scale}], got {min_scale}"
-                    )
+            _check_min_scale(min_scale, init_scale)
             self._init_scale = init_scale
             self._scale: Optional[torch.Tensor] = None  # created on the first scale(), on its tensor's device
             self._growth_factor = growth_factor
@@ -319,66 +304,37 @@ class GradScaler(_ScalerVisibility):
         else:
             per_device_scale, is_inverse = _MultiDeviceReplicator(inv_scale), True
         per_device_found_inf = _MultiDeviceReplicator(found_inf, share_own_device=True)
-        # On the CPU the walk is done in C; `done` counts the gradients it unscaled, which an
-        # exception from here on (one in the C walk, a signal handled right after it, an error of
-        # the general path after a hand-over) must not leave unrecorded.
-        done = array("q", (0,)) if found_inf.is_cpu else None  # is_cpu: no torch.device object made
-        fast = None
-        try:
-            if done is not None:
-                fast = self._unscale_cpu_fast_(
-                    optimizer, per_device_scale.master, is_inverse, per_device_found_inf, allow_fp16, done
-                )
-            if fast is None:
-                slots, flags_per_device = self._unscale_general_(
-                    optimizer, per_device_scale, is_inverse, per_device_found_inf, allow_fp16, 0
-                )
-            elif fast[2] is None:
-                slots, flags_per_device = fast[0], fast[1]
-            else:
-                # The C walk unscaled the gradients before parameter fast[2] (not the plain case)
-                # and stopped there; the general walk takes over from it.
-                rest = self._unscale_general_(
-                    optimizer, per_device_scale, is_inverse, per_device_found_inf, allow_fp16, fast[2]
-                )
-                slots, flags_per_device = self._merge_overflow(fast[0], fast[1], *rest)
-            self._record_overflow(optimizer, slots, flags_per_device)
-        except BaseException as exc:
-            n_done = done[0] if done is not None else 0
-            if n_done:
-                self._fail_partly_unscaled(
-                    optimizer, per_device_found_inf, n_done, exc, *(fast[:2] if fast is not None else ())
-                )
-            raise
-        return per_device_found_inf._per_device_tensors
 
-    def _fail_partly_unscaled(
-        self,
-        optimizer: torch.optim.Optimizer,
-        per_device_found_inf: _MultiDeviceReplicator,
-        n_done: int,
-        exc: BaseException,
-        slots: Any = (),
-        flags_per_device: Any = None,
-    ) -> None:
-        """An exception (an fp16 gradient, an unsupported dtype or layout, an interrupt) came after
-        the C walk had unscaled ``n_done`` gradients, which cannot be taken back. So that
-        no later call unscales them twice or steps on half-unscaled gradients, the optimizer is
-        recorded as unscaled with an overflow: ``step`` skips it and ``update`` takes it as an
-        overflow (backs off, or counts towards ``hysteresis``). The overflow record holds the culprits
-        found among the done gradients (``slots``, ``flags_per_device``). The exception says so."""
-        _, found = per_device_found_inf.get_own()
-        found.fill_(1.0)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = per_device_found_inf._per_device_tensors
-        state["stage"] = OptState.UNSCALED
-        self._record_overflow(optimizer, slots, flags_per_device or {})
-        if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(
-                f"llmmem.GradScaler: {n_done} gradients were already unscaled when this was raised (the "
-                "C walk cannot take that back); this step is recorded as overflowed, so step() skips it "
-                "and update() takes it as an overflow."
+        def general(resume: int) -> Checked:
+            return self._unscale_general_(
+                optimizer, per_device_scale, is_inverse, per_device_found_inf, allow_fp16, resume
             )
+
+        checked = None
+        if found_inf.is_cpu:  # is_cpu: no torch.device object made
+            checked = cpu_unscale.unscale_(
+                optimizer.param_groups,
+                per_device_scale.master,
+                is_inverse,
+                found_inf,
+                allow_fp16,
+                general,
+                on_partial_failure=lambda partial: self._record_partly_unscaled(optimizer, partial),
+            )
+        if checked is None:
+            checked = general(0)
+        self._record_overflow(optimizer, checked)
+        return checked.found_inf_per_device
+
+    def _record_partly_unscaled(self, optimizer: torch.optim.Optimizer, checked: Checked) -> None:
+        """The CPU fast path unscaled some gradients before an exception (see
+        :mod:`llmmem.amp.cpu_unscale`): the optimizer is recorded as unscaled with an overflow, so
+        no later call unscales them twice, :meth:`step` skips it and :meth:`update` takes it as an
+        overflow (backs off, or counts towards ``hysteresis``)."""
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = checked.found_inf_per_device
+        state["stage"] = OptState.UNSCALED
+        self._record_overflow(optimizer, checked)
 
     def _unscale_general_(
         self,
@@ -388,9 +344,9 @@ class GradScaler(_ScalerVisibility):
         per_device_found_inf: _MultiDeviceReplicator,
         allow_fp16: bool,
         resume: int,
-    ) -> tuple:
+    ) -> Checked:
         """The walk in Python, for every case the C walk does not take, over the parameters from
-        flat position ``resume`` on. Returns ``(slots, flags_per_device)`` (see :meth:`_record_overflow`)."""
+        flat position ``resume`` on (torch's ``_unscale_grads_``, on llmmem's kernels)."""
         # The walk over parameters is the per-tensor cost that dominates lists of many small
         # gradients, so it reads one attribute per parameter and allocates no object per parameter
         # (thousands of small tuples per step would also wake the garbage collector); the checks
@@ -464,68 +420,14 @@ class GradScaler(_ScalerVisibility):
                     codes=sub_codes,
                 )
                 flags_per_device[device] = (flags, pos)
-        return slots, flags_per_device
+        return Checked(slots, flags_per_device, per_device_found_inf._per_device_tensors)
 
-    @staticmethod
-    def _merge_overflow(slots_a, flags_a: dict, slots_b: list, flags_b: dict) -> tuple:
-        """One overflow record out of two checks of one optimizer (the C walk's, then the general
-        walk's over the parameters after it): positions of the second shift past the first's."""
-        shift = len(slots_a)
-        merged = dict(flags_a)
-        for device, (flags, pos) in flags_b.items():
-            pos = [shift + k for k in pos]
-            if device in merged:  # the CPU: the C walk's flags (an array) then the general walk's (a tensor)
-                flags0, pos0 = merged[device]
-                merged[device] = (array("B", flags0.tolist() + flags.tolist()), list(pos0) + pos)
-            else:
-                merged[device] = (flags, pos)
-        return list(slots_a) + slots_b, merged
-
-    def _unscale_cpu_fast_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        scale: torch.Tensor,
-        is_inverse: bool,
-        per_device_found_inf: _MultiDeviceReplicator,
-        allow_fp16: bool,
-        done: array,
-    ) -> Optional[tuple]:
-        """:meth:`_unscale_grads_` in one C call when the gradients are plain CPU tensors (see
-        :func:`llmmem.amp.kernels.unscale_param_groups_cpu_`). None, having changed nothing,
-        when the general path must run (it then raises the usual errors). Else ``(slots,
-        flags_per_device, resume)`` for the gradients it did (see :meth:`_record_overflow`);
-        ``resume`` is None, or the flat position of the first parameter it left to the general
-        path (the pipelined C walk, on long lists, stops there rather than undo its work).
-        ``done[0]`` gets the number of gradients unscaled (see :meth:`_unscale_grads_`)."""
-        try:
-            n_params = sum(len(group["params"]) for group in optimizer.param_groups)
-        except Exception:
-            return None
-        cpu, found = per_device_found_inf.get_own()
-        # Python arrays, not tensors: two fewer tensor ops per call, which on a cold cache (after
-        # backward) cost tens of microseconds each. overflowed_params reads either kind with tolist().
-        flags = array("B", bytes(n_params))
-        result = _k.unscale_param_groups_cpu_(
-            optimizer.param_groups, allow_fp16, found, flags, scale, is_inverse, done
-        )
-        if result is None:
-            return None
-        n_grads, slots, resume = result
-        if n_grads == 0 and resume is not None:
-            return None  # it stopped at the first gradient: nothing done
-        if n_grads == 0:  # as the general path: nothing checked, nothing recorded for the device
-            per_device_found_inf._per_device_tensors.pop(cpu)
-            flags_per_device = {}
-        else:
-            flags_per_device = {cpu: (flags if n_grads == n_params else flags[:n_grads], range(n_grads))}
-        return range(n_grads) if slots is None else slots, flags_per_device, resume
-
-    def _record_overflow(self, optimizer: torch.optim.Optimizer, slots: Any, flags_per_device: dict) -> None:
+    def _record_overflow(self, optimizer: torch.optim.Optimizer, checked: Checked) -> None:
         """Keeps this check's per-gradient flags for :meth:`overflowed_params` (see ``_overflow``)."""
         if self._overflow_stale:  # first check of a new iteration: forget the last one's culprits
             self._overflow.clear()
             self._overflow_stale = False
-        self._overflow[id(optimizer)] = (_weak(optimizer), slots, flags_per_device)
+        self._overflow[id(optimizer)] = (_weak(optimizer), checked.slots, checked.flags_per_device)
 
     @staticmethod
     def _group_positions(dev_ids: list) -> dict:
@@ -780,31 +682,35 @@ class GradScaler(_ScalerVisibility):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state from :meth:`state_dict`, of this class or of ``torch.amp.GradScaler``.
-        No-op when disabled."""
+        """Loads a state from :meth:`state_dict`, of this class or of ``torch.amp.GradScaler`` (whose
+        state has no hysteresis: this scaler keeps its own options, with a full hysteresis budget).
+        No-op when disabled.
+
+        The whole dict is checked before anything changes, as the constructor checks its
+        arguments; on an error the scaler is as it was.
+
+        Raises:
+            RuntimeError: ``state_dict`` is empty (saved from a disabled scaler), as torch.
+            KeyError: a key is missing (the error is also a ``ValueError``).
+            TypeError: a value of the wrong type, or ``state_dict`` is not a dict.
+            ValueError: a value out of range (e.g. ``min_scale`` above ``scale``), naming the key.
+        """
         if not self._enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-            )
-        self._init_scale = state_dict["scale"]
+        sd = checked_state_dict(state_dict, self._hysteresis, self._min_scale, self._hysteresis_mode)
+        self._init_scale = sd["scale"]
         if self._scale is not None:
-            self._scale.fill_(state_dict["scale"])
-        self._growth_factor = state_dict["growth_factor"]
-        self._backoff_factor = state_dict["backoff_factor"]
-        self._growth_interval = state_dict["growth_interval"]
-        self._init_growth_tracker = state_dict["_growth_tracker"]
+            self._scale.fill_(sd["scale"])
+        self._growth_factor = sd["growth_factor"]
+        self._backoff_factor = sd["backoff_factor"]
+        self._growth_interval = sd["growth_interval"]
+        self._init_growth_tracker = sd["_growth_tracker"]
         if self._growth_tracker is not None:
-            self._growth_tracker.fill_(state_dict["_growth_tracker"])
-        if "hysteresis" in state_dict:
-            self._hysteresis = int(state_dict["hysteresis"])
-            self._min_scale = state_dict.get("min_scale")
-            mode = state_dict.get("hysteresis_mode", "consecutive")  # states saved before the option
-            _check_hysteresis_mode(mode)
-            self._hysteresis_mode = mode
-        # A torch state has no hysteresis tracker: start with a full budget.
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+            self._growth_tracker.fill_(sd["_growth_tracker"])
+        self._hysteresis = sd["hysteresis"]
+        self._min_scale = sd["min_scale"]
+        self._hysteresis_mode = sd["hysteresis_mode"]
+        self._init_hysteresis_tracker = sd["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
 

@@ -14,20 +14,14 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
 - Gradients that are tensor subclasses (DTensor) always go to torch's op, which handles them.
 
 Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
-``llmmem._C.scaler_*`` trust the addresses they get.
-
-``GradScaler.unscale_`` on the CPU first tries :func:`unscale_param_groups_cpu_`: one C call that
-walks the optimizer's param_groups and reads and checks each gradient itself (on lists of
-thousands of small gradients the per-gradient Python work cost as much as the kernel), handing
-anything unusual back to :func:`unscale_check_`: untouched on short lists, and on long ones
-(pipelined: workers unscale what the walk has read while it reads on) from where it stopped.
+``llmmem._C.scaler_*`` trust the addresses they get. (``GradScaler.unscale_`` on the CPU first
+tries :mod:`llmmem.amp.cpu_unscale`, which walks the param_groups in C and comes here for the rest.)
 """
 
 from __future__ import annotations
 
 import warnings
-from array import array
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -195,78 +189,6 @@ def _address(t: torch.Tensor) -> int:
         return t.data_ptr()
     except RuntimeError:
         return 0
-
-
-# What the C walk compares parameters and gradients against: the tensor types, then the gradient
-# dtypes in the order of their codes.
-_KINDS = (torch.Tensor, torch.nn.Parameter) + tuple(sorted(DTYPE_CODES, key=DTYPE_CODES.get))
-
-
-def _cpu_scalar(t) -> bool:
-    """A plain 1-element fp32 CPU tensor, whose data_ptr() the C core may read and write."""
-    # is_cpu rather than device.type: no torch.device object made (on a cold cache, after backward,
-    # that made this check 50 us rather than 18 for the two tensors of an unscale_)
-    return type(t) is torch.Tensor and t.dtype is torch.float32 and t.is_cpu and t.numel() == 1
-
-
-def _host_buffer(buf, dtype: torch.dtype, typecode: str) -> Optional[tuple[int, int]]:
-    """(address, element count) of a writable host buffer the C core may fill: a contiguous CPU
-    tensor of ``dtype`` or an :class:`array.array` of ``typecode``; None for anything else."""
-    if type(buf) is array:
-        return buf.buffer_info() if buf.typecode == typecode else None
-    if type(buf) is torch.Tensor and buf.dtype == dtype and buf.device.type == "cpu" and buf.is_contiguous():
-        return buf.data_ptr(), buf.numel()
-    return None
-
-
-def unscale_param_groups_cpu_(
-    param_groups,
-    allow_fp16: bool,
-    found_inf: torch.Tensor,
-    flags: Union[torch.Tensor, array, None],
-    scale: Optional[torch.Tensor],
-    scale_is_inverse: bool = False,
-    done: Union[torch.Tensor, array, None] = None,
-):
-    """The fast path of ``GradScaler.unscale_`` for CPU gradients: one C call walks
-    ``param_groups``, reads and checks every gradient and runs the unscale + check on them all.
-
-    Handles only the plain case: parameters that are exactly ``torch.Tensor``/``nn.Parameter``,
-    gradients None or exactly ``torch.Tensor``, strided, contiguous, on the CPU, aligned, of a
-    supported dtype (fp16 only with ``allow_fp16``), param_groups a list of dicts holding lists.
-    Returns None having changed nothing when that is not the case (or the C core is not loaded,
-    or the scale is not a CPU fp32 scalar): the caller then runs its general path, which handles
-    the case or raises its usual error. Else ``(n_grads, slots, resume)``: ``slots`` the done
-    gradients' flat positions in param_groups (None when they are 0..n_grads-1); ``flags[i]``
-    (a uint8 CPU tensor or an ``array("B")``, zeroed, at least one slot per parameter) is set for
-    the i-th gradient found non-finite.
-    ``resume`` is None when every gradient was done. On long lists with more than one thread the
-    walk is pipelined (worker threads unscale what it has read while it reads on) and cannot take
-    back what it did: meeting a gradient that is not the plain case, it finishes the ones before
-    and returns that parameter's flat position as ``resume``, for the caller's general path to
-    continue from there. ``done`` (a 1-element int64 CPU tensor or ``array("q")``, optional) gets the number of
-    gradients unscaled as soon as it is known, also when an exception is raised in the walk or
-    right after the call: read it in an ``except`` to learn whether any were. Nothing is cached:
-    addresses are read on every call.
-    """
-    if not available() or not _cpu_scalar(found_inf) or (scale is not None and not _cpu_scalar(scale)):
-        return None  # the general path checks them and raises torch's messages
-    flags_buf = _host_buffer(flags, torch.uint8, "B") if flags is not None else (0, 0)
-    done_buf = _host_buffer(done, torch.int64, "q") if done is not None else (0, 1)
-    if flags_buf is None or done_buf is None or done_buf[1] != 1:
-        return None
-    return native.scaler_unscale_param_groups(
-        param_groups,
-        _KINDS,
-        allow_fp16,
-        scale.data_ptr() if scale is not None else 0,
-        scale_is_inverse,
-        found_inf.data_ptr(),
-        flags_buf[0],
-        flags_buf[1],
-        torch.get_num_threads(),
-        done_buf[0],
-    )
 
 
 def unscale_check_(

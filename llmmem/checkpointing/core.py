@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import weakref
 from collections import defaultdict
@@ -46,6 +47,7 @@ from llmmem.checkpointing.replay import (
     RngState,
     accelerator_type,
     autocast_state,
+    format_op_logs,
     has_rng_trackers,
 )
 
@@ -82,7 +84,21 @@ CHECKPOINT_OPTIONS = (
 )
 
 
+_BOOL_OPTIONS = ("preserve_rng_state", "debug", "early_stop", "offload")
+
+
+def _is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
 def _validate_options(opts: dict) -> None:
+    # torch takes any object for these and tests its truth: offload="no" would offload. A bool
+    # (numpy's too) or, for use_reentrant, None is what they mean.
+    for name in _BOOL_OPTIONS + ("use_reentrant",):
+        value = opts[name]
+        if not (isinstance(value, bool) or _is_numpy_bool(value) or (value is None and name == "use_reentrant")):
+            expected = "True, False or None" if name == "use_reentrant" else "True or False"
+            raise TypeError(f"checkpoint: {name} must be a bool ({expected}), got {value!r} ({type(value).__name__})")
     if opts["determinism_check"] not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"checkpoint: determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
@@ -137,12 +153,17 @@ def checkpoint(
         the recompute (e.g. ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
     :param determinism_check: ``"default"`` compares shape, dtype and device of every recomputed
         tensor with the original and raises :class:`CheckpointError` on a difference; ``"none"``.
-    :param debug: record the operators run in the forward and in the recompute and print both in a
-        :class:`CheckpointError`.
+    :param debug: record the operators run in the forward and in the recompute, each with the
+        Python stack that called it, and print both in a :class:`CheckpointError` (as torch's debug
+        mode does, without its C++ frames). Costs a stack walk per operator.
     :param early_stop: stop the recompute as soon as every saved tensor of the region is rebuilt.
     :param offload: keep the region's inputs in host memory (pinned, copied on a side stream and
         prefetched during backward when they live on a CUDA device; a no-op for CPU tensors).
     :returns: what ``function`` returns (any structure; non-tensor outputs are fine).
+
+    Backward calls under one ``torch.utils.checkpoint.GraphExecGroup`` (torch >= 2.10) share one
+    recompute of the region, and may not need the same saved tensor twice, as with torch. Every
+    bool option must be a bool (``TypeError`` otherwise; torch takes any object's truth).
 
     Memory: the region's inputs (on the host with ``offload=True``) until backward reaches it.
     Synchronisation: none, except that ``offload=True`` pins host memory.
@@ -189,13 +210,29 @@ class _Checkpointed:
         return _Checkpointed(self._fn.__get__(obj, objtype), options=self._options)
 
 
+# torch's own checkpoint, bound now: code that switches implementations by assigning
+# ``torch.utils.checkpoint.checkpoint = llmmem.checkpoint`` must not make the reentrant hand-off
+# below call llmmem again (it would recurse until RecursionError). If something else was assigned
+# there before llmmem was imported, torch's reentrant autograd Function is called directly, as
+# torch's checkpoint does after validating its arguments.
+_torch_checkpoint = _torch_ckpt.checkpoint
+if getattr(_torch_checkpoint, "__module__", None) != _torch_ckpt.__name__:
+    _torch_checkpoint = None
+
+
+def _torch_reentrant(function: Callable, args: tuple, kwargs: dict, preserve_rng_state: bool):
+    if _torch_checkpoint is not None:
+        return _torch_checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve_rng_state, **kwargs)
+    if kwargs:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    return _torch_ckpt.CheckpointFunction.apply(function, preserve_rng_state, *args)
+
+
 def _run(function: Callable, args: tuple, kwargs: dict, opts: dict):
     if opts["use_reentrant"]:
         if opts["preserve_rng_state"] and has_rng_trackers():
             function = ReplayTrackers(function)
-        return _torch_ckpt.checkpoint(
-            function, *args, use_reentrant=True, preserve_rng_state=opts["preserve_rng_state"], **kwargs
-        )
+        return _torch_reentrant(function, args, kwargs, opts["preserve_rng_state"])
     if not torch.is_grad_enabled():
         # Nothing will be saved for backward, so there is nothing to checkpoint.
         return function(*args, **kwargs)
@@ -243,9 +280,25 @@ class _KeepInputs(torch.autograd.Function):
 _unique_pass_ids = itertools.count(start=-2, step=-1)  # negative: never a real graph task id
 
 
-def _pass_id() -> int:
+# torch >= 2.9 has checkpoint(early_stop=) and leaves set_checkpoint_early_stop's switch None unless
+# set; before, the switch is True by default, so only False there says the caller turned it off.
+_TORCH_EARLY_STOP_IS_OPTIONAL = (
+    "early_stop" in inspect.signature(_torch_checkpoint or _torch_ckpt.checkpoint).parameters
+)
+
+# torch >= 2.10: torch.utils.checkpoint.GraphExecGroup, whose backward calls share one recompute
+_graph_exec_group = getattr(torch._C, "_get_graph_exec_group", None)
+
+
+def _pass_id():
     """Identifies the current backward pass: recomputed tensors belong to one pass only, so
-    ``retain_graph=True`` followed by a second backward recomputes again."""
+    ``retain_graph=True`` followed by a second backward recomputes again. Under a
+    ``torch.utils.checkpoint.GraphExecGroup``, the group is the pass: every backward call in it
+    shares one recompute of each region (and may not unpack the same saved tensor twice)."""
+    if _graph_exec_group is not None:
+        group = _graph_exec_group()
+        if group is not None:
+            return group
     gid = torch._C._current_graph_task_id()
     return next(_unique_pass_ids) if gid == -1 else gid
 
@@ -291,9 +344,17 @@ class _Region:
             )
         ticket = slot.tickets[key]
         if ticket is None:
+            group = (
+                " Two backward calls under one torch.utils.checkpoint.GraphExecGroup needed the same "
+                "saved tensor: the calls of a group must differentiate non-overlapping parts of the graph."
+                if not isinstance(key, int)
+                else ""
+            )
             raise CheckpointError(
-                "llmmem.checkpoint: a saved tensor was unpacked twice in one backward "
-                "pass; if a custom autograd.Function reads ctx.saved_tensors, read it once"
+                "llmmem.checkpoint: a saved tensor was unpacked twice in one backward pass."
+                + group
+                + " If a custom autograd.Function reads ctx.saved_tensors, read it once"
+                + (self._debug_text() if self.debug_logs is not None else "")
             )
         slot.tickets[key] = None
         return self.values[key].pop(ticket)
@@ -341,7 +402,7 @@ class _Region:
                 "llmmem.checkpoint: the function saved a different number of tensors for backward when "
                 f"recomputed: {len(self.slots)} in the forward, {self.count[key]} in the recompute. The "
                 "function must do the same work when run again (no data-dependent branches on global "
-                "state, no changed inputs); pass debug=True to see both operator logs" + self._debug_text()
+                "state, no changed inputs)" + self._debug_text()
             )
         if not self.check:
             return
@@ -363,20 +424,17 @@ class _Region:
                 "(determinism_check='default' compares shape, dtype and device):\n"
                 + "\n".join(diffs[:20])
                 + ("\n  ..." if len(diffs) > 20 else "")
-                + "\nThe function must compute the same thing when run again; pass debug=True to see both "
-                "operator logs, or determinism_check='none' to skip this check" + self._debug_text()
+                + "\nThe function must compute the same thing when run again (determinism_check='none' "
+                "skips this check)" + self._debug_text()
             )
 
     def _debug_text(self) -> str:
         if self.debug_logs is None:
-            return ""
-        fwd, rec = self.debug_logs
-        return (
-            "\n\noperators run in the forward:\n  "
-            + "\n  ".join(fwd)
-            + "\n\noperators run in the recompute:\n  "
-            + "\n  ".join(rec)
-        )
+            return (
+                ". To see the operators of the forward and of the recompute, each with the stack that ran "
+                "it, pass debug=True (or use torch.utils.checkpoint.set_checkpoint_debug_enabled(True))"
+            )
+        return format_op_logs(*self.debug_logs)
 
 
 class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -427,6 +485,8 @@ def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
     # torch's global switches (torch.utils.checkpoint.set_checkpoint_early_stop and
     # set_checkpoint_debug_enabled) override the per-call options there, so they do here too.
     early_stop = getattr(_torch_ckpt, "_enable_checkpoint_early_stop", None)
+    if early_stop is True and not _TORCH_EARLY_STOP_IS_OPTIONAL:
+        early_stop = None  # torch < 2.9: True is the switch's default, not a request
     early_stop = opts["early_stop"] if early_stop is None else early_stop
     debug = getattr(_torch_ckpt, "_checkpoint_debug_enabled", None)
     debug = opts["debug"] if debug is None else debug

@@ -297,6 +297,15 @@ _SDPA_CPU = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _SDPA_CPU_BACKWARD = getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
+def _as_many_heads(q, k, v):
+    """Grouped-query attention (fewer key/value heads than query heads, ``enable_gqa``) does the work
+    of attention with the key/value heads repeated: torch's FLOP formulas want equal head counts."""
+    if len(q) == 4 and len(k) == 4 and k[1] != q[1]:
+        k = (k[0], q[1], k[2], k[3])
+        v = (v[0], q[1], v[2], v[3])
+    return q, k, v
+
+
 class WorkCounter(TorchDispatchMode):
     """Counts the work of what runs inside, in FLOP-equivalents, forward and backward apart: matrix
     products and attention kernels by their FLOPs (torch's ``flop_counter`` formulas), every other
@@ -318,11 +327,11 @@ class WorkCounter(TorchDispatchMode):
         if packet in flop_counter.flop_registry:
             return float(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
         if _SDPA_CPU is not None and packet is _SDPA_CPU:
-            return float(flop_counter.sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+            q, k, v = _as_many_heads(args[0].shape, args[1].shape, args[2].shape)
+            return float(flop_counter.sdpa_flop_count(q, k, v))
         if _SDPA_CPU_BACKWARD is not None and packet is _SDPA_CPU_BACKWARD:
-            return float(
-                flop_counter.sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
-            )
+            q, k, v = _as_many_heads(args[1].shape, args[2].shape, args[3].shape)
+            return float(flop_counter.sdpa_backward_flop_count(args[0].shape, q, k, v))
         return None
 
     def count(self, func, args, kwargs, out) -> None:

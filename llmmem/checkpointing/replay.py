@@ -6,6 +6,7 @@ trackers such as tensor-parallel dropout's), the autocast state, and the operato
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Callable
 
@@ -22,6 +23,7 @@ __all__ = [
     "autocast_state",
     "accelerator_type",
     "OpLog",
+    "format_op_logs",
 ]
 
 
@@ -142,12 +144,77 @@ def autocast_state(device_type: str) -> dict:
 
 
 class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """debug=True: the names of the operators run, in order."""
+    """debug=True: every operator run, in order, as ``$3: float32[2, 4] = aten.mm.default($1, $2)``
+    with the Python stack that called it (innermost frame first) -- what torch's checkpoint debug
+    mode records, without its C++ frames. Tensors are named ``$n`` in the order they are produced;
+    an input from outside the region shows as its dtype and shape. Costs a stack walk per operator,
+    and keeps no tensor alive."""
 
     def __init__(self, log: list) -> None:
         super().__init__()
-        self.log = log
+        self.log = log  # (line, [(file, line number, function), ...]) per operator
+        self._names: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, "$n")
+        self._count = 0
+
+    def _arg(self, x) -> str:
+        if isinstance(x, torch.Tensor):
+            known = self._names.get(id(x))
+            if known is not None and known[0]() is x:
+                return known[1]
+            return _tensor_text(x)
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(self._arg(v) for v in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+        text = repr(x)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def _out(self, x) -> str:
+        if isinstance(x, torch.Tensor):
+            self._count += 1
+            name = f"${self._count}"
+            try:
+                self._names[id(x)] = (weakref.ref(x), name)
+            except TypeError:
+                pass
+            return f"{name}: {_tensor_text(x)}"
+        if isinstance(x, (list, tuple)):
+            return "(" + ", ".join(self._out(v) for v in x) + ")"
+        return repr(x)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.log.append(str(func))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        frames = []
+        f = sys._getframe(1)  # the operator's caller: this method is not part of the story
+        while f is not None:
+            frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+            f = f.f_back
+        ins = ", ".join([self._arg(a) for a in args] + [f"{k}={self._arg(v)}" for k, v in kwargs.items()])
+        out = func(*args, **kwargs)
+        self.log.append((f"{self._out(out)} = {func}({ins})", frames))
+        return out
+
+
+def _tensor_text(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def format_op_logs(forward: list, recompute: list) -> str:
+    """The two logs of :class:`OpLog` as a checkpoint error shows them: each operator with its
+    stack, then both operator lists for comparison."""
+
+    def traces(label: str, log: list) -> list:
+        lines = [f"{label}: {len(log)} operators, each with the Python stack that called it (innermost first)"]
+        for i, (op, frames) in enumerate(log):
+            lines.append(f"  [{i + 1}/{len(log)}] {op}")
+            lines.extend(f"      {file}:{lineno} in {name}" for file, lineno, name in frames)
+        return lines
+
+    out = ["", "", "debug=True: what the checkpointed region ran", ""]
+    out += traces("forward", forward) + [""] + traces("recompute", recompute)
+    out += [
+        "",
+        "the operators in order (the recompute's detach calls are checkpointing's own and can be ignored):",
+        "forward:",
+    ]
+    out += [f"  {op}" for op, _ in forward] + ["recompute:"] + [f"  {op}" for op, _ in recompute]
+    return "\n".join(out)

@@ -11,9 +11,17 @@ from llmmem.checkpointing.core import CHECKPOINT_OPTIONS, checkpoint
 __all__ = ["checkpoint_sequential"]
 
 
+def _torch_split(n: int, segments: int) -> list[tuple[int, int]]:
+    """torch's segments: ``segments - 1`` checkpointed ranges of ``n // segments`` functions, then
+    the rest (9 functions in 5 segments: ``[1, 1, 1, 1, 5]``)."""
+    size = n // segments
+    bounds = [(k * size, (k + 1) * size) for k in range(segments - 1)]
+    return bounds + [((segments - 1) * size, n)]
+
+
 def _even_split(n: int, segments: int) -> list[tuple[int, int]]:
     """``segments`` contiguous ranges of ``range(n)`` whose sizes differ by at most one; the larger
-    ones come first so the last (not checkpointed) segment is the smallest."""
+    ones come first so the last (not checkpointed) segment is the smallest (9 in 5: ``[2, 2, 2, 2, 1]``)."""
     base, extra = divmod(n, segments)
     bounds, start = [], 0
     for s in range(segments):
@@ -23,13 +31,24 @@ def _even_split(n: int, segments: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None = None, **kwargs):
-    """Run a sequence of modules/functions in ``segments`` checkpointed chunks of equal size.
+_SPLITS = {"torch": _torch_split, "even": _even_split}
 
-    Drop-in for ``torch.utils.checkpoint.checkpoint_sequential`` with one fix: the split is even
-    (sizes differ by at most one; 9 modules in 5 segments give ``[2, 2, 2, 2, 1]``, where torch gives
-    ``[1, 1, 1, 1, 5]``). As in torch, the last segment is not checkpointed: its activations are the
-    first ones backward needs, so recomputing them would cost time and save nothing.
+
+def checkpoint_sequential(
+    functions, segments, input, use_reentrant: bool | None = None, *, split: str = "torch", **kwargs
+):
+    """Run a sequence of modules/functions in ``segments`` chunks, all but the last checkpointed.
+
+    Drop-in for ``torch.utils.checkpoint.checkpoint_sequential``: by default the chunks are torch's,
+    so the same functions are recomputed and the memory and time are those the caller asked torch
+    for: ``segments - 1`` checkpointed chunks of ``len(functions) // segments`` functions, then a last
+    chunk with the rest (9 modules in 5 segments: ``[1, 1, 1, 1, 5]``). The last chunk is not
+    checkpointed: its activations are the first ones backward needs, so recomputing them would cost
+    time and save nothing.
+
+    :param split: ``"torch"`` (the default, above) or ``"even"``: chunk sizes that differ by at most
+        one, larger ones first (9 in 5: ``[2, 2, 2, 2, 1]``), which keeps far fewer activations when
+        ``len(functions)`` is not a multiple of ``segments``.
 
     :param functions: an ``nn.Sequential`` or a list/tuple of callables, each taking one value.
     :param segments: number of segments (``1 <= segments <= len(functions)``), or ``"auto"`` to
@@ -62,11 +81,17 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
     unknown = set(kwargs) - set(CHECKPOINT_OPTIONS)
     if unknown:
         raise ValueError(f"checkpoint_sequential: unexpected keyword arguments {sorted(unknown)}")
+    if split not in _SPLITS:
+        raise ValueError(f"checkpoint_sequential: split must be 'torch' or 'even', got {split!r}")
     if isinstance(segments, str):
         if segments != "auto":
             raise ValueError(f"checkpoint_sequential: segments must be an int or 'auto', got {segments!r}")
         if budget is None:
             raise ValueError("checkpoint_sequential: segments='auto' needs budget= (bytes, '6GB' or a fraction)")
+        if split != "torch":
+            raise ValueError(
+                "checkpoint_sequential: split= is for an integer segments; 'auto' lets the planner choose"
+            )
         return auto_checkpoint(functions, input, budget=budget, **planner_options, **kwargs)(input)
     if budget is not None or planner_options:
         raise ValueError("checkpoint_sequential: budget= and host_bandwidth= are only used with segments='auto'")
@@ -81,7 +106,7 @@ def checkpoint_sequential(functions, segments, input, use_reentrant: bool | None
 
         return forward
 
-    bounds = _even_split(len(functions), segments)
+    bounds = _SPLITS[split](len(functions), segments)
     x = input
     for start, end in bounds[:-1]:
         x = checkpoint(run_range(start, end), x, use_reentrant=use_reentrant, **kwargs)

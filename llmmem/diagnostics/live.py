@@ -13,6 +13,11 @@ What it does not see: memory that no tensor storage owns (an allocator's cache, 
 scratch buffer), and tensors made on threads the mode is not active on (autograd's backward
 threads inherit it; other threads do not).
 
+Hooks for tools built on it (:class:`llmmem.diagnostics.tracker.MemoryTracker`): ``listeners``
+hear every change of a counted storage; ``tensor_listeners`` hear, once per new storage, the tensor
+that revealed it (its shape and dtype, where it is being made); ``error_listeners`` hear an operator
+that raised inside the mode (an out-of-memory error, before the stack unwinds).
+
 Cost: a Python call per operator and a weak reference per new storage, so it is a diagnostic,
 not something to leave on in production; it never changes what the operators compute.
 """
@@ -29,10 +34,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "device_key"]
+__all__ = ["LiveBytes", "device_key", "storage_key"]
 
 # (event, storage id, device key, bytes): event is "alloc", "free" or "resize" (bytes is then the change)
 Listener = Callable[[str, int, str, int], None]
+# (tensor, storage id, device key, bytes): called once per new storage, before the "alloc" listeners
+TensorListener = Callable[[torch.Tensor, int, str, int], None]
+# (operator, exception): an operator run inside the mode raised; called before the exception propagates
+ErrorListener = Callable[[object, BaseException], None]
 
 
 def device_key(device: torch.device) -> str:
@@ -40,6 +49,15 @@ def device_key(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
     return f"{device.type}:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types counted; subclasses wrap counted tensors
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key :class:`LiveBytes` counts ``t``'s storage under (the storage object's id, stable for
+    the storage's life); the storage id its listeners are given."""
+    return id(t.untyped_storage())
 
 
 class LiveBytes(TorchDispatchMode):
@@ -66,6 +84,8 @@ class LiveBytes(TorchDispatchMode):
         self._current: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
         self.listeners: list[Listener] = []
+        self.tensor_listeners: list[TensorListener] = []
+        self.error_listeners: list[ErrorListener] = []
 
     # -- counting -------------------------------------------------------------------------------
     def track(self, tensors: Iterable) -> None:
@@ -75,10 +95,10 @@ class LiveBytes(TorchDispatchMode):
             self._see(t)
 
     def _see(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
-            return
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if type(t) not in _PLAIN:
             return  # wrapper subclasses (DTensor, FakeTensor): their inner tensors are counted
+        if t.is_meta or t.layout != torch.strided:
+            return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -89,9 +109,10 @@ class LiveBytes(TorchDispatchMode):
             entry = self._entries.get(key)
             if entry is not None and entry[0]() is storage:
                 if entry[2] != nbytes:  # grown or shrunk in place
-                    self._change(entry[1], nbytes - entry[2])
+                    delta = nbytes - entry[2]
+                    self._change(entry[1], delta)
                     entry[2] = nbytes
-                    self._notify("resize", key, entry[1], nbytes)
+                    self._notify("resize", key, entry[1], delta)
                 return
             if nbytes == 0:
                 return
@@ -99,6 +120,8 @@ class LiveBytes(TorchDispatchMode):
             ref = weakref.ref(storage, self._freed_callback(key))
             self._entries[key] = [ref, dev, nbytes]
             self._change(dev, nbytes)
+            for listener in self.tensor_listeners:
+                listener(t, key, dev, nbytes)
             self._notify("alloc", key, dev, nbytes)
 
     def _freed_callback(self, key: int):
@@ -155,18 +178,43 @@ class LiveBytes(TorchDispatchMode):
         return entry[2] if entry is not None and entry[0]() is storage else None
 
     # -- the mode -------------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says False:
+        # two more Python frames and an eval-frame switch per operator, the larger part of this
+        # mode's cost on small tensors. Eager only: the mode is not meant to run under torch.compile.
+        return False
+
     def __enter__(self):
         out = super().__enter__()
         if self._existing == "gc":
-            self.track(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+            # type(), not isinstance(): a deprecated module attribute warns when its __class__ is read
+            self.track(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._see(t)
-        if func is torch.ops.aten.resize_.default or func is torch.ops.aten.set_.source_Storage:
+        try:
+            out = func(*args, **(kwargs or {}))
+        except BaseException as exc:
+            for listener in self.error_listeners:
+                listener(func, exc)
+            raise
+        kind = type(out)
+        if kind in _PLAIN:  # most operators return one tensor or a flat tuple of them: no pytree walk
+            self._see(out)
+        elif kind is tuple or kind is list:
+            for t in out:
+                if type(t) in _PLAIN:
+                    self._see(t)
+                elif t is not None and not isinstance(t, (int, float, bool)):
+                    for leaf in tree_leaves(t):
+                        if isinstance(leaf, torch.Tensor):
+                            self._see(leaf)
+        elif out is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._see(t)
+        if func is torch.ops.aten.resize_.default or func.overloadpacket is torch.ops.aten.set_:
             self._see(args[0])
         return out
 

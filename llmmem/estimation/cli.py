@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from llmmem.estimation import model_configs
 from llmmem.estimation.estimator import OPTIMIZERS, PRECISIONS, estimate
 from llmmem.estimation.model_configs import ModelConfig
+from llmmem.units import MAX_BYTES, format_bytes
 
 __all__ = ["register_cli"]
 
@@ -31,7 +33,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("--data-parallel", type=int, default=1, help="data-parallel size (default 1)")
     p.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
-    p.add_argument("--checkpointing", default="none", help="none, selective, full or every-K (default none)")
+    p.add_argument(
+        "--checkpointing",
+        default="none",
+        type=_checkpointing_arg,
+        help="none, selective, full, every-K or K (recompute every K-th layer; default none)",
+    )
     p.add_argument("--attention", default=None, help="explicit or sdpa (default: the model's; explicit)")
     p.add_argument("--device-type", default="cuda", help="cuda or cpu (default cuda)")
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB, 80GiB or bytes")
@@ -46,7 +53,17 @@ def register_cli(subparsers) -> None:
         default=None,
         help="output head shares the token embedding",
     )
+    # Values may start with '-' ("--device-memory -1GB" must reach the validation that names the
+    # option): Python < 3.13 takes such a value for an option unless it is a plain number, and
+    # then reports "expected one argument". This is the rule Python 3.13 adopted.
+    if hasattr(p, "_negative_number_matcher"):
+        p._negative_number_matcher = re.compile(r"^-\.?\d")
     p.set_defaults(func=_run_cli)
+
+
+def _checkpointing_arg(text: str):
+    """``"4"`` is the integer form K of the estimator's ``checkpointing`` (every 4th layer)."""
+    return int(text) if text.strip().isdigit() else text
 
 
 def _run_cli(args) -> int:
@@ -87,6 +104,13 @@ def _run_cli(args) -> int:
         device_type=args.device_type,
         device_memory=args.device_memory,
     )
+    if est.total > MAX_BYTES:
+        # The figures are exact, but no memory holds them and the table has no room for them.
+        raise ValueError(
+            f"--seq {args.seq} with --batch {args.batch}: training needs {format_bytes(est.total)} "
+            f"({est.total:.3g} bytes) per device, more than any memory ({format_bytes(MAX_BYTES)}); expected "
+            "a --seq and --batch (and model dimensions) whose activations fit in memory"
+        )
     if args.json:
         import json
 

@@ -152,7 +152,7 @@ class Estimate:
         ]
 
         def row(label: str, value: int, note: str = "") -> None:
-            lines.append(f"  {label:<42}{format_bytes(value):>12}{value:>20,}" + (f"  {note}" if note else ""))
+            lines.append(f"  {label:<42}{format_bytes(value):>12} {value:>19,}" + (f"  {note}" if note else ""))
 
         row("parameters", self.parameters, f"{prec['param']} B/param")
         row("gradients", self.gradients, f"{prec['grad']} B/param")

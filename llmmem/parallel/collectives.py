@@ -12,10 +12,15 @@
   engine cannot be set up (no /dev/shm, ranks on several hosts, IPC refused) a warning is issued
   once per group and torch.distributed is used from then on.
 
-Every rank must take the same route for the same call, so the choice depends only on things that
-are equal across ranks (size, dtype, device, thresholds, and the outcome of a collective set-up).
-Keep the ``LLMMEM_TP_*`` environment variables equal on all ranks; they are read when this module
-is imported.
+Every rank must take the same route for the same call, or ranks would wait for each other in two
+different places until a timeout. On the CPU the route cannot depend on the layout (a
+non-contiguous tensor is copied through the engine), and a rank leaves the engine for
+torch.distributed only after every rank has said, through the engine, that it makes the same call
+(see ``_agree_on_fallback``); a rank whose dtype or element count differs from the others' makes
+every rank raise :class:`llmmem.errors.InvalidArgumentError` with each rank's view, after one
+barrier. The set-up of an engine, on a group's first collective, gives up after the engines'
+timeout (:func:`set_timeout`) like their collectives do. Keep the ``LLMMEM_TP_*`` environment
+variables and thresholds equal on all ranks; they are read when this module is imported.
 
 Thresholds (bytes of the message one rank contributes) can be set with
 :func:`set_collective_thresholds` or the environment variables ``LLMMEM_TP_SHM_MAX_BYTES`` and
@@ -30,6 +35,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from llmmem.errors import InvalidArgumentError
+from llmmem.parallel.exchange import all_gather_json
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -135,6 +143,17 @@ def set_timeout(seconds: float) -> None:
             comm.set_timeout(_timeout_s)
 
 
+def close_group(group) -> None:
+    """Release the engines of one group (local: no other rank is involved). A later collective on
+    the group sets them up again, collectively."""
+    key = group if group is not None else dist.group.WORLD
+    for table in (_shm_comms, _cuda_comms):
+        comm = table.pop(key, None)
+        if comm is not None:
+            comm.close()
+    _group_sizes.pop(key, None)
+
+
 def close_all() -> None:
     """Release every engine (shared segments, IPC mappings). Later calls set them up again."""
     for table in (_shm_comms, _cuda_comms):
@@ -151,20 +170,26 @@ def _warn_fallback(what: str, exc: BaseException) -> None:
     )
 
 
-def _shm_for(dtype: torch.dtype, nbytes: int, group):
-    """The shared-memory engine for a CPU tensor of this dtype and size, or None to use
-    torch.distributed. Takes what the caller already read off the tensor (see all_reduce_)."""
-    if dtype not in _SUPPORTED or nbytes > _thresholds["cpu_shm_max_bytes"] or not _engines_on["shm"]:
-        return None
-    key = group if group is not None else dist.group.WORLD
-    if key not in _shm_comms:
-        from llmmem.parallel import shm
+def _shm_engine(group):
+    """The shared-memory engine of ``group`` (set up on the group's first CPU collective), or None.
 
-        try:
-            _shm_comms[key] = shm.ShmCommunicator.setup(key, timeout=_timeout_s)
-        except shm.SetupError as exc:
-            _warn_fallback("shared-memory collectives", exc)
-            _shm_comms[key] = None
+    The set-up is collective and happens on the first CPU collective whatever its dtype, size or
+    layout, so that every rank sets up at the same call. It gives up after the engine's timeout.
+    """
+    key = group if group is not None else dist.group.WORLD
+    try:
+        return _shm_comms[key]
+    except KeyError:
+        pass
+    if not _engines_on["shm"] or _thresholds["cpu_shm_max_bytes"] == 0:
+        return None  # not cached: the switches are read here, and must be equal on all ranks
+    from llmmem.parallel import shm
+
+    try:
+        _shm_comms[key] = shm.ShmCommunicator.setup(key, timeout=_timeout_s)
+    except shm.SetupError as exc:
+        _warn_fallback("shared-memory collectives", exc)
+        _shm_comms[key] = None
     return _shm_comms[key]
 
 
@@ -195,25 +220,162 @@ def _cuda_for(tensor: torch.Tensor, group):
     return comm
 
 
+# --- agreeing on the route -------------------------------------------------------------------
+# A CPU collective on a group with the shared-memory engine takes one of two routes: the engine
+# (a supported dtype, at most cpu_shm_max_bytes) or torch.distributed. The route depends on this
+# rank's tensor, and ranks whose tensors differ would wait for each other in two different places
+# until a timeout (30 minutes for gloo). So a rank takes torch.distributed only after every rank has
+# said, through the engine, that it does too: an empty all-gather, which no engine call matches
+# (all_gather with no elements never takes the engine; see _gather_route), then an all-gather of
+# every rank's description of its call. Any difference -- a rank on the engine, another dtype or
+# element count -- raises on every rank, with every rank's view, after one barrier. Engine calls
+# need no extra step: the engine compares every rank's (collective, dtype, count) at its first barrier.
+
+_OPS = ("all_reduce_", "all_gather", "reduce_scatter")
+# dtypes as small codes, for the call descriptions exchanged through the engine; others are 255
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_MAGIC = 0x6C6C6D6D  # "llmm": a description, not a peer's data
+_ROUTE_SHM, _ROUTE_DTYPE, _ROUTE_SIZE = 0, 1, 2
+
+
+def _route_reason(dtype: torch.dtype, nbytes: int) -> int:
+    if dtype not in _SUPPORTED:
+        return _ROUTE_DTYPE
+    if nbytes > _thresholds["cpu_shm_max_bytes"]:
+        return _ROUTE_SIZE
+    return _ROUTE_SHM
+
+
+def _describe(op: str, dtype_name: str, numel: int, nbytes: int, contiguous: bool, reason: int) -> str:
+    layout = "" if contiguous else ", not contiguous"
+    if reason == _ROUTE_SHM:
+        route = "shared memory"
+    elif reason == _ROUTE_DTYPE:
+        route = f"torch.distributed: the shared-memory engine does not serve {dtype_name}"
+    else:
+        route = f"torch.distributed: {nbytes} bytes > cpu_shm_max_bytes {_thresholds['cpu_shm_max_bytes']}"
+    return f"{op} of {numel} {dtype_name} elements ({nbytes} bytes{layout}) -> {route}"
+
+
+def _view(op: str, tensor: torch.Tensor, nbytes: int) -> str:
+    """This rank's call as the error message shows it (``nbytes``: the size routed on)."""
+    dtype_name = str(tensor.dtype).replace("torch.", "")
+    return _describe(
+        op, dtype_name, tensor.numel(), nbytes, tensor.is_contiguous(), _route_reason(tensor.dtype, nbytes)
+    )
+
+
+def _disagreement(op: str, views: list) -> InvalidArgumentError:
+    lines = "; ".join(f"rank {r}: {v}" for r, v in enumerate(views))
+    return InvalidArgumentError(
+        f"llmmem.parallel.{op}: ranks disagree on the call (every rank must pass a tensor of the same "
+        f"dtype and number of elements): {lines}"
+    )
+
+
+def _engine_failed(comm, key, op: str, view: str, exc: BaseException) -> BaseException:
+    """The exception to raise for an engine call that failed with ``exc``. A disagreement between
+    ranks was seen by every rank at the same barrier, so all of them exchange their views here
+    (bounded by the engine's timeout) and raise the same message; the broken engine is dropped, so
+    the next CPU collective sets up a fresh one on every rank."""
+    if not (isinstance(exc, InvalidArgumentError) and "ranks disagree" in str(exc)):
+        return exc  # a local argument error, or a peer that failed or timed out: as the engine said
+    comm.close()
+    _shm_comms.pop(key, None)
+    try:
+        views = all_gather_json(view, key, timeout=_timeout_s, what=f"the report of a disagreement in {op}")
+    except Exception as report_exc:
+        return InvalidArgumentError(f"{exc} (the ranks' views could not be exchanged: {report_exc})")
+    return _disagreement(op, views)
+
+
+def _agree_on_fallback(comm, key, op: str, tensor: torch.Tensor, nbytes: int) -> None:
+    """Returns when every rank of the group makes this same call through torch.distributed; raises
+    InvalidArgumentError on every rank otherwise (see the comment above)."""
+    view = _view(op, tensor, nbytes)
+    none = torch.empty(0)
+    try:
+        comm.all_gather_into(none, none)  # every rank is here, not in an engine call
+    except Exception as exc:
+        raise _engine_failed(comm, key, op, view, exc) from None
+    numel = tensor.numel()
+    mine = torch.tensor(
+        [
+            _MAGIC,
+            _OPS.index(op),
+            _DTYPE_CODE.get(tensor.dtype, 255),
+            numel & 0x7FFFFFFF,
+            numel >> 31,
+            nbytes & 0x7FFFFFFF,
+            nbytes >> 31,
+            int(tensor.is_contiguous()),
+            _route_reason(tensor.dtype, nbytes),
+        ],
+        dtype=torch.int32,
+    )
+    world = comm.world_size
+    every = torch.empty(world * mine.numel(), dtype=torch.int32)
+    comm.all_gather_into(every.view(torch.float32), mine.view(torch.float32))  # copies bits, sums nothing
+    rows = every.view(world, -1).tolist()
+    if all(row[:5] == rows[0][:5] for row in rows):
+        return
+    views = []
+    for magic, o, d, n0, n1, b0, b1, contiguous, reason in rows:
+        if magic != _MAGIC:
+            views.append("a call that is not a collective of llmmem.parallel")
+            continue
+        dtype_name = str(_DTYPES[d]).replace("torch.", "") if d < len(_DTYPES) else "another dtype"
+        views.append(_describe(_OPS[o], dtype_name, n0 | (n1 << 31), b0 | (b1 << 31), bool(contiguous), reason))
+    raise _disagreement(op, views)
+
+
 def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``tensor`` over the group, in place; returns it."""
+    """Sum ``tensor`` over the group, in place; returns it.
+
+    Every rank must pass a tensor of the same dtype and number of elements; a CPU call that breaks
+    this raises :class:`llmmem.errors.InvalidArgumentError` on every rank, naming each rank's call.
+    """
     if _size_of(group) == 1:
         return tensor
-    if tensor.is_contiguous():
-        # Each tensor accessor is read once, and the engine is not asked to check again: a 1 MiB
-        # shared-memory all-reduce took 2-5 us less than when the routing and the engine each
-        # checked the tensor (2 ranks, 2 vCPUs; 135-185 us in all, alone or sharing one vCPU).
-        if tensor.is_cpu:
+    if tensor.is_cpu:
+        key = group if group is not None else dist.group.WORLD
+        comm = _shm_comms[key] if key in _shm_comms else _shm_engine(key)
+        if comm is not None:
+            # Each tensor accessor is read once, and the engine is not asked to check again: checking
+            # twice costs microseconds on every collective of every layer.
             dtype = tensor.dtype
-            comm = _shm_for(dtype, tensor.nbytes, group)
-            if comm is not None:
-                comm.all_reduce_checked_(tensor, dtype)
+            nbytes = tensor.nbytes
+            if dtype in _SUPPORTED and nbytes <= _thresholds["cpu_shm_max_bytes"]:
+                contiguous = tensor.is_contiguous()
+                buf = tensor if contiguous else tensor.contiguous()  # the route must not depend on layout
+                try:
+                    comm.all_reduce_checked_(buf, dtype)
+                except Exception as exc:
+                    raise _engine_failed(comm, key, "all_reduce_", _view("all_reduce_", tensor, nbytes), exc) from None
+                if not contiguous:
+                    with torch.no_grad():
+                        tensor.copy_(buf)
                 return tensor
-        else:
-            comm = _cuda_for(tensor, group)
-            if comm is not None:
-                comm.all_reduce_(tensor)
-                return tensor
+            _agree_on_fallback(comm, key, "all_reduce_", tensor, nbytes)
+    elif tensor.is_contiguous():
+        comm = _cuda_for(tensor, group)
+        if comm is not None:
+            comm.all_reduce_(tensor)
+            return tensor
     dist.all_reduce(tensor, group=group)
     return tensor
 
@@ -226,6 +388,46 @@ def _check_dim(tensor: torch.Tensor, dim: int) -> int:
     return dim % tensor.dim()
 
 
+def _gather_route(stacked: torch.Tensor, tensor: torch.Tensor, group) -> bool:
+    """All-gathers ``tensor`` into ``stacked`` through the shared-memory engine and returns True, or
+    returns False when every rank agrees to use torch.distributed (see all_reduce_)."""
+    if not tensor.is_cpu:
+        return False
+    key = group if group is not None else dist.group.WORLD
+    comm = _shm_engine(key)
+    if comm is None:
+        return False
+    nbytes = tensor.nbytes
+    # an empty all-gather is never an engine call: it is how ranks agree on torch.distributed
+    if tensor.dtype in _SUPPORTED and 0 < nbytes <= _thresholds["cpu_shm_max_bytes"]:
+        try:
+            comm.all_gather_into(stacked, tensor)
+        except Exception as exc:
+            raise _engine_failed(comm, key, "all_gather", _view("all_gather", tensor, nbytes), exc) from None
+        return True
+    _agree_on_fallback(comm, key, "all_gather", tensor, nbytes)
+    return False
+
+
+def _scatter_route(out: torch.Tensor, src: torch.Tensor, group) -> bool:
+    """reduce_scatter's counterpart of _gather_route (routed on the size of ``out``)."""
+    if not out.is_cpu:
+        return False
+    key = group if group is not None else dist.group.WORLD
+    comm = _shm_engine(key)
+    if comm is None:
+        return False
+    nbytes = out.nbytes
+    if out.dtype in _SUPPORTED and nbytes <= _thresholds["cpu_shm_max_bytes"]:
+        try:
+            comm.reduce_scatter_into(out, src)
+        except Exception as exc:
+            raise _engine_failed(comm, key, "reduce_scatter", _view("reduce_scatter", src, nbytes), exc) from None
+        return True
+    _agree_on_fallback(comm, key, "reduce_scatter", src, nbytes)
+    return False
+
+
 def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
     w = _size_of(group)
@@ -235,10 +437,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
     tensor = tensor.contiguous()
     stacked = torch.empty((w * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    comm = _shm_for(tensor.dtype, tensor.nbytes, group) if tensor.is_cpu else None
-    if comm is not None:
-        comm.all_gather_into(stacked, tensor)
-    else:
+    if not _gather_route(stacked, tensor, group):
         dist.all_gather_into_tensor(stacked, tensor, group=group)
     if dim == 0:
         return stacked
@@ -263,10 +462,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
         src = torch.cat([c.contiguous() for c in tensor.chunk(w, dim=dim)], dim=0)
     rows = src.shape[0] // w
     out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    comm = _shm_for(out.dtype, out.nbytes, group) if out.is_cpu else None
-    if comm is not None:
-        comm.reduce_scatter_into(out, src)
-    else:
+    if not _scatter_route(out, src, group):
         dist.reduce_scatter_tensor(out, src, group=group)
     # src stacks the chunks along dim 0, each chunk keeping its shape, so `out` is already this
     # rank's chunk of `tensor` along `dim`.

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from llmmem._devices import cuda_index
 from llmmem._native import available, native
+from llmmem.parallel.exchange import all_gather_json
 from llmmem.parallel.shm import DTYPE_CODES, SetupError, agree_or_raise, fail_setup, host_identity
 
 __all__ = ["CudaIpcCommunicator", "SetupError"]
@@ -49,8 +50,16 @@ class CudaIpcCommunicator:
                 handle, ipc = native.cuda_ar_create(cuda_index(device), rank, world, max_bytes, float(timeout))
             except Exception as exc:
                 error = f"rank {rank}: {exc}"
-        info = [None] * world
-        dist.all_gather_object(info, (host_identity(), ipc, error), group=group)
+        what = "set-up of the CUDA IPC all-reduce"
+        try:
+            info = all_gather_json(
+                (host_identity(), None if ipc is None else bytes(ipc).hex(), error), group, timeout=timeout, what=what
+            )
+        except BaseException:
+            if handle is not None:
+                native.cuda_ar_close(handle)
+            raise
+        info = [(h, None if i is None else bytes.fromhex(i), e) for h, i, e in info]
         failures = [e for _, _, e in info if e]
         if len({h for h, _, _ in info}) != 1:
             failures.append("the group spans several hosts")
@@ -60,7 +69,7 @@ class CudaIpcCommunicator:
             native.cuda_ar_connect(handle, b"".join(h for _, h, _ in info))
         except Exception as exc:
             error = f"rank {rank}: {exc}"
-        agree_or_raise(error, world, group, handle, native.cuda_ar_close)
+        agree_or_raise(error, group, handle, native.cuda_ar_close, timeout=timeout, what=what)
         return cls(handle, rank, world, max_bytes, device)
 
     def set_timeout(self, seconds: float) -> None:

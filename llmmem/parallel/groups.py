@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 _TP_GROUP = None  # this rank's tensor-parallel group, set by init()
 _DP_GROUP = None  # this rank's data-parallel group (same TP rank in every TP group)
+# (default process group, tensor_parallel_size) of the groups above: an init() that asks for the
+# same again returns them instead of creating new groups (each would get its own engines)
+_BUILT_FOR = None
 
 _NO_GROUP_MSG = (
     "llmmem.parallel: torch.distributed is not initialised. Launch with `torchrun` and call "
@@ -41,11 +44,13 @@ def init(
 
     Under ``torchrun`` the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) is used; if a
     process group already exists it is reused. Every rank must call this (it creates groups
-    collectively). Returns this rank's tensor-parallel group.
+    collectively). Returns this rank's tensor-parallel group. Calling it again with the same size
+    returns the same groups; with another size, the earlier groups' llmmem engines (shared segments)
+    are freed and new groups are built.
 
     :param timeout: seconds (or a timedelta) for the process group and for llmmem's own collectives.
     """
-    global _TP_GROUP, _DP_GROUP
+    global _TP_GROUP, _DP_GROUP, _BUILT_FOR
     if not dist.is_available():
         raise RuntimeError("llmmem.parallel.init: this torch build has no torch.distributed")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
@@ -69,6 +74,10 @@ def init(
         raise ValueError(f"llmmem.parallel.init: tensor_parallel_size must be a positive int, got {t!r}")
     if world % t != 0:
         raise ValueError(f"llmmem.parallel.init: tensor_parallel_size ({t}) must divide the world size ({world})")
+    built_for = (dist.group.WORLD, t)
+    if _TP_GROUP is not None and _BUILT_FOR is not None and _BUILT_FOR[0] is built_for[0] and _BUILT_FOR[1] == t:
+        return _TP_GROUP  # the same groups again: every rank takes this branch (same arguments)
+    _release_groups()  # the groups of an earlier init() with another size: free their engines
     rank = dist.get_rank()
     # new_group is collective: every rank creates every group, in the same order.
     for k in range(world // t):
@@ -81,16 +90,27 @@ def init(
         g = dist.new_group(ranks)
         if rank in ranks:
             _DP_GROUP = g
+    _BUILT_FOR = built_for
     return _TP_GROUP
+
+
+def _release_groups() -> None:
+    """Free llmmem's engines of init()'s groups and forget the groups (the process groups stay)."""
+    global _TP_GROUP, _DP_GROUP, _BUILT_FOR
+    from llmmem.parallel import collectives
+
+    for g in (_TP_GROUP, _DP_GROUP):
+        if g is not None:
+            collectives.close_group(g)
+    _TP_GROUP = _DP_GROUP = _BUILT_FOR = None
 
 
 def destroy() -> None:
     """Forget the groups of :func:`init` and llmmem's communicators (the process group stays)."""
-    global _TP_GROUP, _DP_GROUP
     from llmmem.parallel import collectives
 
+    _release_groups()
     collectives.close_all()
-    _TP_GROUP = _DP_GROUP = None
 
 
 def get_tensor_parallel_group(process_group=None):

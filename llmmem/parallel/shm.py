@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from llmmem._native import available, native
+from llmmem.parallel.exchange import all_gather_json
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -27,12 +28,17 @@ class SetupError(RuntimeError):
     """The engine cannot be used for this group (the caller falls back to torch.distributed)."""
 
 
-def agree_or_raise(error, world: int, group, handle, close) -> None:
+def agree_or_raise(error, group, handle, close, *, timeout: float, what: str) -> None:
     """Every rank learns every rank's set-up outcome, so all of them fall back together: one rank
     left on our engine while the others use torch.distributed would deadlock the next collective.
-    ``error`` is this rank's failure (or None); on any failure ``handle`` is closed and SetupError raised."""
-    outcomes = [None] * world
-    dist.all_gather_object(outcomes, error, group=group)
+    ``error`` is this rank's failure (or None); on any failure ``handle`` is closed and SetupError raised.
+    The exchange gives up after ``timeout`` s (StateError; ``handle`` is closed then too)."""
+    try:
+        outcomes = all_gather_json(error, group, timeout=timeout, what=what)
+    except BaseException:
+        if handle is not None:
+            close(handle)
+        raise
     failures = [e for e in outcomes if e]
     if failures:
         fail_setup(failures, handle, close)
@@ -77,8 +83,10 @@ class ShmCommunicator:
         if world > 64:
             raise SetupError(f"group of {world} ranks is larger than 64")
         name = f"llmmem-tp-{uuid.uuid4().hex}" if rank == 0 else None
-        info = [None] * world
-        dist.all_gather_object(info, (host_identity(), name), group=group)
+        what = "set-up of the shared-memory collectives"
+        # bounded by the engine's own timeout: a rank that never comes is reported in that time,
+        # like a late peer of a running engine, not after the process group's 30 minutes
+        info = all_gather_json((host_identity(), name), group, timeout=timeout, what=what)
         hosts = {h for h, _ in info}
         if len(hosts) != 1:
             raise SetupError(f"the group spans {len(hosts)} hosts")
@@ -88,7 +96,7 @@ class ShmCommunicator:
             handle = native.shm_comm_open(name, rank, world, _slot_bytes(), float(timeout))
         except Exception as exc:
             error = f"rank {rank}: {exc}"
-        agree_or_raise(error, world, group, handle, native.shm_comm_close)
+        agree_or_raise(error, group, handle, native.shm_comm_close, timeout=timeout, what=what)
         return cls(handle, rank, world)
 
     def set_timeout(self, seconds: float) -> None:

@@ -145,7 +145,13 @@ def _rank_main(module, fn: str, rank: int, world: int, store: str, args: list, t
         from llmmem.parallel import collectives
 
         collectives.close_all()
-        dist.destroy_process_group()
+        # torch 2.5.1's gloo shutdown (destroy_process_group -> _shutdown_backend) hangs, holding
+        # the GIL, in about one run in three of test_parallel_comm, with a barrier before it or not;
+        # 2.11's does not (versions between: not tried). The rank exits right after this anyway.
+        import torch
+
+        if not torch.__version__.startswith("2.5."):
+            dist.destroy_process_group()
 
 
 def _launch(argv: list[str]) -> int:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 
 from llmmem._native import available, load_error, native
+from llmmem.errors import OutOfMemoryError
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["MemoryPool", "feature_status", "installed_pool"]
@@ -151,16 +153,21 @@ class MemoryPool:
     lacks it, the pool warns and uses ``cudaMalloc`` instead (see :attr:`expandable`). *By
     segments* (``"cuda"`` by default, ``"pinned"``, ``"cpu"`` with ``expandable=False``): each
     growth is a separate ``cudaMalloc``/``cudaHostAlloc``, fully free ones are given back when
-    growing. In the trace replays of ``benchmarks/bench_pool.py`` growing in place wastes less
-    (peak reserved / peak requested 1.003-1.044 vs 1.010-1.133 by segments on the CPU replays).
+    growing. Growing in place wastes less (``benchmarks/bench_pool.py`` replays traces both ways).
 
     ``expandable=True`` on CUDA is **opt-in and not yet validated on a GPU**: the backend builds,
     its bookkeeping is tested over a simulated driver, and its GPU tests
-    (``tests/test_pool_cuda_vmm.py``) are written but have not run on hardware yet. CUDA keeps
+    (``tests/pool/test_pool_cuda_vmm.py``) are written but have not run on hardware yet. CUDA keeps
     ``cudaMalloc`` segments by default until they have.
 
     Creating the pool reserves ``initial_size`` immediately (one ``cudaMalloc`` for CUDA, one
-    ``cudaHostAlloc`` for pinned). Memory given back by :meth:`empty_cache` or :meth:`close` is
+    ``cudaHostAlloc`` for pinned). Reserved memory is memory that exists: a ``"cpu"`` pool takes
+    memory from the system only when the system can back it (``MemAvailable`` + ``SwapFree``, the
+    cgroup's memory limit, ``RLIMIT_DATA``), and makes it resident as it takes it (as ``cudaMalloc``
+    does), so a request the machine cannot hold raises :class:`llmmem.OutOfMemoryError` stating the
+    bytes requested and available, instead of succeeding and getting the process killed by the
+    kernel when first written. Its reserved address space is bounded by ``max_size`` and by the
+    machine's memory, so pools work under ``ulimit -v``. Memory given back by :meth:`empty_cache` or :meth:`close` is
     returned to the device (``cudaFree``, which synchronizes the device; an expandable CUDA pool
     unmaps instead, without a device synchronization, since it gives back only memory whose free
     has completed on its stream).
@@ -252,6 +259,9 @@ class MemoryPool:
         CPU and pinned pools: the tensor is a CPU tensor over the pool's memory. CUDA pools: the
         tensor is allocated by PyTorch inside :func:`use_pool`. Zero-element tensors take no memory
         from the pool. Does not synchronize.
+
+        :raises llmmem.OutOfMemoryError: (a ``MemoryError``) when ``max_size`` or the machine cannot
+            hold the tensor; the message states the bytes requested and available.
         """
         torch = _torch()
         dtype = torch.float32 if dtype is None else dtype
@@ -273,7 +283,12 @@ class MemoryPool:
         itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else torch.empty((), dtype=dtype).element_size()
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        buf = native.pool_buffer(self._cap(), numel * itemsize)
+        nbytes = numel * itemsize
+        if nbytes > sys.maxsize:
+            raise OutOfMemoryError(
+                f"MemoryPool.empty: shape {shape} of {dtype} needs {nbytes} bytes, more than any address space holds"
+            )
+        buf = native.pool_buffer(self._cap(), nbytes)
         flat = torch.frombuffer(buf, dtype=dtype, count=numel)
         return flat if len(shape) == 1 else flat.view(shape)
 

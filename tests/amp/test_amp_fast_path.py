@@ -11,6 +11,7 @@ import torch
 from support.amp import ODD_LAYOUTS, assert_same, interrupt_once_on, odd_layout_param, p_with
 
 import llmmem
+from llmmem.amp import cpu_unscale as CU
 from llmmem.amp import kernels as K
 
 SCALE = 1024.0
@@ -46,9 +47,7 @@ def unscale_both(make_grads):
 def fast_taken(params, allow_fp16=False):
     """Whether the fast path takes ``params`` (it then unscales them by 1: a check only)."""
     opt = torch.optim.SGD(params, lr=0.1)
-    found = torch.zeros(())
-    flags = torch.zeros(len(params), dtype=torch.uint8)
-    return K.unscale_param_groups_cpu_(opt.param_groups, allow_fp16, found, flags, torch.ones(()), True) is not None
+    return CU.walk(opt.param_groups, allow_fp16, torch.zeros(()), torch.ones(()), True) is not None
 
 
 def test_plain_gradients_take_the_fast_path_and_match_torch():
@@ -296,19 +295,6 @@ def test_unsupported_dtype_and_non_tensor_parameter_errors_unchanged():
         s2.unscale_(opt)
 
 
-def test_too_few_flags_for_the_parameters_are_handed_over():
-    params = [p_with(torch.randn(3)) for _ in range(3)]
-    opt = torch.optim.SGD(params, lr=0.1)
-    before = [p.grad.clone() for p in params]
-    assert (
-        K.unscale_param_groups_cpu_(
-            opt.param_groups, False, torch.zeros(()), torch.zeros(2, dtype=torch.uint8), torch.full((), 2.0)
-        )
-        is None
-    )
-    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_many_small_gradients_match_torch(threads):
     before = torch.get_num_threads()
@@ -331,48 +317,42 @@ def test_many_small_gradients_match_torch(threads):
 def test_odd_scalars_are_handed_over_not_raised():
     params = [p_with(torch.randn(3))]
     opt = torch.optim.SGD(params, lr=0.1)
-    flags = torch.zeros(1, dtype=torch.uint8)
     f32 = torch.zeros(())
     two = torch.full((), 2.0)  # a real unscale, so a write would show
-    for found, scale, fl in [
-        (torch.zeros((), dtype=torch.float64), two, flags),
-        (f32, torch.ones((), dtype=torch.float64), flags),
-        (f32, torch.ones(2), flags),
-        (f32, two, torch.zeros(1, dtype=torch.int32)),
-        (f32, two, torch.zeros(1, dtype=torch.uint8).as_subclass(_Sub)),
+    for found, scale in [
+        (torch.zeros((), dtype=torch.float64), two),
+        (f32, torch.ones((), dtype=torch.float64)),
+        (f32, torch.ones(2)),
+        (torch.zeros(()).as_subclass(_Sub), two),
+        (f32, two.as_subclass(_Sub)),
     ]:
         before = params[0].grad.clone()
-        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, fl, scale) is None
+        assert CU.walk(opt.param_groups, False, found, scale) is None
         assert torch.equal(params[0].grad, before)
 
 
-def test_flags_and_done_may_be_python_arrays_of_the_right_type():
+def test_the_walk_returns_its_flags_and_counts_its_progress():
     from array import array
 
     grads = [torch.tensor([1.0, 2.0]), torch.tensor([float("inf")]), torch.tensor([4.0])]
     params = [p_with(g.clone()) for g in grads]
     opt = torch.optim.SGD(params, lr=0.1)
-    found, flags, done = torch.zeros(()), array("B", bytes(3)), array("q", [-1])
-    assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, torch.full((), 2.0), done=done) == (
-        3,
-        None,
-        None,
-    )
-    assert flags.tolist() == [0, 1, 0] and done[0] == 3 and float(found) == 1.0
+    found, progress = torch.zeros(()), array("q", [-1])
+    w = CU.walk(opt.param_groups, False, found, torch.full((), 2.0), progress=progress)
+    assert (w.n_grads, list(w.slots), w.resume, w.flags.tolist()) == (3, [0, 1, 2], None, [0, 1, 0])
+    assert progress[0] == 3 and float(found) == 1.0
     assert torch.equal(params[0].grad, torch.tensor([0.5, 1.0]))
-    # arrays of another element type, or a done cell of more than one element, are handed over untouched
-    for fl, dn in [
-        (array("b", bytes(3)), None),
-        (array("H", [0, 0, 0]), None),
-        (array("B", bytes(3)), array("l", [0])),
-        (array("B", bytes(3)), array("q", [0, 0])),
-    ]:
-        before = [p.grad.clone() for p in params]
-        assert (
-            K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), fl, torch.full((), 2.0), done=dn)
-            is None
-        )
-        assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_a_progress_cell_of_another_kind_is_refused_with_nothing_done():
+    from array import array
+
+    params = [p_with(torch.tensor([1.0, 2.0]))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for cell in [array("i", [0]), array("d", [0.0]), array("q", [0, 0]), array("q"), bytearray(8), b"\0" * 8, 0]:
+        with pytest.raises(TypeError):
+            CU.walk(opt.param_groups, False, torch.zeros(()), torch.full((), 2.0), progress=cell)
+        assert torch.equal(params[0].grad, torch.tensor([1.0, 2.0]))
 
 
 def test_the_found_inf_of_the_scale_device_is_the_tensor_unscale_made():
@@ -432,15 +412,15 @@ def test_no_reference_leaks_on_success_or_hand_over():
     grads = [torch.randn(5) * SCALE, torch.randn(3) * SCALE]
     params = [p_with(grads[0]), p_with(None), p_with(grads[1])]
     opt = torch.optim.SGD(params, lr=0.1)
-    found, flags, one = torch.zeros(()), torch.zeros(3, dtype=torch.uint8), torch.ones(())
+    found, one = torch.zeros(()), torch.ones(())
     before = [sys.getrefcount(x) for x in grads + params]
     for _ in range(50):
-        assert K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True) == (2, [0, 2], None)
+        w = CU.walk(opt.param_groups, False, found, one, True)
+        assert (w.n_grads, list(w.slots), w.resume, w.flags.tolist()) == (2, [0, 2], None, [0, 0])
     params.append(p_with(torch.randn(4, 4).t()))  # a strided view: the walk stops there and hands over
     opt2 = torch.optim.SGD(params, lr=0.1)
-    flags4 = torch.zeros(4, dtype=torch.uint8)
     for _ in range(50):
-        assert K.unscale_param_groups_cpu_(opt2.param_groups, False, found, flags4, one, True) is None
+        assert CU.walk(opt2.param_groups, False, found, one, True) is None
     del opt2
     params.pop()
     assert [sys.getrefcount(x) for x in grads + params] == before
@@ -455,9 +435,9 @@ def test_an_interrupt_raised_during_the_walk_propagates():
     mode = interrupt_once_on(grad)
 
     opt = torch.optim.SGD([p_with(grad)], lr=0.1)
-    found, flags, one = torch.zeros(()), torch.zeros(1, dtype=torch.uint8), torch.ones(())
+    found, one = torch.zeros(()), torch.ones(())
     with mode, pytest.raises(KeyboardInterrupt):
-        K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True)
+        CU.walk(opt.param_groups, False, found, one, True)
     assert mode.fired
 
 

@@ -22,14 +22,7 @@ SIZES = [0, 1, 7, 4097, 10**6 + 3]
 SPECIALS = [float("inf"), float("-inf"), float("nan")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """torch's own ops here are tiny; its intra-op threads only spin against other jobs on shared
-    cores. llmmem's threading is exercised explicitly in test_thread_counts_match_the_scalar_reference."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny torch ops: its threads only spin
 
 
 def rand_grad(n, dtype, gen):

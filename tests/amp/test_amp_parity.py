@@ -18,13 +18,7 @@ IMPLS = {"torch": torch.amp.GradScaler, "llmmem": llmmem.GradScaler}
 STEPS = 210
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The models are tiny: torch's intra-op threads only spin against other jobs on shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny torch ops: its threads only spin
 
 
 def make_model(dtype=torch.float32):

@@ -14,7 +14,7 @@ import torch
 from support.amp import ODD_LAYOUTS, assert_same, interrupt_once_on, odd_layout_param, p_with
 
 import llmmem
-from llmmem.amp import kernels as K
+from llmmem.amp import cpu_unscale as CU
 
 SCALE = 1024.0
 N = 300  # above the pipelining threshold (256 parameters)
@@ -57,16 +57,13 @@ def test_the_walk_hands_over_at_a_strided_gradient_with_two_threads_and_not_with
     grads[200] = (torch.randn(40, 2) * SCALE).t()  # a strided view: not the plain case
     params = [p_with(g) for g in grads]
     opt = torch.optim.SGD(params, lr=0.1)
-    flags = torch.zeros(N, dtype=torch.uint8)
     before = [g.clone() for g in grads]
     torch.set_num_threads(1)
-    assert K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), flags, torch.full((), 2.0)) is None
+    assert CU.walk(opt.param_groups, False, torch.zeros(()), torch.full((), 2.0)) is None
     assert all(torch.equal(g, b) for g, b in zip(grads, before))  # one thread: nothing done
     torch.set_num_threads(2)
-    n, slots, resume = K.unscale_param_groups_cpu_(
-        opt.param_groups, False, torch.zeros(()), flags, torch.full((), 2.0)
-    )
-    assert (n, resume) == (200, 200) and list(slots) == list(range(200))
+    w = CU.walk(opt.param_groups, False, torch.zeros(()), torch.full((), 2.0))
+    assert (w.n_grads, w.resume) == (200, 200) and list(w.slots) == list(range(200))
     assert all(torch.equal(g, (b.double() / 2).to(b.dtype)) for g, b in zip(grads[:200], before[:200]))
     assert all(torch.equal(g, b) for g, b in zip(grads[200:], before[200:]))
 
@@ -80,10 +77,8 @@ def test_the_walk_stops_at_a_gradient_of_any_other_layout(two_threads, layout):
     odd_before = params[150].grad.to_dense()
     before = [g.clone() for g in grads]
     opt = torch.optim.SGD(params, lr=0.1)
-    n, slots, resume = K.unscale_param_groups_cpu_(
-        opt.param_groups, False, torch.zeros(()), torch.zeros(N, dtype=torch.uint8), torch.full((), 2.0)
-    )
-    assert (n, resume) == (150, 150) and list(slots) == list(range(150))
+    w = CU.walk(opt.param_groups, False, torch.zeros(()), torch.full((), 2.0))
+    assert (w.n_grads, w.resume) == (150, 150) and list(w.slots) == list(range(150))
     assert all(torch.equal(g, (b.double() / 2).to(b.dtype)) for g, b in zip(grads[:150], before[:150]))
     assert torch.equal(params[150].grad.to_dense(), odd_before)
     assert all(torch.equal(g, b) for g, b in zip(grads[151:], before[151:]))
@@ -159,16 +154,16 @@ def test_no_reference_leaks_when_pipelined(two_threads):
     grads = plain_grads(seed=3)
     params = [p_with(g) for g in grads] + [p_with(None)]
     opt = torch.optim.SGD(params, lr=0.1)
-    found, flags, one = torch.zeros(()), torch.zeros(N + 2, dtype=torch.uint8), torch.ones(())
+    found, one = torch.zeros(()), torch.ones(())
     before = [sys.getrefcount(x) for x in grads + params]
     for _ in range(20):
-        n, _, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True)
-        assert (n, resume) == (N, None)
+        w = CU.walk(opt.param_groups, False, found, one, True)
+        assert (w.n_grads, w.resume) == (N, None)
     odd = p_with(torch.randn(4, 4).t())
     opt.param_groups[0]["params"].insert(270, odd)
     for _ in range(20):
-        n, _, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, one, True)
-        assert (n, resume) == (270, 270)
+        w = CU.walk(opt.param_groups, False, found, one, True)
+        assert (w.n_grads, w.resume) == (270, 270)
     del opt.param_groups[0]["params"][270]
     assert [sys.getrefcount(x) for x in grads + params] == before
 
@@ -181,9 +176,8 @@ def test_an_interrupt_during_a_pipelined_walk_propagates_after_the_workers_finis
     mode = interrupt_once_on(target)
 
     opt = torch.optim.SGD([p_with(g) for g in grads], lr=0.1)
-    found, flags = torch.zeros(()), torch.zeros(N, dtype=torch.uint8)
     with mode, pytest.raises(KeyboardInterrupt):
-        K.unscale_param_groups_cpu_(opt.param_groups, False, found, flags, torch.full((), 2.0))
+        CU.walk(opt.param_groups, False, torch.zeros(()), torch.full((), 2.0))
     assert mode.fired
     # what the walk had read is done (it may have begun), the rest untouched: nothing half-written
     for k, (g, b) in enumerate(zip(grads, before)):
@@ -214,10 +208,9 @@ def test_a_gradient_listed_twice_is_unscaled_twice_as_torch_does(two_threads, ho
         s.scale(torch.ones(()))
         return s, opt, plist
 
-    flags = torch.zeros(N + 1, dtype=torch.uint8)
     _, opt, plist = make_opt(llmmem.GradScaler)
-    n, _, resume = K.unscale_param_groups_cpu_(opt.param_groups, False, torch.zeros(()), flags, torch.ones(()), True)
-    assert (n, resume) == (260, 260)
+    w = CU.walk(opt.param_groups, False, torch.zeros(()), torch.ones(()), True)
+    assert (w.n_grads, w.resume) == (260, 260)
     for _ in range(5):  # a race would show in some runs, not all
         (ts, topt, tparams), (ls, lopt, lparams) = [make_opt(cls) for cls in (torch.amp.GradScaler, llmmem.GradScaler)]
         ts.unscale_(topt)
@@ -275,7 +268,7 @@ def test_a_signal_handled_just_after_the_c_walk_leaves_the_scaler_safe(monkeypat
     # unscaled. The count it wrote before returning tells the scaler to record the step as
     # overflowed, so that a retry cannot unscale them twice.
     torch.set_num_threads(threads)
-    real = K.unscale_param_groups_cpu_
+    real = CU.walk
 
     def then_interrupt(*args, **kwargs):
         real(*args, **kwargs)
@@ -286,10 +279,10 @@ def test_a_signal_handled_just_after_the_c_walk_leaves_the_scaler_safe(monkeypat
     opt = torch.optim.SGD(params, lr=0.1)
     s = llmmem.GradScaler("cpu", init_scale=SCALE)
     s.scale(torch.ones(()))
-    monkeypatch.setattr(K, "unscale_param_groups_cpu_", then_interrupt)
+    monkeypatch.setattr(CU, "walk", then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         s.unscale_(opt)
-    monkeypatch.setattr(K, "unscale_param_groups_cpu_", real)
+    monkeypatch.setattr(CU, "walk", real)
     with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
         s.unscale_(opt)
     assert s.step(opt) is None

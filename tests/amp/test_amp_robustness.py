@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from support.amp import FakeCudaNative
 
 import llmmem
 from llmmem.amp import kernels as K
@@ -98,32 +99,18 @@ def test_archs_cover(archs, cc, covered):
     assert K._archs_cover(archs, cc) is covered
 
 
-class _FakeNative:
-    def __init__(self, archs, count=1, error=None):
-        self.archs, self.count, self.error, self.calls = archs, count, error, 0
-
-    def cuda_device_count(self):
-        self.calls += 1
-        if self.error is not None:
-            raise self.error
-        return self.count
-
-    def build_info(self):
-        return {"cuda_built": True, "cuda_archs": self.archs}
-
-
 @pytest.mark.parametrize(
     "fake,cc,usable,why",
     [
-        (_FakeNative("sm_80,sm_90,compute_90"), (7, 5), False, r"built for sm_80,sm_90,compute_90.*sm_75"),
-        (_FakeNative("sm_75,sm_80,sm_90,compute_90"), (7, 5), True, None),
+        (FakeCudaNative("sm_80,sm_90,compute_90"), (7, 5), False, r"built for sm_80,sm_90,compute_90.*sm_75"),
+        (FakeCudaNative("sm_75,sm_80,sm_90,compute_90"), (7, 5), True, None),
         (
-            _FakeNative("sm_80,sm_90,compute_90", error=llmmem.NoDeviceError("no driver")),
+            FakeCudaNative("sm_80,sm_90,compute_90", error=llmmem.NoDeviceError("no driver")),
             (9, 0),
             False,
             "cannot use the GPUs",
         ),
-        (_FakeNative("sm_80,sm_90,compute_90", count=0), (9, 0), False, r"sees 0 GPU\(s\)"),
+        (FakeCudaNative("sm_80,sm_90,compute_90", count=0), (9, 0), False, r"sees 0 GPU\(s\)"),
     ],
 )
 def test_cuda_kernels_are_probed_once_per_device(monkeypatch, fake, cc, usable, why):

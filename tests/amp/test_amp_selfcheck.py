@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from support.amp import FakeCudaNative
 
 from llmmem.amp import kernels as K
 from llmmem.amp import launch as L
@@ -154,28 +155,11 @@ def test_broken_update_kernels_are_caught(broken, expect):
     assert why is not None and re.search(expect, why), why
 
 
-class _FakeNative:
-    """llmmem._C as seen by the GPU probe: a CUDA build that sees one sm_90 GPU; the kernels
-    themselves are the real CPU ones (the self-check is pointed at the CPU)."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def cuda_device_count(self):
-        return 1
-
-    def build_info(self):
-        return {"cuda_built": True, "cuda_archs": "sm_90"}
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """cuda:0 probed as usable up to the self-check, which runs on the CPU with the kernel under
     test; CPU tensors then stand in for that GPU's gradients (their device is routed to the probe)."""
-    monkeypatch.setattr(K, "native", _FakeNative(K.native))
+    monkeypatch.setattr(K, "native", FakeCudaNative("sm_90", real=K.native))
     monkeypatch.setattr(K, "_cuda_built", True)
     monkeypatch.setattr(K, "_cuda_support", {})
     monkeypatch.setattr(K, "_warned_fallback", set())

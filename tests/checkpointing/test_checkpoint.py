@@ -7,19 +7,27 @@ from the same seed, bitwise on CPU, and the two implementations must agree with 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
+from support.models import gpt_block
 
 import llmmem
 from llmmem.models.gpt import GPT, GPTConfig
+
+# torch < 2.9 has no early_stop option (set_checkpoint_early_stop only): it would pass it to the function
+_TORCH_HAS_EARLY_STOP = "early_stop" in inspect.signature(tuc.checkpoint).parameters
 
 
 def _torch_ckpt(fn, *args, **kwargs):
     kwargs.setdefault("use_reentrant", False)
     kwargs.pop("offload", None)  # torch has no offload option; its result must match anyway
+    if not _TORCH_HAS_EARLY_STOP and "early_stop" in kwargs:
+        with tuc.set_checkpoint_early_stop(kwargs.pop("early_stop")):
+            return tuc.checkpoint(fn, *args, **kwargs)
     return tuc.checkpoint(fn, *args, **kwargs)
 
 
@@ -32,13 +40,6 @@ IMPLS = {
 @pytest.fixture(params=sorted(IMPLS))
 def impl(request):
     return IMPLS[request.param]
-
-
-def _block(dropout=0.1, attention="explicit"):
-    torch.manual_seed(0)
-    return GPT(
-        GPTConfig(layers=1, hidden=32, heads=4, seq_len=16, vocab_size=64, dropout=dropout, attention=attention)
-    ).blocks[0]
 
 
 def _grads(module, *tensors):
@@ -62,7 +63,7 @@ def _assert_bitwise(a, b):
 
 def test_gpt_block_with_dropout_bitwise(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.2)
+    block = gpt_block(dropout=0.2)
     x = torch.randn(2, 16, 32, requires_grad=True)
     y_ref, g_ref = _run(block, block, x)
     y, g = _run(lambda t: ckpt(block, t), block, x)
@@ -70,8 +71,8 @@ def test_gpt_block_with_dropout_bitwise(impl):
     _assert_bitwise(g, g_ref)
 
 
-def test_both_implementations_agree_on_sdpa_block():
-    block = _block(dropout=0.1, attention="sdpa")
+def test_both_implementations_agree_on_sdpagpt_block():
+    block = gpt_block(dropout=0.1, attention="sdpa")
     x = torch.randn(2, 16, 32, requires_grad=True)
     results = [_run(lambda t, c=c: c(block, t), block, x) for c, _ in IMPLS.values()]
     assert torch.equal(results[0][0], results[1][0])
@@ -117,7 +118,7 @@ def test_tensors_in_containers_and_non_tensor_outputs(impl):
 
 def test_inputs_without_requires_grad(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32)  # e.g. a frozen embedding's output
     torch.manual_seed(5)
     block(x).sum().backward()
@@ -130,7 +131,7 @@ def test_inputs_without_requires_grad(impl):
 
 def test_cpu_autocast_bf16(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
 
     def run(fn):
@@ -175,7 +176,7 @@ def test_nested_checkpoints(impl):
 
 def test_autograd_grad_and_backward_inputs(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.0)
+    block = gpt_block(dropout=0.0)
     x = torch.randn(2, 16, 32, requires_grad=True)
     ref = torch.autograd.grad(block(x).sum(), [x])[0]
     got = torch.autograd.grad(ckpt(block, x).sum(), [x])[0]
@@ -201,7 +202,7 @@ def test_retain_graph_recomputes_for_each_backward(impl):
 
 def test_early_stop_off_gives_same_grads(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     _, g_ref = _run(lambda t: ckpt(block, t), block, x)
     _, g = _run(lambda t: ckpt(block, t, early_stop=False), block, x)
@@ -264,7 +265,7 @@ def test_checkpoint_error_message_is_useful():
         out.backward()
     text = str(info.value)
     assert "shape=[4, 3]" in text and "shape=[2, 3]" in text
-    assert "operators run in the forward" in text and "aten.exp" in text
+    assert "forward: " in text and "recompute: " in text and "aten.exp" in text
     assert isinstance(info.value, tuc.CheckpointError) and isinstance(info.value, llmmem.LlmmemError)
 
 
@@ -330,7 +331,7 @@ def test_no_grad_just_runs():
 
 def test_offload_gives_identical_grads(impl):
     ckpt, _ = impl
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     _, g_ref = _run(block, block, x)
     _, g = _run(lambda t: ckpt(block, t, offload=True), block, x)
@@ -358,7 +359,7 @@ def test_offload_cuda_identical_grads_and_inputs_leave_the_device():
 
 def test_saves_only_the_inputs():
     """What a checkpointed block leaves saved for backward (seen from outside) is its input."""
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     seen = {}
 
@@ -371,18 +372,20 @@ def test_saves_only_the_inputs():
     assert sum(seen.values()) == x.numel() * x.element_size()
 
 
-def test_checkpoint_sequential_even_split_matches_plain():
-    from llmmem.checkpointing.sequential import _even_split
+def test_checkpoint_sequential_matches_plain():
+    from llmmem.checkpointing.sequential import _even_split, _torch_split
 
     assert [e - s for s, e in _even_split(9, 5)] == [2, 2, 2, 2, 1]
     assert [e - s for s, e in _even_split(8, 4)] == [2, 2, 2, 2]
+    assert [e - s for s, e in _torch_split(9, 5)] == [1, 1, 1, 1, 5]
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1)) for _ in range(7)])
     x = torch.randn(4, 8, requires_grad=True)
     y_ref, g_ref = _run(seq, seq, x)
-    y, g = _run(lambda t: llmmem.checkpoint_sequential(seq, 3, t), seq, x)
-    assert torch.equal(y, y_ref)
-    _assert_bitwise(g, g_ref)
+    for split in ("torch", "even"):
+        y, g = _run(lambda t: llmmem.checkpoint_sequential(seq, 3, t, split=split), seq, x)
+        assert torch.equal(y, y_ref)
+        _assert_bitwise(g, g_ref)
     for bad in (0, 8, "two", 1.5):
         with pytest.raises(ValueError, match="segments"):
             llmmem.checkpoint_sequential(seq, bad, x)
@@ -465,7 +468,7 @@ def test_selective_context_fn_keeps_matmul_outputs_and_matches_grads():
     the input alone (the Linear outputs)."""
     from llmmem.checkpointing import measure_saved_bytes
 
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
     _, g_ref = _run(block, block, x)
     _, g = _run(lambda t: llmmem.checkpoint(block, t, context_fn=llmmem.selective_context_fn), block, x)
@@ -496,7 +499,7 @@ def test_regions_are_freed_after_backward_without_gc(monkeypatch):
         alive.append(weakref.ref(self))
 
     monkeypatch.setattr(core._Region, "__init__", tracking_init)
-    block = _block(dropout=0.1)
+    block = gpt_block(dropout=0.1)
     gc.disable()
     try:
         for _ in range(5):

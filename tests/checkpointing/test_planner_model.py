@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support.planner import grads, same_grads, step_memory
 
 import llmmem
 from llmmem.checkpointing import AutoCheckpointed, AutoCheckpointPlan
 from llmmem.models.gpt import GPT, GPTConfig
-from tests.support.planner import grads, same_grads, step_memory
 
 
 class KwBlock(nn.Module):

@@ -9,15 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from support.models import gpt_block
 
 import llmmem
 from llmmem.checkpointing import measure_saved_bytes, recompute_cheap
 from llmmem.models.gpt import GPT, GPTConfig
-
-
-def _block(dropout=0.1):
-    torch.manual_seed(0)
-    return GPT(GPTConfig(layers=1, hidden=32, heads=4, seq_len=16, vocab_size=64, dropout=dropout)).blocks[0]
 
 
 def _step(fn, module, x, seed=7):
@@ -47,7 +43,7 @@ def _saved(fn, module, x):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("layer_norms", [True, False])
 def test_gpt_block_bitwise_and_frees_gelu_probabilities_layer_norms(dropout, layer_norms):
-    block = _block(dropout)
+    block = gpt_block(dropout)
     x = torch.randn(2, 16, 32, requires_grad=True)
     ref = _step(block, block, x)
     got = _step(_cheap(block, layer_norms), block, x)
@@ -163,7 +159,7 @@ def test_planner_uses_it_and_runs_it():
 def test_cpu_autocast_bf16_bitwise():
     """Under autocast the rebuilt operators see the operands the forward saw (already cast) and
     run with autocast off: the same results."""
-    block = _block(0.1)
+    block = gpt_block(0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
 
     def plain(t):
@@ -242,7 +238,7 @@ def test_graph_is_freed_after_a_backward_that_keeps_it(how):
     graph kept by retain_graph (or not fully run by autograd.grad) was never freed."""
     from llmmem.checkpointing import remat
 
-    block = _block(0.1)
+    block = gpt_block(0.1)
     gc.collect()
     before = sum(type(o) is remat._Memo for o in gc.get_objects())
     x = torch.randn(2, 16, 32, requires_grad=True)

@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from support.planner import lm_batch, step_memory, tiny_gpt2, tiny_llama, transformers_or_skip
 
 import llmmem
 from llmmem.models.gpt import GPT, GPTConfig
-from tests.support.planner import lm_batch, step_memory, tiny_gpt2, tiny_llama, transformers_or_skip
 
 transformers_or_skip()
 

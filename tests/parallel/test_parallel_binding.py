@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import torch
+from support.parallel import shm_name
 
 from llmmem._native import native
 
 
-def _name() -> str:
-    return f"llmmem-tp-test-{uuid.uuid4().hex}"
-
-
 def test_shm_world_of_one_is_identity_and_leaves_nothing():
-    name = _name()
+    name = shm_name()
     comm = native.shm_comm_open(name, 0, 1, 0, 1.0)
     try:
         assert not os.path.exists(f"/dev/shm/{name}")  # removed as soon as every rank joined
@@ -41,14 +37,14 @@ def test_shm_bad_arguments_raise_value_errors():
     from llmmem.errors import InvalidArgumentError, StateError
 
     with pytest.raises(InvalidArgumentError, match="rank must be in 0..1"):
-        native.shm_comm_open(_name(), 2, 2, 0, 1.0)
+        native.shm_comm_open(shm_name(), 2, 2, 0, 1.0)
     with pytest.raises(InvalidArgumentError, match="no '/'"):
         native.shm_comm_open("a/b", 0, 1, 0, 1.0)
     with pytest.raises(InvalidArgumentError, match="timeout_s"):
-        native.shm_comm_open(_name(), 0, 1, 0, 0.0)
+        native.shm_comm_open(shm_name(), 0, 1, 0, 0.0)
     with pytest.raises(StateError, match="did not appear"):
-        native.shm_comm_open(_name(), 1, 2, 0, 0.05)  # rank 0 never creates it
-    comm = native.shm_comm_open(_name(), 0, 1, 0, 1.0)
+        native.shm_comm_open(shm_name(), 1, 2, 0, 0.05)  # rank 0 never creates it
+    comm = native.shm_comm_open(shm_name(), 0, 1, 0, 1.0)
     try:
         with pytest.raises(InvalidArgumentError, match="unknown dtype"):
             native.shm_all_reduce(comm, 1, 1, 1, 7)

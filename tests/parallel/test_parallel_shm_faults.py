@@ -11,17 +11,13 @@ import sys
 import tempfile
 import textwrap
 import time
-import uuid
 
 import pytest
+from support.parallel import shm_name
 
 from llmmem._native import native
 
 pytestmark = pytest.mark.distributed
-
-
-def _name() -> str:
-    return f"llmmem-tp-test-{uuid.uuid4().hex}"
 
 
 def _spawn(code: str) -> subprocess.Popen:
@@ -62,7 +58,7 @@ def _creator_killed_during_setup(name: str) -> None:
 def test_rank0_killed_during_setup_a_late_peer_fails_fast_and_removes_the_segment():
     from llmmem.errors import StateError
 
-    name = _name()
+    name = shm_name()
     _creator_killed_during_setup(name)
     assert os.path.exists(f"/dev/shm/{name}")  # what the crash leaves behind ...
     t0 = time.monotonic()
@@ -73,16 +69,16 @@ def test_rank0_killed_during_setup_a_late_peer_fails_fast_and_removes_the_segmen
 
 
 def test_rank0_killed_during_setup_the_next_setup_sweeps_the_segment():
-    name = _name()
+    name = shm_name()
     _creator_killed_during_setup(name)
     assert os.path.exists(f"/dev/shm/{name}")  # nobody else came: left behind ...
-    comm = native.shm_comm_open(_name(), 0, 1, 0, 5.0)  # any later set-up on this host (rank 0) ...
+    comm = native.shm_comm_open(shm_name(), 0, 1, 0, 5.0)  # any later set-up on this host (rank 0) ...
     native.shm_comm_close(comm)
     assert not os.path.exists(f"/dev/shm/{name}")  # ... removes it: its creator is dead
 
 
 def test_sigint_interrupts_setup_wait_promptly():
-    name = _name()
+    name = shm_name()
     proc = _spawn(f"""
         import time
         from llmmem._native import native
@@ -109,7 +105,7 @@ def test_sigint_interrupts_setup_wait_promptly():
 def test_sigint_interrupts_collective_wait_promptly_and_the_peer_is_told():
     from llmmem.errors import StateError
 
-    name = _name()
+    name = shm_name()
     # the child is rank 0; it reduces while this process (rank 1) does not: it waits for us
     proc = _spawn(f"""
         import time, torch
@@ -152,7 +148,7 @@ def test_close_from_a_signal_handler_during_a_wait_is_deferred_and_stops_the_wai
         import signal, threading, time, torch
         from llmmem._native import native
         from llmmem.errors import StateError
-        name = {_name()!r}
+        name = {shm_name()!r}
         peer = []
         t = threading.Thread(target=lambda: peer.append(native.shm_comm_open(name, 1, 2, 0, 30.0)))
         t.start()
@@ -186,7 +182,7 @@ def test_overlapping_calls_on_one_communicator_are_refused():
     proc = _spawn(f"""
         import signal, threading, time, torch
         from llmmem._native import native
-        name = {_name()!r}
+        name = {shm_name()!r}
         peer = []
         t = threading.Thread(target=lambda: peer.append(native.shm_comm_open(name, 1, 2, 0, 3.0)))
         t.start()

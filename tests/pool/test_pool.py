@@ -10,21 +10,14 @@ import types
 
 import pytest
 import torch
+from support.cuda import cuda_usable
+from support.pool import inside
 
 import llmmem
 from llmmem._native import native
 from llmmem.pool import memory_pool as pool_mod
 
 MiB = 1 << 20
-
-
-def _cuda_usable() -> bool:
-    return torch.cuda.is_available()
-
-
-def _inside(pool, tensor) -> bool:
-    ptr = tensor.data_ptr()
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
 
 
 # ---- construction and bad input -------------------------------------------------------------
@@ -73,7 +66,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, match):
         llmmem.MemoryPool(**kwargs)
 
 
-@pytest.mark.skipif(_cuda_usable(), reason="checks the error of a machine without a GPU")
+@pytest.mark.skipif(cuda_usable(), reason="checks the error of a machine without a GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "pinned"], ids=["dev_gpu", "dev_gpu0", "dev_pinned"])
 def test_cuda_and_pinned_pools_without_a_gpu_say_why(device):
     with pytest.raises(llmmem.LlmmemError) as info:
@@ -102,7 +95,7 @@ def test_empty_gives_a_writable_tensor_from_the_pool(dtype):
     p = llmmem.MemoryPool(initial_size="4MiB", device="cpu")
     t = p.empty((3, 5, 7), dtype=dtype)
     assert t.shape == (3, 5, 7) and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
-    assert _inside(p, t)
+    assert inside(p, t)
     ref = torch.arange(105).reshape(3, 5, 7).to(dtype)
     t.copy_(ref)
     assert torch.equal(t, ref)
@@ -433,7 +426,7 @@ def test_use_pool_on_cpu_sets_the_current_pool_and_nests_but_does_not_route_torc
         with llmmem.use_pool(b):
             assert llmmem.pool.current_pool() is b
             t = torch.empty(1000)
-            assert not _inside(b, t) and not _inside(a, t)  # documented: CPU torch.empty is not routed
+            assert not inside(b, t) and not inside(a, t)  # documented: CPU torch.empty is not routed
         assert llmmem.pool.current_pool() is a
     assert llmmem.pool.current_pool() is None
     a.close()
@@ -602,10 +595,11 @@ def test_install_allocator_after_cuda_was_used_says_to_call_it_first(monkeypatch
 
 
 def test_close_racing_other_threads_never_crashes():
-    # A pool closed on one thread while another allocates from it used to free the pool under the
-    # other thread's feet (segfault). Run in a subprocess so a crash fails the test instead of pytest.
-    # 20000 rounds: the pre-fix binding crashed within a second; 3000 rounds did not catch it.
-    # (20000 rounds: the pre-fix binding crashed within a second; 3000 rounds did not always catch it.)
+    # A pool closed on one thread while another allocates from it must not be freed under the other
+    # thread's feet. Run in a subprocess so a crash fails the test instead of pytest. 20000 rounds:
+    # a binding without that guarantee crashed within a second, 3000 rounds did not always show it.
+    # 64 KiB pools: each creation commits and populates its initial size, and 4 KiB blocks come
+    # from that segment (a smaller remnant than a 2 MiB chunk), so a round stays cheap.
     import subprocess
     import sys
     import tempfile
@@ -621,10 +615,10 @@ def test_close_racing_other_threads_never_crashes():
         "            native.pool_free(p, native.pool_alloc(p, 4096))\n"
         "        except (ValueError, RuntimeError):\n"
         "            pass\n"
-        "box = [native.pool_create('cpu', -1, 1 << 20, 0, 0)]\n"
+        "box = [native.pool_create('cpu', -1, 1 << 16, 0, 0)]\n"
         "t = threading.Thread(target=worker, args=(box,)); t.start()\n"
         "for _ in range(20000):\n"
-        "    old, box[0] = box[0], native.pool_create('cpu', -1, 1 << 20, 0, 0)\n"
+        "    old, box[0] = box[0], native.pool_create('cpu', -1, 1 << 16, 0, 0)\n"
         "    try:\n"
         "        native.pool_close(old)\n"
         "    except RuntimeError:\n"

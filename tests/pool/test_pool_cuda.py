@@ -3,31 +3,17 @@ stream-ordered reuse across two streams, CUDA graph capture, install_allocator i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from support.cuda import CudaArray
+from support.pool import inside
+from support.procs import run_python
 
 import llmmem
 from llmmem._native import native
 
 pytestmark = pytest.mark.cuda
 MiB = 1 << 20
-
-
-def _inside(pool, tensor) -> bool:
-    ptr = tensor.data_ptr()
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
-
-
-class _CudaArray:
-    """Exposes raw device memory to torch.as_tensor (float32, 1-D) without copying."""
-
-    def __init__(self, addr: int, n: int):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (addr, False), "version": 2}
 
 
 def test_use_pool_routes_allocations_and_torch_statistics_keep_working():
@@ -38,8 +24,8 @@ def test_use_pool_routes_allocations_and_torch_statistics_keep_working():
         big = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
         out = small * 2  # operator outputs too
     outside_after = torch.empty(1000, device="cuda")
-    assert _inside(pool, small) and _inside(pool, big) and _inside(pool, out)
-    assert not _inside(pool, outside_before) and not _inside(pool, outside_after)
+    assert inside(pool, small) and inside(pool, big) and inside(pool, out)
+    assert not inside(pool, outside_before) and not inside(pool, outside_after)
     s = pool.stats()
     assert s["allocated_bytes.current"] >= 5 * MiB  # PyTorch's segments, taken from the pool
     assert s["reserved_bytes.current"] >= 64 * MiB
@@ -57,14 +43,14 @@ def test_nesting_and_switching_pools():
         with llmmem.use_pool(b):
             y = torch.empty(4096, device="cuda")
         z = torch.empty(4096, device="cuda")
-    assert _inside(a, x) and _inside(b, y) and _inside(a, z)
-    assert not _inside(a, y) and not _inside(b, x)
+    assert inside(a, x) and inside(b, y) and inside(a, z)
+    assert not inside(a, y) and not inside(b, x)
 
 
 def test_empty_on_a_cuda_pool_and_results_are_right():
     pool = llmmem.MemoryPool(initial_size="16MiB", device="cuda")
     t = pool.empty((256, 256), dtype=torch.float16)
-    assert t.is_cuda and t.shape == (256, 256) and _inside(pool, t)
+    assert t.is_cuda and t.shape == (256, 256) and inside(pool, t)
     t.copy_(torch.ones(256, 256, dtype=torch.float16, device="cuda"))
     assert float(t.float().sum()) == 65536.0
 
@@ -76,7 +62,7 @@ def test_reuse_across_two_streams_waits_for_the_free_event():
     n = MiB  # floats: 4 MiB
     a = native.pool_alloc(cap, 4 * n, s1.cuda_stream)
     with torch.cuda.stream(s1):
-        ta = torch.as_tensor(_CudaArray(a, n), device="cuda")
+        ta = torch.as_tensor(CudaArray(a, n), device="cuda")
         torch.cuda._sleep(200_000_000)  # keep s1 busy well past the next host steps
         ta.fill_(1.0)
     del ta
@@ -123,15 +109,8 @@ def test_oom_inside_use_pool_is_torch_out_of_memory():
     assert pool.stats()["num_ooms"] >= 1
 
 
-def _run(script: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=120, env=env
-    )
-
-
 def test_install_allocator_in_a_subprocess():
-    r = _run("""
+    r = run_python("""
         import torch, llmmem
         pool = llmmem.MemoryPool(initial_size="64MiB", max_size="64MiB", device="cuda")
         llmmem.install_allocator(pool)
@@ -161,7 +140,7 @@ def test_install_allocator_in_a_subprocess():
 
 
 def test_install_allocator_after_the_first_cuda_allocation_says_so():
-    r = _run("""
+    r = run_python("""
         import torch, llmmem
         pool = llmmem.MemoryPool(initial_size="8MiB", device="cuda")
         torch.empty(10, device="cuda")

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from support.cuda import CudaArray
 
 import llmmem
 from llmmem._native import native
@@ -17,15 +18,8 @@ pytestmark = pytest.mark.cuda
 MiB = 1 << 20
 
 
-class _CudaArray:
-    """Exposes raw device memory to torch.as_tensor (uint8, 1-D) without copying."""
-
-    def __init__(self, addr: int, n: int):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (addr, False), "version": 2}
-
-
 def _bytes(addr: int, n: int) -> torch.Tensor:
-    return torch.as_tensor(_CudaArray(addr, n), device="cuda")
+    return torch.as_tensor(CudaArray(addr, n, "|u1"), device="cuda")
 
 
 def _vmm_pool(**kw) -> llmmem.MemoryPool:

@@ -61,3 +61,27 @@ def interrupt_once_on(target):
             return func(*args, **(kwargs or {}))
 
     return InterruptOnce()
+
+
+class FakeCudaNative:
+    """``llmmem._C`` as the GPU probe of :mod:`llmmem.amp.kernels` sees it: a CUDA build for ``archs``
+    that sees ``count`` GPUs (or whose device count raises ``error``). Any other attribute is
+    ``real``'s (the real core, whose CPU kernels can then stand in for a GPU's)."""
+
+    def __init__(self, archs="sm_90", count=1, error=None, real=None):
+        self.archs, self.count, self.error, self._real = archs, count, error, real
+        self.calls = 0
+
+    def cuda_device_count(self):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        return self.count
+
+    def build_info(self):
+        return {"cuda_built": True, "cuda_archs": self.archs}
+
+    def __getattr__(self, name):
+        if self._real is None:
+            raise AttributeError(name)
+        return getattr(self._real, name)

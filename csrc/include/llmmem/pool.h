@@ -27,6 +27,7 @@ extern "C" {
 #endif
 
 typedef struct llmmem_pool_s llmmem_pool_t;
+struct llmmem_pool_options_s;
 
 #define LLMMEM_POOL_GRANULARITY ((size_t)512)     /* bytes: every block size is a multiple */
 #define LLMMEM_POOL_SMALL_MAX   ((size_t)1 << 20) /* bytes: requests up to this are "small" */
@@ -67,6 +68,10 @@ typedef struct llmmem_pool_backend_s {
    * as committed and may hand it out), after a failed commit none of it needs to be. */
   llmmem_status_t (*decommit)(void *ctx, void *ptr, size_t bytes);
   llmmem_status_t (*commit)(void *ctx, void *ptr, size_t bytes);
+  /* Optional: called once by llmmem_pool_create, before the first reserve, with the pool's
+   * options, so that a backend sets aside no more than the pool can use (address space beyond
+   * max_size, room to grow when the pool never resizes). */
+  void (*configure)(void *ctx, const struct llmmem_pool_options_s *options);
 } llmmem_pool_backend_t;
 
 typedef struct llmmem_pool_options_s {
@@ -184,8 +189,10 @@ LLMMEM_API llmmem_status_t llmmem_pool_device(llmmem_pool_t *pool, const char **
 
 /* Ordinary host memory (pinned = 0) or page-locked host memory through the CUDA runtime
  * (pinned = 1: LLMMEM_ERR_NOT_BUILT without CUDA, LLMMEM_ERR_NO_DEVICE without a driver).
- * Ordinary memory regions sit in a large reserved virtual address range (mmap PROT_NONE), so they
- * can grow in place (resize); page-locked ones cannot. */
+ * Ordinary memory regions sit in a reserved virtual address range (mmap PROT_NONE) no larger than
+ * they can ever hold, so they can grow in place (resize); page-locked ones cannot. Ordinary memory
+ * is committed only when the system can back it (MemAvailable + SwapFree, the cgroup's limit,
+ * RLIMIT_DATA; LLMMEM_ERR_NOMEM naming both figures otherwise) and populated when committed. */
 LLMMEM_API llmmem_status_t llmmem_pool_backend_host(int pinned, llmmem_pool_backend_t *out);
 
 /* Device memory of CUDA device `device` through cudaMalloc/cudaFree, with cudaEvents for stream

@@ -1,0 +1,594 @@
+"""Train a GPT with llmmem's memory techniques: the reference training script to copy.
+
+One flag per technique; they combine. CPU by default, CUDA when present.
+
+    python examples/train_gpt.py                                          # fp32, no checkpointing
+    python examples/train_gpt.py --checkpoint every --amp bf16            # recompute every block, bf16 autocast
+    python examples/train_gpt.py --checkpoint auto --budget 0.5           # the planner: half the activation memory
+    python examples/train_gpt.py --checkpoint auto --budget 64MB --offload
+    python examples/train_gpt.py --amp fp16                               # fp16 autocast + llmmem.GradScaler
+    python examples/train_gpt.py --model hf-llama --checkpoint every      # a Hugging Face Llama (random weights)
+    python examples/train_gpt.py --steps 200 --save ckpt --save-every 50  # then: --resume ckpt
+    torchrun --nproc-per-node 2 examples/train_gpt.py --tp 2 --sequence-parallel
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --sequence-parallel   # TP 2 x DP 2 with ZeRO-1
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        examples/train_gpt.py --device cuda --tp 8 --sequence-parallel --amp bf16 --checkpoint every
+
+``--batch`` is the global batch of one optimizer step: it is split over the data-parallel ranks and
+then into ``--grad-accum`` micro-batches, so the losses do not depend on how many ranks train.
+The model is the GPT of ``llmmem/models/gpt.py`` trained on bytes (a vocabulary of 256) of a text
+file, by default ``examples/data/corpus.txt`` (generated prose; any UTF-8 file works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import llmmem
+from llmmem.compare.corpus import VOCAB_SIZE, BatchSampler, encode
+from llmmem.models.gpt import GPT, GPTConfig
+
+DEFAULT_DATA = pathlib.Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a GPT with llmmem's memory techniques.",
+        epilog="Under torchrun: --tp N tensor-parallel ranks; the other ranks are data-parallel replicas.",
+    )
+    m = p.add_argument_group("model and data")
+    m.add_argument("--model", choices=["gpt", "hf-llama"], default="gpt", help="hf-llama needs transformers")
+    m.add_argument("--layers", type=_positive, default=8)
+    m.add_argument("--hidden", type=_positive, default=128)
+    m.add_argument("--heads", type=_positive, default=4)
+    m.add_argument("--seq-len", type=_positive, default=256)
+    m.add_argument("--dropout", type=float, default=0.1)
+    m.add_argument("--attention", choices=["explicit", "sdpa"], default="explicit", help="gpt only")
+    m.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA, help="a text file, read as bytes")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=_positive, default=50, help="optimizer steps in all (a resumed run continues)")
+    t.add_argument("--batch", type=_positive, default=8, help="global batch per optimizer step (sequences)")
+    t.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when present")
+    t.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    mem = p.add_argument_group("memory techniques")
+    mem.add_argument(
+        "--checkpoint",
+        choices=["none", "every", "selective", "auto"],
+        default="none",
+        help="activation checkpointing: every block, every block keeping its matmuls (selective), or the "
+        "llmmem planner for --budget (auto)",
+    )
+    mem.add_argument(
+        "--budget",
+        type=_budget,
+        default=None,
+        help="with --checkpoint auto: the step's activation peak, in bytes ('64MB') or as a fraction (0.5) of it "
+        "without checkpointing",
+    )
+    mem.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="fp16 uses llmmem.GradScaler")
+    mem.add_argument("--offload", action="store_true", help="keep checkpointed block inputs in host memory (CUDA)")
+    mem.add_argument("--pool", action="store_true", help="allocate CUDA memory from an llmmem.MemoryPool")
+    par = p.add_argument_group("parallelism (under torchrun)")
+    par.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (divides the world size)")
+    par.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1: split the sequence too")
+    par.add_argument(
+        "--zero",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ZeRO-1 over the data-parallel ranks (torch's ZeroRedundancyOptimizer); default on",
+    )
+    io = p.add_argument_group("checkpoints and output")
+    io.add_argument("--save", type=pathlib.Path, default=None, help="folder to save the training state in")
+    io.add_argument("--save-every", type=_positive, default=None, help="save every N steps (and at the end)")
+    io.add_argument("--resume", type=pathlib.Path, default=None, help="folder of a saved training state")
+    io.add_argument("--log-json", type=pathlib.Path, default=None, help="write the losses of every step (rank 0)")
+    io.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _budget(text: str):
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            return llmmem.parse_bytes(text, name="--budget")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    if 0.0 < value <= 1.0:
+        return value
+    if value > 1.0 and value.is_integer():
+        return int(value)  # bytes
+    raise argparse.ArgumentTypeError(f"expected bytes ('64MB', 67108864) or a fraction in (0, 1], got {text!r}")
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Combinations argparse cannot see: each is a usage error, before anything is built."""
+    world = _world()
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device (install a CUDA build of torch, or use --device cpu)")
+    if not 0.0 <= a.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {a.dropout}")
+    if a.budget is not None and a.checkpoint != "auto":
+        p.error("--budget goes with --checkpoint auto")
+    if a.checkpoint == "auto" and a.budget is None:
+        a.budget = 0.5
+    if a.offload and a.checkpoint == "none":
+        p.error(
+            "--offload keeps the inputs of checkpointed blocks in host memory: add --checkpoint every|selective|auto"
+        )
+    if a.pool and not cuda:
+        p.error("--pool allocates CUDA memory from an llmmem.MemoryPool: it needs a CUDA device (--device cuda)")
+    if a.hidden % a.heads:
+        p.error(f"--heads ({a.heads}) must divide --hidden ({a.hidden})")
+    if a.tp > 1 and world == 1:
+        p.error(f"--tp {a.tp} needs {a.tp} processes: torchrun --nproc-per-node {a.tp} {sys.argv[0]} --tp {a.tp} ...")
+    if world % a.tp:
+        p.error(f"--tp {a.tp} must divide the number of processes ({world})")
+    if a.sequence_parallel and a.tp == 1:
+        p.error("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1")
+    if a.sequence_parallel and a.seq_len % a.tp:
+        p.error(f"--sequence-parallel: --seq-len ({a.seq_len}) must be divisible by --tp ({a.tp})")
+    if a.model == "hf-llama" and a.tp > 1:
+        p.error("--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); hf-llama trains data-parallel only")
+    if a.tp > 1 and (a.heads % a.tp or (4 * a.hidden) % a.tp or VOCAB_SIZE % a.tp):
+        p.error(f"--tp {a.tp} must divide --heads ({a.heads}), 4 x --hidden and the vocabulary ({VOCAB_SIZE})")
+    if a.tp > 1 and a.checkpoint == "auto":
+        p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
+    dp = world // a.tp
+    if a.batch % (dp * a.grad_accum):
+        p.error(f"--batch ({a.batch}) must be divisible by data-parallel ranks ({dp}) x --grad-accum ({a.grad_accum})")
+    if a.save_every is not None and a.save is None:
+        p.error("--save-every needs --save FOLDER")
+    if a.resume is not None and not a.resume.is_dir():
+        p.error(f"--resume {a.resume}: no such folder")
+    if not a.data.is_file():
+        p.error(f"--data {a.data}: no such file")
+    if a.model == "hf-llama":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error("--model hf-llama needs Hugging Face transformers: pip install transformers")
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributed set-up
+
+
+class Dist:
+    """This process's place: tensor-parallel and data-parallel ranks and groups (all 1 without torchrun)."""
+
+    def __init__(self, args) -> None:
+        self.world = _world()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.tp, self.dp = args.tp, self.world // args.tp
+        self.tp_group = self.dp_group = None
+        self.tp_rank = self.dp_rank = 0
+        self.owns_process_group = False
+        if self.world > 1:
+            import torch.distributed as dist
+
+            import llmmem.parallel as tp
+
+            backend = "nccl" if args.device_obj.type == "cuda" else "gloo"
+            self.owns_process_group = not dist.is_initialized()  # else the caller made it, and ends it
+            tp.init(tensor_parallel_size=args.tp, backend=backend)
+            self.tp_group, self.dp_group = tp.get_tensor_parallel_group(), tp.get_data_parallel_group()
+            self.tp_rank, self.dp_rank = dist.get_rank(self.tp_group), dist.get_rank(self.dp_group)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def mean_over_dp(self, value: float) -> float:
+        if self.dp == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device="cpu" if dist.get_backend() == "gloo" else "cuda")
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
+
+
+def pick_device(args) -> torch.device:
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# Model and memory techniques
+
+
+def build_model(args, device, d: Dist):
+    """(model to call, inner model whose parameters train, list of its blocks)."""
+    torch.manual_seed(args.seed)  # the same weights on every rank: TP ranks keep their slices
+    if args.model == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=args.hidden,
+            intermediate_size=(8 * args.hidden // 3 + 63) // 64 * 64,  # SwiGLU's 8/3 h, rounded to 64
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=max(1, args.heads // 2),
+            max_position_embeddings=args.seq_len,
+            attention_dropout=args.dropout,
+            use_cache=False,
+        )
+        model = LlamaForCausalLM(cfg).to(device)
+        return model, model, list(model.model.layers)
+    cfg = GPTConfig(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        vocab_size=VOCAB_SIZE,
+        dropout=args.dropout,
+        attention=args.attention,
+    )
+    model = GPT(cfg).to(device)
+    if args.tp > 1:
+        import llmmem.parallel as tp
+
+        tp.model_parallel_manual_seed(args.seed)  # dropout streams of the split attention heads
+        model = tp.TensorParallelGPT.from_gpt(model, process_group=d.tp_group)
+        if args.sequence_parallel:
+            from llmmem.compare.sequence_parallel import SequenceParallelGPT
+
+            model = SequenceParallelGPT(model)
+    return model, model, list(model.blocks)
+
+
+def checkpoint_blocks(blocks, mode: str, offload: bool) -> None:
+    """Recompute every block in backward (``llmmem.checkpoint``), in place: an instance-level
+    ``forward``, so parameters and ``state_dict`` keys do not change."""
+    options = {"offload": offload}
+    if mode == "selective":
+        options["context_fn"] = llmmem.selective_context_fn  # keep matmul outputs, recompute the rest
+    for block in blocks:
+        inner = type(block).forward.__get__(block)
+        block.forward = functools.partial(llmmem.checkpoint, inner, **options)
+
+
+def plan_checkpointing(args, model, sample_x, sample_y) -> str:
+    """``--checkpoint auto``: the llmmem planner picks, per block, what to keep and what to recompute
+    so that the step's activation peak fits ``--budget``, and runs the plan in place (the model's own
+    forward and ``state_dict`` are unchanged). Exits with the smallest feasible budget when none fits."""
+
+    def sample_step():  # one forward and backward on a batch of the training shape
+        loss_of(args, model, sample_x, sample_y).backward()
+
+    with amp_context(args):  # the blocks are profiled in the precision they train in
+        try:
+            plan = llmmem.auto_checkpoint(model, budget=args.budget, sample=sample_step, offload=args.offload)
+        except llmmem.InfeasibleError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+    model.zero_grad(set_to_none=True)  # the sample step's gradients are not the training's
+    return plan.describe()
+
+
+def amp_context(args):
+    if args.amp == "none":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if args.amp == "bf16" else torch.float16
+    return torch.autocast(args.device_obj.type, dtype=dtype)
+
+
+def loss_of(args, model, x, y):
+    with amp_context(args):
+        if args.model == "hf-llama":
+            logits = model(input_ids=x, use_cache=False).logits
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        _, loss = model(x, y)
+        return loss
+
+
+def agree_on_overflow(params, group) -> None:
+    """fp16 with tensor parallelism: each rank's scaler checks only its own gradient shards, so a
+    rank that sees an inf or NaN would skip the step while the others take it. Make every rank see
+    it (poison one local gradient) so that all skip together. One all-reduce of one number."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    bad = torch.zeros(1, device=grads[0].device)
+    for g in grads:
+        if not torch.isfinite(g).all():
+            bad.fill_(1.0)
+            break
+    local = bool(bad.item())
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if bad.item() and not local:
+        grads[0].view(-1)[0] = float("inf")
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving and resuming: model, optimizer, scaler, data order and every RNG, on every rank
+
+
+def rng_state(device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    from llmmem.parallel import get_rng_tracker
+
+    state["tracker"] = get_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict, device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    from llmmem.parallel import get_rng_tracker
+
+    if state.get("tracker"):
+        get_rng_tracker().set_states(state["tracker"])
+
+
+def save(folder: pathlib.Path, step: int, model, optimizer, scaler, sampler, device, d: Dist, args) -> None:
+    """``rank{r}.pt`` for every rank. ZeRO's optimizer state is consolidated on data-parallel rank 0 of
+    each tensor-parallel rank (a collective: every rank calls this) and saved in its file only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    zero = hasattr(optimizer, "consolidate_state_dict")
+    if zero:
+        optimizer.consolidate_state_dict(to=0)
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict() if (not zero or d.dp_rank == 0) else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "sampler": sampler.state_dict(),
+        "rng": rng_state(device),
+        "layout": {"world": d.world, "tp": d.tp},
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    tmp = folder / f"rank{d.rank}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, folder / f"rank{d.rank}.pt")
+    d.barrier()
+
+
+def resume(folder: pathlib.Path, model, optimizer, scaler, sampler, device, d: Dist) -> int:
+    path = folder / f"rank{d.rank}.pt"
+    if not path.is_file():
+        raise SystemExit(f"error: --resume {folder}: no {path.name} (saved with a different number of processes?)")
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["layout"] != {"world": d.world, "tp": d.tp}:
+        raise SystemExit(
+            f"error: --resume {folder}: saved with {state['layout']}, running with world={d.world} tp={d.tp}"
+        )
+    model.load_state_dict(state["model"])
+    opt_state = state["optimizer"]
+    if opt_state is None:  # ZeRO: the consolidated state is in data-parallel rank 0's file (global rank = tp rank)
+        opt_state = torch.load(folder / f"rank{d.tp_rank}.pt", map_location=device, weights_only=False)["optimizer"]
+    optimizer.load_state_dict(opt_state)
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    sampler.load_state_dict(state["sampler"])
+    set_rng_state(state["rng"], device)
+    return int(state["step"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory shown in the progress bar
+
+
+class MemoryMeter:
+    """Peak memory of the run: CUDA's allocator (or the llmmem pool), or on the CPU the live tensor
+    bytes counted by llmmem's LiveBytes (every allocation and free; costs a Python call per operator)."""
+
+    def __init__(self, device, model, optimizer, pool=None) -> None:
+        self.device, self.pool, self.live = device, pool, None
+        if device.type == "cpu":
+            from llmmem.diagnostics.live import LiveBytes
+
+            self.live = LiveBytes()
+            self.live.track([model, getattr(optimizer, "optim", optimizer)])
+
+    def __enter__(self):
+        if self.live is not None:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def peak(self) -> int:
+        if self.live is not None:
+            return self.live.max_allocated("cpu")
+        if self.pool is not None:
+            stats = self.pool.stats()
+            value = stats.get("allocated_bytes.peak", stats.get("allocated_bytes"))
+            return int(value["peak"] if isinstance(value, dict) else value or 0)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device_obj = pick_device(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pool = None
+    if args.pool:  # before the first CUDA allocation; every CUDA tensor then comes from the pool
+        pool = llmmem.MemoryPool(device=f"cuda:{device.index}")
+        llmmem.install_allocator(pool)
+    d = Dist(args)
+    model, inner, blocks = build_model(args, device, d)
+    n_params = sum(p.numel() for p in inner.parameters())
+
+    tokens = encode(args.data.read_text(encoding="utf-8", errors="replace"))
+    if tokens.numel() < args.seq_len + 2:
+        raise SystemExit(f"error: --data {args.data}: fewer than --seq-len + 2 bytes")
+    sampler = BatchSampler(tokens, args.batch, args.seq_len, seed=args.seed)
+    local = args.batch // d.dp
+    micro = local // args.grad_accum
+    rows = slice(d.dp_rank * local, (d.dp_rank + 1) * local)
+
+    plan_text = None
+    if args.checkpoint == "auto":
+        # profile on a batch of the training shape, drawn apart from the training batches
+        sample_x, sample_y = BatchSampler(tokens, micro, args.seq_len, seed=args.seed + 1).next_batch()
+        plan_text = plan_checkpointing(args, model, sample_x.to(device), sample_y.to(device))
+    elif args.checkpoint != "none":
+        checkpoint_blocks(blocks, args.checkpoint, args.offload)
+
+    train_model = model
+    if d.dp > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(model, process_group=d.dp_group, gradient_as_bucket_view=True)
+    opt_kwargs = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if args.zero and d.dp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            inner.parameters(), optimizer_class=torch.optim.AdamW, process_group=d.dp_group, **opt_kwargs
+        )
+    else:
+        optimizer = torch.optim.AdamW(inner.parameters(), **opt_kwargs)
+    scaler = llmmem.GradScaler(device.type) if args.amp == "fp16" else None
+
+    start = 0
+    if args.resume is not None:
+        start = resume(args.resume, inner, optimizer, scaler, sampler, device, d)
+    if d.rank == 0:
+        where = f"{device}" + (f", {d.world} ranks: TP {d.tp} x DP {d.dp}" if d.world > 1 else "")
+        print(
+            f"{args.model}: {n_params / 1e6:.2f}M parameters{' per rank' if d.tp > 1 else ''} on {where}; "
+            f"checkpoint={args.checkpoint} amp={args.amp}"
+            + (" offload" if args.offload else "")
+            + (" pool" if args.pool else "")
+            + (f"; resumed at step {start}" if start else ""),
+            flush=True,
+        )
+        if plan_text:
+            print(plan_text, flush=True)
+
+    bar = None
+    if d.rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    losses = []
+    tokens_per_step = args.batch * args.seq_len
+    meter = MemoryMeter(device, inner, optimizer, pool)
+    model.train()
+    t_run = time.perf_counter()
+    with meter:
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            x_all, y_all = sampler.next_batch(rows=rows)
+            total = 0.0
+            for k in range(args.grad_accum):
+                x = x_all[k * micro : (k + 1) * micro].to(device, non_blocking=True)
+                y = y_all[k * micro : (k + 1) * micro].to(device, non_blocking=True)
+                last = k == args.grad_accum - 1
+                sync = train_model.no_sync() if (d.dp > 1 and not last) else contextlib.nullcontext()
+                with sync:
+                    loss = loss_of(args, train_model, x, y) / args.grad_accum
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                total += float(loss.detach())
+            if args.sequence_parallel:
+                from llmmem.parallel import allreduce_sequence_parallel_grads
+
+                allreduce_sequence_parallel_grads(inner, d.tp_group)
+            if scaler is not None:
+                if d.tp > 1:
+                    agree_on_overflow(inner.parameters(), d.tp_group)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = d.mean_over_dp(total)
+            if not math.isfinite(loss_value) and scaler is None:
+                raise SystemExit(f"error: the loss is {loss_value} at step {step + 1}")
+            losses.append([step + 1, loss_value])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{loss_value:.4f}",
+                    tok_s=f"{tokens_per_step / dt:,.0f}",
+                    mem=llmmem.format_bytes(meter.peak()),
+                    refresh=False,
+                )
+                bar.update(1)
+            if args.save is not None and args.save_every and (step + 1) % args.save_every == 0:
+                save(args.save, step + 1, inner, optimizer, scaler, sampler, device, d, args)
+    if bar is not None:
+        bar.close()
+    if args.save is not None and (not args.save_every or args.steps % args.save_every):
+        save(args.save, args.steps, inner, optimizer, scaler, sampler, device, d, args)
+    elapsed = time.perf_counter() - t_run
+    if d.rank == 0:
+        done = len(losses)
+        if losses:
+            print(
+                f"step {args.steps}: loss {losses[-1][1]:.4f}; {done} steps in {elapsed:.1f} s "
+                f"({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); peak memory "
+                f"{llmmem.format_bytes(meter.peak())}" + (" per rank" if d.world > 1 else ""),
+                flush=True,
+            )
+        if args.log_json is not None:
+            import json
+
+            args.log_json.write_text(json.dumps({"losses": losses, "peak_bytes": meter.peak()}))
+    if d.world > 1:
+        import torch.distributed as dist
+
+        import llmmem.parallel as tp
+
+        tp.destroy()
+        if d.owns_process_group:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""``python -m llmmem compare``: every technique on one GPT, measured, as a table, JSON and charts.
+
+The orchestrator imports no torch: each strategy runs in a fresh worker process
+(:mod:`llmmem.compare.worker`), the baseline first, since the others are measured against its peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["register_cli", "run", "run_strategy"]
+
+DESCRIPTION = """\
+Train the same GPT with each memory technique of llmmem (and torch's own), every strategy in a
+fresh process from the same seed on the same batches, and print one table: peak and activation
+memory with their reduction against the fp32 baseline, step time and its overhead, the final loss
+beside the baseline's, the largest batch that fits in the baseline's peak memory (found by running
+it) and, for the parallel rows, parameters per rank and the largest model that fits per rank.
+Writes results.json, results.md and two charts (memory over one step; memory saved vs overhead)."""
+
+
+def register_cli(sub) -> None:
+    from llmmem.compare.strategies import STRATEGIES
+
+    p = sub.add_parser(
+        "compare",
+        help="measure what each memory technique saves on one GPT (the main job)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="a small model and few steps (CI: under 90 s on 2 cores)")
+    p.add_argument(
+        "--only",
+        type=_keys,
+        default=None,
+        metavar="KEYS",
+        help="comma-separated strategies to run (the baseline always runs): " + ", ".join(s.key for s in STRATEGIES),
+    )
+    p.add_argument("--out", default="llmmem-compare", help="output folder (default: ./llmmem-compare)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when present")
+    p.add_argument("--threads", type=_positive, default=1, help="torch threads per process (default 1)")
+    p.add_argument(
+        "--timer",
+        choices=["auto", "wall", "cpu"],
+        default="auto",
+        help="step time of single-process rows: wall clock, or the process's CPU time (the same on an idle "
+        "machine, and steady on a shared one); auto (default): CPU time on the CPU with --threads 1, else wall "
+        "clock. Parallel rows are always wall clock",
+    )
+    p.add_argument("--steps", type=_at_least(3), default=None, help="training steps per strategy (>= 3)")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size of every strategy")
+    p.add_argument(
+        "--jobs",
+        type=_positive,
+        default=None,
+        help="single-process strategies run at once (default 1; 2 with --quick): more than one perturbs the timing",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        value = _positive(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _keys(text: str) -> list[str]:
+    from llmmem.compare.strategies import STRATEGIES
+
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    known = [s.key for s in STRATEGIES]
+    bad = [k for k in keys if k not in known]
+    if not keys or bad:
+        raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; choose from {', '.join(known)}")
+    return keys
+
+
+def _llmmem_root() -> str:
+    import llmmem
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(llmmem.__file__)))
+
+
+def _cuda_available() -> bool:
+    # asked in a child process, so that this one never imports torch
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def run_strategy(spec: dict, tmp: str, timeout: float) -> dict:
+    """Train and measure one strategy (``spec["strategy"]``) in a fresh process (or, for a parallel
+    strategy, on ranks forked from a fresh launcher); its result dict, with ``error`` set on failure."""
+    key = spec["strategy"]["key"]
+    spec_path = os.path.join(tmp, f"{key}.spec.json")
+    out_path = os.path.join(tmp, f"{key}.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    world = spec["strategy"]["tp"] * spec["strategy"]["dp"]
+    try:
+        if world > 1:
+            from llmmem.compare import worker_path
+            from llmmem.parallel.testing import RanksFailed, run_ranks
+
+            try:
+                run_ranks(worker_path(), "rank_main", world, args=(spec, out_path), timeout=timeout)
+            except RanksFailed as exc:
+                return _failed(spec, str(exc))
+        else:
+            env = dict(os.environ)
+            root = _llmmem_root()
+            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            env["OMP_NUM_THREADS"] = str(spec["threads"])
+            proc = subprocess.run(
+                [sys.executable, "-m", "llmmem.compare.worker", spec_path, out_path],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+                cwd=root,  # `-m` puts the working directory first on sys.path: import this llmmem
+            )
+            if proc.returncode != 0:
+                return _failed(spec, (proc.stderr or proc.stdout)[-4000:])
+    except subprocess.TimeoutExpired:
+        return _failed(spec, f"timed out after {timeout:.0f} s")
+    try:
+        with open(out_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:  # a worker that exited 0 without a whole result
+        return _failed(spec, f"no result from the worker: {exc}")
+
+
+def _failed(spec: dict, text: str) -> dict:
+    s = spec["strategy"]
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return {
+        "key": s["key"],
+        "label": s["label"],
+        "strategy": s,
+        "world": s["tp"] * s["dp"],
+        "error": lines[-1] if lines else "failed",
+        "log": text,
+    }
+
+
+def run(args) -> int:
+    from llmmem.compare import report
+    from llmmem.compare.strategies import PRESETS, STRATEGIES, by_key
+
+    t_start = time.perf_counter()
+    preset = PRESETS["quick" if args.quick else "full"]
+    if args.steps is not None:
+        preset = dataclasses.replace(preset, steps=args.steps)
+    if args.batch is not None:
+        preset = dataclasses.replace(preset, batch=args.batch)
+    strategies = by_key(args.only) if args.only else list(STRATEGIES)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    elif device == "cuda" and not _cuda_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (use --device cpu)")
+    skipped = []
+    if device == "cuda":
+        # the parallel rows run over gloo on the CPU only; on GPUs use examples/train_gpt.py under torchrun
+        skipped = [s.key for s in strategies if s.parallel]
+        strategies = [s for s in strategies if not s.parallel]
+    if strategies[0].key != "baseline":
+        raise AssertionError("the baseline must come first")
+    for s in strategies:
+        if s.parallel and preset.batch % s.dp:
+            raise ValueError(f"--batch {preset.batch} must be divisible by {s.key}'s data-parallel size {s.dp}")
+    os.makedirs(args.out, exist_ok=True)
+    timeout = 300.0 if args.quick else 900.0
+    common = dict(
+        model=preset.model_config(),
+        batch=preset.batch,
+        steps=preset.steps,
+        seed=args.seed,
+        lr=preset.lr,
+        threads=args.threads,
+        device=device,
+        search_trials=preset.search_trials,
+        profile_repeats=preset.profile_repeats,
+    )
+    print(
+        f"llmmem compare: GPT {preset.layers} layers x {preset.hidden} hidden, {preset.heads} heads, "
+        f"seq {preset.seq_len}, batch {preset.batch}, {preset.steps} steps per strategy, on {device} "
+        f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
+        flush=True,
+    )
+    timer = args.timer
+    if timer == "auto":
+        timer = "cpu" if device == "cpu" and args.threads == 1 else "wall"
+    # One worker at a time: two at once on two cores slow each other (shared caches, memory bandwidth,
+    # or hyperthreads of one core), CPU time included. The quick run trades that for speed.
+    jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if args.quick else 1)
+    with tempfile.TemporaryDirectory(prefix="llmmem-compare-") as tmp:
+        done = [0]
+
+        def run_one(s, extra):
+            t0 = time.perf_counter()
+            row = run_strategy(dict(common, strategy=s.to_dict(), **extra), tmp, timeout)
+            row["wall_seconds"] = time.perf_counter() - t0
+            done[0] += 1
+            status = ("" if row.get("infeasible") else "error: ") + row["error"][:100] if row.get("error") else "ok"
+            print(f"  [{done[0]:>2}/{len(strategies)}] {s.key:<15} {row['wall_seconds']:6.1f} s  {status}", flush=True)
+            return row
+
+        # The baseline first and alone: the others are measured against its peak and activation memory.
+        baseline = run_one(strategies[0], {})
+        if baseline.get("error"):
+            print(baseline.get("log", ""), file=sys.stderr)
+            raise RuntimeError("the baseline failed; nothing to compare against")
+        extra = dict(cap_bytes=baseline["peak_bytes"], baseline_activation_bytes=baseline["activation_bytes"])
+        singles = [s for s in strategies[1:] if not s.parallel]
+        by_key_row = {"baseline": baseline}
+        # Single-process rows use one core each (--threads 1): --jobs 2 runs two at a time on two cores.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            for s, row in zip(singles, pool.map(lambda s: run_one(s, extra), singles)):
+                by_key_row[s.key] = row
+        for s in strategies[1:]:
+            if s.parallel:  # alone: their ranks share the machine's cores
+                by_key_row[s.key] = run_one(s, extra)
+        rows = [by_key_row[s.key] for s in strategies]
+    wall = time.perf_counter() - t_start
+    report.derive(rows, timer)
+    targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
+    machine = _machine(device)
+    results = {
+        "command": "python -m llmmem " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["compare"] else sys.argv[1:]),
+        "preset": "quick" if args.quick else "full",
+        "config": dataclasses.asdict(preset),
+        "device": device,
+        "machine": machine,
+        "threads_per_process": args.threads,
+        "timer": timer,
+        "wall_seconds": wall,
+        "skipped": skipped,
+        "rows": rows,
+        "targets": targets,
+    }
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = report.table(rows)
+    md = report.markdown(rows)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(f"Machine: {machine}; {args.threads} torch thread(s) per process; step time: {timer}.\n\n")
+        f.write(md + "\n")
+    print()
+    print(text)
+    timer_text = "process CPU time" if timer == "cpu" else "wall clock"
+    print(
+        f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). overhead: "
+        "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
+        "(†: ratio of medians). Memory: "
+        + ("torch.cuda.max_memory_allocated" if device == "cuda" else "live tensor bytes (llmmem LiveBytes)")
+        + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
+    )
+    if any(s.key == "offload" for s in strategies) and device == "cpu":
+        print("offload on the CPU moves nothing: the host is the device (the row shows llmmem.checkpoint's cost).")
+    if skipped:
+        print(f"skipped on {device}: {', '.join(skipped)} (parallel rows run over gloo with --device cpu)")
+    print(
+        "\ntargets (issue 17), on this run's ratios"
+        + (" (the quick run: indicative only)" if args.quick else "")
+        + ":"
+    )
+    print(report.format_targets(targets))
+    if not args.no_charts:
+        title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
+        report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
+        report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
+    print(
+        f"\nwrote {args.out}/results.json, results.md"
+        + ("" if args.no_charts else ", memory_timeline.png, saved_vs_overhead.png")
+        + f" ({wall:.0f} s)"
+    )
+    return 1 if any(r.get("error") and not r.get("infeasible") for r in rows) else 0
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        code = "import torch; print(torch.cuda.get_device_name())"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        return proc.stdout.strip() or "cuda"
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or 'CPU'}, {os.cpu_count()} cores"

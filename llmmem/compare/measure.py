@@ -1,0 +1,252 @@
+"""What ``python -m llmmem compare`` measures in each training step, and the largest-fit search.
+
+Memory of a step (bytes):
+
+* on the CPU, live tensor bytes counted by :class:`~llmmem.diagnostics.live.LiveBytes`, which sees
+  every storage an operator makes and every free (not the process's RSS, not a model); the
+  parameters, gradients, optimizer state and the batch, made before the step, are counted from its
+  start;
+* on CUDA, ``torch.cuda.max_memory_allocated`` and ``memory_allocated`` (LiveBytes still draws the
+  timeline).
+
+``peak``: the most that is live at any moment of the step (forward, backward and optimizer step).
+``start``: what is live when the step begins: parameters, gradients (kept allocated between steps),
+optimizer state, the batch. ``activation``: the most that is live during forward and backward, less
+``start``: what the step's activations, their gradients and the recompute add.
+
+Step time: wall clock of a whole step (synchronised on CUDA), median of the timed steps; the
+process's CPU time is recorded too (less sensitive to other load on a shared machine).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from llmmem.diagnostics.live import LiveBytes, device_key
+
+__all__ = ["measured_step", "train_and_measure", "search_largest", "decimate"]
+
+TIMELINE_POINTS = 1500
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decimate(points: list, limit: int = TIMELINE_POINTS) -> list:
+    """At most ``limit`` of the ``(t, bytes)`` points, keeping the largest of each time bucket (so
+    the peaks survive)."""
+    if len(points) <= limit:
+        return points
+    t0, t1 = points[0][0], points[-1][0]
+    width = (t1 - t0) / limit or 1.0
+    out: dict[int, tuple] = {}
+    for t, b in points:
+        k = min(limit - 1, int((t - t0) / width))
+        if k not in out or b > out[k][1]:
+            out[k] = (t, b)
+    return [out[k] for k in sorted(out)]
+
+
+def measured_step(trainer, x, y, device: torch.device, *, timeline: bool = False) -> dict:
+    """One training step under LiveBytes: its loss, peak, start and activation bytes, phase times
+    and (``timeline=True``) the live bytes after every allocation and free."""
+    key = device_key(device)
+    live = LiveBytes()
+    live.track(trainer.tracked())
+    live.track([x, y])
+    samples: list = []
+    marks: dict = {}
+    fb_peak = {}
+    t0 = [0.0]
+    if timeline:
+        live.listeners.append(
+            lambda event, sid, dev, nbytes: samples.append((time.perf_counter(), live.allocated(key)))
+        )
+    cuda = device.type == "cuda"
+    if cuda:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with live:
+        live.reset_peak()
+        start = live.allocated(key)
+        cuda_start = torch.cuda.memory_allocated(device) if cuda else None
+
+        def mark(name: str) -> None:
+            _sync(device)
+            marks[name] = time.perf_counter() - t0[0]
+            if name == "backward":
+                fb_peak["live"] = live.max_allocated(key)
+                if cuda:
+                    fb_peak["cuda"] = torch.cuda.max_memory_allocated(device)
+
+        if timeline:
+            samples.append((time.perf_counter(), start))
+        t0[0] = time.perf_counter()
+        loss = trainer.step(x, y, mark)
+    out = {
+        "loss": loss,
+        "live_peak_bytes": live.max_allocated(key),
+        "live_start_bytes": start,
+        "live_activation_bytes": fb_peak["live"] - start,
+        "phases": marks,
+    }
+    if cuda:
+        out.update(
+            peak_bytes=torch.cuda.max_memory_allocated(device),
+            start_bytes=cuda_start,
+            activation_bytes=fb_peak["cuda"] - cuda_start,
+            reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+        )
+    else:
+        out.update(peak_bytes=out["live_peak_bytes"], start_bytes=start, activation_bytes=out["live_activation_bytes"])
+    if timeline:
+        base = t0[0]
+        out["timeline"] = [(round(t - base, 6), b) for t, b in decimate(samples)]
+    return out
+
+
+def _timed(fn, device):
+    _sync(device)
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def train_and_measure(trainer, batches, steps: int, device: torch.device, *, reduce_loss=None, reference=None) -> dict:
+    """Train ``steps`` steps on ``batches()``: the first warms up, the middle ones are timed, the
+    last is :func:`measured_step`. ``reduce_loss`` maps a rank's loss to the global one.
+
+    ``reference`` (a trainer of the fp32 baseline on its own copy of the model): after each timed
+    step it takes a step on the same batch, timed too, and is then dropped (before the measured
+    step, so it holds no memory there). The median of the per-step ratios, ``relative_step_time``
+    (``relative_cpu_step_time`` on the process's CPU time), compares the strategy with the baseline
+    at the same moment, in the same process: what load on a shared machine does to one it does to
+    the other, unlike a comparison of medians taken minutes apart in different processes.
+    """
+    if steps < 3:
+        raise ValueError(f"steps must be at least 3 (warm-up, timed, measured), got {steps}")
+    losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
+    measured = None
+    for i in range(steps):
+        x, y = batches()
+        if i == steps - 1:
+            reference = None  # its memory is freed before the measured step
+            measured = measured_step(trainer, x, y, device, timeline=True)
+            loss = measured.pop("loss")
+        else:
+            loss, w, c = _timed(lambda: trainer.step(x, y), device)
+            if reference is not None:
+                _, rw, rc = _timed(lambda: reference.step(x, y), device)
+            if i >= 1:
+                wall.append(w)
+                cpu.append(c)
+                if reference is not None:
+                    ref_wall.append(rw)
+                    ref_cpu.append(rc)
+        losses.append(reduce_loss(loss) if reduce_loss is not None else loss)
+    out = {
+        "losses": losses,
+        "final_loss": losses[-1],
+        "step_times": wall,
+        "cpu_step_times": cpu,
+        "step_time": statistics.median(wall),
+        "cpu_step_time": statistics.median(cpu),
+        **measured,
+    }
+    if ref_wall:
+        out.update(
+            reference_step_times=ref_wall,
+            reference_cpu_step_times=ref_cpu,
+            relative_step_time=statistics.median(a / b for a, b in zip(wall, ref_wall)),
+            relative_cpu_step_time=statistics.median(a / max(b, 1e-9) for a, b in zip(cpu, ref_cpu)),
+        )
+    return out
+
+
+def _guess(points: dict, cap: int, lo, hi) -> int:
+    """The next size to try: where the line through the two measured sizes nearest the cap reaches it."""
+    fitting = sorted(n for n, p in points.items() if p is not None and p <= cap)
+    over = sorted(n for n, p in points.items() if p is not None and p > cap)
+    pair = []
+    if fitting:
+        pair.append(fitting[-1])
+    if over:
+        pair.append(over[0])
+    if len(pair) < 2:
+        known = sorted(n for n, p in points.items() if p is not None and n not in pair)
+        if known:
+            pair.append(known[-1] if fitting else known[0])
+    if len(pair) == 2 and pair[0] != pair[1]:
+        (n1, n2) = sorted(pair)
+        p1, p2 = points[n1], points[n2]
+        slope = (p2 - p1) / (n2 - n1)
+        guess = int(n1 + (cap - p1) // slope) if slope > 0 else 2 * max(pair)
+    elif fitting:
+        guess = 2 * fitting[-1]
+    else:
+        guess = max(1, min(points) // 2)
+    if lo is not None and guess <= lo:
+        guess = lo + 1
+    if hi is not None and guess >= hi:
+        guess = hi - 1
+    return max(1, guess)
+
+
+def search_largest(
+    peak_at, *, start: int, start_peak: int, cap: int, trials: int, kind: str, first: int | None = None, linear=True
+) -> dict:
+    """The largest size (batch or layers) whose measured peak is at most ``cap`` bytes.
+
+    ``peak_at(n)`` runs a step at size ``n`` and returns its peak (``None``: cannot run, counts as
+    not fitting). At most ``trials`` runs, until a size that fits and the next one, which does not,
+    are both measured (``exact``); otherwise ``largest`` is the largest size measured to fit (a
+    lower bound). The first size tried is ``first`` if given, then its neighbour; then, with
+    ``linear``, where a line through the measured peaks nearest the cap crosses it (peaks grow
+    linearly with the batch or the depth), else the middle of the bracket (or an eighth more than
+    the largest fit while nothing is too big).
+    """
+    points = {start: start_peak}
+    lo = start if start_peak <= cap else None
+    hi = None if lo is not None else start
+    log = []
+    while len(log) < trials:
+        if lo is not None and hi is not None and hi == lo + 1:
+            break
+        if lo is None and hi == 1:
+            break
+        if not log and first is not None:
+            n = max(1, first)
+            if lo is not None and n <= lo:
+                n = lo + 1
+        elif linear:
+            n = _guess(points, cap, lo, hi)
+        elif len(log) == 1 and first is not None:
+            n = log[0][0] + 1 if log[0][0] == lo else log[0][0] - 1  # the guess's neighbour
+        elif hi is None:
+            n = lo + max(1, lo // 8)  # a plan's peak says little about the next size: grow gently
+        else:
+            n = ((lo or 0) + hi) // 2 if hi - (lo or 0) > 2 else (lo or 0) + 1
+            n = max(1, n)
+        if n in points:
+            break
+        peak = peak_at(n)
+        points[n] = peak
+        log.append([n, peak])
+        if peak is not None and peak <= cap:
+            lo = n if lo is None or n > lo else lo
+        else:
+            hi = n if hi is None or n < hi else hi
+    return {
+        "kind": kind,
+        "cap_bytes": cap,
+        "start": start,
+        "trials": log,
+        "largest": lo,
+        "exact": lo is not None and hi is not None and hi == lo + 1,
+    }

@@ -1,0 +1,420 @@
+"""The results of ``python -m llmmem compare``: the table (text and Markdown), the targets of issue 17
+checked on the run's own ratios, and the two charts."""
+
+from __future__ import annotations
+
+import math
+
+from llmmem.units import format_bytes
+
+__all__ = ["derive", "table", "markdown", "check_targets", "plot_timelines", "plot_tradeoff"]
+
+MiB = 2**20
+
+
+def _pct(new, old):
+    if new is None or old in (None, 0):
+        return None
+    return 100.0 * (new - old) / old
+
+
+def _step_time(row: dict, timer: str) -> float | None:
+    if row.get("error"):
+        return None
+    # A rank's CPU time leaves out the time it waits for the others: parallel rows are always wall clock.
+    if timer == "cpu" and row.get("world", 1) == 1:
+        return row.get("cpu_step_time")
+    return row.get("step_time")
+
+
+def _relative(row: dict, timer: str) -> float | None:
+    """The row's step time over the fp32 reference stepped alternately with it (median of the ratios)."""
+    if row.get("world", 1) > 1:
+        return None
+    return row.get("relative_cpu_step_time" if timer == "cpu" else "relative_step_time")
+
+
+def derive(rows: list[dict], timer: str = "wall") -> list[dict]:
+    """Each row's comparisons with the baseline (the row with key ``baseline``), added in place.
+
+    The overhead of a single-process row is its step time over the fp32 reference stepped
+    alternately with it in its own process, divided by the same ratio of the baseline row (which
+    removes whatever the alternation itself costs); a parallel row's is its median step time (wall
+    clock) over the baseline's median."""
+    base = next(r for r in rows if r["key"] == "baseline")
+    base_time = _step_time(base, timer)
+    base_rel = _relative(base, timer)
+    for r in rows:
+        d = {}
+        if not r.get("error"):
+            d["peak_change_pct"] = _pct(r["peak_bytes"], base["peak_bytes"])
+            d["activation_change_pct"] = _pct(r["activation_bytes"], base["activation_bytes"])
+            d["step_time"] = _step_time(r, timer)
+            rel = _relative(r, timer)
+            if rel is not None and base_rel:
+                d["overhead_pct"] = 100.0 * (rel / base_rel - 1.0)
+                d["overhead_basis"] = "paired"
+            else:
+                d["overhead_pct"] = _pct(d["step_time"], base_time if r.get("world", 1) == 1 else base["step_time"])
+                d["overhead_basis"] = "medians"
+            d["loss_rel_diff"] = (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
+            s = r.get("search") or {}
+            if s.get("kind") == "batch" and s.get("largest") is not None:
+                d["max_batch"] = s["largest"]
+                d["max_batch_ratio"] = s["largest"] / base["search"]["largest"] if base.get("search") else None
+            if s.get("kind") == "layers" and s.get("largest_params"):
+                d["largest_model_params"] = s["largest_params"]
+                d["largest_model_ratio"] = s["largest_params"] / base["params"]
+        d["timer"] = "wall" if r.get("world", 1) > 1 else timer
+        r["derived"] = d
+    return rows
+
+
+def _fmt_pct(v, plus=True) -> str:
+    if v is None:
+        return "—"
+    return f"{v:+.0f}%" if plus else f"{v:.0f}%"
+
+
+def _fmt_count(n) -> str:
+    if n is None:
+        return "—"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.0f}K"
+    return str(n)
+
+
+def _loss(r: dict, base: dict) -> str:
+    rel = r["derived"]["loss_rel_diff"]
+    tag = "exact" if rel == 0 else f"{rel:+.1e}"
+    return f"{r['final_loss']:.4f} ({tag})"
+
+
+def _cells(r: dict, base: dict) -> list[str]:
+    d = r["derived"]
+    label = r["label"] + (" [per rank]" if r.get("world", 1) > 1 else "")
+    if r.get("error"):
+        return [label, "infeasible" if r.get("infeasible") else "failed"] + [""] * 8
+    search = r.get("search") or {}
+    if search.get("kind") == "batch" and d.get("max_batch") is not None:
+        approx = "" if search.get("exact") else ">="
+        fit = f"{approx}{d['max_batch']} ({d['max_batch_ratio']:.1f}x)"
+    else:
+        fit = "—"
+    if d.get("largest_model_params"):
+        approx = "" if search.get("exact") else ">="
+        model = f"{approx}{_fmt_count(d['largest_model_params'])} ({d['largest_model_ratio']:.1f}x)"
+    else:
+        model = "—"
+    time_mark = "†" if d["timer"] != base["derived"]["timer"] else ""
+    return [
+        label,
+        f"{r['peak_bytes'] / MiB:.1f}",
+        _fmt_pct(d["peak_change_pct"]) if r is not base else "—",
+        f"{r['activation_bytes'] / MiB:.1f}",
+        _fmt_pct(d["activation_change_pct"]) if r is not base else "—",
+        f"{1e3 * d['step_time']:.0f}{time_mark}" if d["step_time"] is not None else "—",
+        _fmt_pct(d["overhead_pct"]) if r is not base else "—",
+        _loss(r, base),
+        fit,
+        f"{_fmt_count(r['params_per_rank'])} / {model}" if r.get("world", 1) > 1 else "—",
+    ]
+
+
+HEADERS = [
+    "strategy",
+    "peak MiB",
+    "vs base",
+    "act MiB",
+    "vs base",
+    "step ms",
+    "overhead",
+    "final loss (rel. diff)",
+    "largest batch in base peak",
+    "params/rank / largest model/rank",
+]
+
+
+def _rows(rows):
+    base = next(r for r in rows if r["key"] == "baseline")
+    return [_cells(r, base) for r in rows]
+
+
+def table(rows: list[dict]) -> str:
+    """The results as aligned text."""
+    cells = _rows(rows)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADERS)]
+    right = {1, 2, 3, 4, 5, 6}
+
+    def line(values):
+        return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
+
+    out = [line(HEADERS), line(["-" * w for w in widths])]
+    out += [line(c) for c in cells]
+    out += [f"{r['label']}: {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(out)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The results as a Markdown table (for the README)."""
+    cells = _rows(rows)
+    out = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Targets (issue 17), each checked on ratios of this run
+
+
+def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick: bool = False) -> list[dict]:
+    """``[{"target", "holds" (True/False/None when a row is missing), "detail"}]``."""
+    by = {r["key"]: r for r in rows if not r.get("error")}
+    out = []
+
+    def add(target, holds, detail):
+        out.append({"target": target, "holds": holds, "detail": detail})
+
+    base, torch_every = by.get("baseline"), by.get("torch-every")
+    te_over = torch_every["derived"]["overhead_pct"] if torch_every else None
+    cb = by.get("every+bf16")
+    if cb and torch_every:
+        act = -cb["derived"]["activation_change_pct"]
+        over = cb["derived"]["overhead_pct"]
+        add(
+            "every-layer checkpoint + bf16: activation memory -82% or more, overhead below torch every-layer's",
+            act >= 82.0 and over < te_over,
+            f"activation -{act:.1f}%, overhead {over:+.1f}% vs torch every-layer {te_over:+.1f}%",
+        )
+    else:
+        add("every-layer checkpoint + bf16 vs torch every-layer", None, "rows every+bf16 / torch-every not run")
+    p50 = by.get("plan-50")
+    p50_row = next((r for r in rows if r["key"] == "plan-50"), None)
+    if p50_row is not None and p50_row.get("infeasible"):
+        add("llmmem plan at 50%", False, p50_row["error"])
+    elif p50 and torch_every:
+        over = p50["derived"]["overhead_pct"]
+        budget = p50["plan"]["budget_bytes"]
+        within = p50["activation_bytes"] <= budget
+        add(
+            "llmmem plan at 50%: overhead at most half of torch every-layer's; measured peak within budget + model state",
+            over <= te_over / 2 and within,
+            f"overhead {over:+.1f}% vs half of {te_over:+.1f}% = {te_over / 2:+.1f}%; activation peak "
+            f"{format_bytes(p50['activation_bytes'])} vs budget {format_bytes(budget)} "
+            f"(peak {format_bytes(p50['peak_bytes'])} vs budget + state {format_bytes(budget + p50['start_bytes'])})",
+        )
+    else:
+        add("llmmem plan at 50%", None, "rows plan-50 / torch-every not run")
+    singles = [
+        r for r in by.values() if r["strategy"]["tp"] * r["strategy"]["dp"] == 1 and r["derived"].get("max_batch")
+    ]
+    llmmem_rows = [
+        r
+        for r in singles
+        if r["strategy"]["checkpoint"] in ("every", "selective", "plan", "offload") or r["strategy"]["amp"] == "fp16"
+    ]
+    if base and llmmem_rows:
+        best = max(llmmem_rows, key=lambda r: r["derived"]["max_batch"])
+        ratio = best["derived"]["max_batch_ratio"]
+        add(
+            "best single-process llmmem strategy trains a batch >= 4x the baseline's in the baseline's peak",
+            ratio >= 4.0,
+            f"{best['label']}: batch {best['derived']['max_batch']} vs {base['search']['largest']} ({ratio:.1f}x)",
+        )
+    else:
+        add("largest batch >= 4x", None, "no llmmem single-process row with a batch search")
+    tz = by.get("tp2xdp2+zero1")
+    if tz and tz["derived"].get("largest_model_ratio"):
+        ratio = tz["derived"]["largest_model_ratio"]
+        add(
+            "TP 2 x ZeRO-1 over 2 DP ranks fits >= 3.2x the parameters per rank",
+            ratio >= 3.2,
+            f"largest model per rank {_fmt_count(tz['derived']['largest_model_params'])} parameters vs the "
+            f"baseline's {_fmt_count(base['params'])} ({ratio:.2f}x)",
+        )
+    else:
+        add("TP 2 x ZeRO-1 fits >= 3.2x parameters", None, "row tp2xdp2+zero1 not run")
+    if wall_seconds is not None:
+        limit = 90 if quick else 300
+        add(
+            f"{'compare --quick' if quick else 'compare'} finishes in under {limit} s",
+            wall_seconds < limit,
+            f"{wall_seconds:.0f} s on this machine",
+        )
+    return out
+
+
+def format_targets(targets: list[dict]) -> str:
+    mark = {True: "holds", False: "FAILS", None: "n/a"}
+    return "\n".join(f"  [{mark[t['holds']]:>5}] {t['target']}: {t['detail']}" for t in targets)
+
+
+# ------------------------------------------------------------------------------------------------
+# Charts
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fde6cf", "optimizer": "#dff2dc"}
+
+
+def plot_timelines(rows: list[dict], path: str, *, title: str = "") -> None:
+    """Small multiples: live bytes over the measured training step of each strategy (the baseline in
+    grey behind each), the phases shaded."""
+    plt = _pyplot()
+    rows = [r for r in rows if not r.get("error") and r.get("timeline")]
+    base = next((r for r in rows if r["key"] == "baseline"), None)
+    n = len(rows)
+    cols = 4 if n > 6 else max(1, min(n, 3))
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.9 * nrows), sharey=True, squeeze=False)
+    ymax = max(max(b for _, b in r["timeline"]) for r in rows) / MiB * 1.12
+
+    def fraction(row):
+        # time as a fraction of the step: the shapes line up whatever each step's speed under the tracker
+        total = row["phases"].get("optimizer") or max(p[0] for p in row["timeline"]) or 1.0
+        return [p[0] / total for p in row["timeline"]], total
+
+    for ax, r in zip(axes.flat, rows):
+        t, total = fraction(r)
+        b = [p[1] / MiB for p in r["timeline"]]
+        start = 0.0
+        for phase in ("forward", "backward", "optimizer"):
+            end = r["phases"].get(phase, 0.0) / total
+            ax.axvspan(start, end, color=PHASE_COLORS[phase], lw=0)
+            start = end
+        if base is not None and r is not base:
+            ax.plot(
+                fraction(base)[0], [p[1] / MiB for p in base["timeline"]], color="0.6", lw=1, label="fp32 baseline"
+            )
+        ax.plot(t, b, color="#c0392b" if r is not base else "0.2", lw=1.4, label=r["key"])
+        peak = max(b)
+        ax.axhline(peak, color="#c0392b" if r is not base else "0.2", lw=0.6, ls=":")
+        per_rank = " (rank 0)" if r.get("world", 1) > 1 else ""
+        ax.set_title(f"{r['label']}{per_rank}\npeak {peak:.1f} MiB", fontsize=9)
+        ax.set_ylim(0, ymax)
+        ax.set_xlim(0, 1.0)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3, lw=0.5)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("live tensor MiB", fontsize=8)
+    for i, ax in enumerate(axes.flat[:n]):
+        if i + cols >= n:  # the lowest panel of its column
+            ax.set_xlabel("fraction of the step's time", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    handles += [plt.Line2D([], [], color="0.6"), plt.Line2D([], [], color="#c0392b")]
+    fig.legend(
+        handles,
+        ["forward", "backward", "optimizer step", "fp32 baseline", "strategy"],
+        loc="lower center",
+        ncol=5,
+        fontsize=9,
+        frameon=False,
+    )
+    fig.suptitle(title or "Memory over one training step", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
+    """Activation memory saved (%) against step-time overhead (%), one point per strategy."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 6))
+    points = []
+    for r in rows:
+        d = r.get("derived") or {}
+        if r.get("error") or r["key"] == "baseline" or d.get("overhead_pct") is None:
+            continue
+        parallel = r.get("world", 1) > 1
+        llm = (
+            r["strategy"]["checkpoint"] in ("every", "selective", "plan", "offload") or r["strategy"]["amp"] == "fp16"
+        )
+        color = "#2471a3" if parallel else ("#c0392b" if llm else "#7f8c8d")
+        x, y = d["overhead_pct"], -d["activation_change_pct"]
+        ax.scatter(x, y, s=55, color=color, marker="s" if parallel else "o", zorder=3)
+        points.append((x, y, r["key"] + (" (per rank)" if parallel else "")))
+    ax.set_ylim(min(-5, ax.get_ylim()[0]), 100)
+    fig.canvas.draw()
+    # Each label goes to the first of a few spots around its point where it overlaps no other label
+    # or point (boxes estimated in pixels), with a leader line when it had to move away.
+    char_w, line_h = 6.2, 12.0
+    boxes = [(px - 5, py - 5, px + 5, py + 5) for px, py in (ax.transData.transform((x, y)) for x, y, _ in points)]
+    spots = [(6, 3), (6, -13), (-6, 3), (-6, -13), (6, 15), (6, -25), (-6, 15), (-6, -25), (6, 27), (6, -37)]
+    for x, y, text in sorted(points, key=lambda p: (-p[1], p[0])):
+        px, py = ax.transData.transform((x, y))
+        w = char_w * len(text)
+        for dx, dy in spots:
+            x0 = px + dx if dx > 0 else px + dx - w
+            box = (x0, py + dy, x0 + w, py + dy + line_h)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
+                break
+        boxes.append(box)
+        far = abs(dy) > 15
+        ax.annotate(
+            text,
+            (x, y),
+            textcoords="offset points",
+            xytext=(dx * 72 / fig.dpi, dy * 72 / fig.dpi),
+            ha="left" if dx > 0 else "right",
+            fontsize=8,
+            arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6) if far else None,
+        )
+    ax.axhline(0, color="0.5", lw=0.8)
+    ax.axvline(0, color="0.5", lw=0.8)
+    ax.set_xlabel("step-time overhead vs fp32 baseline (%)")
+    ax.set_ylabel("activation memory saved vs fp32 baseline (%)")
+    ax.grid(alpha=0.3)
+    handles = [
+        plt.Line2D([], [], marker="o", ls="", color="#c0392b"),
+        plt.Line2D([], [], marker="o", ls="", color="#7f8c8d"),
+        plt.Line2D([], [], marker="s", ls="", color="#2471a3"),
+    ]
+    ax.legend(handles, ["llmmem", "torch only", "parallel (per rank)"], loc="lower right", fontsize=9)
+    ax.set_title(title or "Memory saved against time overhead (up and left is better)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """``python -m llmmem.compare.report RESULTS.json [OUT_DIR]``: the table, the targets and the
+    charts again from a run's results.json (nothing is re-run)."""
+    import json
+    import os
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(argv) <= 2:
+        print("usage: python -m llmmem.compare.report RESULTS.json [OUT_DIR]", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        results = json.load(f)
+    out = argv[1] if len(argv) == 2 else os.path.dirname(os.path.abspath(argv[0]))
+    rows = derive(results["rows"], results.get("timer", "wall"))
+    print(table(rows))
+    print(
+        format_targets(
+            check_targets(rows, wall_seconds=results.get("wall_seconds"), quick=results.get("preset") == "quick")
+        )
+    )
+    cfg = results.get("config", {})
+    title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
+    plot_timelines(rows, os.path.join(out, "memory_timeline.png"), title=title)
+    plot_tradeoff(rows, os.path.join(out, "saved_vs_overhead.png"), title=title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

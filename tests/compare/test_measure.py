@@ -1,0 +1,76 @@
+"""The largest-fit search and the timeline decimation (pure logic), and one measured step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmmem.compare.measure import decimate, search_largest
+
+
+@pytest.mark.parametrize("true_largest", [4, 5, 9, 31, 200])
+def test_linear_search_brackets_the_true_largest(true_largest):
+    # a step's peak grows linearly with the batch: state + per-sample activations
+    state, per = 1000, 37
+    cap = state + per * true_largest + per // 2
+    calls = []
+
+    def peak_at(n):
+        calls.append(n)
+        return state + per * n
+
+    r = search_largest(peak_at, start=4, start_peak=state + 4 * per, cap=cap, trials=4, kind="batch")
+    assert r["largest"] == true_largest and r["exact"]
+    assert len(calls) <= 3
+
+
+def test_search_counts_infeasible_as_not_fitting_and_stops_at_the_budget():
+    r = search_largest(lambda n: None if n > 6 else 10 * n, start=2, start_peak=20, cap=10**6, trials=3, kind="batch")
+    assert r["largest"] is not None and r["largest"] <= 6
+    assert len(r["trials"]) <= 3
+
+
+def test_first_guess_then_neighbour_then_bisection():
+    def peak_at(n):  # not linear: a plan fills its budget
+        return 100 if n <= 13 else 200
+
+    r = search_largest(peak_at, start=4, start_peak=100, cap=150, trials=5, kind="batch", first=14, linear=False)
+    assert [t[0] for t in r["trials"]][:2] == [14, 13]
+    assert r["largest"] == 13 and r["exact"]
+
+
+def test_start_that_does_not_fit_searches_down():
+    r = search_largest(lambda n: 10 * n, start=8, start_peak=80, cap=45, trials=4, kind="batch")
+    assert r["largest"] == 4 and r["exact"]
+
+
+def test_decimate_keeps_the_peak():
+    points = [(i * 0.001, (i * 7919) % 1000) for i in range(10000)]
+    points[5123] = (points[5123][0], 5000)
+    out = decimate(points, limit=100)
+    assert len(out) <= 100
+    assert max(b for _, b in out) == 5000
+    assert [t for t, _ in out] == sorted(t for t, _ in out)
+
+
+def test_measured_step_counts_state_and_activations():
+    from llmmem.compare.measure import measured_step
+    from llmmem.compare.strategies import Strategy
+    from llmmem.compare.worker import Trainer, make_optimizer
+    from llmmem.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.0))
+    trainer = Trainer(model, make_optimizer(model.parameters(), 1e-3), Strategy("baseline", "b"), torch.device("cpu"))
+    trainer.prime()
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    m = measured_step(trainer, x, y, torch.device("cpu"), timeline=True)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    state = params * 4 + buffers + 2 * x.numel() * 8  # parameters, gradients, Adam's two moments; x and y
+    # AdamW keeps a 0-dim float32 "step" per parameter too
+    assert m["start_bytes"] == state + 4 * len(list(model.parameters()))
+    assert m["peak_bytes"] >= m["start_bytes"] + m["activation_bytes"]
+    assert m["activation_bytes"] > 2 * 32 * 32 * 4 * 2  # at least each block's input
+    assert set(m["phases"]) == {"forward", "backward", "optimizer"}
+    assert max(b for _, b in m["timeline"]) == m["peak_bytes"]
