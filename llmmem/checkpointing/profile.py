@@ -325,7 +325,19 @@ class WorkCounter(TorchDispatchMode):
     def _flops(self, func, args, kwargs, out) -> float | None:
         packet = func.overloadpacket
         if packet in flop_counter.flop_registry:
-            return float(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
+            try:
+                return float(flop_counter.flop_registry[packet](*args, **kwargs, out_val=out))
+            except AssertionError:
+                # torch's attention formulas want as many key/value heads as query heads (CUDA
+                # kernels with enable_gqa): count the attention with the heads repeated; an
+                # operator no formula fits is counted by its bytes (still deterministic)
+                grad_first = int("backward" in packet.__name__)
+                try:
+                    q, k, v = _as_many_heads(*(t.shape for t in args[grad_first : grad_first + 3]))
+                    forward = float(flop_counter.sdpa_flop_count(q, k, v))
+                except (AssertionError, AttributeError, TypeError, ValueError):
+                    return None
+                return 2.5 * forward if grad_first else forward
         if _SDPA_CPU is not None and packet is _SDPA_CPU:
             q, k, v = _as_many_heads(args[0].shape, args[1].shape, args[2].shape)
             return float(flop_counter.sdpa_flop_count(q, k, v))
