@@ -332,7 +332,7 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
     """Activation memory saved (%) against step-time overhead (%), one point per strategy."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 6))
-    points = []
+    marks = []
     for r in rows:
         d = r.get("derived") or {}
         if r.get("error") or r["key"] == "baseline" or d.get("overhead_pct") is None:
@@ -342,9 +342,23 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
             r["strategy"]["checkpoint"] in ("every", "selective", "plan", "offload") or r["strategy"]["amp"] == "fp16"
         )
         color = "#2471a3" if parallel else ("#c0392b" if llm else "#7f8c8d")
-        x, y = d["overhead_pct"], -d["activation_change_pct"]
+        marks.append((d["overhead_pct"], -d["activation_change_pct"], r["key"], parallel, color))
+    # One far outlier (fp16 emulated on a CPU) would squeeze every other point into a corner: the
+    # axis stops past the others and the outlier sits on its edge, its value in its label.
+    xs = sorted(m[0] for m in marks)
+    edge = None
+    if len(xs) >= 3 and xs[-2] > 0 and xs[-1] > 2.5 * xs[-2]:
+        edge = xs[-2] * 1.35 + 15
+    points = []
+    for x, y, key, parallel, color in marks:
+        label = key + (" (per rank)" if parallel else "")
+        if edge is not None and x > edge:
+            label += f" ({x:+.0f}%) →"
+            x = edge
         ax.scatter(x, y, s=55, color=color, marker="s" if parallel else "o", zorder=3)
-        points.append((x, y, r["key"] + (" (per rank)" if parallel else "")))
+        points.append((x, y, label))
+    if edge is not None:
+        ax.set_xlim(right=edge * 1.04)
     ax.set_ylim(min(-5, ax.get_ylim()[0]), 100)
     fig.canvas.draw()
     # Each label goes to the first of a few spots around its point where it overlaps no other label

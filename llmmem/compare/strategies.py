@@ -125,5 +125,5 @@ class Preset:
 PRESETS = {
     "full": Preset(layers=10, hidden=64, heads=4, seq_len=256, batch=4, steps=10, search_trials=4),
     # Quick: a fraction of the width and length, the same heads * seq / hidden.
-    "quick": Preset(layers=12, hidden=32, heads=4, seq_len=128, batch=2, steps=4, search_trials=3, profile_repeats=2),
+    "quick": Preset(layers=12, hidden=32, heads=4, seq_len=128, batch=2, steps=4, search_trials=3, profile_repeats=1),
 }
