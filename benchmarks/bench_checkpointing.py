@@ -538,7 +538,7 @@ def bench_hf(args, device) -> list:
                 (plan_median, plan_least), (none_median, none_least) = times["plan"], times["none"]
                 measured = plan_least / none_least - 1.0
                 measured_median = plan_median / none_median - 1.0
-                predicted = plan.predicted_overhead_time / none_least
+                predicted = plan.predicted_overhead
                 record = {
                     "model": kind,
                     "attention": attn,

@@ -222,7 +222,7 @@ def auto_checkpoint(
     profile: ChainProfile | None = None,
     offload: bool = False,
     host_bandwidth: float | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
     **options,
 ):
     """Plan activation checkpointing for a memory budget and run it.

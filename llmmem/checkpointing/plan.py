@@ -104,6 +104,23 @@ class CheckpointPlan:
     def n_blocks(self) -> int:
         return len(self.modes)
 
+    @property
+    def predicted_step_time(self) -> float:
+        """Seconds of a training step without checkpointing: the blocks' store-all steps as timed,
+        plus the rest of the step (embeddings, head, loss; counted as work in the profile's sample
+        step) at the blocks' seconds per work unit. 0 when the blocks were not timed."""
+        p = self.profile
+        if p.measured_step_time <= 0:
+            return 0.0
+        return p.measured_step_time + p.outside_work * p.time_unit
+
+    @property
+    def predicted_overhead(self) -> float:
+        """The recompute (and transfer) time as a fraction of a step without checkpointing (0.25:
+        steps 25% slower); NaN when the blocks were not timed."""
+        step = self.predicted_step_time
+        return self.predicted_overhead_time / step if step > 0 else float("nan")
+
     def depth(self, i: int) -> int:
         """How many regions contain block ``i``."""
         return sum(1 for s, e in self.regions if s <= i < e)
@@ -150,8 +167,11 @@ class CheckpointPlan:
             )
         overhead = f"{1e3 * self.predicted_overhead_time:.2f} ms"
         if p.measured_step_time > 0:
-            overhead += f" (+{100 * self.predicted_overhead_time / p.measured_step_time:.1f}% of the blocks' step"
-            overhead += f", {1e3 * p.measured_step_time:.2f} ms measured)"
+            overhead += f" (+{100 * self.predicted_overhead:.1f}% of a {1e3 * self.predicted_step_time:.2f} ms step: "
+            overhead += f"blocks {1e3 * p.measured_step_time:.2f} ms measured"
+            if p.outside_work > 0:
+                overhead += f", the rest {1e3 * p.outside_work * p.time_unit:.2f} ms from its work"
+            overhead += ")"
         elif base > 0:
             overhead += f" (+{100 * self.predicted_overhead_time / base:.1f}% over no checkpointing)"
         rows += [

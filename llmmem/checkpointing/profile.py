@@ -512,6 +512,7 @@ class ChainProfile:
     outside_peak_bytes: int = 0
     measured_peak_bytes: int = 0  # the step's activation peak without checkpointing (0: not measured)
     measured_step_time: float = 0.0  # seconds of one store-all step of the chain (0: not measured)
+    outside_work: float = 0.0  # work units of a step outside the chain (0: unknown; a bare chain)
     hidden: list = field(default_factory=list)  # [L] where each block's chain input is in its call
     chainable: bool = True
     # the time fields measured in seconds ({"fwd_time", "bwd_time", "fwd_nostore_time"}), for the
@@ -701,9 +702,10 @@ def _allocator_transients(run, block, call: BlockCall, mode: str, device: torch.
 
 
 def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, device: torch.device) -> dict:
-    """Seconds of a step of the block in each mode (and "nostore"): ``{mode: (forward, backward)}``,
-    the least of the rounds: on a shared machine other work only ever slows a step down, so the
-    fastest round is the one closest to the step's own cost. Round-robin over the modes."""
+    """Seconds of a step of the block in each mode (and "nostore"): ``{mode: (forward, backward)}``.
+    Round-robin over the modes; each mode's time is the store-all time (median) times the median of
+    its ratio to store-all within a round: a shared machine's load drifts between rounds and slows a
+    whole round alike, so ratios taken within a round are steady where times taken apart are not."""
     x = call.hidden_tensor.detach().clone().requires_grad_(call.hidden_tensor.is_floating_point())
     args, kwargs = call.with_hidden(x)
 
@@ -717,16 +719,23 @@ def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         _sync(device)
         return t1 - t0, time.perf_counter() - t1
 
-    timed = (*modes, "nostore")
-    samples: dict = {m: [] for m in timed}
+    store, timed = modes[0], (*modes, "nostore")
+    rounds: list = []
     for r in range(warmup + repeats):
-        for mode in timed:
-            sample = step(mode)
-            if r >= warmup:
-                samples[mode].append(sample)
+        sample = {mode: step(mode) for mode in timed}
+        if r >= warmup:
+            rounds.append(sample)
     if isinstance(block, nn.Module):
         block.zero_grad(set_to_none=True)
-    return {m: (min(f for f, _ in v), min(b for _, b in v)) for m, v in samples.items()}
+    out = {}
+    for m in timed:
+        times = []
+        for part in (0, 1):
+            base = statistics.median(s[store][part] for s in rounds)
+            ratio = statistics.median(s[m][part] / s[store][part] if s[store][part] > 0 else 1.0 for s in rounds)
+            times.append(base * ratio)
+        out[m] = tuple(times)
+    return out
 
 
 def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, device: torch.device) -> _BlockCosts:
@@ -766,7 +775,7 @@ def profile_calls(
     calls: Sequence[BlockCall],
     *,
     modes: Sequence[str] = MODES,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     same_blocks: bool | None = None,
     chainable: bool = True,
@@ -873,7 +882,7 @@ def profile_blocks(
     sample_input,
     *,
     modes: Sequence[str] = MODES,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     same_blocks: bool | None = None,
 ) -> ChainProfile:
@@ -1038,6 +1047,7 @@ class StepRecord:
     static_bytes: int
     head: dict
     outside_peak_bytes: int
+    outside_work: float  # work units of the step outside the blocks (embeddings, head, loss, optimizer)
 
 
 def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRecord:
@@ -1055,7 +1065,8 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
     memo: dict = {}
     groups: dict = {}
     sizes: dict = {}
-    meter = ActivationMeter(list(model.parameters()), device=device)
+    work = WorkCounter(device.type)  # the blocks run outside it (_disable_current_modes)
+    meter = ActivationMeter(list(model.parameters()), device=device, work=work)
     done: dict = {}
 
     # What the blocks' tapes would hold until the chain's backward (their inputs made before the
@@ -1185,6 +1196,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
         static_bytes=static,
         head=head,
         outside_peak_bytes=max(peak_before, tail[1] if "chain_done" in marks else 0),
+        outside_work=work.forward + work.backward,
     )
 
 
@@ -1194,7 +1206,7 @@ def profile_model(
     sample,
     *,
     modes: Sequence[str] = MODES,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     runs: Sequence[Callable] | None = None,
 ) -> ChainProfile:
@@ -1239,4 +1251,5 @@ def profile_model(
     prof.head = rec.head
     prof.static_bytes = rec.static_bytes
     prof.outside_peak_bytes = rec.outside_peak_bytes
+    prof.outside_work = rec.outside_work
     return prof

@@ -266,3 +266,65 @@ def test_misuse_is_a_clear_error():
             with pytest.raises(ValueError, match="already runs a plan"):
                 llmmem.auto_checkpoint(model, budget=0.5, sample=sample)
         assert not plan.active
+
+
+def test_overhead_is_predicted_as_a_fraction_of_the_whole_step():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=6, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.0)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    plan = llmmem.auto_checkpoint(model, budget=0.3, sample=(idx, idx), repeats=2)
+    p = plan.profile
+    # the embeddings, head and loss ran as work outside the blocks; the step adds them to the blocks' time
+    assert p.outside_work > 0 and p.measured_step_time > 0
+    assert plan.predicted_step_time == pytest.approx(p.measured_step_time + p.outside_work * p.time_unit)
+    assert plan.predicted_overhead == pytest.approx(plan.predicted_overhead_time / plan.predicted_step_time)
+    assert plan.regions and plan.predicted_overhead > 0
+    assert "ms step: blocks" in plan.describe() and "from its work" in plan.describe()
+    plan.remove()
+    untimed = llmmem.auto_checkpoint(model, budget=0.3, sample=(idx, idx), repeats=0)
+    assert untimed.predicted_step_time == 0 and untimed.predicted_overhead != untimed.predicted_overhead  # NaN
+    assert "ms step" not in untimed.describe()
+    untimed.remove()
+
+
+def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
+    """A round slowed down as a whole (load on a shared machine) moves the store-all median, not the
+    other modes' ratios to it."""
+    from llmmem.checkpointing import profile as prof
+
+    block = nn.Linear(4, 4)
+    call = prof.BlockCall((torch.randn(2, 4),))
+    # store-all 1 s + 2 s, the other modes twice that, in every round; round 2 three times slower
+    t = {"now": 0.0}
+    costs = {"store-all": (1.0, 2.0), "selective": (2.0, 4.0), "recompute-cheap": (2.0, 4.0), "nostore": (2.0, 4.0)}
+    order = [m for _ in range(4) for m in ("store-all", "selective", "recompute-cheap", "nostore")]
+    slow = [1, 1, 3, 1]  # warm-up round, then three timed rounds, the middle one slowed down
+    phases = iter([(m, part, slow[i // 4]) for i, m in enumerate(order) for part in (0, 1)])
+
+    def fake_perf_counter():
+        return t["now"]
+
+    real_run_call = prof.run_call
+
+    def timed_run_call(fn, args, kwargs, mode, block=None, **options):
+        out = real_run_call(fn, args, kwargs, "store-all", block)
+        m, part, factor = next(phases)
+        assert m == mode and part == 0
+        t["now"] += costs[mode][0] * factor
+        return out
+
+    real_backward = torch.autograd.backward
+
+    def timed_backward(*a, **k):
+        real_backward(*a, **k)
+        m, part, factor = next(phases)
+        assert part == 1
+        t["now"] += costs[m][1] * factor
+
+    monkeypatch.setattr(prof.time, "perf_counter", fake_perf_counter)
+    monkeypatch.setattr(prof, "run_call", timed_run_call)
+    monkeypatch.setattr(prof.torch.autograd, "backward", timed_backward)
+    out = prof._timed_steps(block, block, call, prof.MODES, repeats=3, warmup=1, device=torch.device("cpu"))
+    assert out["store-all"] == pytest.approx((1.0, 2.0))
+    for m in ("selective", "recompute-cheap", "nostore"):
+        assert out[m] == pytest.approx((2.0, 4.0))
