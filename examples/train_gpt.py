@@ -272,9 +272,7 @@ def build_model(args, device, d: Dist):
         tp.model_parallel_manual_seed(args.seed)  # dropout streams of the split attention heads
         model = tp.TensorParallelGPT.from_gpt(model, process_group=d.tp_group)
         if args.sequence_parallel:
-            from llmmem.compare.sequence_parallel import SequenceParallelGPT
-
-            model = SequenceParallelGPT(model)
+            model = tp.SequenceParallelGPT(model)
     return model, model, list(model.blocks)
 
 

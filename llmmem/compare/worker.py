@@ -299,7 +299,6 @@ class _ParallelModel:
 
     def __init__(self, spec: dict, strategy: Strategy, device, layers: int) -> None:
         import llmmem.parallel as tp
-        from llmmem.compare.sequence_parallel import SequenceParallelGPT
 
         cfg = GPTConfig(**{**spec["model"], "layers": layers})
         torch.manual_seed(spec["seed"])  # every rank builds the same full model, then keeps its shards
@@ -308,7 +307,7 @@ class _ParallelModel:
         model = tp.TensorParallelGPT.from_gpt(full).to(device)
         del full
         if strategy.sp:
-            model = SequenceParallelGPT(model)
+            model = tp.SequenceParallelGPT(model)
         self.inner = model
         self.params_per_rank = sum(p.numel() for p in model.parameters())
         dp_group = tp.get_data_parallel_group()
