@@ -1,6 +1,8 @@
 """One strategy of ``python -m llmmem compare``, trained and measured in a fresh process.
 
-Single-process strategies: ``python -m llmmem.compare.worker SPEC.json OUT.json``. Parallel ones run
+Single-process strategies: ``python -m llmmem.compare.worker SPEC.json OUT.json``, or, as the
+orchestrator runs them, each in a child forked from a server that imported torch once
+(``--serve``, :func:`serve`). Parallel ones run
 :func:`rank_main` on ``tp * dp`` gloo (or NCCL) ranks forked from one fresh launcher process
 (:func:`llmmem.parallel.testing.run_ranks`); rank 0 writes ``OUT.json``.
 
@@ -29,6 +31,28 @@ from llmmem.compare.strategies import Strategy
 from llmmem.models.gpt import GPT, GPTConfig
 
 __all__ = ["run_single", "rank_main", "main"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Where a worker's own time goes
+
+
+class PhaseClock:
+    """Wall-clock seconds of a worker's phases, for ``result["seconds"]``: ``start`` (from the moment
+    the orchestrator launched the process, ``spec["launched_at"]``, to the first line of work:
+    interpreter start and imports), then each :meth:`lap` since the previous one."""
+
+    def __init__(self, spec: dict) -> None:
+        self.seconds: dict[str, float] = {}
+        launched = spec.get("launched_at")
+        if launched is not None:
+            self.seconds["start"] = round(max(0.0, time.time() - float(launched)), 3)
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 3)
+        self._last = now
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,6 +216,7 @@ class _Planned:
 
 
 def run_single(spec: dict) -> dict:
+    clock = PhaseClock(spec)
     strategy = Strategy(**spec["strategy"])
     torch.set_num_threads(int(spec.get("threads", 1)))
     device = _device(spec)
@@ -204,6 +229,8 @@ def run_single(spec: dict) -> dict:
     tokens = _tokens()
     sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed)
     result = _header(spec, strategy, device, model.num_parameters(), model.num_parameters())
+    result["seconds"] = clock.seconds
+    clock.lap("build")
     planned = None
     if strategy.checkpoint == "plan":
         planned = _Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
@@ -216,7 +243,9 @@ def run_single(spec: dict) -> dict:
             result["error"] = f"infeasible: {exc}"
             result["infeasible"] = True
             result["plan"] = {"budget_bytes": budget}
+            clock.lap("plan")
             return result
+        clock.lap("plan")
     else:
         checkpoint_every_block(model.blocks, strategy.checkpoint)
     trainer = Trainer(model, make_optimizer(model.parameters(), spec["lr"]), strategy, device)
@@ -227,6 +256,7 @@ def run_single(spec: dict) -> dict:
 
     # Only train_and_measure holds the reference, so that it is freed before the measured step.
     result.update(measure.train_and_measure(trainer, batches, steps, device, reference=_reference(cfg, spec, device)))
+    clock.lap("train")
     if planned is not None:
         result["plan"] = planned.describe()
 
@@ -261,6 +291,7 @@ def run_single(spec: dict) -> dict:
         first=first,
         linear=planned is None,
     )
+    clock.lap("search")
     return result
 
 
@@ -332,6 +363,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
 
     import llmmem.parallel as tp
 
+    clock = PhaseClock(spec)
     strategy = Strategy(**spec["strategy"])
     torch.set_num_threads(int(spec.get("threads", 1)))
     device = torch.device("cpu")
@@ -348,6 +380,8 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
     pm = _ParallelModel(spec, strategy, device, layers)
     result = _header(spec, strategy, device, pm.full_params, pm.params_per_rank)
     result["rank"] = rank
+    result["seconds"] = clock.seconds
+    clock.lap("build")
 
     def batches():
         # every DP rank draws the same global batch and keeps its rows: the union is the baseline's batch
@@ -360,6 +394,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
         return float(t) / strategy.dp
 
     result.update(measure.train_and_measure(pm.trainer, batches, spec["steps"], device, reduce_loss=mean_over_dp))
+    clock.lap("train")
     cap = spec.get("cap_bytes") or result["peak_bytes"]
     trial_sampler = BatchSampler(tokens, batch, seq, seed=spec["seed"] + 2)
 
@@ -395,6 +430,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
     search["params"] = {str(k): v for k, v in sorted(params_by_layers.items())}
     search["largest_params"] = params_by_layers.get(search["largest"])
     result["search"] = search
+    clock.lap("search")
     per_rank = [None] * world
     dist.all_gather_object(
         per_rank,
@@ -420,10 +456,70 @@ def _write(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def _preload() -> None:
+    """Import, once in the server, what every forked worker would otherwise import again: the
+    techniques llmmem resolves lazily and torch's checkpoint. Touches no CUDA (a forked child could
+    not use a CUDA context made before the fork)."""
+    import torch.utils.checkpoint  # noqa: F401
+
+    for name in ("checkpoint", "auto_checkpoint", "selective_context_fn", "GradScaler", "InfeasibleError"):
+        getattr(llmmem, name)
+    from llmmem.diagnostics import live  # noqa: F401
+
+
+def _forked(job: dict) -> int:
+    """Run ``job`` in a child forked from this process; the child's exit status (0: done)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            if job.get("cuda_check"):
+                code = 0 if torch.cuda.is_available() else 3
+            else:
+                with open(job["spec"]) as f:
+                    spec = json.load(f)
+                _write(job["out"], run_single(spec))
+                code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # no interpreter shutdown: the result is written, and torch's teardown costs seconds of a
+            # loaded machine's CPU
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def serve() -> int:
+    """``python -m llmmem.compare.worker --serve``: import torch and llmmem once, then, for each line
+    ``{"spec": SPEC.json, "out": OUT.json, "log": LOG}`` on stdin, run that strategy in a fresh child
+    forked from this process (nothing of one strategy is left in the next) and answer
+    ``{"code": exit status}`` on stdout. ``{"cuda_check": true, "log": LOG}`` answers 0 when torch
+    sees a CUDA device (asked in a child too, so that this process never touches CUDA). Ends at the
+    end of stdin. A fresh ``import torch`` costs seconds of CPU per process, a fork milliseconds."""
+    _preload()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps({"code": _forked(json.loads(line))}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--serve"]:
+        return serve()
     if len(argv) != 2:
-        print("usage: python -m llmmem.compare.worker SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m llmmem.compare.worker SPEC.json OUT.json | --serve", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)
