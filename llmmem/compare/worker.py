@@ -262,6 +262,7 @@ def run_single(spec: dict) -> dict:
 
     cap = spec.get("cap_bytes") or result["peak_bytes"]
     trial_sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 2)
+    x_bytes = 2 * batch * cfg.seq_len * 8  # the batch's inputs and targets (int64)
 
     def peak_at(b: int) -> int | None:
         x, y = trial_sampler.next_batch(b)
@@ -290,6 +291,8 @@ def run_single(spec: dict) -> dict:
         kind="batch",
         first=first,
         linear=planned is None,
+        # what the step holds at batch 0: parameters, gradients, optimizer state (less the batch itself)
+        intercept=result["start_bytes"] - x_bytes,
     )
     clock.lap("search")
     return result
