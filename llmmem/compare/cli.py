@@ -230,9 +230,12 @@ def run_strategy(spec: dict, tmp: str, timeout: float, server: WorkerServer | No
         json.dump(spec, f)
     world = spec["strategy"]["tp"] * spec["strategy"]["dp"]
     try:
-        if world == 1 and server is not None:
+        if server is not None:
             log_path = os.path.join(tmp, f"{key}.log")
-            code = server.request({"spec": spec_path, "out": out_path, "log": log_path}, timeout)
+            job = {"spec": spec_path, "out": out_path, "log": log_path}
+            if world > 1:
+                job.update(world=world, timeout=timeout)  # the ranks' own limit; the request's is a little longer
+            code = server.request(job, timeout + (30.0 if world > 1 else 0.0))
             if code != 0:
                 try:
                     with open(log_path) as f:
@@ -306,8 +309,9 @@ def run(args) -> int:
     jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if args.quick else 1)
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="llmmem-compare-"))
-        # The single-process rows run in children forked from servers that import torch once; they
-        # start now, so their imports overlap each other and the device check.
+        # Every row runs in a child forked from a server that imported torch once (a parallel row: its
+        # ranks forked from that child); the servers start now, so their imports overlap each other
+        # and the device check.
         servers = [WorkerServer(args.threads, tmp) for _ in range(jobs)]
         for server in servers:
             stack.callback(server.close)
@@ -358,7 +362,7 @@ def run(args) -> int:
 
         def run_one(s, extra):
             t0 = time.perf_counter()
-            server = None if s.parallel else idle.get()
+            server = idle.get()
             try:
                 row = run_strategy(dict(common, strategy=s.to_dict(), **extra), tmp, timeout, server)
             finally:
@@ -382,7 +386,10 @@ def run(args) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             for s, row in zip(singles, pool.map(lambda s: run_one(s, extra), singles)):
                 by_key_row[s.key] = row
-        for server in servers:  # idle from here on
+        while not idle.empty():  # the parallel rows run one at a time, on the first server
+            idle.get()
+        idle.put(servers[0])
+        for server in servers[1:]:
             server.close()
         for s in strategies[1:]:
             if s.parallel:  # alone: their ranks share the machine's cores

@@ -483,6 +483,8 @@ def _forked(job: dict) -> int:
             os.dup2(fd, 2)
             if job.get("cuda_check"):
                 code = 0 if torch.cuda.is_available() else 3
+            elif job.get("world", 1) > 1:
+                code = _forked_ranks(job)
             else:
                 with open(job["spec"]) as f:
                     spec = json.load(f)
@@ -502,11 +504,35 @@ def _forked(job: dict) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def _forked_ranks(job: dict) -> int:
+    """A parallel strategy: ``job["world"]`` ranks forked from this child (the launcher), each running
+    :func:`rank_main`; 0 when every rank exited 0, else 1 with every rank's output on stderr."""
+    import tempfile
+
+    from llmmem.compare import worker_path
+    from llmmem.parallel.testing import fork_ranks
+
+    with open(job["spec"]) as f:
+        spec = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="llmmem-ranks-", dir=os.path.dirname(job["log"])) as folder:
+        codes = fork_ranks(
+            worker_path(), "rank_main", job["world"], folder, [spec, job["out"]], timeout=job["timeout"]
+        )
+        if all(codes.get(r) == 0 for r in range(job["world"])):
+            return 0
+        for r in range(job["world"]):
+            log = os.path.join(folder, f"rank{r}.log")
+            text = open(log).read() if os.path.exists(log) else ""
+            print(f"--- rank {r} (exit {codes.get(r)}) ---\n{text[-4000:]}", file=sys.stderr)
+        return 1
+
+
 def serve() -> int:
     """``python -m llmmem.compare.worker --serve``: import torch and llmmem once, then, for each line
     ``{"spec": SPEC.json, "out": OUT.json, "log": LOG}`` on stdin, run that strategy in a fresh child
     forked from this process (nothing of one strategy is left in the next) and answer
-    ``{"code": exit status}`` on stdout. ``{"cuda_check": true, "log": LOG}`` answers 0 when torch
+    ``{"code": exit status}`` on stdout; with ``"world": N, "timeout": SECONDS`` the child forks the
+    N ranks of a parallel strategy (:func:`_forked_ranks`). ``{"cuda_check": true, "log": LOG}`` answers 0 when torch
     sees a CUDA device (asked in a child too, so that this process never touches CUDA). Ends at the
     end of stdin. A fresh ``import torch`` costs seconds of CPU per process, a fork milliseconds."""
     _preload()
