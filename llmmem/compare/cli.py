@@ -134,13 +134,15 @@ class WorkerServer:
 
     def __init__(self, threads: int, tmp: str) -> None:
         self.threads, self.tmp = threads, tmp
-        self.proc = None
+        self.proc = self._stderr = None
         self._pending = b""
         self._ready = False
         self.start()
 
     def start(self) -> None:
         root = _llmmem_root()
+        if self._stderr is not None:
+            self._stderr.close()
         self._stderr = open(os.path.join(self.tmp, f"server-{id(self)}-{time.monotonic_ns()}.log"), "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmmem.compare.worker", "--serve"],

@@ -1,10 +1,10 @@
 """One strategy of ``python -m llmmem compare``, trained and measured in a fresh process.
 
-Single-process strategies: ``python -m llmmem.compare.worker SPEC.json OUT.json``, or, as the
-orchestrator runs them, each in a child forked from a server that imported torch once
-(``--serve``, :func:`serve`). Parallel ones run
-:func:`rank_main` on ``tp * dp`` gloo (or NCCL) ranks forked from one fresh launcher process
-(:func:`llmmem.parallel.testing.run_ranks`); rank 0 writes ``OUT.json``.
+Single-process strategies: ``python -m llmmem.compare.worker SPEC.json OUT.json``. Parallel ones run
+:func:`rank_main` on ``tp * dp`` gloo ranks forked from one launcher process
+(:func:`llmmem.parallel.testing.run_ranks`); rank 0 writes ``OUT.json``. As ``python -m llmmem
+compare`` runs them, both start from a server that imported torch once (``--serve``, :func:`serve`):
+a single-process strategy is a child forked from it, a parallel one a child that forks the ranks.
 
 What a run does, for every strategy alike: build the GPT from the seed, train ``steps`` steps on the
 same batches (the first warms up and creates the optimizer state, the middle ones are timed, the
