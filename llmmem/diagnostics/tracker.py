@@ -61,6 +61,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+
 from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key, storage_key
 from llmmem.errors import OutOfMemoryError
@@ -109,8 +112,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-# Trackers inside their ``with`` block (see MemoryTracker._pack).
-_ACTIVE: weakref.WeakSet = weakref.WeakSet()
+# Per thread: the trackers inside their ``with`` block on it, innermost last (see MemoryTracker._pack).
+_THREAD = threading.local()
+
+
+def _entered() -> list:
+    stack = getattr(_THREAD, "trackers", None)
+    if stack is None:
+        stack = _THREAD.trackers = []
+    return stack
 
 
 class _Record:
@@ -192,8 +202,11 @@ class MemoryTracker:
             loss.backward(); opt.step(); opt.zero_grad()
         print(tracker.table(top=8)); tracker.plot("memory.png")
 
-    Entering and leaving again adds steps to the same record. Not thread-safe across concurrent
-    training steps in one process. See the module docstring for what it costs and what it cannot see.
+    Entering and leaving again adds steps to the same record. A tracker counts the thread it is
+    entered on (and autograd's threads working for it): trackers entered on different threads, each
+    around its own model, do not see each other's tensors or modules; trackers nested on one thread
+    all see what is made inside the innermost. See the module docstring for what it costs and what
+    it cannot see.
     """
 
     def __init__(
@@ -277,6 +290,7 @@ class MemoryTracker:
         self._failure_exc = None
         self.rank: dict | None = None
         self._active = False
+        self._outer: list[weakref.ReferenceType] = []  # trackers this one was entered inside, same thread
         self._adopting = False  # counting tensors made before (no "where" for them)
         self._handles: list = []
         self._contexts: list = []
@@ -300,7 +314,9 @@ class MemoryTracker:
             self._adopting = False
         try:
             self._active = True
-            _ACTIVE.add(self)
+            entered = _entered()
+            self._outer = [weakref.ref(t) for t in entered]
+            entered.append(self)
             if self.model is not None:
                 self._adopt(self.model)
             if self.optimizer is not None:
@@ -325,7 +341,10 @@ class MemoryTracker:
 
     def __exit__(self, *exc):
         self._active = False
-        _ACTIVE.discard(self)
+        entered = _entered()
+        if self in entered:
+            entered.remove(self)
+        self._outer = []
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
         for h in self._handles + self._param_handles:
@@ -343,6 +362,15 @@ class MemoryTracker:
         self.stopped = time.perf_counter()
         self._sample_cuda("exit")
         return False
+
+    def _here(self) -> bool:
+        """Whether a global hook (module forward, optimizer step) that runs now belongs to this
+        tracker: it is active and its counting mode is on the calling thread's dispatch-mode stack
+        (thread-local; autograd's threads inherit it), so another thread's model is not adopted."""
+        if not self._active:
+            return False
+        live = self.live
+        return any(_dispatch_mode_at(i) is live for i in range(_dispatch_modes()))
 
     # =============================================================================================
     # counting (LiveBytes callbacks; all run under self._lock)
@@ -571,7 +599,7 @@ class MemoryTracker:
                 self._label(v, "optimizer_state", module=owner)
 
     def _pre_forward(self, module, args):
-        if not self._active:
+        if not self._here():
             return
         with self._lock:
             if torch._C._current_graph_task_id() != -1:
@@ -606,7 +634,7 @@ class MemoryTracker:
         self._label_inputs(args)
 
     def _root_kwargs(self, module, args, kwargs):
-        if self._active and len(self._stack) == 1 and torch._C._current_graph_task_id() == -1:
+        if self._here() and len(self._stack) == 1 and torch._C._current_graph_task_id() == -1:
             with self._lock:
                 self._label_inputs(kwargs)
 
@@ -621,7 +649,7 @@ class MemoryTracker:
     def _post_forward(self, module, args, *rest):
         # (kwargs, output) normally; torch calls a global with_kwargs hook with (output,) only when
         # the forward raised (an out-of-memory error, checkpointing's early stop): pop, hook nothing.
-        if not self._active:
+        if not self._here():
             return
         failed = len(rest) != 2
         kwargs, output = ({}, None) if failed else rest
@@ -706,7 +734,7 @@ class MemoryTracker:
         self._sample_cuda("backward end")
 
     def _pre_step(self, opt, args, kwargs):
-        if not self._active:
+        if not self._here():
             return
         with self._lock:
             if opt not in self._seen_optimizers:
@@ -717,7 +745,7 @@ class MemoryTracker:
             self._mark_phase("optimizer")
 
     def _post_step(self, opt, args, kwargs):
-        if not self._active:
+        if not self._here():
             return
         with self._lock:
             self._adopt_optimizer(opt)
@@ -726,10 +754,16 @@ class MemoryTracker:
         self._sample_cuda("optimizer end")
 
     def _pack(self, t: torch.Tensor):
-        # Only the innermost saved_tensors_hooks run: the innermost tracker's pack labels the tensor
-        # for every tracker active (an oom_report inside a profiling tracker, say).
-        for tracker in list(_ACTIVE):
-            tracker._label(t, saved=True)
+        # Only the innermost saved_tensors_hooks run (they are thread-local, and autograd's threads
+        # inherit them): this tracker labels the tensor for itself and for the trackers it was
+        # entered inside on its thread (an oom_report inside a profiling tracker), never for a
+        # tracker of another thread.
+        if self._active:
+            self._label(t, saved=True)
+        for ref in self._outer:
+            tracker = ref()
+            if tracker is not None and tracker._active:
+                tracker._label(t, saved=True)
         # A saved output returned as itself would hold its own grad_fn: a reference cycle through C++
         # that leaks when a forward is abandoned (an out-of-memory error). Detached: same storage and
         # version counter, so backward computes the same thing.
