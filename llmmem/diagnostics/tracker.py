@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import itertools
 import json
 import os
 import sys
@@ -286,6 +287,7 @@ class MemoryTracker:
         self._seen_optimizers = weakref.WeakSet()
         self._frame_cache: dict = {}
         self.cuda_samples: list[dict] = []
+        self._series = None  # (device, events, bytes live after each event): see _total_series
         self.failure: dict | None = None
         self._failure_exc = None
         self.rank: dict | None = None
@@ -974,9 +976,17 @@ class MemoryTracker:
             r = row(name)
             r["kept_for_backward"] = max(r["kept_for_backward"], nbytes)
         totals = self._total_series(dev)
+        n = len(totals)
+        # The device's peak while each module ran: the events from the one before it entered to the
+        # one before it left, all answered in one pass over the series.
+        spans = []
+        for _, _, _, start, end, _ in self._intervals:
+            lo = max(0, start - 1)
+            spans.append((lo, min(n, max(self.events if end is None else end, lo + 1))))
+        peaks = _span_maxima(totals, spans)
         allocs = [rec.alloc for rec in self._records]  # increasing: records are made in event order
         enclosing: dict[tuple, int] = defaultdict(int)  # (ancestor, step) -> bytes recomputed under it
-        for name, phase, step, start, end, outermost in self._intervals:
+        for (name, phase, step, start, end, outermost), value in zip(self._intervals, peaks):
             end = self.events if end is None else end
             if phase == "recompute":
                 left = 0
@@ -988,9 +998,6 @@ class MemoryTracker:
                 if outermost:
                     for a in list(_ancestors(name))[:-1]:
                         enclosing[(a, step)] += left
-            lo = max(0, start - 1)
-            segment = totals[lo : max(end, lo + 1)]
-            value = max(segment) if segment else 0
             r = row(name)
             key = f"{phase}_peak"
             r[key] = value if r[key] is None else max(r[key], value)
@@ -1000,12 +1007,19 @@ class MemoryTracker:
         return list(names.values())
 
     def _total_series(self, dev: str) -> list[int]:
-        """Bytes live on ``dev`` after every event (all devices' events, so indices are event numbers)."""
-        out, total, recs = [], 0, self._records
-        for ri, delta in zip(self._ev_rec, self._ev_delta):
-            if recs[ri].device == dev:
-                total += delta
-            out.append(total)
+        """Bytes live on ``dev`` after every event (all devices' events, so indices are event numbers).
+        Kept until the next event: :meth:`table` reads it for the modules and the phases."""
+        cached = self._series
+        if cached is not None and cached[0] == dev and cached[1] == self.events:
+            return cached[2]
+        if set(self._dev_total) <= {dev}:  # every event is on dev
+            out = list(itertools.accumulate(self._ev_delta))
+        else:
+            recs = self._records
+            out = list(
+                itertools.accumulate(d if recs[ri].device == dev else 0 for ri, d in zip(self._ev_rec, self._ev_delta))
+            )
+        self._series = (dev, self.events, out)
         return out
 
     def phase_peaks(self, device=None) -> dict:
@@ -1013,11 +1027,11 @@ class MemoryTracker:
         self._require_timeline("phase_peaks")
         dev = self._dev(device)
         totals = self._total_series(dev)
+        n = len(totals)
+        spans = [span for span in self.phases() if span["start"] < min(n, span["end"])]
         out: dict[str, int] = {}
-        for span in self.phases():
-            segment = totals[span["start"] : span["end"]]
-            if segment:
-                out[span["phase"]] = max(out.get(span["phase"], 0), max(segment))
+        for span, value in zip(spans, _span_maxima(totals, [(s["start"], min(n, s["end"])) for s in spans])):
+            out[span["phase"]] = max(out.get(span["phase"], 0), value)
         return out
 
     # =============================================================================================
@@ -1205,6 +1219,34 @@ def _pop(stack: list, name: str, close) -> None:
             while len(stack) > i:
                 close(stack.pop()[1])
             return
+
+
+_CHUNK = 256  # events per precomputed maximum in _span_maxima
+
+
+def _span_maxima(values: list, spans: list) -> list:
+    """``max(values[lo:hi])`` (0 if empty) for every ``(lo, hi)`` in ``spans``. One pass over
+    ``values`` takes the maximum of every chunk of ``_CHUNK`` events; a span then reads at most two
+    partial chunks and one maximum per whole chunk: O(len(values) + len(spans) * (_CHUNK +
+    span / _CHUNK)), not the sum of the spans' lengths."""
+    n, size = len(values), _CHUNK
+    chunks = [max(values[j : j + size]) for j in range(0, n, size)]
+    out = []
+    for lo, hi in spans:
+        hi = min(hi, n)
+        if hi <= lo:
+            out.append(0)
+        elif hi - lo <= 2 * size:
+            out.append(max(values[lo:hi]))
+        else:
+            first, last = -(-lo // size), hi // size  # the whole chunks inside (at least one)
+            top = max(chunks[first:last])
+            if lo < first * size:
+                top = max(top, max(values[lo : first * size]))
+            if last * size < hi:
+                top = max(top, max(values[last * size : hi]))
+            out.append(top)
+    return out
 
 
 def _fmt(value) -> str:
