@@ -168,15 +168,15 @@ def _check_scalar(
     """The checks torch's ops make (same messages), done before the C core gets a raw pointer:
     it would read a float64 scale as float32, or write past a tensor that is too small."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        raise TypeError(f"llmmem.GradScaler: {name} must be a tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise RuntimeError(f"{name} must be {kind} tensor.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be {kind} tensor.")
     if t.numel() != numel:
-        raise RuntimeError(f"{name} must be a {numel}-element tensor.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be a {numel}-element tensor.")
     if t.device != device:
-        raise RuntimeError(f"{name} must be on {device} (where the work runs), got {t.device}.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be on {device} (where the work runs), got {t.device}.")
     if numel > 1 and not t.is_contiguous():
-        raise RuntimeError(f"{name} must be contiguous.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be contiguous.")
 
 
 def _address(t: torch.Tensor) -> int:
