@@ -281,7 +281,9 @@ class GradScaler(_ScalerVisibility):
                 if isinstance(val, (list, tuple)):
                     return type(val)(iterable)
                 return iterable
-            raise ScaleInputError(f"llmmem.GradScaler: outputs must be a Tensor or an iterable of Tensors, got {type(val).__name__}")
+            raise ScaleInputError(
+                f"llmmem.GradScaler: outputs must be a Tensor or an iterable of Tensors, got {type(val).__name__}"
+            )
 
         return apply_scale(outputs)
 
@@ -362,7 +364,9 @@ class GradScaler(_ScalerVisibility):
                     continue
                 # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
                 if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
-                    raise AssertionError(f"llmmem.GradScaler: expected param to be torch.Tensor, got {type(param).__name__}")
+                    raise AssertionError(
+                        f"llmmem.GradScaler: expected param to be torch.Tensor, got {type(param).__name__}"
+                    )
                 grad = param.grad
                 if grad is not None:
                     grads.append(grad)
@@ -461,7 +465,9 @@ class GradScaler(_ScalerVisibility):
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("llmmem.GradScaler: unscale_() has already been called on this optimizer since the last update().")
+            raise RuntimeError(
+                "llmmem.GradScaler: unscale_() has already been called on this optimizer since the last update()."
+            )
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("llmmem.GradScaler: unscale_() is being called after step().")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)

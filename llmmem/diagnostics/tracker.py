@@ -62,15 +62,16 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_dispatch_mode_at = torch._C._get_dispatch_stack_at
-
 from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key, storage_key
 from llmmem.errors import OutOfMemoryError
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["MemoryTracker", "CATEGORIES", "PHASES", "is_out_of_memory"]
+
+# The calling thread's dispatch-mode stack (thread-local; see MemoryTracker._here).
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
 
 CATEGORIES = (
     "parameters",
