@@ -407,23 +407,10 @@ def update_scale_(
     if len(found_infs) > 16:  # the C entry takes at most 16 flags: fold the rest first
         found_infs = [torch.stack(list(found_infs)).sum()]
     why_not = _kernel_unsupported_reason(device)
-    if why_not is None:
-        _launch.launch_update(
-            scale,
-            growth_tracker,
-            hysteresis_tracker,
-            stats,
-            found_infs,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            hysteresis_on_growth,
-        )
-        return
-    _warn_fallback(device, why_not)
-    _torch_update_(
+    if why_not is not None:
+        _warn_fallback(device, why_not)
+    update = _launch.launch_update if why_not is None else _torch_update_
+    update(
         scale,
         growth_tracker,
         hysteresis_tracker,

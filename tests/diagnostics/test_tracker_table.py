@@ -10,9 +10,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from support.diagnostics import gpt_step, tiny_gpt
+from support.diagnostics import checkpoint_blocks, gpt_step, tiny_gpt
 
-import llmmem
 from llmmem.diagnostics.tracker import MemoryTracker, _ancestors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,16 +106,7 @@ def _phase_peaks_by_replay(tracker) -> dict:
 def _tracked(checkpointed: bool) -> MemoryTracker:
     model, opt = tiny_gpt(layers=3)
     if checkpointed:
-
-        class Checkpointed(torch.nn.Module):
-            def __init__(self, block):
-                super().__init__()
-                self.block = block
-
-            def forward(self, x):
-                return llmmem.checkpoint(self.block, x)
-
-        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+        checkpoint_blocks(model)
     with MemoryTracker(model, opt, stacks=False) as tracker:
         for _ in range(3):
             gpt_step(model, opt, 2)
