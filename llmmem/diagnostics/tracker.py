@@ -72,6 +72,7 @@ __all__ = ["MemoryTracker", "CATEGORIES", "PHASES", "is_out_of_memory"]
 # The calling thread's dispatch-mode stack (thread-local; see MemoryTracker._here).
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _dispatch_mode_at = torch._C._get_dispatch_stack_at
+_thread_id = threading.get_ident
 
 CATEGORIES = (
     "parameters",
@@ -294,6 +295,7 @@ class MemoryTracker:
         self.rank: dict | None = None
         self._active = False
         self._outer: list[weakref.ReferenceType] = []  # trackers this one was entered inside, same thread
+        self._thread = None  # the id of the thread it was entered on
         self._adopting = False  # counting tensors made before (no "where" for them)
         self._handles: list = []
         self._contexts: list = []
@@ -320,6 +322,7 @@ class MemoryTracker:
             entered = _entered()
             self._outer = [weakref.ref(t) for t in entered]
             entered.append(self)
+            self._thread = _thread_id()
             if self.model is not None:
                 self._adopt(self.model)
             if self.optimizer is not None:
@@ -372,6 +375,8 @@ class MemoryTracker:
         (thread-local; autograd's threads inherit it), so another thread's model is not adopted."""
         if not self._active:
             return False
+        if _thread_id() == self._thread:  # the thread it was entered on (its mode is on the stack there)
+            return True
         live = self.live
         return any(_dispatch_mode_at(i) is live for i in range(_dispatch_modes()))
 
