@@ -219,7 +219,9 @@ def _resolve_budget(budget, reference_peak: int, who: str) -> int:
         return int(budget * reference_peak)
     if isinstance(budget, str) and "%" in budget:
         m = _PERCENT.match(budget)
-        percent = float(m.group(1)) if m else math.nan
+        if m is None:
+            raise bad(f"{budget!r} is not a percent")
+        percent = float(m.group(1))
         if not 0.0 < percent <= 100.0:
             raise bad(f"as a percent must be in (0%, 100%], got {budget!r}")
         return int(percent / 100.0 * reference_peak)
