@@ -43,6 +43,7 @@ from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key
 
 __all__ = [
+    "kept_state",
     "profile_blocks",
     "profile_calls",
     "measure_saved_bytes",
@@ -997,7 +998,9 @@ def loss_of(out) -> torch.Tensor:
 def sample_step(model, sample) -> Callable[[], None]:
     """One training step on ``sample``: a callable is the step itself; a tensor, a tuple/list or a
     mapping are the model's inputs (``model(x)``, ``model(*sample)``, ``model(**sample)``), and the
-    step is that forward, :func:`loss_of` its output, and the backward."""
+    step is that forward, :func:`loss_of` its output, and the backward. Such a step carries
+    ``called_as`` (how the model is called, with the sample's types), which :func:`record_step`
+    puts in the ``TypeError`` it raises when the model refuses the sample before any block ran."""
     if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
         return sample
     if isinstance(sample, torch.Tensor):
