@@ -53,27 +53,22 @@ def _linear_master_init(weight: torch.Tensor, bias: torch.Tensor | None, init_me
 
 
 class _ParallelLinearBase(nn.Module):
-    """What :class:`ColumnParallelLinear` and :class:`RowParallelLinear` share: the constructor's
-    arguments other than their own one (``gather_output`` / ``input_is_parallel``), the slicing of
-    the full weight, ``full_weight``/``full_bias`` and ``from_linear``."""
-
     # dimension of the full weight (out, in) that is split across ranks
     _split_dim: int
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        *,
-        process_group=None,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        skip_bias_add: bool = False,
-        init_method: Callable[[torch.Tensor], object] | None = None,
-        device=None,
-        dtype=None,
-        _master=None,
+        in_features,
+        out_features,
+        bias,
+        process_group,
+        sequence_parallel,
+        sequence_dim,
+        skip_bias_add,
+        init_method,
+        device,
+        dtype,
+        _master,
     ) -> None:
         super().__init__()
         cls = type(self).__name__
@@ -189,10 +184,6 @@ class ColumnParallelLinear(_ParallelLinearBase):
         fuse it (the bias is this rank's slice, or the whole bias when ``gather_output``).
     :param init_method: ``callable(weight)`` applied to the full weight (then biases are zeroed);
         default: ``nn.Linear``'s initialisation.
-    :param process_group, device, dtype: the tensor-parallel group (default: :func:`init`'s, else
-        the world), and where and in what the weight is made. These and ``sequence_dim``,
-        ``skip_bias_add``, ``init_method`` are keyword-only, and the same for
-        :class:`RowParallelLinear`.
 
     Memory: weight and bias are 1/t of ``nn.Linear``'s; the forward keeps the (gathered) input
     for backward, as ``nn.Linear`` does.
@@ -201,14 +192,39 @@ class ColumnParallelLinear(_ParallelLinearBase):
     _split_dim = 0
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False, **kwargs
-    ):
-        if kwargs.get("sequence_parallel") and gather_output:
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        process_group=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        skip_bias_add: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        device=None,
+        dtype=None,
+        _master=None,
+    ) -> None:
+        if sequence_parallel and gather_output:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
                 "(the output is sharded by features; gather it explicitly if you need it)"
             )
-        super().__init__(in_features, out_features, bias, **kwargs)
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            process_group,
+            sequence_parallel,
+            sequence_dim,
+            skip_bias_add,
+            init_method,
+            device,
+            dtype,
+            _master,
+        )
         self.gather_output = bool(gather_output)
 
     def forward(self, x: torch.Tensor):
@@ -242,8 +258,6 @@ class RowParallelLinear(_ParallelLinearBase):
         :class:`ColumnParallelLinear` with ``gather_output=False``); otherwise this rank's slice is
         taken here. Must be True with ``sequence_parallel``.
     :param skip_bias_add: return ``(output, bias)`` with the (whole, replicated) bias not added.
-    :param kwargs: ``process_group``, ``sequence_parallel``, ``sequence_dim``, ``init_method``,
-        ``device``, ``dtype``: as for :class:`ColumnParallelLinear`.
 
     With ``sequence_parallel`` the bias gradient on each rank covers only its slice of the
     sequence: sum it over the group with :func:`llmmem.parallel.allreduce_sequence_parallel_grads`
@@ -253,11 +267,36 @@ class RowParallelLinear(_ParallelLinearBase):
     _split_dim = 1
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True, **kwargs
-    ):
-        if kwargs.get("sequence_parallel") and not input_is_parallel:
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = True,
+        process_group=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        skip_bias_add: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        device=None,
+        dtype=None,
+        _master=None,
+    ) -> None:
+        if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        super().__init__(in_features, out_features, bias, **kwargs)
+        super().__init__(
+            in_features,
+            out_features,
+            bias,
+            process_group,
+            sequence_parallel,
+            sequence_dim,
+            skip_bias_add,
+            init_method,
+            device,
+            dtype,
+            _master,
+        )
         self.input_is_parallel = bool(input_is_parallel)
 
     def forward(self, x: torch.Tensor):
