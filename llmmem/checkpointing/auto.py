@@ -246,8 +246,9 @@ def auto_checkpoint(
     plan when called on the chain input or iterated by the model's loop.
 
     :param budget: the **peak** activation memory of a training step: bytes, a string like
-        ``"6GB"``, or a fraction in (0, 1] of that peak without checkpointing (measured on the
-        sample step for a model; the planner's model of it for a bare chain). Activation memory is
+        ``"6GB"``, or a fraction in (0, 1] (``0.5``, or a percent string such as ``"50%"``) of
+        that peak without checkpointing (measured on the sample step for a model; the planner's
+        model of it for a bare chain). Activation memory is
         what the step allocates beyond the parameters, their gradients and the batch: what is kept
         for backward and every temporary of the forward and the backward.
     :param slots, offload, host_bandwidth: as in :func:`llmmem.plan_checkpoints`.

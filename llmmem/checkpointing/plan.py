@@ -16,9 +16,9 @@ from regions of one block, ``"store-input-only"``.
 
 Budgets bound the **peak** of activation memory during a training step (what the step allocates
 beyond the parameters, their gradients and the batch: kept tensors and every temporary of the
-forward and the backward): bytes (``int``), a string (``"6GB"``, ``"512MiB"``) or a fraction
-(``float`` in (0, 1]) of that peak without checkpointing (measured on a whole model; the
-planner's model of it for a chain of blocks).
+forward and the backward): bytes (``int``), a string (``"6GB"``, ``"512MiB"``), or a fraction
+(``float`` in (0, 1], or a percent string such as ``"50%"`` or ``"12.5%"``) of that peak without
+checkpointing (measured on a whole model; the planner's model of it for a chain of blocks).
 
 With ``offload=True`` the planner may also keep the input of a top-level region in host memory
 (``llmmem.checkpoint(offload=True)``): zero device bytes for that input between the region's forward
@@ -31,6 +31,7 @@ every-layer checkpointing minimum. The model is in csrc/include/llmmem/checkpoin
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -196,14 +197,40 @@ class CheckpointPlan:
         return self.describe()
 
 
+BUDGET_FORMS = (
+    "bytes (an int such as 6_000_000_000), a string like '6GB' or '512MiB', a fraction in (0, 1] "
+    "(a float such as 0.5) or a percent like '50%' of the peak without checkpointing"
+)
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*%\s*$")
+
+
 def _resolve_budget(budget, reference_peak: int, who: str) -> int:
+    """Bytes of a planner budget: bytes or a byte string as they are; a fraction (``0.5``) or a
+    percent string (``"50%"``) of ``reference_peak``, the peak without checkpointing."""
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{who}: budget {why}; expected {BUDGET_FORMS}")
+
     if isinstance(budget, bool):
-        raise ValueError(f"{who}: budget must be bytes, a string like '6GB' or a fraction in (0, 1], got {budget!r}")
+        raise bad(f"cannot be a bool, got {budget!r}")
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
-            raise ValueError(f"{who}: a fractional budget must be in (0, 1], got {budget!r}")
+            raise bad(f"as a fraction must be in (0, 1], got {budget!r}")
         return int(budget * reference_peak)
-    return parse_bytes(budget, name=f"{who}: budget")
+    if isinstance(budget, str) and "%" in budget:
+        m = _PERCENT.match(budget)
+        if m is None:
+            raise bad(f"{budget!r} is not a percent")
+        percent = float(m.group(1))
+        if not 0.0 < percent <= 100.0:
+            raise bad(f"as a percent must be in (0%, 100%], got {budget!r}")
+        return int(percent / 100.0 * reference_peak)
+    name = f"{who}: budget"
+    try:
+        return parse_bytes(budget, name=name)
+    except ValueError as e:
+        detail = str(e).removeprefix(f"{name}: ")
+        raise bad(f"{budget!r} is not valid ({detail})") from None
 
 
 def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, bool]:
@@ -244,7 +271,8 @@ def plan_checkpoints(
 
     :param blocks: the chain (as for :func:`profile_blocks`); may be ``None`` with ``profile=``.
     :param sample_input: input of the first block (not needed with ``profile=``).
-    :param budget: bytes, a string (``"6GB"``), or a fraction of the no-checkpoint peak.
+    :param budget: bytes, a string (``"6GB"``), or a fraction (``0.5``, or a percent string
+        ``"50%"``) of the no-checkpoint peak.
     :param profile: reuse a :class:`ChainProfile` instead of measuring.
     :param slots: memory discretisation of the DP (more: closer to optimal, slower); default 2000
         for identical blocks or chains of at most 32 blocks, else 500.

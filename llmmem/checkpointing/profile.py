@@ -43,6 +43,7 @@ from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key
 
 __all__ = [
+    "kept_state",
     "profile_blocks",
     "profile_calls",
     "measure_saved_bytes",
@@ -764,6 +765,28 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
     )
 
 
+@contextlib.contextmanager
+def kept_state(params: Sequence[torch.Tensor], devices: Sequence[torch.device] = ()):
+    """Inside: profiling may draw random numbers and make gradients; on exit (also on an error) the
+    random state (the CPU's and that of every CUDA device in ``devices``) and each parameter's
+    ``.grad`` are exactly as before. Gradients are set to ``None`` inside, so autograd makes new
+    tensors rather than accumulating into the caller's (which it would do in place).
+
+    Memory: references to the old gradients only; no synchronisation beyond reading the CUDA
+    random states."""
+    params = [p for p in params if isinstance(p, torch.Tensor)]
+    grads = [p.grad for p in params]
+    cuda = sorted({d for d in (torch.device(d) for d in devices) if d.type == "cuda"}, key=str)
+    try:
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            for p in params:
+                p.grad = None
+            yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
 def _block_signature(block, call: BlockCall) -> tuple:
     params = tuple((tuple(p.shape), p.dtype, p.device, p.requires_grad) for p in _module_tensors(block))
     training = block.training if isinstance(block, nn.Module) else None
@@ -810,8 +833,9 @@ def profile_calls(
     for i, (b, c) in enumerate(zip(blocks, calls)):
         key = 0 if same_blocks else (i if same_blocks is False else _block_signature(b, c))
         groups.setdefault(key, []).append(i)
-    rng = torch.get_rng_state()  # profiling must not change the user's random stream
-    try:
+    params = [p for b in blocks for p in b.parameters()]
+    # profiling must change neither the user's random stream nor the gradients
+    with kept_state(params, {device, *(p.device for p in params)}):
         costs: list = [None] * n
         for members in groups.values():
             i = members[0]
@@ -822,8 +846,6 @@ def profile_calls(
             with torch.no_grad():
                 args, kwargs = calls[-1].args, calls[-1].kwargs
                 output_bytes = _tensor_bytes(hidden_of(runs[-1](*args, **kwargs)))
-    finally:
-        torch.set_rng_state(rng)
     K = len(modes) + (0 if chainable else 1)
     prof = ChainProfile(
         modes + (() if chainable else (INPUT_ONLY,)),
@@ -903,7 +925,8 @@ def profile_blocks(
 
     Memory: one block's activations at a time (and the chain's boundary activations). Runs each
     measured block once per mode under the meters, and ``2 * (warmup + repeats)`` timed steps;
-    synchronises a CUDA device. Gradients of the blocks' parameters are reset to ``None``.
+    synchronises a CUDA device. The random state (CPU and CUDA) and the blocks' parameter
+    gradients are left exactly as they were, also when profiling raises.
     """
     blocks = as_block_list(blocks, "profile_blocks")
     if not isinstance(sample_input, torch.Tensor):
@@ -912,22 +935,26 @@ def profile_blocks(
             "with several arguments, give the whole model to llmmem.auto_checkpoint(model, sample=...))"
         )
     x = sample_input.detach()
-    calls = []
-    with torch.no_grad():
-        for block in blocks:
-            calls.append(BlockCall((x,)))
-            x = block(x)
-            if not isinstance(x, torch.Tensor):
-                raise TypeError("profile_blocks: each block must return one tensor (the next block's input)")
-    return profile_calls(
-        blocks,
-        calls,
-        modes=modes,
-        repeats=repeats,
-        warmup=warmup,
-        same_blocks=same_blocks,
-        output_bytes=_tensor_bytes(x),
-    )
+    params = [p for b in blocks for p in b.parameters()]
+    devices = {x.device, *(p.device for p in params)}
+    # the state is kept before the chain runs: its dropout draws random numbers too
+    with kept_state(params, devices):
+        calls = []
+        with torch.no_grad():
+            for block in blocks:
+                calls.append(BlockCall((x,)))
+                x = block(x)
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError("profile_blocks: each block must return one tensor (the next block's input)")
+        return profile_calls(
+            blocks,
+            calls,
+            modes=modes,
+            repeats=repeats,
+            warmup=warmup,
+            same_blocks=same_blocks,
+            output_bytes=_tensor_bytes(x),
+        )
 
 
 def as_block_list(blocks, who: str) -> list:
@@ -971,20 +998,19 @@ def loss_of(out) -> torch.Tensor:
 def sample_step(model, sample) -> Callable[[], None]:
     """One training step on ``sample``: a callable is the step itself; a tensor, a tuple/list or a
     mapping are the model's inputs (``model(x)``, ``model(*sample)``, ``model(**sample)``), and the
-    step is that forward, :func:`loss_of` its output, and the backward."""
+    step is that forward, :func:`loss_of` its output, and the backward. Such a step carries
+    ``called_as`` (how the model is called, with the sample's types), which :func:`record_step`
+    puts in the ``TypeError`` it raises when the model refuses the sample before any block ran."""
     if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
         return sample
     if isinstance(sample, torch.Tensor):
-        call = lambda: model(sample)  # noqa: E731
+        call, how = (lambda: model(sample)), "model(sample)"
     elif isinstance(sample, (tuple, list)):
-        call = lambda: model(*sample)  # noqa: E731
+        call, how = (lambda: model(*sample)), "model(*sample)"
     elif isinstance(sample, Mapping):
-        call = lambda: model(**dict(sample))  # noqa: E731
+        call, how = (lambda: model(**dict(sample))), "model(**sample)"
     else:
-        raise TypeError(
-            f"sample: expected a batch (a tensor, a tuple or list of the model's arguments, a dict of its keyword "
-            f"arguments) or a callable running one training step, got {type(sample).__name__}"
-        )
+        raise TypeError(f"sample: expected {SAMPLE_FORMS}, got {type(sample).__name__}")
 
     def step() -> None:
         out = call()
@@ -992,7 +1018,35 @@ def sample_step(model, sample) -> Callable[[], None]:
         del out  # nothing but the loss outlives the forward, as in a training loop
         loss.backward()
 
+    # what record_step says when the model refuses the sample before any block ran
+    step.called_as = f"{how} with sample = {describe_value(sample)}"
+    step.hint = ""
+    if isinstance(sample, (tuple, list)) and len(sample) == 1 and isinstance(sample[0], Mapping):
+        step.hint = "; sample holds one dict: for model(**batch), give the dict itself (sample=batch)"
     return step
+
+
+SAMPLE_FORMS = (
+    "a batch (a tensor: model(sample); a tuple or list of the model's positional arguments: model(*sample); a "
+    "dict of its keyword arguments: model(**sample)) or a callable running one training step"
+)
+
+
+def describe_value(v, depth: int = 0) -> str:
+    """A short description of a sample's types: tensors by shape and dtype, containers by their items."""
+    if isinstance(v, torch.Tensor):
+        return f"Tensor{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+    if depth >= 2:
+        return type(v).__name__
+    if isinstance(v, Mapping):
+        items = ", ".join(f"{k!r}: {describe_value(x, depth + 1)}" for k, x in list(v.items())[:6])
+        more = ", ..." if len(v) > 6 else ""
+        return f"{type(v).__name__} {{{items}{more}}}"
+    if isinstance(v, (tuple, list)):
+        items = ", ".join(describe_value(x, depth + 1) for x in v[:6])
+        more = ", ..." if len(v) > 6 else ""
+        return f"{type(v).__name__} of {len(v)} [{items}{more}]"
+    return type(v).__name__
 
 
 def _copy_call(meter: ActivationMeter, args: tuple, kwargs: dict, memo: dict) -> tuple[tuple, dict]:
@@ -1090,6 +1144,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
 
     def pre_hook(i):
         def hook(module, args, kwargs):
+            done["block_started"] = True
             if calls[i] is not None:
                 return
             previous = outs[i - 1]() if i > 0 and outs[i - 1] is not None else None
@@ -1150,8 +1205,18 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
             handles.append(b.register_forward_hook(post_hook(i), with_kwargs=True))
             own_forwards.append(b.__dict__.get("forward"))
             b.__dict__["forward"] = functools.partial(recording_forward, i, b.forward)
-        with meter:
-            step()
+        try:
+            with meter:
+                step()
+        except Exception as e:
+            called_as = getattr(step, "called_as", None)
+            if called_as is None or "block_started" in done:
+                raise  # the user's own step, or the model's own error once its blocks ran
+            raise TypeError(
+                f"auto_checkpoint: the sample step failed before any of the {L} blocks ran: the model was called "
+                f"as {called_as} and raised {type(e).__name__}: {e}. sample must be {SAMPLE_FORMS}"
+                f"{getattr(step, 'hint', '')}"
+            ) from e
         meter.mark("end")
     finally:
         held.clear()
@@ -1216,22 +1281,14 @@ def profile_model(
     :func:`record_step`). Blocks of one class and call signature are measured once.
 
     Memory: the step with the blocks keeping nothing, then one block's activations at a time. The
-    random state and the parameters' ``.grad`` are as before; the step's other effects (an optimizer
-    step in a callable ``sample``) happen once.
+    random state and the parameters' ``.grad`` are as before (:func:`kept_state`, also on an error);
+    the step's other effects (an optimizer step in a callable ``sample``) happen once.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     step = sample_step(model, sample)
     params = list(model.parameters())
-    grads = [p.grad for p in params]
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-        try:
-            for p in params:
-                p.grad = None
-            rec = record_step(model, blocks, step, device)
-        finally:
-            for p, g in zip(params, grads):
-                p.grad = g
+    with kept_state(params, {device, *(p.device for p in params)}):
+        rec = record_step(model, blocks, step, device)
         stripped = []
         for c in rec.calls:
             args, kwargs, _ = without_cache(c.args, c.kwargs)
@@ -1246,8 +1303,6 @@ def profile_model(
             runs=runs,
             output_bytes=rec.output_bytes,
         )
-        for p, g in zip(params, grads):
-            p.grad = g
     prof.head = rec.head
     prof.static_bytes = rec.static_bytes
     prof.outside_peak_bytes = rec.outside_peak_bytes

@@ -53,7 +53,7 @@ def checkpoint_sequential(
     :param functions: an ``nn.Sequential`` or a list/tuple of callables, each taking one value.
     :param segments: number of segments (``1 <= segments <= len(functions)``), or ``"auto"`` to
         let the C planner choose the region boundaries for ``budget=`` (bytes, ``"6GB"``, or a
-        fraction of the activation bytes without checkpointing); see :func:`llmmem.auto_checkpoint`.
+        fraction, ``0.5`` or ``"50%"``, of the activation bytes without checkpointing); see :func:`llmmem.auto_checkpoint`.
         With ``"auto"`` the functions must be modules, and they are profiled on ``input`` on every
         call (build ``llmmem.auto_checkpoint`` once instead when calling in a loop); an
         impossible budget raises :class:`llmmem.InfeasibleError` stating the least one.

@@ -1,9 +1,11 @@
-"""``python -m llmmem estimate``: the estimator on a named model or explicit dimensions."""
+"""``python -m llmmem estimate``: the estimator on a named model, a Hugging Face ``config.json`` (or a
+directory holding one, read offline), or explicit dimensions."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 
 from llmmem.estimation import model_configs
@@ -18,12 +20,14 @@ def register_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "estimate",
         help="memory needed to train a model, and what makes it fit",
-        description="Per-device training memory (bytes) for a named model or explicit dimensions.",
+        description="Per-device training memory (bytes) for a named model, a Hugging Face config.json (or a "
+        "directory holding one) or explicit dimensions.",
     )
     p.add_argument(
         "model",
         nargs="?",
-        help=f"one of: {', '.join(model_configs.NAMED_MODELS)} (or give --layers --hidden --heads --vocab ...)",
+        help=f"one of: {', '.join(model_configs.NAMED_MODELS)}; or a Hugging Face config.json, or a directory "
+        "holding one (read offline); or give --layers --hidden --heads --vocab ...",
     )
     p.add_argument("--batch", type=int, default=1, help="micro-batch per data-parallel rank (default 1)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
@@ -66,6 +70,19 @@ def _checkpointing_arg(text: str):
     return int(text) if text.strip().isdigit() else text
 
 
+def _named_or_file(text: str) -> ModelConfig:
+    """A named model, else a Hugging Face config file (or a directory holding config.json)."""
+    if text.strip().lower() in model_configs.NAMED_MODELS:
+        return model_configs.lookup(text)
+    if os.path.exists(text) or os.sep in text or "/" in text or text.endswith(".json"):
+        return model_configs.read_hf_config_file(text, name="model")
+    raise ValueError(
+        f"model: unknown model name {text!r} and no such file; known models: {', '.join(model_configs.NAMED_MODELS)}; "
+        "or give a Hugging Face config.json or a directory holding one, or explicit dimensions (--layers --hidden "
+        "--heads --vocab)"
+    )
+
+
 def _run_cli(args) -> int:
     overrides = {
         k: getattr(args, k)
@@ -73,7 +90,7 @@ def _run_cli(args) -> int:
         if getattr(args, k) is not None
     }
     if args.model is not None:
-        model = model_configs.lookup(args.model)
+        model = _named_or_file(args.model)
         if overrides:
             fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
             if "mlp" in overrides and "ffn" not in overrides:

@@ -371,6 +371,19 @@ def from_hf_config(config) -> ModelConfig:
     if callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()
     raw = config.to_dict()
+    sizes = {
+        "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden": ("hidden_size", "n_embd", "d_model"),
+        "heads": ("num_attention_heads", "n_head"),
+        "vocab": ("vocab_size",),
+    }
+    missing = [" / ".join(names) for names in sizes.values() if all(getattr(config, n, None) is None for n in names)]
+    if missing:
+        model_type = getattr(config, "model_type", None) or type(config).__name__
+        raise ValueError(
+            f"model: a Hugging Face config of model_type {model_type!r}, an architecture the estimator does not know: "
+            f"it reads decoder-only transformers and found no {'; no '.join(missing)}"
+        )
 
     def get(*names, default=None):
         for n in names:
@@ -410,3 +423,61 @@ def from_hf_config(config) -> ModelConfig:
         head_dim=get("head_dim"),
         name=str(getattr(config, "name_or_path", "") or model_type or type(config).__name__),
     )
+
+
+class HFConfigFile:
+    """A Hugging Face ``config.json`` read as a config object for :func:`from_hf_config`: its keys
+    as attributes (a key the file lacks reads as absent, so :func:`from_hf_config`'s defaults
+    apply), ``to_dict()``, and ``get_text_config()`` (the ``text_config`` of a multimodal config).
+    Plain JSON: neither ``transformers`` nor any network access."""
+
+    def __init__(self, mapping: dict, name_or_path: str = "") -> None:
+        self._raw = dict(mapping)
+        self.name_or_path = name_or_path
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_raw":
+            raise AttributeError(name)
+        raw = self.__dict__.get("_raw", {})
+        if name == "_attn_implementation":  # saved, when at all, under either name
+            return raw.get("_attn_implementation") or raw.get("attn_implementation")
+        if name in raw:
+            return raw[name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict:
+        return dict(self._raw)
+
+    def get_text_config(self) -> HFConfigFile:
+        text = self._raw.get("text_config")
+        return HFConfigFile(text, self.name_or_path) if isinstance(text, dict) else self
+
+
+def read_hf_config_file(path, name: str = "model") -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face ``config.json``: ``path`` is that file or a directory
+    holding one (a saved model). Read as :func:`from_hf_config` reads a config object (what the file
+    does not list takes that function's defaults, not the model class's), offline. ValueError naming
+    ``name`` for a missing or unreadable file and for a config the estimator does not know."""
+    import json
+    import os
+
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        where = f"the directory {path!r} holds no config.json" if os.path.isdir(path) else f"no such file {path!r}"
+        raise ValueError(
+            f"{name}: {where}; expected a model name ({', '.join(NAMED_MODELS)}), a Hugging Face config.json "
+            "or a directory holding one"
+        )
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}: cannot read {file!r} as a Hugging Face config ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name}: {file!r} holds a JSON {type(raw).__name__}, not a Hugging Face config (an object)")
+    try:
+        return from_hf_config(HFConfigFile(raw, name_or_path=path))
+    except ValueError as e:
+        detail = str(e).removeprefix("model: ")
+        raise ValueError(f"{name}: {file!r}: {detail}") from None

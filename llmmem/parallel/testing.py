@@ -150,7 +150,7 @@ def _rank_main(module, fn: str, rank: int, world: int, store: str, args: list, t
         # 2.11's does not (versions between: not tried). The rank exits right after this anyway.
         import torch
 
-        if not torch.__version__.startswith("2.5."):
+        if not torch.__version__.startswith("2.5.") and dist.is_initialized():  # fn may have destroyed it
             dist.destroy_process_group()
 
 
