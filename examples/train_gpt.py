@@ -79,8 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--budget",
         type=_budget,
         default=None,
-        help="with --checkpoint auto: the step's activation peak, in bytes ('64MB') or as a fraction (0.5) of it "
-        "without checkpointing",
+        help="with --checkpoint auto: the step's activation peak, in bytes ('64MB') or as a fraction (0.5) or "
+        "percent ('50%%') of it without checkpointing",
     )
     mem.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="fp16 uses llmmem.GradScaler")
     mem.add_argument("--offload", action="store_true", help="keep checkpointed block inputs in host memory (CUDA)")
@@ -126,18 +126,28 @@ def _positive_float(text: str) -> float:
 
 
 def _budget(text: str):
+    forms = "bytes ('64MB', 67108864), a fraction in (0, 1] (0.5) or a percent ('50%')"
+    stripped = text.strip()
+    if stripped.endswith("%"):
+        try:
+            value = float(stripped[:-1]) / 100.0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}") from None
+        if 0.0 < value <= 1.0:
+            return value
+        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
     try:
         value = float(text)
     except ValueError:
         try:
-            return llmmem.parse_bytes(text, name="--budget")
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            return llmmem.parse_bytes(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}") from None
     if 0.0 < value <= 1.0:
         return value
     if value > 1.0 and value.is_integer():
         return int(value)  # bytes
-    raise argparse.ArgumentTypeError(f"expected bytes ('64MB', 67108864) or a fraction in (0, 1], got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
 
 
 def _world() -> int:
@@ -599,7 +609,10 @@ def main(argv=None) -> int:
             print(
                 f"step {args.steps}: loss {losses[-1][1]:.4f}; {done} steps in {elapsed:.1f} s "
                 f"({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); peak memory "
-                f"{llmmem.format_bytes(meter.peak())}" + (" per rank" if d.world > 1 else ""),
+                f"{llmmem.format_bytes(meter.peak())}"
+                + (" per rank" if d.world > 1 else "")
+                # a --budget bounds the activations alone: say what this figure holds
+                + " (parameters, gradients and optimizer state included)",
                 flush=True,
             )
         if args.log_json is not None:

@@ -165,7 +165,8 @@ def _warn_fallback(device: torch.device, why: str) -> None:
 def _check_scalar(
     t: torch.Tensor, name: str, dtype: torch.dtype, kind: str, device: torch.device, numel: int = 1
 ) -> None:
-    """The checks torch's ops make (same messages), done before the C core gets a raw pointer:
+    """The checks torch's ops make (same exception types; messages name llmmem.GradScaler), done
+    before the C core gets a raw pointer:
     it would read a float64 scale as float32, or write past a tensor that is too small."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"llmmem.GradScaler: {name} must be a tensor, got {type(t).__name__}")
@@ -397,7 +398,7 @@ def update_scale_(
     tensors on the scale's device. No host synchronisation on CUDA. ``hysteresis_on_growth``: only
     a growth of the scale refills the hysteresis budget (else any clean step does)."""
     device = scale.device
-    # torch's _amp_update_scale_ checks (same messages), before the C core gets raw pointers.
+    # torch's _amp_update_scale_ checks (same exception types), before the C core gets raw pointers.
     _check_scalar(scale, "current_scale", torch.float32, "a float", device)
     _check_scalar(growth_tracker, "growth_tracker", torch.int32, "an int", device)
     _check_scalar(hysteresis_tracker, "hysteresis_tracker", torch.int32, "an int", device)

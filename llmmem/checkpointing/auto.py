@@ -238,8 +238,10 @@ def auto_checkpoint(
 
     ``sample`` is what a training step gets: a batch (a tensor for ``model(x)``, a tuple for
     ``model(*sample)``, a dict for ``model(**sample)``; the loss is the output's ``.loss`` or a
-    scalar output, else the sum of the first floating-point output) or a callable that runs one
-    training step (called once: its side effects, such as an optimizer step, happen).
+    scalar output, else the sum of the first floating-point output; the output is freed before the
+    backward) or a callable that runs one training step (called once: its side effects, such as an
+    optimizer step, happen). A loop that keeps the output through the backward (``out = model(**b);
+    out.loss.backward()``) holds the logits then too: give it as the callable, so the budget counts them.
 
     **A bare chain** (``model.blocks = llmmem.auto_checkpoint(model.blocks, x0, budget="6GB")``,
     blocks taking one tensor each): returns an :class:`AutoCheckpointed` module list that runs the

@@ -109,11 +109,12 @@ class CheckpointPlan:
     def predicted_step_time(self) -> float:
         """Seconds of a training step without checkpointing: the blocks' store-all steps as timed,
         plus the rest of the step (embeddings, head, loss; counted as work in the profile's sample
-        step) at the blocks' seconds per work unit. 0 when the blocks were not timed."""
+        step) at the blocks' seconds per work unit, forward and backward apart. 0 when the blocks
+        were not timed."""
         p = self.profile
         if p.measured_step_time <= 0:
             return 0.0
-        return p.measured_step_time + p.outside_work * p.time_unit
+        return p.measured_step_time + p.outside_time
 
     @property
     def predicted_overhead(self) -> float:
@@ -170,8 +171,8 @@ class CheckpointPlan:
         if p.measured_step_time > 0:
             overhead += f" (+{100 * self.predicted_overhead:.1f}% of a {1e3 * self.predicted_step_time:.2f} ms step: "
             overhead += f"blocks {1e3 * p.measured_step_time:.2f} ms measured"
-            if p.outside_work > 0:
-                overhead += f", the rest {1e3 * p.outside_work * p.time_unit:.2f} ms from its work"
+            if p.outside_time > 0:
+                overhead += f", the rest {1e3 * p.outside_time:.2f} ms from its work"
             overhead += ")"
         elif base > 0:
             overhead += f" (+{100 * self.predicted_overhead_time / base:.1f}% over no checkpointing)"
@@ -333,7 +334,7 @@ def plan_checkpoints(
         result = native.plan_solve(chain, budget_bytes - static, slots, fast_path=fast_path)
     except InfeasibleError:
         least = max(native.plan_min_budget(chain) + static, outside)
-        with_offload = " with offloading" if offload else " (offload=True may lower it)"
+        with_offload = " with offloading" if offload else " (offload=True may lower it on a CUDA device)"
         err = InfeasibleError(
             f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); the smallest "
             f"feasible budget for these blocks and this input{with_offload} is {least} bytes ({format_bytes(least)}), "

@@ -514,6 +514,7 @@ class ChainProfile:
     measured_peak_bytes: int = 0  # the step's activation peak without checkpointing (0: not measured)
     measured_step_time: float = 0.0  # seconds of one store-all step of the chain (0: not measured)
     outside_work: float = 0.0  # work units of a step outside the chain (0: unknown; a bare chain)
+    outside_time: float = 0.0  # seconds of it, at the blocks' timed rates (0: not timed or unknown)
     hidden: list = field(default_factory=list)  # [L] where each block's chain input is in its call
     chainable: bool = True
     # the time fields measured in seconds ({"fwd_time", "bwd_time", "fwd_nostore_time"}), for the
@@ -1102,6 +1103,7 @@ class StepRecord:
     head: dict
     outside_peak_bytes: int
     outside_work: float  # work units of the step outside the blocks (embeddings, head, loss, optimizer)
+    outside_backward_work: float  # the part of it that ran in the backward
 
 
 def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRecord:
@@ -1212,11 +1214,17 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
             called_as = getattr(step, "called_as", None)
             if called_as is None or "block_started" in done:
                 raise  # the user's own step, or the model's own error once its blocks ran
-            raise TypeError(
+            text = (
                 f"auto_checkpoint: the sample step failed before any of the {L} blocks ran: the model was called "
-                f"as {called_as} and raised {type(e).__name__}: {e}. sample must be {SAMPLE_FORMS}"
-                f"{getattr(step, 'hint', '')}"
-            ) from e
+                f"as {called_as}. sample must be {SAMPLE_FORMS}{getattr(step, 'hint', '')}"
+            )
+            # The errors a batch of the wrong form raises become one TypeError about the sample; any
+            # other (an index out of range, out of memory) keeps its type, which callers catch.
+            if isinstance(e, (TypeError, AttributeError, ValueError, KeyError)):
+                raise TypeError(f"{text} (the model raised {type(e).__name__}: {e})") from e
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                e.add_note(text)
+            raise
         meter.mark("end")
     finally:
         held.clear()
@@ -1262,6 +1270,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
         head=head,
         outside_peak_bytes=max(peak_before, tail[1] if "chain_done" in marks else 0),
         outside_work=work.forward + work.backward,
+        outside_backward_work=work.backward,
     )
 
 
@@ -1307,4 +1316,13 @@ def profile_model(
     prof.static_bytes = rec.static_bytes
     prof.outside_peak_bytes = rec.outside_peak_bytes
     prof.outside_work = rec.outside_work
+    if prof.seconds:
+        # the rest of the step at the blocks' seconds per work unit, forward and backward apart
+        # (a backward runs at another rate: more operators per FLOP)
+        rate = []
+        for key in ("fwd_time", "bwd_time"):
+            work = sum(r[0] for r in getattr(prof, key))
+            rate.append(sum(r[0] for r in prof.seconds[key]) / work if work > 0 else prof.time_unit)
+        forward = rec.outside_work - rec.outside_backward_work
+        prof.outside_time = forward * rate[0] + rec.outside_backward_work * rate[1]
     return prof

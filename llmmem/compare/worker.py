@@ -230,6 +230,7 @@ def run_single(spec: dict) -> dict:
     sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed)
     result = _header(spec, strategy, device, model.num_parameters(), model.num_parameters())
     result["seconds"] = clock.seconds
+    result["parent_pid"] = os.getppid()  # the worker server's, when the row was forked from it
     clock.lap("build")
     planned = None
     if strategy.checkpoint == "plan":

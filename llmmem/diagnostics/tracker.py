@@ -322,6 +322,7 @@ class MemoryTracker:
             entered = _entered()
             self._outer = [weakref.ref(t) for t in entered]
             entered.append(self)
+            self._entered_list = entered  # left from this list, whichever thread exits
             self._thread = _thread_id()
             if self.model is not None:
                 self._adopt(self.model)
@@ -347,9 +348,10 @@ class MemoryTracker:
 
     def __exit__(self, *exc):
         self._active = False
-        entered = _entered()
+        entered = getattr(self, "_entered_list", None) or _entered()
         if self in entered:
             entered.remove(self)
+        self._entered_list = None
         self._outer = []
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)

@@ -188,7 +188,8 @@ def fork_ranks(
     ``folder/rank{r}.log``; wait for them (the others get ``grace`` seconds after a rank fails, all
     are killed after ``timeout``). Returns rank -> exit code (None: killed), also written to
     ``folder/status.json``. What :func:`run_ranks`'s launcher runs; a process that has imported
-    torch already (and started no threads) calls it to save the launcher's start."""
+    torch already calls it to save the launcher's start; it must not have run torch operators on
+    several intra-op threads nor initialised CUDA (neither survives a fork)."""
     expect = expect or {}
     spec = importlib.util.spec_from_file_location("_llmmem_rank_module", path)
     module = importlib.util.module_from_spec(spec)

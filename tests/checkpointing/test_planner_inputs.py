@@ -99,9 +99,15 @@ def test_a_sample_the_model_cannot_take_is_a_clear_error():
     with pytest.raises(TypeError, match=r"model\(\*\*sample\)") as info:
         llmmem.auto_checkpoint(model, budget=0.5, sample={"tokens": idx})
     assert "tokens" in str(info.value) and "Tensor" in str(info.value)
-    with pytest.raises(TypeError, match=r"model\(sample\)") as info:
+    # other errors keep their type (callers catch an out-of-memory or an index error as such), with a note
+    with pytest.raises(RuntimeError) as info:
         llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(2, 32))  # floats as token ids
-    assert "float32" in str(info.value)
+    if hasattr(info.value, "add_note"):
+        notes = " ".join(info.value.__notes__)
+        assert "model(sample)" in notes and "float32" in notes, notes
+    with pytest.raises(IndexError):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=(idx + 1000, idx))  # token ids beyond the vocabulary
+    assert all("forward" not in b.__dict__ for b in model.blocks)
 
 
 class _Model(nn.Module):
