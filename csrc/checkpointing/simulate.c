@@ -49,7 +49,7 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
       if (!(last && !top)) { /* early stop: the recompute ends once the last region's input is saved */
         double fwd = 0.0;
         for (int32_t j = r->start; j < r->end; j++) {
-          touch(st, (j > r->start ? (int64_t)c->x[j] : 0) + (int64_t)c->x[j + 1] + (int64_t)c->ft[j]);
+          touch(st, (j > r->start ? (int64_t)c->x[j] : 0) + (int64_t)c->x[j + 1] + (int64_t)c->fnt[j]);
           fwd += c->fn[j];
         }
         st->time += fwd;

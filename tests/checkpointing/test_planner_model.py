@@ -330,12 +330,6 @@ def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
         assert out[m] == pytest.approx((2.0, 4.0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15 item 5: the C planner has one forward transient per block (the most of any mode, here the "
-    "no-store forward's) and charges it on top of the tape while a one-block region is recomputed; per-mode "
-    "forward transients in the chain would fix it",
-)
 def test_least_budget_is_not_above_checkpointing_every_block():
     """``min_budget_bytes`` is the least feasible budget: checkpointing every block with
     llmmem.checkpoint (a plan the planner could choose) must not peak below it."""
