@@ -51,7 +51,7 @@ static void need_segment(const plan_costs_t *c, int32_t s, int32_t e, uint64_t *
     const size_t ik = (size_t)s * K + k;
     const uint64_t hold = c->s[ik] + c->x[s + 1];
     uint64_t need =
-        MAXU(c->s[ik] + c->x[s + 1] + c->ft[s], c->s[ik] + (s + 1 < e ? c->x[s + 1] : 0) + c->x[s] + c->bt[ik]);
+        MAXU(c->s[ik] + c->x[s + 1] + c->ft[ik], c->s[ik] + (s + 1 < e ? c->x[s + 1] : 0) + c->x[s] + c->bt[ik]);
     double t = c->f[ik] + c->b[ik];
     if (s + 1 < e) {
       const int pinned = top && plan_keeps_output(c, s, k);

@@ -36,7 +36,7 @@ typedef struct dp_s {
   int64_t M;     /* slots in the budget */
   uint64_t unit; /* bytes per slot */
   /* sizes in slots, rounded up */
-  int64_t *x, *s, *ft, *fnt, *bt; /* ft: a tape's forward transient, fnt: a region's (no tape) */
+  int64_t *x, *s, *ft, *fnt, *bt; /* ft [i*K+k]: a tape's forward transient, fnt [i]: a region's (no tape) */
   double *fnsum;                  /* prefix sums of the no-store forward times, [L + 1] */
   float *R, *T;                   /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
                          then L rows where it may not (after a tape that keeps its output) */
@@ -74,7 +74,7 @@ static inline const float *tape_rest(const dp_t *dp, int32_t s, int32_t e, int32
 static inline void tape_needs(const dp_t *dp, int32_t s, int32_t e, int32_t k, int64_t *lo, int64_t *hold) {
   const size_t ik = (size_t)s * dp->c->K + k;
   *hold = dp->s[ik] + dp->x[s + 1];
-  *lo = max64(max64(*hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
+  *lo = max64(max64(*hold + dp->ft[ik], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
 }
 
 /* The forward need of region [s, q) from that of [s, q - 1) (prev; 0 when q == s + 1): the
@@ -302,7 +302,7 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   llmmem_status_t status = LLMMEM_OK;
   dp.x = malloc(((size_t)L + 1) * sizeof(int64_t));
   dp.s = malloc(LK * sizeof(int64_t));
-  dp.ft = malloc((size_t)L * sizeof(int64_t));
+  dp.ft = malloc(LK * sizeof(int64_t));
   dp.fnt = malloc((size_t)L * sizeof(int64_t));
   dp.bt = malloc(LK * sizeof(int64_t));
   dp.fnsum = malloc(((size_t)L + 1) * sizeof(double));
@@ -317,10 +317,13 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
     goto done;
   }
   for (int32_t i = 0; i <= L; i++) dp.x[i] = to_slots(c->x[i], dp.unit);
-  for (size_t ik = 0; ik < LK; ik++) dp.s[ik] = to_slots(c->s[ik], dp.unit), dp.bt[ik] = to_slots(c->bt[ik], dp.unit);
+  for (size_t ik = 0; ik < LK; ik++) {
+    dp.s[ik] = to_slots(c->s[ik], dp.unit), dp.bt[ik] = to_slots(c->bt[ik], dp.unit);
+    dp.ft[ik] = to_slots(c->ft[ik], dp.unit);
+  }
   dp.fnsum[0] = 0.0;
   for (int32_t i = 0; i < L; i++) {
-    dp.ft[i] = to_slots(c->ft[i], dp.unit), dp.fnt[i] = to_slots(c->fnt[i], dp.unit);
+    dp.fnt[i] = to_slots(c->fnt[i], dp.unit);
     dp.fnsum[i + 1] = dp.fnsum[i] + c->fn[i];
   }
 

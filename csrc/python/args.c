@@ -260,6 +260,7 @@ void _llmmem_args_chain_free(args_chain_t *c) {
   free(c->s);
   free(c->ft);
   free(c->fnt);
+  free(c->ftk);
   free(c->bt);
   free(c->nest);
   free(c->kept);
@@ -305,6 +306,11 @@ int _llmmem_args_chain(const args_value_t *dict, args_chain_t *cs, args_error_t 
     if (!(cs->fnt = malloc(L * sizeof(uint64_t)))) goto nomem;
     if (read_key(fnt, "fwd_nostore_tmp_bytes", L, 0, 1, cs->fnt, e) < 0) goto fail;
   }
+  const args_value_t *ftk = chain_key(dict, "fwd_tape_tmp_bytes", 0, e);
+  if (ftk) {
+    if (!(cs->ftk = malloc(LK * sizeof(uint64_t)))) goto nomem;
+    if (read_key(ftk, "fwd_tape_tmp_bytes", L, K, 1, cs->ftk, e) < 0) goto fail;
+  }
   if (bt) {
     if (!(cs->bt = malloc(LK * sizeof(uint64_t)))) goto nomem;
     if (read_key(bt, "bwd_tmp_bytes", L, K, 1, cs->bt, e) < 0) goto fail;
@@ -346,8 +352,8 @@ int _llmmem_args_chain(const args_value_t *dict, args_chain_t *cs, args_error_t 
     e->status = ARGS_VALUE; /* a malformed chain is a ValueError throughout */
     goto fail;
   }
-  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,   cs->b,          cs->x,  cs->s,
-                                    cs->ft,     cs->bt,     cs->nest, cs->kept, host_bandwidth, cs->fnt};
+  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,   cs->b,          cs->x,   cs->s,
+                                    cs->ft,     cs->bt,     cs->nest, cs->kept, host_bandwidth, cs->fnt, cs->ftk};
   return 0;
 nomem:
   fail(e, ARGS_NOMEM, "plan: no memory for a chain of %zu blocks", L);

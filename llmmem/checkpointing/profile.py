@@ -507,6 +507,10 @@ class ChainProfile:
     # as it goes, yet holds more at once than a tape's forward beyond its tape. Empty: unknown,
     # fwd_tmp_bytes counts for both forwards.
     fwd_nostore_tmp_bytes: list = field(default_factory=list)
+    # [L][K] the forward keeping its tape in mode k, beyond input, output and tape (a mode that keeps
+    # less can hold more at once on the way: selective's forward). Empty: unknown, fwd_tmp_bytes
+    # counts for every mode.
+    fwd_tape_tmp_bytes: list = field(default_factory=list)
     # [L][K] 1 where the block's tape in that mode keeps its own output (selective keeps a final
     # matmul's output, tanh keeps its result): offloading the next block's input would then free
     # nothing on the device. Empty: unknown, treated as all 0.
@@ -537,6 +541,7 @@ class ChainProfile:
             "saved_bytes": [list(r) for r in self.saved_bytes],
             "fwd_tmp_bytes": list(self.fwd_tmp_bytes),
             "fwd_nostore_tmp_bytes": list(self.fwd_nostore_tmp_bytes) if self.fwd_nostore_tmp_bytes else None,
+            "fwd_tape_tmp_bytes": [list(r) for r in self.fwd_tape_tmp_bytes] if self.fwd_tape_tmp_bytes else None,
             "bwd_tmp_bytes": [list(r) for r in self.bwd_tmp_bytes],
             "mode_nestable": [_NESTABLE[m] if self.chainable else 0 for m in self.modes],
             "output_kept": [list(r) for r in self.output_kept] if self.output_kept else None,
@@ -554,6 +559,8 @@ class ChainProfile:
                 # the planner never puts the head in a region; a plan given by hand that does gets
                 # the one transient measured for it
                 chain["fwd_nostore_tmp_bytes"].append(int(self.head["fwd_tmp_bytes"]))
+            if chain["fwd_tape_tmp_bytes"] is not None:
+                chain["fwd_tape_tmp_bytes"].append([int(self.head["fwd_tmp_bytes"])] * K)
             chain["bwd_tmp_bytes"].append([int(self.head["bwd_tmp_bytes"])] * K)
             if chain["output_kept"] is not None:
                 chain["output_kept"].append([0] * K)
@@ -621,7 +628,7 @@ class _BlockCosts:
     work: dict  # the planner's costs in work units (_planner_costs)
     seconds: dict | None  # the same from timed steps (None: not timed)
     saved: list  # [K] bytes
-    ftmp: int  # the forward keeping a tape, the most of any mode
+    ftmp: list  # [K] the forward keeping a tape in each mode
     nostore_ftmp: int  # the forward inside a checkpointed region
     btmp: list  # [K]
     kept_out: list  # [K] bytes of the output kept by the tape
@@ -767,9 +774,9 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         work=work,
         seconds=seconds,
         saved=[per_mode[m]["saved"] for m in modes],
-        # apart: a no-store forward keeps nothing, so its intermediates peak higher above its end
-        # than a tape's forward does above its tape; the planner counts each where it runs
-        ftmp=max(per_mode[m]["ftmp"] for m in modes),
+        # per mode and apart: a no-store forward keeps nothing, so its intermediates peak higher above
+        # its end than a tape's forward does above its tape; the planner counts each where it runs
+        ftmp=[per_mode[m]["ftmp"] for m in modes],
         nostore_ftmp=per_mode["nostore"]["ftmp"],
         btmp=[per_mode[m]["btmp"] for m in modes],
         kept_out=[per_mode[m]["kept_out"] for m in modes],
@@ -899,7 +906,9 @@ def profile_calls(
             times["fwd_nostore_time"].append(costs_of["nostore"])
         prof.saved_bytes.append(saved)
         # store-input-only (not chainable) is a tape mode whose forward is the no-store one
-        prof.fwd_tmp_bytes.append(c.ftmp if chainable else max(c.ftmp, c.nostore_ftmp))
+        ftmp = list(c.ftmp) + ([] if chainable else [c.nostore_ftmp])
+        prof.fwd_tmp_bytes.append(max(ftmp))
+        prof.fwd_tape_tmp_bytes.append(ftmp)
         prof.fwd_nostore_tmp_bytes.append(c.nostore_ftmp)
         prof.bwd_tmp_bytes.append(btmp)
         prof.output_kept.append(kept)

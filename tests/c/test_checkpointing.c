@@ -17,7 +17,7 @@
 
 typedef struct chain_buf_s {
   double f[MAXL * MAXK], fn[MAXL], b[MAXL * MAXK];
-  uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], fnt[MAXL], bt[MAXL * MAXK];
+  uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], fnt[MAXL], ftk[MAXL * MAXK], bt[MAXL * MAXK];
   uint8_t nest[MAXK], kept[MAXL * MAXK];
   llmmem_plan_chain_t chain;
 } chain_buf_t;
@@ -54,10 +54,16 @@ static void random_chain(chain_buf_t *cb, int32_t L, int32_t K, unsigned long lo
 }
 
 /* Gives the no-store forward (inside a region) a transient of its own, above or below the tape
- * forward's (identical: the same for every block, so the fast path still applies). */
-static void with_nostore_tmp(chain_buf_t *cb, unsigned long long *rng, int identical) {
-  for (int32_t i = 0; i < cb->chain.n_blocks; i++) cb->fnt[i] = identical && i > 0 ? cb->fnt[0] : th_rand(rng) % 9;
+ * forward's, and each mode's tape forward its own (identical: the same for every block, so the
+ * fast path still applies). */
+static void with_forward_tmps(chain_buf_t *cb, unsigned long long *rng, int identical) {
+  const int32_t K = cb->chain.n_modes;
+  for (int32_t i = 0; i < cb->chain.n_blocks; i++) {
+    cb->fnt[i] = identical && i > 0 ? cb->fnt[0] : th_rand(rng) % 9;
+    for (int32_t k = 0; k < K; k++) cb->ftk[i * K + k] = identical && i > 0 ? cb->ftk[k] : th_rand(rng) % 6;
+  }
   cb->chain.fwd_nostore_tmp_bytes = cb->fnt;
+  cb->chain.fwd_tape_tmp_bytes = cb->ftk;
 }
 
 /* Turns offloading on: a bandwidth that makes a copy cost about as much as a block's forward
@@ -174,7 +180,7 @@ int main(void) {
       const int32_t K = trial == 0 ? 1 : 1 + (int32_t)(th_rand(&rng) % (L <= 4 ? 3 : 2));
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, 0);
-      if (trial % 2) with_nostore_tmp(&cb, &rng, 0);
+      if (trial % 2) with_forward_tmps(&cb, &rng, 0);
       uint64_t least = 0;
       CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
       /* budgets from the least to beyond keeping everything; slots = budget: 1 byte per slot, exact */
@@ -259,7 +265,7 @@ int main(void) {
       const int32_t L = 2 + (int32_t)(th_rand(&rng) % (MAXL - 1)), K = 1 + (int32_t)(th_rand(&rng) % MAXK);
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, 1);
-      if (trial % 2) with_nostore_tmp(&cb, &rng, 1);
+      if (trial % 2) with_forward_tmps(&cb, &rng, 1);
       uint64_t least = 0;
       CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
       for (uint64_t budget = least; budget < 2 * least + 4; budget += 1 + budget / 8) {
@@ -404,6 +410,11 @@ int main(void) {
     CHECK_STATUS(solve(&cb.chain, 1000, 100, 0, &p, NULL), LLMMEM_ERR_INVALID);
     CHECK(strstr(llmmem_last_error(), "fwd_nostore_tmp_bytes[1]") != NULL);
     cb.chain.fwd_nostore_tmp_bytes = NULL;
+    cb.ftk[7] = LLMMEM_PLAN_MAX_BYTES + 1;
+    cb.chain.fwd_tape_tmp_bytes = cb.ftk;
+    CHECK_STATUS(solve(&cb.chain, 1000, 100, 0, &p, NULL), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "fwd_tape_tmp_bytes[7]") != NULL);
+    cb.chain.fwd_tape_tmp_bytes = NULL;
     int32_t mode[4];
     llmmem_plan_region_t regions[8];
     llmmem_plan_t small = {mode, regions, 0, 0};
@@ -467,7 +478,7 @@ int main(void) {
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, trial % 4 == 0);
       with_offload(&cb, &rng);
-      if (trial % 3 == 1) with_nostore_tmp(&cb, &rng, trial % 4 == 0);
+      if (trial % 3 == 1) with_forward_tmps(&cb, &rng, trial % 4 == 0);
       uint64_t least = 0;
       CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
       uint64_t budgets[NBUDGETS] = {least, least + th_rand(&rng) % (least + 2), least + th_rand(&rng) % (least + 2),
@@ -575,7 +586,7 @@ int main(void) {
     CHECK(strstr(llmmem_last_error(), "output_kept[0]") != NULL);
   }
 
-  TEST("two forward transients: a region's no-store forward and a tape's forward (recompute), by hand") {
+  TEST("forward transients: a region's no-store forward and a tape's forward per mode (recompute), by hand") {
     /* Block 0 checkpointed alone, block 1 (a head, say) keeps its tape. Byte sizes are distinct so
      * that each step of the sum shows. */
     double f[2] = {1.0, 1.0}, b[2] = {2.0, 2.0};
@@ -606,6 +617,23 @@ int main(void) {
     ft[0] = 120; /* ... and one transient of 120 for both forwards counts it in the recompute too */
     CHECK_OK(llmmem_plan_simulate(&chain, &plan, &p));
     CHECK(p.peak_bytes == 35 + 100 + 20 + 120);
+    /* per mode: mode 1 keeps 40 bytes with a forward transient of 90, mode 0 (as above) 7; both
+     * override fwd_tmp_bytes (120) for the tapes, fnt for the region's forward */
+    {
+      double f2[4] = {1.0, 1.5, 1.0, 1.5}, b2[4] = {2.0, 3.0, 2.0, 3.0};
+      uint64_t s2[4] = {100, 40, 50, 50}, bt2[4] = {11, 11, 13, 13}, ftk[4] = {7, 90, 3, 3};
+      uint8_t nest2[2] = {1, 1};
+      llmmem_plan_chain_t chain2 = {2, 2, f2, NULL, b2, x, s2, ft, bt2, nest2};
+      chain2.fwd_nostore_tmp_bytes = fnt;
+      chain2.fwd_tape_tmp_bytes = ftk;
+      fnt[0] = 120;
+      CHECK_OK(llmmem_plan_simulate(&chain2, &plan, &p));
+      CHECK(p.peak_bytes == 162); /* region forward 15 + 20 + 120 = 155; recompute in mode 0: 162 */
+      mode[0] = 1;                /* recompute in mode 1: 35 + 40 + 20 + 90 */
+      CHECK_OK(llmmem_plan_simulate(&chain2, &plan, &p));
+      CHECK(p.peak_bytes == 185);
+      mode[0] = 0;
+    }
     /* the least budget and the solver agree with every plan simulated (fnt[1] never counts: block 1
      * runs inside a region only in plans that put the head in one) */
     ft[0] = 7, fnt[0] = 300;

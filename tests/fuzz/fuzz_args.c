@@ -47,9 +47,10 @@ static const char *const KEYS[] = {"fwd_time",
                                    "output_kept",
                                    "host_bandwidth",
                                    "fwd_nostore_tmp_bytes",
+                                   "fwd_tape_tmp_bytes",
                                    "fwd_time2",
                                    ""};
-#define N_CHAIN_KEYS 11 /* the chain's keys, first in KEYS: 4 required, the rest optional */
+#define N_CHAIN_KEYS 12 /* the chain's keys, first in KEYS: 4 required, the rest optional */
 #define N_KEYS       (sizeof KEYS / sizeof KEYS[0])
 
 static void set_int(args_value_t *v, int neg, uint64_t mag) {
@@ -176,7 +177,8 @@ static void chain_value(input_t *in, args_arena_t *a, args_value_t *v, size_t *L
       case 1: table(in, a, val, L, K, 0); break;
       case 2: table(in, a, val, L + 1, 0, 1); break;
       case 3:
-      case 6: table(in, a, val, L, K, 1); break;
+      case 6:
+      case 11: table(in, a, val, L, K, 1); break;
       case 4: table(in, a, val, L, 0, 0); break;
       case 5:
       case 10: table(in, a, val, L, 0, 1); break;
@@ -288,6 +290,15 @@ static void check_chain(const args_value_t *dict, const args_chain_t *cs) {
     for (size_t i = 0; i < L; i++)
       if (fnt->seq.items[i].kind != ARGS_INT || fnt->seq.items[i].mag != c->fwd_nostore_tmp_bytes[i]) __builtin_trap();
   } else if (c->fwd_nostore_tmp_bytes) {
+    __builtin_trap();
+  }
+  const args_value_t *ftk = _llmmem_args_dict_get(dict, "fwd_tape_tmp_bytes");
+  if (ftk && ftk->kind != ARGS_NONE) {
+    if (!c->fwd_tape_tmp_bytes || ftk->seq.n != L) __builtin_trap();
+    for (size_t i = 0; i < L; i++)
+      for (size_t k = 0; k < K; k++)
+        if (ftk->seq.items[i].seq.items[k].mag != c->fwd_tape_tmp_bytes[i * K + k]) __builtin_trap();
+  } else if (c->fwd_tape_tmp_bytes) {
     __builtin_trap();
   }
   if (c->mode_nestable)
