@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--steps", type=_positive, default=50, help="optimizer steps in all (a resumed run continues)")
     t.add_argument("--batch", type=_positive, default=8, help="global batch per optimizer step (sequences)")
     t.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step")
-    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW's learning rate (default 3e-3)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when present")
     t.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
@@ -112,6 +112,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0.0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -175,8 +185,13 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--save-every needs --save FOLDER")
     if a.resume is not None and not a.resume.is_dir():
         p.error(f"--resume {a.resume}: no such folder")
+    if a.save is not None and a.save.exists() and not a.save.is_dir():
+        p.error(f"--save {a.save}: exists and is not a folder")
     if not a.data.is_file():
         p.error(f"--data {a.data}: no such file")
+    # before the model is built: its causal mask alone is seq_len^2 bytes
+    if a.data.stat().st_size < a.seq_len + 2:
+        p.error(f"--data {a.data}: {a.data.stat().st_size} bytes, fewer than --seq-len ({a.seq_len}) + 2")
     if a.model == "hf-llama":
         try:
             import transformers  # noqa: F401
@@ -272,9 +287,7 @@ def build_model(args, device, d: Dist):
         tp.model_parallel_manual_seed(args.seed)  # dropout streams of the split attention heads
         model = tp.TensorParallelGPT.from_gpt(model, process_group=d.tp_group)
         if args.sequence_parallel:
-            from llmmem.compare.sequence_parallel import SequenceParallelGPT
-
-            model = SequenceParallelGPT(model)
+            model = tp.SequenceParallelGPT(model)
     return model, model, list(model.blocks)
 
 
@@ -388,7 +401,11 @@ def save(folder: pathlib.Path, step: int, model, optimizer, scaler, sampler, dev
     d.barrier()
 
 
-def resume(folder: pathlib.Path, model, optimizer, scaler, sampler, device, d: Dist) -> int:
+# Flags that change the model's parameters: a saved state loads only into the same ones.
+MODEL_FLAGS = ("model", "layers", "hidden", "heads", "seq_len")
+
+
+def resume(folder: pathlib.Path, model, optimizer, scaler, sampler, device, d: Dist, args) -> int:
     path = folder / f"rank{d.rank}.pt"
     if not path.is_file():
         raise SystemExit(f"error: --resume {folder}: no {path.name} (saved with a different number of processes?)")
@@ -397,12 +414,22 @@ def resume(folder: pathlib.Path, model, optimizer, scaler, sampler, device, d: D
         raise SystemExit(
             f"error: --resume {folder}: saved with {state['layout']}, running with world={d.world} tp={d.tp}"
         )
+    saved = state.get("args", {})
+    changed = [
+        f"--{k.replace('_', '-')} {saved[k]} (now {getattr(args, k)})"
+        for k in MODEL_FLAGS
+        if k in saved and saved[k] != str(getattr(args, k))
+    ]
+    if changed:
+        raise SystemExit(f"error: --resume {folder}: saved with another model: {', '.join(changed)}")
+    if int(state["step"]) >= args.steps:
+        raise SystemExit(f"error: --resume {folder}: already at step {state['step']}; --steps {args.steps} adds none")
     model.load_state_dict(state["model"])
     opt_state = state["optimizer"]
     if opt_state is None:  # ZeRO: the consolidated state is in data-parallel rank 0's file (global rank = tp rank)
         opt_state = torch.load(folder / f"rank{d.tp_rank}.pt", map_location=device, weights_only=False)["optimizer"]
     optimizer.load_state_dict(opt_state)
-    if scaler is not None:
+    if scaler is not None and state["scaler"] is not None:  # saved without --amp fp16: a fresh scaler
         scaler.load_state_dict(state["scaler"])
     sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"], device)
@@ -494,7 +521,7 @@ def main(argv=None) -> int:
 
     start = 0
     if args.resume is not None:
-        start = resume(args.resume, inner, optimizer, scaler, sampler, device, d)
+        start = resume(args.resume, inner, optimizer, scaler, sampler, device, d, args)
     if d.rank == 0:
         where = f"{device}" + (f", {d.world} ranks: TP {d.tp} x DP {d.dp}" if d.world > 1 else "")
         print(

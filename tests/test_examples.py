@@ -73,6 +73,13 @@ def _train(*args, timeout=300, env=None):
         (["--save-every", "2"], "needs --save"),
         (["--steps", "0"], "positive integer"),
         (["--dropout", "1.5"], "--dropout"),
+        (["--lr", "-1"], "positive number"),
+        (["--lr", "nan"], "positive number"),
+        (["--save", str(TRAIN)], "not a folder"),
+        (["--budget", "0", "--checkpoint", "auto"], "--budget"),
+        (["--grad-accum", "0"], "positive integer"),
+        (["--amp", "fp8"], "invalid choice"),
+        (["--model", "gpt3"], "invalid choice"),
     ],
 )
 def test_train_gpt_bad_flags_are_usage_errors(args, message, capsys, monkeypatch):
@@ -99,6 +106,81 @@ def test_train_gpt_impossible_budget_states_the_smallest_feasible_one():
     proc = _train("--steps", "2", "--checkpoint", "auto", "--budget", "1KB")
     assert proc.returncode == 2
     assert "smallest feasible budget" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_train_gpt_sequence_longer_than_the_data_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    # checked before the model (whose causal mask is seq_len^2 bytes) is built
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = tmp_path / "tiny.txt"
+    data.write_text("a short corpus")
+    with pytest.raises(SystemExit) as exc:
+        _train_module().parse_args(["--data", str(data), "--seq-len", "64"])
+    assert exc.value.code == 2 and "fewer than --seq-len" in capsys.readouterr().err
+
+
+def _main_runs(runs: list[list[str]], timeout=300) -> subprocess.CompletedProcess:
+    """``main(argv)`` of the script for each argv, in one fresh process (a torch import per run would
+    cost seconds); a SystemExit is printed as ``exit CODE: message`` and the next run goes on."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('train_gpt_example', {str(TRAIN)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"for argv in {runs!r}:\n"
+        "    try:\n"
+        "        print('exit', m.main(argv), flush=True)\n"
+        "    except SystemExit as e:\n"
+        "        print('exit', e.code if isinstance(e.code, int) else 1, e.code, flush=True)\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_gpt_every_technique_flag_trains(tmp_path):
+    # each single-process technique flag once, a few steps, without dropout so that they compare:
+    # fp32 checkpointing (every, selective, the planner, offload) is exact, gradient accumulation
+    # splits the same batch, bf16 and fp16 train close to fp32
+    common = SMALL + ["--layers", "4", "--no-progress", "--dropout", "0", "--steps", "3"]
+    flags = {
+        "none": ["--checkpoint", "none"],
+        "every": ["--checkpoint", "every"],
+        "selective": ["--checkpoint", "selective"],
+        "auto": ["--checkpoint", "auto", "--budget", "0.6"],
+        "auto-bytes": ["--checkpoint", "auto", "--budget", "64MB"],
+        "every-offload": ["--checkpoint", "every", "--offload"],
+        "auto-offload": ["--checkpoint", "auto", "--budget", "0.6", "--offload"],
+        "accum": ["--grad-accum", "2"],
+        "bf16": ["--amp", "bf16"],
+        "fp16": ["--amp", "fp16", "--checkpoint", "every"],
+    }
+    runs = [common + f + ["--log-json", str(tmp_path / f"{k}.json")] for k, f in flags.items()]
+    proc = _main_runs(runs)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("exit 0") == len(flags), proc.stdout
+    losses = {k: [v for _, v in json.loads((tmp_path / f"{k}.json").read_text())["losses"]] for k in flags}
+    for k in ("every", "selective", "auto", "auto-bytes", "every-offload", "auto-offload"):
+        assert losses[k] == losses["none"], k  # bit for bit
+    assert losses["accum"] == pytest.approx(losses["none"], rel=1e-5)
+    for k in ("bf16", "fp16"):
+        assert losses[k] == pytest.approx(losses["none"], rel=2e-2), k
+    assert losses["none"][-1] < losses["none"][0]
+
+
+def test_train_gpt_resume_refuses_another_model_and_a_finished_run(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    common = SMALL + ["--no-progress", "--dropout", "0"]
+    proc = _main_runs(
+        [
+            common + ["--steps", "2", "--save", ckpt],
+            common + ["--steps", "4", "--resume", ckpt, "--layers", "3"],
+            common + ["--steps", "2", "--resume", ckpt],
+            common + ["--steps", "3", "--resume", ckpt, "--amp", "fp16"],  # a fresh scaler
+        ]
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("exit ")]
+    assert lines[0] == "exit 0" and lines[3] == "exit 0", proc.stdout
+    assert lines[1].startswith("exit 1") and "another model: --layers 2 (now 3)" in lines[1]
+    assert lines[2].startswith("exit 1") and "already at step 2" in lines[2]
+    assert "resumed at step 2" in proc.stdout and "step 3: loss" in proc.stdout
 
 
 def test_train_gpt_resumed_run_gives_the_same_losses(tmp_path):

@@ -122,7 +122,7 @@ def checked_state_dict(
         raise TypeError(f"llmmem.GradScaler: state_dict must be a dict, got {type(state_dict).__name__}")
     if len(state_dict) == 0:
         raise RuntimeError(
-            "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            "llmmem.GradScaler: The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
         )
     for key in _STATE_KEYS:
         if key not in state_dict:

@@ -189,7 +189,7 @@ class GradScaler(_ScalerVisibility):
         self._device = device
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            warnings.warn("llmmem.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         if self._enabled:
             _check_init_scale(init_scale)
@@ -225,14 +225,14 @@ class GradScaler(_ScalerVisibility):
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
         if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+            raise AssertionError(f"llmmem.GradScaler: Attempted {funcname} but _scale is None.  " + fix)
         if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+            raise AssertionError(f"llmmem.GradScaler: Attempted {funcname} but _growth_tracker is None.  " + fix)
         return (self._scale, self._growth_tracker)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:
-            raise AssertionError("_growth_tracker initialized before _scale")
+            raise AssertionError("llmmem.GradScaler: _growth_tracker initialized before _scale")
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
         self._ensure_extras(dev)
@@ -281,7 +281,9 @@ class GradScaler(_ScalerVisibility):
                 if isinstance(val, (list, tuple)):
                     return type(val)(iterable)
                 return iterable
-            raise ScaleInputError(f"outputs must be a Tensor or an iterable of Tensors, got {type(val).__name__}")
+            raise ScaleInputError(
+                f"llmmem.GradScaler: outputs must be a Tensor or an iterable of Tensors, got {type(val).__name__}"
+            )
 
         return apply_scale(outputs)
 
@@ -362,7 +364,9 @@ class GradScaler(_ScalerVisibility):
                     continue
                 # `type(...) is Parameter` first: isinstance on torch.Tensor goes through a metaclass
                 if type(param) is not _Parameter and not isinstance(param, torch.Tensor):
-                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                    raise AssertionError(
+                        f"llmmem.GradScaler: expected param to be torch.Tensor, got {type(param).__name__}"
+                    )
                 grad = param.grad
                 if grad is not None:
                     grads.append(grad)
@@ -372,7 +376,7 @@ class GradScaler(_ScalerVisibility):
         with torch.no_grad():
             dtypes = [g.dtype for g in grads]
             if not allow_fp16 and torch.float16 in dtypes:
-                raise ValueError("Attempting to unscale FP16 gradients.")
+                raise ValueError("llmmem.GradScaler: Attempting to unscale FP16 gradients.")
             strided = torch.strided
             layouts = [g.layout for g in grads]
             for k in [] if layouts.count(strided) == len(layouts) else range(len(grads)):
@@ -461,9 +465,11 @@ class GradScaler(_ScalerVisibility):
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            raise RuntimeError(
+                "llmmem.GradScaler: unscale_() has already been called on this optimizer since the last update()."
+            )
         elif optimizer_state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+            raise RuntimeError("llmmem.GradScaler: unscale_() is being called after step().")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
             # The kernels take 1 / scale in fp64 themselves, exactly torch's
@@ -498,18 +504,18 @@ class GradScaler(_ScalerVisibility):
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+            raise RuntimeError("llmmem.GradScaler: Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError("llmmem.GradScaler: step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             kwargs_ = kwargs
             has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
             if has_grad_scaler_kwarg:
                 warnings.warn(
-                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "llmmem.GradScaler is going to stop passing itself as a keyword argument to the passed "
                     "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                     "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
                     FutureWarning,
@@ -539,7 +545,7 @@ class GradScaler(_ScalerVisibility):
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(optimizer_state["found_inf_per_device"]) == 0:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            raise AssertionError("llmmem.GradScaler: No inf checks were recorded for this optimizer.")
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         optimizer_state["stage"] = OptState.STEPPED
         return retval
@@ -561,7 +567,7 @@ class GradScaler(_ScalerVisibility):
                 self._scale.fill_(new_scale)
             else:
                 reason = (
-                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "llmmem.GradScaler: new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                     "torch.FloatTensor with requires_grad=False."
                 )
                 if not isinstance(new_scale, torch.Tensor):
@@ -580,7 +586,7 @@ class GradScaler(_ScalerVisibility):
                 for found_inf in state["found_inf_per_device"].values()
             ]
             if len(found_infs) == 0:
-                raise AssertionError("No inf checks were recorded prior to update.")
+                raise AssertionError("llmmem.GradScaler: No inf checks were recorded prior to update.")
             self._ensure_extras(_scale.device)
             _k.update_scale_(
                 _scale,
@@ -719,7 +725,7 @@ class GradScaler(_ScalerVisibility):
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
                 raise AssertionError(
-                    "A GradScaler instance may only be pickled at the beginning "
+                    "llmmem.GradScaler: A GradScaler instance may only be pickled at the beginning "
                     "of an iteration, or at the end after scaler.update()."
                 )
             state["_init_scale"] = self.get_scale()

@@ -168,15 +168,15 @@ def _check_scalar(
     """The checks torch's ops make (same messages), done before the C core gets a raw pointer:
     it would read a float64 scale as float32, or write past a tensor that is too small."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        raise TypeError(f"llmmem.GradScaler: {name} must be a tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        raise RuntimeError(f"{name} must be {kind} tensor.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be {kind} tensor.")
     if t.numel() != numel:
-        raise RuntimeError(f"{name} must be a {numel}-element tensor.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be a {numel}-element tensor.")
     if t.device != device:
-        raise RuntimeError(f"{name} must be on {device} (where the work runs), got {t.device}.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be on {device} (where the work runs), got {t.device}.")
     if numel > 1 and not t.is_contiguous():
-        raise RuntimeError(f"{name} must be contiguous.")
+        raise RuntimeError(f"llmmem.GradScaler: {name} must be contiguous.")
 
 
 def _address(t: torch.Tensor) -> int:
@@ -407,23 +407,10 @@ def update_scale_(
     if len(found_infs) > 16:  # the C entry takes at most 16 flags: fold the rest first
         found_infs = [torch.stack(list(found_infs)).sum()]
     why_not = _kernel_unsupported_reason(device)
-    if why_not is None:
-        _launch.launch_update(
-            scale,
-            growth_tracker,
-            hysteresis_tracker,
-            stats,
-            found_infs,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            hysteresis_on_growth,
-        )
-        return
-    _warn_fallback(device, why_not)
-    _torch_update_(
+    if why_not is not None:
+        _warn_fallback(device, why_not)
+    update = _launch.launch_update if why_not is None else _torch_update_
+    update(
         scale,
         growth_tracker,
         hysteresis_tracker,

@@ -5,8 +5,9 @@
 * :mod:`~llmmem.compare.measure`: what a step's memory and time are, and the largest-fit search;
 * :mod:`~llmmem.compare.report`: the table, the targets, the charts;
 * :mod:`~llmmem.compare.cli`: the command;
-* :mod:`~llmmem.compare.corpus`: the generated text and the batch sampler;
-* :mod:`~llmmem.compare.sequence_parallel`: sequence parallelism for ``TensorParallelGPT``.
+* :mod:`~llmmem.compare.corpus`: the generated text and the batch sampler.
+
+The parallel rows use :class:`llmmem.parallel.SequenceParallelGPT`, as ``examples/train_gpt.py --tp`` does.
 
 Importing this package imports no torch.
 """

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
@@ -105,23 +107,150 @@ def _llmmem_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(llmmem.__file__)))
 
 
-def _cuda_available() -> bool:
-    # asked in a child process, so that this one never imports torch
+def _cuda_available(server: WorkerServer | None = None, tmp: str | None = None) -> bool:
+    # asked in a child process, so that this one never imports torch (and the server never touches CUDA)
+    if server is not None:
+        code = server.request({"cuda_check": True, "log": os.path.join(tmp, "cuda_check.log")}, timeout=120.0)
+        if code is not None:
+            return code == 0
     code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
-def run_strategy(spec: dict, tmp: str, timeout: float) -> dict:
-    """Train and measure one strategy (``spec["strategy"]``) in a fresh process (or, for a parallel
-    strategy, on ranks forked from a fresh launcher); its result dict, with ``error`` set on failure."""
+def _worker_env(threads: int) -> dict:
+    env = dict(os.environ)
+    root = _llmmem_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+class WorkerServer:
+    """One ``python -m llmmem.compare.worker --serve`` process: it imports torch once and forks a fresh
+    child per strategy (see :func:`llmmem.compare.worker.serve`), so a strategy costs no interpreter
+    start, no ``import torch`` and no interpreter shutdown. Started in the background: the import
+    overlaps whatever runs meanwhile. A request that times out kills the server and its child; the
+    next request starts a new one."""
+
+    def __init__(self, threads: int, tmp: str) -> None:
+        self.threads, self.tmp = threads, tmp
+        self.proc = self._stderr = None
+        self._pending = b""
+        self._ready = False
+        self.start()
+
+    def start(self) -> None:
+        root = _llmmem_root()
+        if self._stderr is not None:
+            self._stderr.close()
+        self._stderr = open(os.path.join(self.tmp, f"server-{id(self)}-{time.monotonic_ns()}.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmmem.compare.worker", "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=_worker_env(self.threads),
+            cwd=root,  # `-m` puts the working directory first on sys.path: import this llmmem
+            start_new_session=True,  # its own process group: a timeout kills the server and its child
+            bufsize=0,
+        )
+        self._pending, self._ready = b"", False
+
+    def _readline(self, deadline: float) -> dict | None:
+        """The next JSON line from the server; None at the deadline or when the server died."""
+        import select
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def request(self, job: dict, timeout: float) -> int | None:
+        """Run ``job`` (see :func:`llmmem.compare.worker.serve`); the child's exit status, or None
+        when it did not answer within ``timeout`` seconds (the server is then killed) or died."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        deadline = time.monotonic() + timeout
+        if not self._ready:
+            if self._readline(deadline) is None:
+                self.kill()
+                return None
+            self._ready = True
+        try:
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+        except (BrokenPipeError, OSError):
+            self.kill()
+            return None
+        reply = self._readline(deadline)
+        if reply is None:
+            self.kill()
+            return None
+        return int(reply["code"])
+
+    def server_log(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def kill(self) -> None:
+        import signal
+
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()  # the server ends at the end of its input
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            self.proc = None
+        self._stderr.close()
+
+
+def run_strategy(spec: dict, tmp: str, timeout: float, server: WorkerServer | None = None) -> dict:
+    """Train and measure one strategy (``spec["strategy"]``) in a fresh process: a child of
+    ``server`` when given, else a new interpreter (a parallel strategy: on ranks forked from a fresh
+    launcher); its result dict, with ``error`` set on failure."""
     key = spec["strategy"]["key"]
+    spec = dict(spec, launched_at=time.time())  # the worker reports its start-up (imports) from this
     spec_path = os.path.join(tmp, f"{key}.spec.json")
     out_path = os.path.join(tmp, f"{key}.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     world = spec["strategy"]["tp"] * spec["strategy"]["dp"]
     try:
-        if world > 1:
+        if server is not None:
+            log_path = os.path.join(tmp, f"{key}.log")
+            job = {"spec": spec_path, "out": out_path, "log": log_path}
+            if world > 1:
+                job.update(world=world, timeout=timeout)  # the ranks' own limit; the request's is a little longer
+            code = server.request(job, timeout + (30.0 if world > 1 else 0.0))
+            if code != 0:
+                try:
+                    with open(log_path) as f:
+                        text = f.read()
+                except OSError:
+                    text = ""
+                if code is None:
+                    text += (
+                        f"\ntimed out after {timeout:.0f} s (or the worker server died)\n"
+                        + server.server_log()[-2000:]
+                    )
+                return _failed(spec, text or f"the worker exited with status {code}")
+        elif world > 1:
             from llmmem.compare import worker_path
             from llmmem.parallel.testing import RanksFailed, run_ranks
 
@@ -130,16 +259,13 @@ def run_strategy(spec: dict, tmp: str, timeout: float) -> dict:
             except RanksFailed as exc:
                 return _failed(spec, str(exc))
         else:
-            env = dict(os.environ)
             root = _llmmem_root()
-            env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-            env["OMP_NUM_THREADS"] = str(spec["threads"])
             proc = subprocess.run(
                 [sys.executable, "-m", "llmmem.compare.worker", spec_path, out_path],
                 capture_output=True,
                 text=True,
                 timeout=timeout,
-                env=env,
+                env=_worker_env(spec["threads"]),
                 cwd=root,  # `-m` puts the working directory first on sys.path: import this llmmem
             )
             if proc.returncode != 0:
@@ -177,52 +303,73 @@ def run(args) -> int:
     if args.batch is not None:
         preset = dataclasses.replace(preset, batch=args.batch)
     strategies = by_key(args.only) if args.only else list(STRATEGIES)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if _cuda_available() else "cpu"
-    elif device == "cuda" and not _cuda_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here (use --device cpu)")
-    skipped = []
-    if device == "cuda":
-        # the parallel rows run over gloo on the CPU only; on GPUs use examples/train_gpt.py under torchrun
-        skipped = [s.key for s in strategies if s.parallel]
-        strategies = [s for s in strategies if not s.parallel]
-    if strategies[0].key != "baseline":
-        raise AssertionError("the baseline must come first")
-    for s in strategies:
-        if s.parallel and preset.batch % s.dp:
-            raise ValueError(f"--batch {preset.batch} must be divisible by {s.key}'s data-parallel size {s.dp}")
+    seconds = {}  # where the orchestrator's own time goes (the workers report theirs in each row)
     os.makedirs(args.out, exist_ok=True)
     timeout = 300.0 if args.quick else 900.0
-    common = dict(
-        model=preset.model_config(),
-        batch=preset.batch,
-        steps=preset.steps,
-        seed=args.seed,
-        lr=preset.lr,
-        threads=args.threads,
-        device=device,
-        search_trials=preset.search_trials,
-        profile_repeats=preset.profile_repeats,
-    )
-    print(
-        f"llmmem compare: GPT {preset.layers} layers x {preset.hidden} hidden, {preset.heads} heads, "
-        f"seq {preset.seq_len}, batch {preset.batch}, {preset.steps} steps per strategy, on {device} "
-        f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
-        flush=True,
-    )
-    timer = args.timer
-    if timer == "auto":
-        timer = "cpu" if device == "cpu" and args.threads == 1 else "wall"
     # One worker at a time: two at once on two cores slow each other (shared caches, memory bandwidth,
     # or hyperthreads of one core), CPU time included. The quick run trades that for speed.
     jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if args.quick else 1)
-    with tempfile.TemporaryDirectory(prefix="llmmem-compare-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="llmmem-compare-"))
+        # Every row runs in a child forked from a server that imported torch once (a parallel row: its
+        # ranks forked from that child); the servers start now, so their imports overlap each other
+        # and the device check.
+        servers = [WorkerServer(args.threads, tmp) for _ in range(jobs)]
+        for server in servers:
+            stack.callback(server.close)
+        idle = queue.SimpleQueue()
+        for server in servers:
+            idle.put(server)
+        t0 = time.perf_counter()
+        device = args.device
+        if device != "cpu":
+            cuda = _cuda_available(servers[0], tmp)
+            if device == "auto":
+                device = "cuda" if cuda else "cpu"
+            elif not cuda:
+                raise ValueError("--device cuda: torch sees no CUDA device here (use --device cpu)")
+        seconds["device_check"] = round(time.perf_counter() - t0, 3)
+        skipped = []
+        if device == "cuda":
+            # the parallel rows run over gloo on the CPU only; on GPUs use examples/train_gpt.py under torchrun
+            skipped = [s.key for s in strategies if s.parallel]
+            strategies = [s for s in strategies if not s.parallel]
+        if strategies[0].key != "baseline":
+            raise AssertionError("the baseline must come first")
+        for s in strategies:
+            if s.parallel and preset.batch % s.dp:
+                raise ValueError(f"--batch {preset.batch} must be divisible by {s.key}'s data-parallel size {s.dp}")
+        common = dict(
+            model=preset.model_config(),
+            batch=preset.batch,
+            steps=preset.steps,
+            seed=args.seed,
+            lr=preset.lr,
+            threads=args.threads,
+            device=device,
+            search_trials=preset.search_trials,
+            profile_repeats=preset.profile_repeats,
+        )
+        print(
+            f"llmmem compare: GPT {preset.layers} layers x {preset.hidden} hidden, {preset.heads} heads, "
+            f"seq {preset.seq_len}, batch {preset.batch}, {preset.steps} steps per strategy, on {device} "
+            f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
+            flush=True,
+        )
+        timer = args.timer
+        if timer == "auto":
+            timer = "cpu" if device == "cpu" and args.threads == 1 else "wall"
+        t_strategies = time.perf_counter()
         done = [0]
 
         def run_one(s, extra):
             t0 = time.perf_counter()
-            row = run_strategy(dict(common, strategy=s.to_dict(), **extra), tmp, timeout)
+            server = idle.get()
+            try:
+                row = run_strategy(dict(common, strategy=s.to_dict(), **extra), tmp, timeout, server)
+            finally:
+                if server is not None:
+                    idle.put(server)
             row["wall_seconds"] = time.perf_counter() - t0
             done[0] += 1
             status = ("" if row.get("infeasible") else "error: ") + row["error"][:100] if row.get("error") else "ok"
@@ -241,14 +388,26 @@ def run(args) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             for s, row in zip(singles, pool.map(lambda s: run_one(s, extra), singles)):
                 by_key_row[s.key] = row
+        while not idle.empty():  # the parallel rows run one at a time, on the first server
+            idle.get()
+        idle.put(servers[0])
+        for server in servers[1:]:
+            server.close()
         for s in strategies[1:]:
             if s.parallel:  # alone: their ranks share the machine's cores
                 by_key_row[s.key] = run_one(s, extra)
         rows = [by_key_row[s.key] for s in strategies]
-    wall = time.perf_counter() - t_start
+    seconds["strategies"] = round(time.perf_counter() - t_strategies, 3)
     report.derive(rows, timer)
+    machine = _machine(device, baseline)
+    if not args.no_charts:
+        t0 = time.perf_counter()
+        title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
+        report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
+        report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
+        seconds["charts"] = round(time.perf_counter() - t0, 3)
+    wall = time.perf_counter() - t_start  # the whole command but the interpreter's start and the table
     targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
-    machine = _machine(device)
     results = {
         "command": "python -m llmmem " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["compare"] else sys.argv[1:]),
         "preset": "quick" if args.quick else "full",
@@ -258,6 +417,7 @@ def run(args) -> int:
         "threads_per_process": args.threads,
         "timer": timer,
         "wall_seconds": wall,
+        "seconds": seconds,
         "skipped": skipped,
         "rows": rows,
         "targets": targets,
@@ -289,10 +449,6 @@ def run(args) -> int:
         + ":"
     )
     print(report.format_targets(targets))
-    if not args.no_charts:
-        title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
-        report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
-        report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
     print(
         f"\nwrote {args.out}/results.json, results.md"
         + ("" if args.no_charts else ", memory_timeline.png, saved_vs_overhead.png")
@@ -301,11 +457,9 @@ def run(args) -> int:
     return 1 if any(r.get("error") and not r.get("infeasible") for r in rows) else 0
 
 
-def _machine(device: str) -> str:
+def _machine(device: str, baseline: dict) -> str:
     if device == "cuda":
-        code = "import torch; print(torch.cuda.get_device_name())"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        return proc.stdout.strip() or "cuda"
+        return baseline.get("device_name") or "cuda"  # as the baseline's worker saw it
     name = ""
     try:
         with open("/proc/cpuinfo") as f:

@@ -169,8 +169,18 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
     return out
 
 
-def _guess(points: dict, cap: int, lo, hi) -> int:
-    """The next size to try: where the line through the two measured sizes nearest the cap reaches it."""
+def _guess(points: dict, cap: int, lo, hi, intercept: int | None = None) -> int:
+    """The next size to try: where the line through the two measured sizes nearest the cap reaches it
+    (with one size measured: the line through it and ``intercept``, the peak at size 0)."""
+    if len(points) == 1 and intercept is not None:
+        ((n1, p1),) = points.items()
+        if p1 is not None and p1 > intercept:
+            guess = int((cap - intercept) // ((p1 - intercept) / n1))
+            if lo is not None and guess <= lo:
+                guess = lo + 1
+            if hi is not None and guess >= hi:
+                guess = hi - 1
+            return max(1, guess)
     fitting = sorted(n for n, p in points.items() if p is not None and p <= cap)
     over = sorted(n for n, p in points.items() if p is not None and p > cap)
     pair = []
@@ -199,7 +209,16 @@ def _guess(points: dict, cap: int, lo, hi) -> int:
 
 
 def search_largest(
-    peak_at, *, start: int, start_peak: int, cap: int, trials: int, kind: str, first: int | None = None, linear=True
+    peak_at,
+    *,
+    start: int,
+    start_peak: int,
+    cap: int,
+    trials: int,
+    kind: str,
+    first: int | None = None,
+    linear=True,
+    intercept: int | None = None,
 ) -> dict:
     """The largest size (batch or layers) whose measured peak is at most ``cap`` bytes.
 
@@ -209,7 +228,9 @@ def search_largest(
     lower bound). The first size tried is ``first`` if given, then its neighbour; then, with
     ``linear``, where a line through the measured peaks nearest the cap crosses it (peaks grow
     linearly with the batch or the depth), else the middle of the bracket (or an eighth more than
-    the largest fit while nothing is too big).
+    the largest fit while nothing is too big). ``intercept``: the peak at size 0 (what does not grow
+    with the size, e.g. parameters, gradients and optimizer state for a batch), so that a linear
+    search's first guess is a line through it and ``start`` rather than a doubling.
     """
     points = {start: start_peak}
     lo = start if start_peak <= cap else None
@@ -225,7 +246,7 @@ def search_largest(
             if lo is not None and n <= lo:
                 n = lo + 1
         elif linear:
-            n = _guess(points, cap, lo, hi)
+            n = _guess(points, cap, lo, hi, intercept)
         elif len(log) == 1 and first is not None:
             n = log[0][0] + 1 if log[0][0] == lo else log[0][0] - 1  # the guess's neighbour
         elif hi is None:

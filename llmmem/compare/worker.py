@@ -1,8 +1,10 @@
 """One strategy of ``python -m llmmem compare``, trained and measured in a fresh process.
 
 Single-process strategies: ``python -m llmmem.compare.worker SPEC.json OUT.json``. Parallel ones run
-:func:`rank_main` on ``tp * dp`` gloo (or NCCL) ranks forked from one fresh launcher process
-(:func:`llmmem.parallel.testing.run_ranks`); rank 0 writes ``OUT.json``.
+:func:`rank_main` on ``tp * dp`` gloo ranks forked from one launcher process
+(:func:`llmmem.parallel.testing.run_ranks`); rank 0 writes ``OUT.json``. As ``python -m llmmem
+compare`` runs them, both start from a server that imported torch once (``--serve``, :func:`serve`):
+a single-process strategy is a child forked from it, a parallel one a child that forks the ranks.
 
 What a run does, for every strategy alike: build the GPT from the seed, train ``steps`` steps on the
 same batches (the first warms up and creates the optimizer state, the middle ones are timed, the
@@ -29,6 +31,28 @@ from llmmem.compare.strategies import Strategy
 from llmmem.models.gpt import GPT, GPTConfig
 
 __all__ = ["run_single", "rank_main", "main"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Where a worker's own time goes
+
+
+class PhaseClock:
+    """Wall-clock seconds of a worker's phases, for ``result["seconds"]``: ``start`` (from the moment
+    the orchestrator launched the process, ``spec["launched_at"]``, to the first line of work:
+    interpreter start and imports), then each :meth:`lap` since the previous one."""
+
+    def __init__(self, spec: dict) -> None:
+        self.seconds: dict[str, float] = {}
+        launched = spec.get("launched_at")
+        if launched is not None:
+            self.seconds["start"] = round(max(0.0, time.time() - float(launched)), 3)
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 3)
+        self._last = now
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,6 +216,7 @@ class _Planned:
 
 
 def run_single(spec: dict) -> dict:
+    clock = PhaseClock(spec)
     strategy = Strategy(**spec["strategy"])
     torch.set_num_threads(int(spec.get("threads", 1)))
     device = _device(spec)
@@ -204,6 +229,8 @@ def run_single(spec: dict) -> dict:
     tokens = _tokens()
     sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed)
     result = _header(spec, strategy, device, model.num_parameters(), model.num_parameters())
+    result["seconds"] = clock.seconds
+    clock.lap("build")
     planned = None
     if strategy.checkpoint == "plan":
         planned = _Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
@@ -216,7 +243,9 @@ def run_single(spec: dict) -> dict:
             result["error"] = f"infeasible: {exc}"
             result["infeasible"] = True
             result["plan"] = {"budget_bytes": budget}
+            clock.lap("plan")
             return result
+        clock.lap("plan")
     else:
         checkpoint_every_block(model.blocks, strategy.checkpoint)
     trainer = Trainer(model, make_optimizer(model.parameters(), spec["lr"]), strategy, device)
@@ -227,11 +256,13 @@ def run_single(spec: dict) -> dict:
 
     # Only train_and_measure holds the reference, so that it is freed before the measured step.
     result.update(measure.train_and_measure(trainer, batches, steps, device, reference=_reference(cfg, spec, device)))
+    clock.lap("train")
     if planned is not None:
         result["plan"] = planned.describe()
 
     cap = spec.get("cap_bytes") or result["peak_bytes"]
     trial_sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 2)
+    x_bytes = 2 * batch * cfg.seq_len * 8  # the batch's inputs and targets (int64)
 
     def peak_at(b: int) -> int | None:
         x, y = trial_sampler.next_batch(b)
@@ -260,7 +291,10 @@ def run_single(spec: dict) -> dict:
         kind="batch",
         first=first,
         linear=planned is None,
+        # what the step holds at batch 0: parameters, gradients, optimizer state (less the batch itself)
+        intercept=result["start_bytes"] - x_bytes,
     )
+    clock.lap("search")
     return result
 
 
@@ -299,7 +333,6 @@ class _ParallelModel:
 
     def __init__(self, spec: dict, strategy: Strategy, device, layers: int) -> None:
         import llmmem.parallel as tp
-        from llmmem.compare.sequence_parallel import SequenceParallelGPT
 
         cfg = GPTConfig(**{**spec["model"], "layers": layers})
         torch.manual_seed(spec["seed"])  # every rank builds the same full model, then keeps its shards
@@ -308,7 +341,7 @@ class _ParallelModel:
         model = tp.TensorParallelGPT.from_gpt(full).to(device)
         del full
         if strategy.sp:
-            model = SequenceParallelGPT(model)
+            model = tp.SequenceParallelGPT(model)
         self.inner = model
         self.params_per_rank = sum(p.numel() for p in model.parameters())
         dp_group = tp.get_data_parallel_group()
@@ -333,6 +366,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
 
     import llmmem.parallel as tp
 
+    clock = PhaseClock(spec)
     strategy = Strategy(**spec["strategy"])
     torch.set_num_threads(int(spec.get("threads", 1)))
     device = torch.device("cpu")
@@ -349,6 +383,8 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
     pm = _ParallelModel(spec, strategy, device, layers)
     result = _header(spec, strategy, device, pm.full_params, pm.params_per_rank)
     result["rank"] = rank
+    result["seconds"] = clock.seconds
+    clock.lap("build")
 
     def batches():
         # every DP rank draws the same global batch and keeps its rows: the union is the baseline's batch
@@ -361,6 +397,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
         return float(t) / strategy.dp
 
     result.update(measure.train_and_measure(pm.trainer, batches, spec["steps"], device, reduce_loss=mean_over_dp))
+    clock.lap("train")
     cap = spec.get("cap_bytes") or result["peak_bytes"]
     trial_sampler = BatchSampler(tokens, batch, seq, seed=spec["seed"] + 2)
 
@@ -396,6 +433,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
     search["params"] = {str(k): v for k, v in sorted(params_by_layers.items())}
     search["largest_params"] = params_by_layers.get(search["largest"])
     result["search"] = search
+    clock.lap("search")
     per_rank = [None] * world
     dist.all_gather_object(
         per_rank,
@@ -421,10 +459,96 @@ def _write(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def _preload() -> None:
+    """Import, once in the server, what every forked worker would otherwise import again: the
+    techniques llmmem resolves lazily and torch's checkpoint. Touches no CUDA (a forked child could
+    not use a CUDA context made before the fork)."""
+    import torch.utils.checkpoint  # noqa: F401
+
+    for name in ("checkpoint", "auto_checkpoint", "selective_context_fn", "GradScaler", "InfeasibleError"):
+        getattr(llmmem, name)
+    from llmmem.diagnostics import live  # noqa: F401
+
+
+def _forked(job: dict) -> int:
+    """Run ``job`` in a child forked from this process; the child's exit status (0: done)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            if job.get("cuda_check"):
+                code = 0 if torch.cuda.is_available() else 3
+            elif job.get("world", 1) > 1:
+                code = _forked_ranks(job)
+            else:
+                with open(job["spec"]) as f:
+                    spec = json.load(f)
+                _write(job["out"], run_single(spec))
+                code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # no interpreter shutdown: the result is written, and torch's teardown costs seconds of a
+            # loaded machine's CPU
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _forked_ranks(job: dict) -> int:
+    """A parallel strategy: ``job["world"]`` ranks forked from this child (the launcher), each running
+    :func:`rank_main`; 0 when every rank exited 0, else 1 with every rank's output on stderr."""
+    import tempfile
+
+    from llmmem.compare import worker_path
+    from llmmem.parallel.testing import fork_ranks
+
+    with open(job["spec"]) as f:
+        spec = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="llmmem-ranks-", dir=os.path.dirname(job["log"])) as folder:
+        codes = fork_ranks(
+            worker_path(), "rank_main", job["world"], folder, [spec, job["out"]], timeout=job["timeout"]
+        )
+        if all(codes.get(r) == 0 for r in range(job["world"])):
+            return 0
+        for r in range(job["world"]):
+            log = os.path.join(folder, f"rank{r}.log")
+            text = open(log).read() if os.path.exists(log) else ""
+            print(f"--- rank {r} (exit {codes.get(r)}) ---\n{text[-4000:]}", file=sys.stderr)
+        return 1
+
+
+def serve() -> int:
+    """``python -m llmmem.compare.worker --serve``: import torch and llmmem once, then, for each line
+    ``{"spec": SPEC.json, "out": OUT.json, "log": LOG}`` on stdin, run that strategy in a fresh child
+    forked from this process (nothing of one strategy is left in the next) and answer
+    ``{"code": exit status}`` on stdout; with ``"world": N, "timeout": SECONDS`` the child forks the
+    N ranks of a parallel strategy (:func:`_forked_ranks`). ``{"cuda_check": true, "log": LOG}`` answers 0 when torch
+    sees a CUDA device (asked in a child too, so that this process never touches CUDA). Ends at the
+    end of stdin. A fresh ``import torch`` costs seconds of CPU per process, a fork milliseconds."""
+    _preload()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps({"code": _forked(json.loads(line))}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--serve"]:
+        return serve()
     if len(argv) != 2:
-        print("usage: python -m llmmem.compare.worker SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m llmmem.compare.worker SPEC.json OUT.json | --serve", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)

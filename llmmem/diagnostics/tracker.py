@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import itertools
 import json
 import os
 import sys
@@ -67,6 +68,11 @@ from llmmem.errors import OutOfMemoryError
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["MemoryTracker", "CATEGORIES", "PHASES", "is_out_of_memory"]
+
+# The calling thread's dispatch-mode stack (thread-local; see MemoryTracker._here).
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+_thread_id = threading.get_ident
 
 CATEGORIES = (
     "parameters",
@@ -109,8 +115,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-# Trackers inside their ``with`` block (see MemoryTracker._pack).
-_ACTIVE: weakref.WeakSet = weakref.WeakSet()
+# Per thread: the trackers inside their ``with`` block on it, innermost last (see MemoryTracker._pack).
+_THREAD = threading.local()
+
+
+def _entered() -> list:
+    stack = getattr(_THREAD, "trackers", None)
+    if stack is None:
+        stack = _THREAD.trackers = []
+    return stack
 
 
 class _Record:
@@ -192,8 +205,11 @@ class MemoryTracker:
             loss.backward(); opt.step(); opt.zero_grad()
         print(tracker.table(top=8)); tracker.plot("memory.png")
 
-    Entering and leaving again adds steps to the same record. Not thread-safe across concurrent
-    training steps in one process. See the module docstring for what it costs and what it cannot see.
+    Entering and leaving again adds steps to the same record. A tracker counts the thread it is
+    entered on (and autograd's threads working for it): trackers entered on different threads, each
+    around its own model, do not see each other's tensors or modules; trackers nested on one thread
+    all see what is made inside the innermost. See the module docstring for what it costs and what
+    it cannot see.
     """
 
     def __init__(
@@ -273,10 +289,13 @@ class MemoryTracker:
         self._seen_optimizers = weakref.WeakSet()
         self._frame_cache: dict = {}
         self.cuda_samples: list[dict] = []
+        self._series = None  # (device, events, bytes live after each event): see _total_series
         self.failure: dict | None = None
         self._failure_exc = None
         self.rank: dict | None = None
         self._active = False
+        self._outer: list[weakref.ReferenceType] = []  # trackers this one was entered inside, same thread
+        self._thread = None  # the id of the thread it was entered on
         self._adopting = False  # counting tensors made before (no "where" for them)
         self._handles: list = []
         self._contexts: list = []
@@ -300,7 +319,10 @@ class MemoryTracker:
             self._adopting = False
         try:
             self._active = True
-            _ACTIVE.add(self)
+            entered = _entered()
+            self._outer = [weakref.ref(t) for t in entered]
+            entered.append(self)
+            self._thread = _thread_id()
             if self.model is not None:
                 self._adopt(self.model)
             if self.optimizer is not None:
@@ -325,7 +347,10 @@ class MemoryTracker:
 
     def __exit__(self, *exc):
         self._active = False
-        _ACTIVE.discard(self)
+        entered = _entered()
+        if self in entered:
+            entered.remove(self)
+        self._outer = []
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
         for h in self._handles + self._param_handles:
@@ -343,6 +368,17 @@ class MemoryTracker:
         self.stopped = time.perf_counter()
         self._sample_cuda("exit")
         return False
+
+    def _here(self) -> bool:
+        """Whether a global hook (module forward, optimizer step) that runs now belongs to this
+        tracker: it is active and its counting mode is on the calling thread's dispatch-mode stack
+        (thread-local; autograd's threads inherit it), so another thread's model is not adopted."""
+        if not self._active:
+            return False
+        if _thread_id() == self._thread:  # the thread it was entered on (its mode is on the stack there)
+            return True
+        live = self.live
+        return any(_dispatch_mode_at(i) is live for i in range(_dispatch_modes()))
 
     # =============================================================================================
     # counting (LiveBytes callbacks; all run under self._lock)
@@ -571,7 +607,7 @@ class MemoryTracker:
                 self._label(v, "optimizer_state", module=owner)
 
     def _pre_forward(self, module, args):
-        if not self._active:
+        if not self._here():
             return
         with self._lock:
             if torch._C._current_graph_task_id() != -1:
@@ -606,7 +642,7 @@ class MemoryTracker:
         self._label_inputs(args)
 
     def _root_kwargs(self, module, args, kwargs):
-        if self._active and len(self._stack) == 1 and torch._C._current_graph_task_id() == -1:
+        if self._here() and len(self._stack) == 1 and torch._C._current_graph_task_id() == -1:
             with self._lock:
                 self._label_inputs(kwargs)
 
@@ -621,7 +657,7 @@ class MemoryTracker:
     def _post_forward(self, module, args, *rest):
         # (kwargs, output) normally; torch calls a global with_kwargs hook with (output,) only when
         # the forward raised (an out-of-memory error, checkpointing's early stop): pop, hook nothing.
-        if not self._active:
+        if not self._here():
             return
         failed = len(rest) != 2
         kwargs, output = ({}, None) if failed else rest
@@ -706,7 +742,7 @@ class MemoryTracker:
         self._sample_cuda("backward end")
 
     def _pre_step(self, opt, args, kwargs):
-        if not self._active:
+        if not self._here():
             return
         with self._lock:
             if opt not in self._seen_optimizers:
@@ -717,7 +753,7 @@ class MemoryTracker:
             self._mark_phase("optimizer")
 
     def _post_step(self, opt, args, kwargs):
-        if not self._active:
+        if not self._here():
             return
         with self._lock:
             self._adopt_optimizer(opt)
@@ -726,10 +762,16 @@ class MemoryTracker:
         self._sample_cuda("optimizer end")
 
     def _pack(self, t: torch.Tensor):
-        # Only the innermost saved_tensors_hooks run: the innermost tracker's pack labels the tensor
-        # for every tracker active (an oom_report inside a profiling tracker, say).
-        for tracker in list(_ACTIVE):
-            tracker._label(t, saved=True)
+        # Only the innermost saved_tensors_hooks run (they are thread-local, and autograd's threads
+        # inherit them): this tracker labels the tensor for itself and for the trackers it was
+        # entered inside on its thread (an oom_report inside a profiling tracker), never for a
+        # tracker of another thread.
+        if self._active:
+            self._label(t, saved=True)
+        for ref in self._outer:
+            tracker = ref()
+            if tracker is not None and tracker._active:
+                tracker._label(t, saved=True)
         # A saved output returned as itself would hold its own grad_fn: a reference cycle through C++
         # that leaks when a forward is abandoned (an out-of-memory error). Detached: same storage and
         # version counter, so backward computes the same thing.
@@ -940,9 +982,17 @@ class MemoryTracker:
             r = row(name)
             r["kept_for_backward"] = max(r["kept_for_backward"], nbytes)
         totals = self._total_series(dev)
+        n = len(totals)
+        # The device's peak while each module ran: the events from the one before it entered to the
+        # one before it left, all answered in one pass over the series.
+        spans = []
+        for _, _, _, start, end, _ in self._intervals:
+            lo = max(0, start - 1)
+            spans.append((lo, min(n, max(self.events if end is None else end, lo + 1))))
+        peaks = _span_maxima(totals, spans)
         allocs = [rec.alloc for rec in self._records]  # increasing: records are made in event order
         enclosing: dict[tuple, int] = defaultdict(int)  # (ancestor, step) -> bytes recomputed under it
-        for name, phase, step, start, end, outermost in self._intervals:
+        for (name, phase, step, start, end, outermost), value in zip(self._intervals, peaks):
             end = self.events if end is None else end
             if phase == "recompute":
                 left = 0
@@ -954,9 +1004,6 @@ class MemoryTracker:
                 if outermost:
                     for a in list(_ancestors(name))[:-1]:
                         enclosing[(a, step)] += left
-            lo = max(0, start - 1)
-            segment = totals[lo : max(end, lo + 1)]
-            value = max(segment) if segment else 0
             r = row(name)
             key = f"{phase}_peak"
             r[key] = value if r[key] is None else max(r[key], value)
@@ -966,12 +1013,19 @@ class MemoryTracker:
         return list(names.values())
 
     def _total_series(self, dev: str) -> list[int]:
-        """Bytes live on ``dev`` after every event (all devices' events, so indices are event numbers)."""
-        out, total, recs = [], 0, self._records
-        for ri, delta in zip(self._ev_rec, self._ev_delta):
-            if recs[ri].device == dev:
-                total += delta
-            out.append(total)
+        """Bytes live on ``dev`` after every event (all devices' events, so indices are event numbers).
+        Kept until the next event: :meth:`table` reads it for the modules and the phases."""
+        cached = self._series
+        if cached is not None and cached[0] == dev and cached[1] == self.events:
+            return cached[2]
+        if set(self._dev_total) <= {dev}:  # every event is on dev
+            out = list(itertools.accumulate(self._ev_delta))
+        else:
+            recs = self._records
+            out = list(
+                itertools.accumulate(d if recs[ri].device == dev else 0 for ri, d in zip(self._ev_rec, self._ev_delta))
+            )
+        self._series = (dev, self.events, out)
         return out
 
     def phase_peaks(self, device=None) -> dict:
@@ -979,11 +1033,11 @@ class MemoryTracker:
         self._require_timeline("phase_peaks")
         dev = self._dev(device)
         totals = self._total_series(dev)
+        n = len(totals)
+        spans = [span for span in self.phases() if span["start"] < min(n, span["end"])]
         out: dict[str, int] = {}
-        for span in self.phases():
-            segment = totals[span["start"] : span["end"]]
-            if segment:
-                out[span["phase"]] = max(out.get(span["phase"], 0), max(segment))
+        for span, value in zip(spans, _span_maxima(totals, [(s["start"], min(n, s["end"])) for s in spans])):
+            out[span["phase"]] = max(out.get(span["phase"], 0), value)
         return out
 
     # =============================================================================================
@@ -1171,6 +1225,34 @@ def _pop(stack: list, name: str, close) -> None:
             while len(stack) > i:
                 close(stack.pop()[1])
             return
+
+
+_CHUNK = 256  # events per precomputed maximum in _span_maxima
+
+
+def _span_maxima(values: list, spans: list) -> list:
+    """``max(values[lo:hi])`` (0 if empty) for every ``(lo, hi)`` in ``spans``. One pass over
+    ``values`` takes the maximum of every chunk of ``_CHUNK`` events; a span then reads at most two
+    partial chunks and one maximum per whole chunk: O(len(values) + len(spans) * (_CHUNK +
+    span / _CHUNK)), not the sum of the spans' lengths."""
+    n, size = len(values), _CHUNK
+    chunks = [max(values[j : j + size]) for j in range(0, n, size)]
+    out = []
+    for lo, hi in spans:
+        hi = min(hi, n)
+        if hi <= lo:
+            out.append(0)
+        elif hi - lo <= 2 * size:
+            out.append(max(values[lo:hi]))
+        else:
+            first, last = -(-lo // size), hi // size  # the whole chunks inside (at least one)
+            top = max(chunks[first:last])
+            if lo < first * size:
+                top = max(top, max(values[lo : first * size]))
+            if last * size < hi:
+                top = max(top, max(values[last * size : hi]))
+            out.append(top)
+    return out
 
 
 def _fmt(value) -> str:

@@ -1,7 +1,9 @@
 """Tensor parallelism (Megatron-style) over torch.distributed, with llmmem's intra-node collectives.
 
 Layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :class:`VocabParallelEmbedding`
-and :func:`vocab_parallel_cross_entropy`. Groups: :func:`init` (TP x DP under torchrun), or any
+and :func:`vocab_parallel_cross_entropy`. Models: :class:`TensorParallelGPT` (``from_gpt``) and
+:class:`SequenceParallelGPT` (sequence parallelism on top of it; sum the sequence-parallel gradients
+with :func:`allreduce_sequence_parallel_grads` after backward). Groups: :func:`init` (TP x DP under torchrun), or any
 ``process_group=``. Autograd regions: the ``*_region`` functions. Dropout streams:
 :func:`model_parallel_manual_seed` and :func:`get_rng_tracker` (:mod:`llmmem.parallel.random`).
 Engines and thresholds: :mod:`llmmem.parallel.collectives`.
@@ -35,6 +37,7 @@ from llmmem.parallel.random import (
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
 )
+from llmmem.parallel.sequence_parallel import SequenceParallelGPT
 
 __all__ = [
     "ColumnParallelLinear",
@@ -42,6 +45,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "TensorParallelGPT",
+    "SequenceParallelGPT",
     "allreduce_sequence_parallel_grads",
     "init",
     "destroy",

@@ -22,6 +22,11 @@ barrier. The set-up of an engine, on a group's first collective, gives up after 
 timeout (:func:`set_timeout`) like their collectives do. Keep the ``LLMMEM_TP_*`` environment
 variables and thresholds equal on all ranks; they are read when this module is imported.
 
+Engines are cached per group without holding the group: a group destroyed with
+``torch.distributed.destroy_process_group`` and dropped closes its engine when it is collected; one
+destroyed but still referenced is released at the next engine set-up or by
+:func:`release_destroyed_groups`.
+
 Thresholds (bytes of the message one rank contributes) can be set with
 :func:`set_collective_thresholds` or the environment variables ``LLMMEM_TP_SHM_MAX_BYTES`` and
 ``LLMMEM_TP_CUDA_IPC_MAX_BYTES``; ``LLMMEM_TP_SHM=0`` turns the shared-memory engine off and
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -95,18 +101,71 @@ _timeout_s = _env_seconds("LLMMEM_TP_TIMEOUT", 300.0)
 # NCCL has been measured, and an unmeasured threshold is a guess. NCCL serves CUDA tensors meanwhile.
 _engines_on = {"shm": _env_on("LLMMEM_TP_SHM"), "cuda_ipc": _env_on("LLMMEM_TP_CUDA_IPC", default=False)}
 
-# group -> engine object, or None when set-up failed (then torch.distributed is used).
+# id(group) -> engine object, or None when set-up failed (then torch.distributed is used).
 _shm_comms: dict = {}
 _cuda_comms: dict = {}
-# group -> its size (a group's size never changes; dist.get_world_size costs ~2 us per call).
+# id(group) -> its size (a group's size never changes; dist.get_world_size costs ~2 us per call).
 _group_sizes: dict = {}
+# id(group) -> a finalizer that drops the group's entries and closes its engines when the group is
+# garbage-collected. The tables hold no group: a group the user destroyed and dropped goes, with its
+# shared segments (an id is not reused before its finalizer has run). A destroyed group still
+# referenced somewhere is released by release_destroyed_groups().
+_watched: dict = {}
+_MISSING = object()
+
+
+def _watch(group) -> int:
+    key = id(group)
+    if key not in _watched:
+        fin = weakref.finalize(group, _release, key)
+        fin.atexit = False  # at exit the process's mappings go anyway
+        _watched[key] = fin
+    return key
+
+
+def _release(key: int) -> None:
+    """Drop the entries of the group with id ``key`` and close its engines (local, not collective)."""
+    fin = _watched.pop(key, None)
+    if fin is not None:
+        fin.detach()
+    _group_sizes.pop(key, None)
+    for table in (_shm_comms, _cuda_comms):
+        comm = table.pop(key, None)
+        if comm is not None:
+            comm.close()
+
+
+def _registered(group) -> bool:
+    """Whether torch.distributed still knows ``group`` (destroy_process_group forgets it)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def release_destroyed_groups() -> int:
+    """Close the engines of groups that ``torch.distributed.destroy_process_group`` has destroyed
+    but that are still referenced (a dropped group releases its engines when it is collected).
+    Local: no other rank is involved. Runs by itself when a group sets up an engine; returns how
+    many groups were released."""
+    dead = []
+    for key, fin in list(_watched.items()):
+        alive = fin.peek()
+        if alive is None or not _registered(alive[0]):
+            dead.append(key)
+    for key in dead:
+        _release(key)
+    return len(dead)
 
 
 def _size_of(group) -> int:
     key = group if group is not None else dist.group.WORLD
-    size = _group_sizes.get(key)
+    size = _group_sizes.get(id(key))
     if size is None:
-        size = _group_sizes[key] = dist.get_world_size(key)
+        size = _group_sizes[_watch(key)] = dist.get_world_size(key)
     return size
 
 
@@ -146,22 +205,13 @@ def set_timeout(seconds: float) -> None:
 def close_group(group) -> None:
     """Release the engines of one group (local: no other rank is involved). A later collective on
     the group sets them up again, collectively."""
-    key = group if group is not None else dist.group.WORLD
-    for table in (_shm_comms, _cuda_comms):
-        comm = table.pop(key, None)
-        if comm is not None:
-            comm.close()
-    _group_sizes.pop(key, None)
+    _release(id(group if group is not None else dist.group.WORLD))
 
 
 def close_all() -> None:
     """Release every engine (shared segments, IPC mappings). Later calls set them up again."""
-    for table in (_shm_comms, _cuda_comms):
-        for comm in table.values():
-            if comm is not None:
-                comm.close()
-        table.clear()
-    _group_sizes.clear()
+    for key in set(_watched) | set(_shm_comms) | set(_cuda_comms) | set(_group_sizes):
+        _release(key)
 
 
 def _warn_fallback(what: str, exc: BaseException) -> None:
@@ -177,20 +227,21 @@ def _shm_engine(group):
     layout, so that every rank sets up at the same call. It gives up after the engine's timeout.
     """
     key = group if group is not None else dist.group.WORLD
-    try:
-        return _shm_comms[key]
-    except KeyError:
-        pass
+    comm = _shm_comms.get(id(key), _MISSING)
+    if comm is not _MISSING:
+        return comm
     if not _engines_on["shm"] or _thresholds["cpu_shm_max_bytes"] == 0:
         return None  # not cached: the switches are read here, and must be equal on all ranks
     from llmmem.parallel import shm
 
+    release_destroyed_groups()
     try:
-        _shm_comms[key] = shm.ShmCommunicator.setup(key, timeout=_timeout_s)
+        comm = shm.ShmCommunicator.setup(key, timeout=_timeout_s)
     except shm.SetupError as exc:
         _warn_fallback("shared-memory collectives", exc)
-        _shm_comms[key] = None
-    return _shm_comms[key]
+        comm = None
+    _shm_comms[_watch(key)] = comm
+    return comm
 
 
 def _cuda_for(tensor: torch.Tensor, group):
@@ -204,17 +255,19 @@ def _cuda_for(tensor: torch.Tensor, group):
     if torch.cuda.is_current_stream_capturing():
         return None  # the IPC kernel's epochs are host-side: a replayed graph would reuse a stale one
     key = group if group is not None else dist.group.WORLD
-    if key not in _cuda_comms:
+    comm = _cuda_comms.get(id(key), _MISSING)
+    if comm is _MISSING:
         from llmmem.parallel import cuda_ipc
 
+        release_destroyed_groups()
         try:
-            _cuda_comms[key] = cuda_ipc.CudaIpcCommunicator.setup(
+            comm = cuda_ipc.CudaIpcCommunicator.setup(
                 key, tensor.device, timeout=_timeout_s, max_bytes=_thresholds["cuda_ipc_max_bytes"]
             )
         except cuda_ipc.SetupError as exc:
             _warn_fallback("CUDA IPC all-reduce", exc)
-            _cuda_comms[key] = None
-    comm = _cuda_comms[key]
+            comm = None
+        _cuda_comms[_watch(key)] = comm
     if comm is not None and nbytes > comm.max_bytes:
         return None
     return comm
@@ -295,7 +348,7 @@ def _engine_failed(comm, key, op: str, view: str, exc: BaseException) -> BaseExc
     if not (isinstance(exc, InvalidArgumentError) and "ranks disagree" in str(exc)):
         return exc  # a local argument error, or a peer that failed or timed out: as the engine said
     comm.close()
-    _shm_comms.pop(key, None)
+    _shm_comms.pop(id(key), None)
     try:
         views = all_gather_json(view, key, timeout=_timeout_s, what=f"the report of a disagreement in {op}")
     except Exception as report_exc:
@@ -353,7 +406,9 @@ def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
         return tensor
     if tensor.is_cpu:
         key = group if group is not None else dist.group.WORLD
-        comm = _shm_comms[key] if key in _shm_comms else _shm_engine(key)
+        comm = _shm_comms.get(id(key), _MISSING)
+        if comm is _MISSING:
+            comm = _shm_engine(key)
         if comm is not None:
             # Each tensor accessor is read once, and the engine is not asked to check again: checking
             # twice costs microseconds on every collective of every layer.

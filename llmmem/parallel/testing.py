@@ -150,7 +150,7 @@ def _rank_main(module, fn: str, rank: int, world: int, store: str, args: list, t
         # 2.11's does not (versions between: not tried). The rank exits right after this anyway.
         import torch
 
-        if not torch.__version__.startswith("2.5."):
+        if not torch.__version__.startswith("2.5.") and dist.is_initialized():  # fn may have destroyed it
             dist.destroy_process_group()
 
 
@@ -168,10 +168,33 @@ def _launch(argv: list[str]) -> int:
     expect = {int(k): v for k, v in json.loads(a.expect).items()}
     import torch  # noqa: F401 - imported once here, inherited by every forked rank
 
-    spec = importlib.util.spec_from_file_location("_llmmem_rank_module", a.file)
+    fork_ranks(a.file, a.fn, a.world_size, a.dir, json.loads(a.args), timeout=a.timeout, grace=a.grace, expect=expect)
+    return 0
+
+
+def fork_ranks(
+    path: str,
+    fn: str,
+    world_size: int,
+    folder: str,
+    args: list,
+    *,
+    timeout: float = 90.0,
+    grace: float = 10.0,
+    expect: dict[int, int] | None = None,
+) -> dict[int, int | None]:
+    """Fork ``world_size`` ranks from this process, each joining a gloo group (a file store in
+    ``folder``) and calling ``fn(rank, world_size, *args)`` from file ``path``, its output in
+    ``folder/rank{r}.log``; wait for them (the others get ``grace`` seconds after a rank fails, all
+    are killed after ``timeout``). Returns rank -> exit code (None: killed), also written to
+    ``folder/status.json``. What :func:`run_ranks`'s launcher runs; a process that has imported
+    torch already (and started no threads) calls it to save the launcher's start."""
+    expect = expect or {}
+    spec = importlib.util.spec_from_file_location("_llmmem_rank_module", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    store = os.path.join(a.dir, "store")
+    store = os.path.join(folder, "store")
+    a = argparse.Namespace(dir=folder, fn=fn, timeout=timeout, grace=grace, world_size=world_size)
     pids = {}
     for rank in range(a.world_size):
         sys.stdout.flush()
@@ -183,7 +206,7 @@ def _launch(argv: list[str]) -> int:
                 fd = os.open(os.path.join(a.dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                _rank_main(module, a.fn, rank, a.world_size, store, json.loads(a.args), a.timeout)
+                _rank_main(module, a.fn, rank, a.world_size, store, args, a.timeout)
                 code = 0
             except BaseException:
                 traceback.print_exc()
@@ -214,7 +237,7 @@ def _launch(argv: list[str]) -> int:
         time.sleep(0.01)
     with open(os.path.join(a.dir, "status.json"), "w") as f:
         json.dump(codes, f)
-    return 0
+    return codes
 
 
 if __name__ == "__main__":

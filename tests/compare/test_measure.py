@@ -24,6 +24,25 @@ def test_linear_search_brackets_the_true_largest(true_largest):
     assert len(calls) <= 3
 
 
+@pytest.mark.parametrize("true_largest", [2, 5, 11, 31])
+def test_linear_search_from_the_fixed_bytes_needs_two_trials(true_largest):
+    # with the peak at batch 0 known (parameters, gradients, optimizer state), the first guess is
+    # the line through it and the measured batch: the answer, then its neighbour to prove it
+    state, per = 1000, 37
+    cap = state + per * true_largest + per // 2
+    r = search_largest(
+        lambda n: state + per * n,
+        start=2,
+        start_peak=state + 2 * per,
+        cap=cap,
+        trials=4,
+        kind="batch",
+        intercept=state,
+    )
+    assert r["largest"] == true_largest and r["exact"]
+    assert [t[0] for t in r["trials"]] == ([true_largest, true_largest + 1] if true_largest > 2 else [3])
+
+
 def test_search_counts_infeasible_as_not_fitting_and_stops_at_the_budget():
     r = search_largest(lambda n: None if n > 6 else 10 * n, start=2, start_peak=20, cap=10**6, trials=3, kind="batch")
     assert r["largest"] is not None and r["largest"] <= 6

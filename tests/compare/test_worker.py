@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmmem.compare.cli import run_strategy
+from llmmem.compare.cli import WorkerServer, run_strategy
 from llmmem.compare.strategies import STRATEGIES
 
 MODEL = dict(layers=4, hidden=32, heads=2, seq_len=64, vocab_size=256, dropout=0.0)
@@ -54,6 +54,36 @@ def test_baseline_measures_itself(baseline):
     # each timed step is paired with a step of the fp32 reference, timed the same way
     assert len(baseline["reference_cpu_step_times"]) == len(baseline["cpu_step_times"]) == 1
     assert baseline["relative_cpu_step_time"] > 0 and baseline["relative_step_time"] > 0
+
+
+def test_a_forked_worker_measures_what_a_fresh_process_measures(baseline, tmp_path):
+    # the worker server imports torch once and forks a child per strategy: nothing of one run (or
+    # of the server) is in the next; the figures are the fresh process's
+    server = WorkerServer(1, str(tmp_path))
+    try:
+        rows = [run_strategy(_spec("baseline"), str(tmp_path), timeout=300, server=server) for _ in range(2)]
+        bad = run_strategy(_spec("baseline", model=dict(MODEL, heads=3)), str(tmp_path), timeout=300, server=server)
+        again = run_strategy(_spec("baseline"), str(tmp_path), timeout=300, server=server)  # still serving
+    finally:
+        server.close()
+    for row in rows + [again]:
+        assert row["error"] is None, row.get("log")
+        for k in ("losses", "peak_bytes", "start_bytes", "activation_bytes", "search"):
+            assert row[k] == baseline[k], k
+        assert row["seconds"]["start"] < baseline["seconds"]["start"] + 1.0  # no interpreter start or import
+        assert set(row["seconds"]) >= {"start", "build", "train", "search"}
+    assert bad["error"] and "heads" in bad["log"] and "Traceback" in bad["log"]  # the child's own error
+
+
+def test_a_worker_that_times_out_is_killed_and_the_server_restarts(tmp_path):
+    server = WorkerServer(1, str(tmp_path))
+    try:
+        row = run_strategy(_spec("baseline", steps=10**6), str(tmp_path), timeout=20, server=server)
+        assert row["error"] and "timed out" in row["log"]
+        assert server.proc is None  # killed with its child (its own process group)
+        assert server.request({"cuda_check": True, "log": str(tmp_path / "c.log")}, timeout=120) in (0, 3)
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("key", ["every", "selective"])

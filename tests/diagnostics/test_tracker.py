@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from support.diagnostics import gpt_step, hf_model, hf_step, saved_by_graph, storage_bytes, tiny_gpt
+from support.diagnostics import checkpoint_blocks, gpt_step, hf_model, hf_step, saved_by_graph, storage_bytes, tiny_gpt
 
 import llmmem
 from llmmem.diagnostics.live import LiveBytes
@@ -163,15 +163,7 @@ def test_checkpointed_blocks_keep_only_their_inputs_and_recompute_in_backward():
         gpt_step(model, opt, 4)
     kept_plain = {r["module"]: r for r in plain.modules()}["GPT.blocks.1"]["kept_for_backward"]
 
-    class Checkpointed(torch.nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return llmmem.checkpoint(self.block, x)
-
-    model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    checkpoint_blocks(model)
     with MemoryTracker(model, opt) as ckpt:
         gpt_step(model, opt, 4)
     rows = {r["module"]: r for r in ckpt.modules()}

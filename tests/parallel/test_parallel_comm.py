@@ -117,7 +117,7 @@ def _check_fallback(rank, world):
                 assert x[0].item() == world
     finally:
         shm.host_identity = real
-    assert collectives._shm_comms[group] is None
+    assert collectives._shm_comms[id(group)] is None
     msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(msgs) == 1 and "spans 2 hosts" in msgs[0], msgs
 

@@ -186,3 +186,52 @@ def test_repeated_init_keeps_one_engine_per_group():
 
     results = run_ranks(__file__, "_repeated_init", 2, timeout=RUN_TIMEOUT)
     assert all("repeated init passed" in r.output for r in results)
+
+
+def _destroyed_groups(rank, world):
+    """A group destroyed with torch.distributed.destroy_process_group releases its engine (the
+    shared segment mapped into this process): at once when it is dropped (garbage-collected);
+    while still referenced, at the next engine set-up or release_destroyed_groups(); the world
+    group too, when it is destroyed."""
+    import gc
+
+    import torch.distributed as dist
+
+    from llmmem.parallel import collectives
+
+    ranks = list(range(world))
+    assert _mapped_segments() == 0
+    g = dist.new_group(ranks)
+    collectives.all_reduce_(torch.ones(4), g)
+    one = _mapped_segments()
+    assert one >= 1
+    (comm,) = collectives._shm_comms.values()
+    dist.destroy_process_group(g)
+    del g
+    gc.collect()
+    assert comm._handle is None and _mapped_segments() == 0, _mapped_segments()
+    assert not collectives._shm_comms and not collectives._group_sizes
+
+    held = dist.new_group(ranks)
+    collectives.all_reduce_(torch.ones(4), held)
+    dist.destroy_process_group(held)
+    other = dist.new_group(ranks)
+    x = collectives.all_reduce_(torch.ones(4), other)  # sets up other's engine, releases held's
+    assert x.tolist() == [world] * 4
+    assert id(held) not in collectives._shm_comms and _mapped_segments() == one, _mapped_segments()
+
+    collectives.all_reduce_(torch.ones(4))  # the world group's engine
+    assert _mapped_segments() == 2 * one
+    dist.destroy_process_group()  # every group, the world's included
+    gc.collect()  # the world group is dropped by torch: its engine goes with it
+    assert _mapped_segments() == one, _mapped_segments()
+    assert collectives.release_destroyed_groups() == 1  # other: destroyed, still referenced here
+    assert _mapped_segments() == 0 and not collectives._shm_comms
+    print(f"rank {rank}: destroyed groups passed", flush=True)
+
+
+def test_destroyed_groups_release_their_engines():
+    from llmmem.parallel.testing import run_ranks
+
+    results = run_ranks(__file__, "_destroyed_groups", 2, timeout=RUN_TIMEOUT)
+    assert all("destroyed groups passed" in r.output for r in results)

@@ -18,6 +18,21 @@ def tiny_gpt(seed: int = 0, **overrides):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def checkpoint_blocks(model) -> None:
+    """Wraps each of a GPT's blocks in ``llmmem.checkpoint`` (a module whose forward is one region)."""
+    import llmmem
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return llmmem.checkpoint(self.block, x)
+
+    model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+
+
 def gpt_step(model, opt, batch: int, *, seq: int | None = None, zero: bool = True):
     """One training step on random token ids made inside (so a tracker sees them made)."""
     seq = seq or model.cfg.seq_len

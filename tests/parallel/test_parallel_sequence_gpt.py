@@ -15,7 +15,6 @@ def _same_as_gpt(rank, world, checkpoint):
 
     import llmmem
     import llmmem.parallel as tp
-    from llmmem.compare.sequence_parallel import SequenceParallelGPT
     from llmmem.models.gpt import GPT, GPTConfig
 
     tp.init(tensor_parallel_size=world)
@@ -24,7 +23,7 @@ def _same_as_gpt(rank, world, checkpoint):
     ref = GPT(cfg)
     tp_model = tp.TensorParallelGPT.from_gpt(ref)
     tp_keys = sorted(tp_model.state_dict())
-    model = SequenceParallelGPT(tp_model)
+    model = tp.SequenceParallelGPT(tp_model)
     assert sorted(model.state_dict()) == tp_keys  # a checkpoint of either loads into the other
     if checkpoint:
         for block in model.blocks:
@@ -60,8 +59,8 @@ def test_sequence_parallel_gpt_matches_gpt(checkpoint):
 
 
 def test_needs_a_tensor_parallel_model():
-    from llmmem.compare.sequence_parallel import SequenceParallelGPT
     from llmmem.models.gpt import GPT, GPTConfig
+    from llmmem.parallel import SequenceParallelGPT
 
     with pytest.raises(TypeError, match="TensorParallelGPT"):
         SequenceParallelGPT(GPT(GPTConfig(layers=1, hidden=8, heads=2, seq_len=4, vocab_size=8)))

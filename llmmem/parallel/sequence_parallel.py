@@ -1,4 +1,5 @@
-"""Megatron-style sequence parallelism for :class:`llmmem.parallel.TensorParallelGPT`.
+"""Megatron-style sequence parallelism for :class:`llmmem.parallel.TensorParallelGPT`:
+:class:`SequenceParallelGPT` (``llmmem.parallel.SequenceParallelGPT``).
 
 Tensor parallelism splits the attention heads and the MLP's hidden units across ranks, but leaves
 the LayerNorms, dropouts and residual adds working on the whole ``(batch, seq, hidden)`` activation
@@ -26,7 +27,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmmem.parallel import TensorParallelGPT, get_rng_tracker, vocab_parallel_cross_entropy
+from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
+from llmmem.parallel.gpt import TensorParallelGPT
+from llmmem.parallel.random import get_rng_tracker
 
 __all__ = ["SequenceParallelGPT"]
 
