@@ -19,6 +19,7 @@ void plan_costs_free(plan_costs_t *c) {
   free(c->x);
   free(c->s);
   free(c->ft);
+  free(c->fnt);
   free(c->bt);
   free(c->kept);
   memset(c, 0, sizeof *c);
@@ -65,6 +66,9 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   LLMMEM_TRY(check_bytes(chain->input_bytes, (size_t)L + 1, "input_bytes"));
   LLMMEM_TRY(check_bytes(chain->saved_bytes, LK, "saved_bytes"));
   if (chain->fwd_tmp_bytes) LLMMEM_TRY(check_bytes(chain->fwd_tmp_bytes, (size_t)L, "fwd_tmp_bytes"));
+  if (chain->fwd_tape_tmp_bytes) LLMMEM_TRY(check_bytes(chain->fwd_tape_tmp_bytes, LK, "fwd_tape_tmp_bytes"));
+  if (chain->fwd_nostore_tmp_bytes)
+    LLMMEM_TRY(check_bytes(chain->fwd_nostore_tmp_bytes, (size_t)L, "fwd_nostore_tmp_bytes"));
   if (chain->bwd_tmp_bytes) LLMMEM_TRY(check_bytes(chain->bwd_tmp_bytes, LK, "bwd_tmp_bytes"));
   if (chain->mode_nestable)
     for (int32_t k = 0; k < K; k++)
@@ -86,10 +90,11 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->b = malloc(LK * sizeof(double));
   out->x = malloc(((size_t)L + 1) * sizeof(uint64_t));
   out->s = malloc(LK * sizeof(uint64_t));
-  out->ft = calloc((size_t)L, sizeof(uint64_t));
+  out->ft = calloc(LK, sizeof(uint64_t));
+  out->fnt = calloc((size_t)L, sizeof(uint64_t));
   out->bt = calloc(LK, sizeof(uint64_t));
   out->kept = calloc(LK, 1);
-  if (!out->f || !out->fn || !out->b || !out->x || !out->s || !out->ft || !out->bt || !out->kept) {
+  if (!out->f || !out->fn || !out->b || !out->x || !out->s || !out->ft || !out->fnt || !out->bt || !out->kept) {
     plan_costs_free(out);
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the planner's copy of a %d-block chain", L);
   }
@@ -99,7 +104,15 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   memcpy(out->s, chain->saved_bytes, LK * sizeof(uint64_t));
   for (int32_t i = 0; i < L; i++)
     out->fn[i] = chain->fwd_nostore_time ? chain->fwd_nostore_time[i] : out->f[(size_t)i * K];
-  if (chain->fwd_tmp_bytes) memcpy(out->ft, chain->fwd_tmp_bytes, (size_t)L * sizeof(uint64_t));
+  /* absent: fwd_tmp_bytes for every forward of the block, as before the specific ones existed */
+  for (int32_t i = 0; i < L; i++) {
+    const uint64_t one = chain->fwd_tmp_bytes ? chain->fwd_tmp_bytes[i] : 0;
+    for (int32_t k = 0; k < K; k++) {
+      const size_t ik = (size_t)i * K + k;
+      out->ft[ik] = chain->fwd_tape_tmp_bytes ? chain->fwd_tape_tmp_bytes[ik] : one;
+    }
+    out->fnt[i] = chain->fwd_nostore_tmp_bytes ? chain->fwd_nostore_tmp_bytes[i] : one;
+  }
   if (chain->bwd_tmp_bytes) memcpy(out->bt, chain->bwd_tmp_bytes, LK * sizeof(uint64_t));
   if (chain->output_kept) memcpy(out->kept, chain->output_kept, LK);
   out->bw = chain->host_bandwidth;
@@ -112,7 +125,8 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   for (int32_t i = 1; i < L; i++) same_x &= out->x[i] == out->x[0];
   out->identical = same_x && all_rows_equal_d(out->f, Lr, K) && all_rows_equal_d(out->fn, Lr, 1) &&
                    all_rows_equal_d(out->b, Lr, K) && all_rows_equal_u(out->s, Lr, K) &&
-                   all_rows_equal_u(out->ft, Lr, 1) && all_rows_equal_u(out->bt, Lr, K);
+                   all_rows_equal_u(out->ft, Lr, K) && all_rows_equal_u(out->fnt, Lr, 1) &&
+                   all_rows_equal_u(out->bt, Lr, K);
   /* (kept is not part of it: it only matters in the top-level rows, which are per block anyway) */
   return LLMMEM_OK;
 }

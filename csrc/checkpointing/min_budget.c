@@ -51,7 +51,7 @@ static void need_segment(const plan_costs_t *c, int32_t s, int32_t e, uint64_t *
     const size_t ik = (size_t)s * K + k;
     const uint64_t hold = c->s[ik] + c->x[s + 1];
     uint64_t need =
-        MAXU(c->s[ik] + c->x[s + 1] + c->ft[s], c->s[ik] + (s + 1 < e ? c->x[s + 1] : 0) + c->x[s] + c->bt[ik]);
+        MAXU(c->s[ik] + c->x[s + 1] + c->ft[ik], c->s[ik] + (s + 1 < e ? c->x[s + 1] : 0) + c->x[s] + c->bt[ik]);
     double t = c->f[ik] + c->b[ik];
     if (s + 1 < e) {
       const int pinned = top && plan_keeps_output(c, s, k);
@@ -67,7 +67,7 @@ static void need_segment(const plan_costs_t *c, int32_t s, int32_t e, uint64_t *
   uint64_t fneed = 0;
   double fsum = 0.0;
   for (int32_t q = s + 1; q < e; q++) {
-    fneed = MAXU(fneed, (q - 1 > s ? c->x[q - 1] : 0) + c->x[q] + c->ft[q - 1]);
+    fneed = MAXU(fneed, (q - 1 > s ? c->x[q - 1] : 0) + c->x[q] + c->fnt[q - 1]);
     fsum += c->fn[q - 1];
     const uint64_t rest = top ? needT[q] : needR[rowR(c, q, e)];
     const uint64_t inner = needR[rowR(c, s, q)];

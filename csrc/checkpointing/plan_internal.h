@@ -18,7 +18,8 @@ typedef struct plan_costs_s {
   double *b;     /* [i*K+k] backward time */
   uint64_t *x;   /* [i], i = 0..L */
   uint64_t *s;   /* [i*K+k] saved bytes beyond the input */
-  uint64_t *ft;  /* [i] forward transient */
+  uint64_t *ft;  /* [i*K+k] forward transient keeping a tape in mode k */
+  uint64_t *fnt; /* [i] forward transient inside a region (no tape) */
   uint64_t *bt;  /* [i*K+k] backward transient */
   uint8_t *kept; /* [i*K+k] block i's tape in mode k keeps a_{i+1} */
   double bw;     /* host<->device bytes per time unit; 0: no offloading */

@@ -49,7 +49,7 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
       if (!(last && !top)) { /* early stop: the recompute ends once the last region's input is saved */
         double fwd = 0.0;
         for (int32_t j = r->start; j < r->end; j++) {
-          touch(st, (j > r->start ? (int64_t)c->x[j] : 0) + (int64_t)c->x[j + 1] + (int64_t)c->ft[j]);
+          touch(st, (j > r->start ? (int64_t)c->x[j] : 0) + (int64_t)c->x[j + 1] + (int64_t)c->fnt[j]);
           fwd += c->fn[j];
         }
         st->time += fwd;
@@ -66,7 +66,7 @@ static int64_t run_sequence(sim_t *st, int32_t n, int top) {
       child = r->next_sibling;
     } else {
       const size_t ik = (size_t)i * K + st->mode[i];
-      touch(st, (int64_t)c->s[ik] + (int64_t)c->x[i + 1] + (int64_t)c->ft[i]);
+      touch(st, (int64_t)c->s[ik] + (int64_t)c->x[i + 1] + (int64_t)c->ft[ik]);
       st->time += c->f[ik];
       st->live += (int64_t)c->s[ik] + (int64_t)c->x[i + 1];
       i++;

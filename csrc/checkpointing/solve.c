@@ -36,12 +36,12 @@ typedef struct dp_s {
   int64_t M;     /* slots in the budget */
   uint64_t unit; /* bytes per slot */
   /* sizes in slots, rounded up */
-  int64_t *x, *s, *ft, *bt;
-  double *fnsum;       /* prefix sums of the no-store forward times, [L + 1] */
-  float *R, *T;        /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
+  int64_t *x, *s, *ft, *fnt, *bt; /* ft [i*K+k]: a tape's forward transient, fnt [i]: a region's (no tape) */
+  double *fnsum;                  /* prefix sums of the no-store forward times, [L + 1] */
+  float *R, *T;                   /* [row][M + 1] least times; T: L rows where the first region may be offloaded,
                          then L rows where it may not (after a tape that keeps its output) */
-  plan_relax_fn relax; /* the split loop (relax.h) for this CPU */
-  float *CR, *CT;      /* samples of the R rows and of the first L T rows (plan_relax_sample), CW per row */
+  plan_relax_fn relax;            /* the split loop (relax.h) for this CPU */
+  float *CR, *CT;                 /* samples of the R rows and of the first L T rows (plan_relax_sample), CW per row */
   int64_t CW;
 } dp_t;
 
@@ -74,13 +74,14 @@ static inline const float *tape_rest(const dp_t *dp, int32_t s, int32_t e, int32
 static inline void tape_needs(const dp_t *dp, int32_t s, int32_t e, int32_t k, int64_t *lo, int64_t *hold) {
   const size_t ik = (size_t)s * dp->c->K + k;
   *hold = dp->s[ik] + dp->x[s + 1];
-  *lo = max64(max64(*hold + dp->ft[s], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
+  *lo = max64(max64(*hold + dp->ft[ik], dp->s[ik] + (s + 1 < e ? dp->x[s + 1] : 0) + dp->x[s] + dp->bt[ik]), *hold);
 }
 
 /* The forward need of region [s, q) from that of [s, q - 1) (prev; 0 when q == s + 1): the
- * re-run of block q - 1 holds its input (a_s is the caller's), its output and its transient. */
+ * no-store run of block q - 1 holds its input (a_s is the caller's), its output and its no-store
+ * transient. */
 static inline int64_t region_fneed(const dp_t *dp, int32_t s, int32_t q, int64_t prev) {
-  return max64(prev, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->ft[q - 1]);
+  return max64(prev, (q - 1 > s ? dp->x[q - 1] : 0) + dp->x[q] + dp->fnt[q - 1]);
 }
 
 /* Free slots of the rest after offloaded region [s, q) with m free before it: a_s (held by the
@@ -271,6 +272,7 @@ static void dp_free(dp_t *dp) {
   free(dp->x);
   free(dp->s);
   free(dp->ft);
+  free(dp->fnt);
   free(dp->bt);
   free(dp->fnsum);
   free(dp->R);
@@ -300,7 +302,8 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   llmmem_status_t status = LLMMEM_OK;
   dp.x = malloc(((size_t)L + 1) * sizeof(int64_t));
   dp.s = malloc(LK * sizeof(int64_t));
-  dp.ft = malloc((size_t)L * sizeof(int64_t));
+  dp.ft = malloc(LK * sizeof(int64_t));
+  dp.fnt = malloc((size_t)L * sizeof(int64_t));
   dp.bt = malloc(LK * sizeof(int64_t));
   dp.fnsum = malloc(((size_t)L + 1) * sizeof(double));
   dp.R = malloc((nR ? nR : 1) * W * sizeof(float));
@@ -308,15 +311,21 @@ static llmmem_status_t solve_slots(const plan_costs_t *c, uint64_t budget, int32
   dp.CW = (int64_t)W / PLAN_RELAX_STRETCH;
   dp.CR = malloc((nR ? nR : 1) * (size_t)(dp.CW ? dp.CW : 1) * sizeof(float));
   dp.CT = malloc((size_t)L * (size_t)(dp.CW ? dp.CW : 1) * sizeof(float));
-  if (!dp.x || !dp.s || !dp.ft || !dp.bt || !dp.fnsum || !dp.R || !dp.T || !dp.CR || !dp.CT) {
+  if (!dp.x || !dp.s || !dp.ft || !dp.fnt || !dp.bt || !dp.fnsum || !dp.R || !dp.T || !dp.CR || !dp.CT) {
     status = LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the DP tables (%.1f MiB) for %d blocks and %d slots",
                          table_bytes / (double)(1 << 20), L, slots);
     goto done;
   }
   for (int32_t i = 0; i <= L; i++) dp.x[i] = to_slots(c->x[i], dp.unit);
-  for (size_t ik = 0; ik < LK; ik++) dp.s[ik] = to_slots(c->s[ik], dp.unit), dp.bt[ik] = to_slots(c->bt[ik], dp.unit);
+  for (size_t ik = 0; ik < LK; ik++) {
+    dp.s[ik] = to_slots(c->s[ik], dp.unit), dp.bt[ik] = to_slots(c->bt[ik], dp.unit);
+    dp.ft[ik] = to_slots(c->ft[ik], dp.unit);
+  }
   dp.fnsum[0] = 0.0;
-  for (int32_t i = 0; i < L; i++) dp.ft[i] = to_slots(c->ft[i], dp.unit), dp.fnsum[i + 1] = dp.fnsum[i] + c->fn[i];
+  for (int32_t i = 0; i < L; i++) {
+    dp.fnt[i] = to_slots(c->fnt[i], dp.unit);
+    dp.fnsum[i + 1] = dp.fnsum[i] + c->fn[i];
+  }
 
   for (int32_t d = 1; d <= L - 1; d++) {
     const int32_t s_last = c->identical ? 0 : L - 1 - d;

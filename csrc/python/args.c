@@ -259,6 +259,8 @@ void _llmmem_args_chain_free(args_chain_t *c) {
   free(c->x);
   free(c->s);
   free(c->ft);
+  free(c->fnt);
+  free(c->ftk);
   free(c->bt);
   free(c->nest);
   free(c->kept);
@@ -298,6 +300,16 @@ int _llmmem_args_chain(const args_value_t *dict, args_chain_t *cs, args_error_t 
   if (ft) {
     if (!(cs->ft = malloc(L * sizeof(uint64_t)))) goto nomem;
     if (read_key(ft, "fwd_tmp_bytes", L, 0, 1, cs->ft, e) < 0) goto fail;
+  }
+  const args_value_t *fnt = chain_key(dict, "fwd_nostore_tmp_bytes", 0, e);
+  if (fnt) {
+    if (!(cs->fnt = malloc(L * sizeof(uint64_t)))) goto nomem;
+    if (read_key(fnt, "fwd_nostore_tmp_bytes", L, 0, 1, cs->fnt, e) < 0) goto fail;
+  }
+  const args_value_t *ftk = chain_key(dict, "fwd_tape_tmp_bytes", 0, e);
+  if (ftk) {
+    if (!(cs->ftk = malloc(LK * sizeof(uint64_t)))) goto nomem;
+    if (read_key(ftk, "fwd_tape_tmp_bytes", L, K, 1, cs->ftk, e) < 0) goto fail;
   }
   if (bt) {
     if (!(cs->bt = malloc(LK * sizeof(uint64_t)))) goto nomem;
@@ -340,8 +352,8 @@ int _llmmem_args_chain(const args_value_t *dict, args_chain_t *cs, args_error_t 
     e->status = ARGS_VALUE; /* a malformed chain is a ValueError throughout */
     goto fail;
   }
-  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,  cs->fn,   cs->b,    cs->x,
-                                    cs->s,      cs->ft,     cs->bt, cs->nest, cs->kept, host_bandwidth};
+  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,   cs->b,          cs->x,   cs->s,
+                                    cs->ft,     cs->bt,     cs->nest, cs->kept, host_bandwidth, cs->fnt, cs->ftk};
   return 0;
 nomem:
   fail(e, ARGS_NOMEM, "plan: no memory for a chain of %zu blocks", L);

@@ -108,7 +108,7 @@ int _llmmem_args_number(const args_value_t *v, const char *what, double *out, ar
 typedef struct args_chain_s {
   llmmem_plan_chain_t chain;
   double *f, *fn, *b;
-  uint64_t *x, *s, *ft, *bt;
+  uint64_t *x, *s, *ft, *fnt, *ftk, *bt;
   uint8_t *nest, *kept;
 } args_chain_t;
 

@@ -500,9 +500,17 @@ class ChainProfile:
     bwd_time: list  # [L][K]
     input_bytes: list  # [L + 1]
     saved_bytes: list  # [L][K] beyond the block input
-    fwd_tmp_bytes: list  # [L] beyond input, output and tape, the most of any mode
+    fwd_tmp_bytes: list  # [L] beyond input, output and tape: the most of any mode keeping a tape
     bwd_tmp_bytes: list  # [L][K] beyond tape, incoming and outgoing gradients
     device: str = "cpu"
+    # [L] the forward inside a checkpointed region, beyond input and output: it frees intermediates
+    # as it goes, yet holds more at once than a tape's forward beyond its tape. Empty: unknown,
+    # fwd_tmp_bytes counts for both forwards.
+    fwd_nostore_tmp_bytes: list = field(default_factory=list)
+    # [L][K] the forward keeping its tape in mode k, beyond input, output and tape (a mode that keeps
+    # less can hold more at once on the way: selective's forward). Empty: unknown, fwd_tmp_bytes
+    # counts for every mode.
+    fwd_tape_tmp_bytes: list = field(default_factory=list)
     # [L][K] 1 where the block's tape in that mode keeps its own output (selective keeps a final
     # matmul's output, tanh keeps its result): offloading the next block's input would then free
     # nothing on the device. Empty: unknown, treated as all 0.
@@ -533,6 +541,8 @@ class ChainProfile:
             "input_bytes": list(self.input_bytes),
             "saved_bytes": [list(r) for r in self.saved_bytes],
             "fwd_tmp_bytes": list(self.fwd_tmp_bytes),
+            "fwd_nostore_tmp_bytes": list(self.fwd_nostore_tmp_bytes) if self.fwd_nostore_tmp_bytes else None,
+            "fwd_tape_tmp_bytes": [list(r) for r in self.fwd_tape_tmp_bytes] if self.fwd_tape_tmp_bytes else None,
             "bwd_tmp_bytes": [list(r) for r in self.bwd_tmp_bytes],
             "mode_nestable": [_NESTABLE[m] if self.chainable else 0 for m in self.modes],
             "output_kept": [list(r) for r in self.output_kept] if self.output_kept else None,
@@ -546,6 +556,12 @@ class ChainProfile:
             chain["input_bytes"].append(0)
             chain["saved_bytes"].append([int(self.head["saved_bytes"])] + [UNUSABLE_BYTES] * (K - 1))
             chain["fwd_tmp_bytes"].append(int(self.head["fwd_tmp_bytes"]))
+            if chain["fwd_nostore_tmp_bytes"] is not None:
+                # the planner never puts the head in a region; a plan given by hand that does gets
+                # the one transient measured for it
+                chain["fwd_nostore_tmp_bytes"].append(int(self.head["fwd_tmp_bytes"]))
+            if chain["fwd_tape_tmp_bytes"] is not None:
+                chain["fwd_tape_tmp_bytes"].append([int(self.head["fwd_tmp_bytes"])] * K)
             chain["bwd_tmp_bytes"].append([int(self.head["bwd_tmp_bytes"])] * K)
             if chain["output_kept"] is not None:
                 chain["output_kept"].append([0] * K)
@@ -613,7 +629,8 @@ class _BlockCosts:
     work: dict  # the planner's costs in work units (_planner_costs)
     seconds: dict | None  # the same from timed steps (None: not timed)
     saved: list  # [K] bytes
-    ftmp: int
+    ftmp: list  # [K] the forward keeping a tape in each mode
+    nostore_ftmp: int  # the forward inside a checkpointed region
     btmp: list  # [K]
     kept_out: list  # [K] bytes of the output kept by the tape
     input_only_btmp: int
@@ -758,9 +775,13 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         work=work,
         seconds=seconds,
         saved=[per_mode[m]["saved"] for m in modes],
-        # a no-store forward keeps nothing: its intermediates can peak higher than a tape's end
-        ftmp=max(c["ftmp"] for c in per_mode.values()),
-        btmp=[per_mode[m]["btmp"] for m in modes],
+        # per mode and apart: a no-store forward keeps nothing, so its intermediates peak higher above
+        # its end than a tape's forward does above its tape; the planner counts each where it runs
+        ftmp=[per_mode[m]["ftmp"] for m in modes],
+        nostore_ftmp=per_mode["nostore"]["ftmp"],
+        # other modes run store-all's backward plus their recompute: a lower figure is not to be
+        # trusted (recompute-cheap measured 128 B below store-all alone, 124 B above it in a model)
+        btmp=[max(per_mode[m]["btmp"], per_mode[modes[0]]["btmp"]) for m in modes],
         kept_out=[per_mode[m]["kept_out"] for m in modes],
         input_only_btmp=per_mode["nostore"]["btmp"],
     )
@@ -887,7 +908,11 @@ def profile_calls(
             times["bwd_time"].append(bwd)
             times["fwd_nostore_time"].append(costs_of["nostore"])
         prof.saved_bytes.append(saved)
-        prof.fwd_tmp_bytes.append(c.ftmp)
+        # store-input-only (not chainable) is a tape mode whose forward is the no-store one
+        ftmp = list(c.ftmp) + ([] if chainable else [c.nostore_ftmp])
+        prof.fwd_tmp_bytes.append(max(ftmp))
+        prof.fwd_tape_tmp_bytes.append(ftmp)
+        prof.fwd_nostore_tmp_bytes.append(c.nostore_ftmp)
         prof.bwd_tmp_bytes.append(btmp)
         prof.output_kept.append(kept)
     if timed:

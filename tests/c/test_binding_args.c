@@ -210,20 +210,24 @@ int main(void) {
     CHECK(cs.chain.fwd_time[5] == 6.0 && cs.chain.bwd_time[0] == 2.0 && cs.chain.input_bytes[3] == 11);
     CHECK(cs.chain.saved_bytes[4] == 20);
     CHECK(!cs.chain.fwd_tmp_bytes && !cs.chain.fwd_nostore_time && !cs.chain.output_kept &&
-          cs.chain.host_bandwidth == 0.0);
+          !cs.chain.fwd_nostore_tmp_bytes && !cs.chain.fwd_tape_tmp_bytes && cs.chain.host_bandwidth == 0.0);
     _llmmem_args_chain_free(&cs);
     entry_t all[] = {{"fwd_nostore_time", table_v(3, 0, 0, 0.5)},
                      {"fwd_tmp_bytes", table_v(3, 0, 1, 1)},
                      {"bwd_tmp_bytes", table_v(3, 2, 1, 0)},
                      {"mode_nestable", list_v(2, (args_value_t *[]){int_v(0, 1), int_v(0, 0)})},
                      {"output_kept", table_v(3, 2, 1, 0)},
-                     {"host_bandwidth", int_v(0, 1000)}};
+                     {"host_bandwidth", int_v(0, 1000)},
+                     {"fwd_nostore_tmp_bytes", table_v(3, 0, 1, 7)},
+                     {"fwd_tape_tmp_bytes", table_v(3, 2, 1, 30)}};
     for (size_t i = 0; i < 6; i++) /* output_kept must be 0/1: make the table so */
       all[4].value->seq.items[i / 2].seq.items[i % 2].mag = i % 2;
-    CHECK(_llmmem_args_chain(chain_v(3, 2, 6, all), &cs, &e) == 0);
+    CHECK(_llmmem_args_chain(chain_v(3, 2, 8, all), &cs, &e) == 0);
     CHECK(cs.chain.fwd_nostore_time[2] == 2.5 && cs.chain.fwd_tmp_bytes[1] == 2 && cs.chain.bwd_tmp_bytes[5] == 5);
     CHECK(cs.chain.mode_nestable[0] == 1 && cs.chain.mode_nestable[1] == 0 && cs.chain.output_kept[1] == 1);
     CHECK(cs.chain.host_bandwidth == 1000.0);
+    CHECK(cs.chain.fwd_nostore_tmp_bytes[0] == 7 && cs.chain.fwd_nostore_tmp_bytes[2] == 9);
+    CHECK(cs.chain.fwd_tape_tmp_bytes[0] == 30 && cs.chain.fwd_tape_tmp_bytes[5] == 35);
     _llmmem_args_chain_free(&cs);
   }
 
@@ -234,6 +238,12 @@ int main(void) {
     CHECK(refused(chain_v(2, 9, 0, NULL), ARGS_VALUE, "1..8 modes"));
     CHECK(refused(chain_v(2, 1, 1, (entry_t[]){{"input_bytes", table_v(2, 0, 1, 1)}}), ARGS_VALUE,
                   "chain['input_bytes'] has 2 entries, expected 3"));
+    CHECK(refused(chain_v(2, 1, 1, (entry_t[]){{"fwd_nostore_tmp_bytes", table_v(3, 0, 1, 1)}}), ARGS_VALUE,
+                  "chain['fwd_nostore_tmp_bytes'] has 3 entries, expected 2"));
+    CHECK(refused(chain_v(2, 1, 1, (entry_t[]){{"fwd_nostore_tmp_bytes", table_v(2, 0, 0, 1)}}), ARGS_VALUE,
+                  "chain['fwd_nostore_tmp_bytes'] entry 0 must be an int number of bytes, got float"));
+    CHECK(refused(chain_v(2, 2, 1, (entry_t[]){{"fwd_tape_tmp_bytes", table_v(2, 1, 1, 1)}}), ARGS_VALUE,
+                  "chain['fwd_tape_tmp_bytes'][0] must be a list of 2 numbers"));
     CHECK(refused(chain_v(2, 2, 1, (entry_t[]){{"bwd_time", table_v(2, 1, 0, 1)}}), ARGS_VALUE,
                   "chain['bwd_time'][0] must be a list of 2 numbers"));
     args_value_t *s = table_v(2, 1, 1, 1);

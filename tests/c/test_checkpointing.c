@@ -1,7 +1,8 @@
 /*
  * test_checkpointing.c — the recompute planner: DP against brute force over every plan of small random
  * chains, monotonicity in the budget, the identical-block fast path against the general DP, the
- * least budget, infeasible budgets and malformed input.
+ * least budget, infeasible budgets, malformed input, and the accounting of the two forward transients
+ * (a tape's and a region's no-store one) against a hand computation.
  */
 #include <math.h>
 #include <string.h>
@@ -16,7 +17,7 @@
 
 typedef struct chain_buf_s {
   double f[MAXL * MAXK], fn[MAXL], b[MAXL * MAXK];
-  uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], bt[MAXL * MAXK];
+  uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], fnt[MAXL], ftk[MAXL * MAXK], bt[MAXL * MAXK];
   uint8_t nest[MAXK], kept[MAXL * MAXK];
   llmmem_plan_chain_t chain;
 } chain_buf_t;
@@ -50,6 +51,19 @@ static void random_chain(chain_buf_t *cb, int32_t L, int32_t K, unsigned long lo
   for (int32_t i = 0; i <= L; i++) cb->x[i] = identical ? x0 : 1 + th_rand(rng) % 4;
   for (int32_t k = 0; k < K; k++) cb->nest[k] = k == 0 || (th_rand(rng) & 1);
   cb->chain = (llmmem_plan_chain_t){L, K, cb->f, cb->fn, cb->b, cb->x, cb->s, cb->ft, cb->bt, cb->nest};
+}
+
+/* Gives the no-store forward (inside a region) a transient of its own, above or below the tape
+ * forward's, and each mode's tape forward its own (identical: the same for every block, so the
+ * fast path still applies). */
+static void with_forward_tmps(chain_buf_t *cb, unsigned long long *rng, int identical) {
+  const int32_t K = cb->chain.n_modes;
+  for (int32_t i = 0; i < cb->chain.n_blocks; i++) {
+    cb->fnt[i] = identical && i > 0 ? cb->fnt[0] : th_rand(rng) % 9;
+    for (int32_t k = 0; k < K; k++) cb->ftk[i * K + k] = identical && i > 0 ? cb->ftk[k] : th_rand(rng) % 6;
+  }
+  cb->chain.fwd_nostore_tmp_bytes = cb->fnt;
+  cb->chain.fwd_tape_tmp_bytes = cb->ftk;
 }
 
 /* Turns offloading on: a bandwidth that makes a copy cost about as much as a block's forward
@@ -166,6 +180,7 @@ int main(void) {
       const int32_t K = trial == 0 ? 1 : 1 + (int32_t)(th_rand(&rng) % (L <= 4 ? 3 : 2));
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, 0);
+      if (trial % 2) with_forward_tmps(&cb, &rng, 0);
       uint64_t least = 0;
       CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
       /* budgets from the least to beyond keeping everything; slots = budget: 1 byte per slot, exact */
@@ -250,6 +265,7 @@ int main(void) {
       const int32_t L = 2 + (int32_t)(th_rand(&rng) % (MAXL - 1)), K = 1 + (int32_t)(th_rand(&rng) % MAXK);
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, 1);
+      if (trial % 2) with_forward_tmps(&cb, &rng, 1);
       uint64_t least = 0;
       CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
       for (uint64_t budget = least; budget < 2 * least + 4; budget += 1 + budget / 8) {
@@ -389,6 +405,16 @@ int main(void) {
     cb.chain.fwd_time = NULL;
     CHECK_STATUS(solve(&cb.chain, 1000, 100, 0, &p, NULL), LLMMEM_ERR_INVALID);
     cb.chain.fwd_time = saved;
+    cb.fnt[1] = LLMMEM_PLAN_MAX_BYTES + 1;
+    cb.chain.fwd_nostore_tmp_bytes = cb.fnt;
+    CHECK_STATUS(solve(&cb.chain, 1000, 100, 0, &p, NULL), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "fwd_nostore_tmp_bytes[1]") != NULL);
+    cb.chain.fwd_nostore_tmp_bytes = NULL;
+    cb.ftk[7] = LLMMEM_PLAN_MAX_BYTES + 1;
+    cb.chain.fwd_tape_tmp_bytes = cb.ftk;
+    CHECK_STATUS(solve(&cb.chain, 1000, 100, 0, &p, NULL), LLMMEM_ERR_INVALID);
+    CHECK(strstr(llmmem_last_error(), "fwd_tape_tmp_bytes[7]") != NULL);
+    cb.chain.fwd_tape_tmp_bytes = NULL;
     int32_t mode[4];
     llmmem_plan_region_t regions[8];
     llmmem_plan_t small = {mode, regions, 0, 0};
@@ -452,6 +478,7 @@ int main(void) {
       chain_buf_t cb;
       random_chain(&cb, L, K, &rng, trial % 4 == 0);
       with_offload(&cb, &rng);
+      if (trial % 3 == 1) with_forward_tmps(&cb, &rng, trial % 4 == 0);
       uint64_t least = 0;
       CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
       uint64_t budgets[NBUDGETS] = {least, least + th_rand(&rng) % (least + 2), least + th_rand(&rng) % (least + 2),
@@ -557,6 +584,70 @@ int main(void) {
     cb.chain.output_kept = cb.kept;
     CHECK_STATUS(llmmem_plan_simulate(&cb.chain, &plan, &on), LLMMEM_ERR_INVALID);
     CHECK(strstr(llmmem_last_error(), "output_kept[0]") != NULL);
+  }
+
+  TEST("forward transients: a region's no-store forward and a tape's forward per mode (recompute), by hand") {
+    /* Block 0 checkpointed alone, block 1 (a head, say) keeps its tape. Byte sizes are distinct so
+     * that each step of the sum shows. */
+    double f[2] = {1.0, 1.0}, b[2] = {2.0, 2.0};
+    uint64_t x[3] = {10, 20, 5}, s[2] = {100, 50}, ft[2] = {7, 3}, fnt[2] = {300, 1000}, bt[2] = {11, 13};
+    uint8_t nest[1] = {1};
+    llmmem_plan_chain_t chain = {2, 1, f, NULL, b, x, s, ft, bt, nest};
+    chain.fwd_nostore_tmp_bytes = fnt;
+    int32_t mode[2] = {0, 0};
+    llmmem_plan_region_t regions[1] = {{0, 1, 0}};
+    llmmem_plan_t plan = {mode, regions, 1, 1};
+    llmmem_plan_prediction_t p;
+    /* held from the start: a_0 + the loss gradient (x[2]) = 15.
+     * region forward, no tape: 15 + a_1 + fnt[0]                           = 15 + 20 + 300      = 335
+     * block 1 forward, tape:   15 + a_1 + s[1] + a_2 + ft[1]               = 35 + 50 + 5 + 3    = 93
+     * block 1 backward:        after the loss, 85 + grad a_1 + bt[1]       = 85 + 20 + 13       = 118
+     * region recompute, tape:  a_0 + x[2] + grad a_1 + s[0] + a_1 + ft[0] = 35 + 100 + 20 + 7  = 162
+     * its backward:            a_0 + x[2] + grad a_1 + s[0] + grad a_0 + bt[0] = 135 + 10 + 11  = 156 */
+    CHECK_OK(llmmem_plan_simulate(&chain, &plan, &p));
+    CHECK(p.peak_bytes == 335);
+    CHECK(p.held_bytes == 10 + 20 + 50); /* a_0, a_1, block 1's tape */
+    fnt[0] = 120;                        /* the recompute of block 0 (keeping its tape) is now the peak */
+    CHECK_OK(llmmem_plan_simulate(&chain, &plan, &p));
+    CHECK(p.peak_bytes == 162);
+    /* absent: the tape's transient for both (7 for block 0), as chains without the field always meant */
+    chain.fwd_nostore_tmp_bytes = NULL;
+    CHECK_OK(llmmem_plan_simulate(&chain, &plan, &p));
+    CHECK(p.peak_bytes == 162);
+    ft[0] = 120; /* ... and one transient of 120 for both forwards counts it in the recompute too */
+    CHECK_OK(llmmem_plan_simulate(&chain, &plan, &p));
+    CHECK(p.peak_bytes == 35 + 100 + 20 + 120);
+    /* per mode: mode 1 keeps 40 bytes with a forward transient of 90, mode 0 (as above) 7; both
+     * override fwd_tmp_bytes (120) for the tapes, fnt for the region's forward */
+    {
+      double f2[4] = {1.0, 1.5, 1.0, 1.5}, b2[4] = {2.0, 3.0, 2.0, 3.0};
+      uint64_t s2[4] = {100, 40, 50, 50}, bt2[4] = {11, 11, 13, 13}, ftk[4] = {7, 90, 3, 3};
+      uint8_t nest2[2] = {1, 1};
+      llmmem_plan_chain_t chain2 = {2, 2, f2, NULL, b2, x, s2, ft, bt2, nest2};
+      chain2.fwd_nostore_tmp_bytes = fnt;
+      chain2.fwd_tape_tmp_bytes = ftk;
+      fnt[0] = 120;
+      CHECK_OK(llmmem_plan_simulate(&chain2, &plan, &p));
+      CHECK(p.peak_bytes == 162); /* region forward 15 + 20 + 120 = 155; recompute in mode 0: 162 */
+      mode[0] = 1;                /* recompute in mode 1: 35 + 40 + 20 + 90 */
+      CHECK_OK(llmmem_plan_simulate(&chain2, &plan, &p));
+      CHECK(p.peak_bytes == 185);
+      mode[0] = 0;
+    }
+    /* the least budget and the solver agree with every plan simulated (fnt[1] never counts: block 1
+     * runs inside a region only in plans that put the head in one) */
+    ft[0] = 7, fnt[0] = 300;
+    chain.fwd_nostore_tmp_bytes = fnt;
+    uint64_t least = 0;
+    CHECK_OK(llmmem_plan_min_budget(&chain, &least));
+    uint64_t budgets[NBUDGETS] = {least, least + 1, 2 * least, 4 * least};
+    brute_t bf;
+    brute_force(&chain, budgets, &bf);
+    CHECK(bf.sim_failures == 0 && least == bf.least_peak);
+    for (int i = 0; i < NBUDGETS; i++) {
+      CHECK_OK(solve(&chain, budgets[i], (int32_t)budgets[i], 0, &p, NULL));
+      CHECK(p.peak_bytes <= budgets[i] && close_enough(p.time, bf.best_time[i]));
+    }
   }
 
   return TEST_SUMMARY();

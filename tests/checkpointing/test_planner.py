@@ -152,6 +152,35 @@ def test_dp_with_offload_is_optimal_against_brute_force():
     assert offloaded > 0  # the optimum did use the option somewhere
 
 
+def test_dp_with_own_forward_transients_is_optimal_against_brute_force():
+    """A region's no-store forward and each mode's tape forward with transients of their own (above
+    or below the one figure): the DP and the least budget still agree with every plan simulated."""
+    rnd = random.Random(15)
+    for trial in range(6):
+        L, K = (5, 2) if trial < 2 else (rnd.randint(2, 4), rnd.randint(1, 3))
+        chain = random_chain(L, K, rnd, identical=trial % 3 == 2)
+        same = [rnd.randint(0, 9)] * L, [[rnd.randint(0, 6) for _ in range(K)]] * L
+        chain["fwd_nostore_tmp_bytes"] = same[0] if trial % 3 == 2 else [rnd.randint(0, 9) for _ in range(L)]
+        chain["fwd_tape_tmp_bytes"] = (
+            same[1] if trial % 3 == 2 else [[rnd.randint(0, 6) for _ in range(K)] for _ in range(L)]
+        )
+        check_against_brute_force(chain, rnd)
+
+
+def test_forward_transients_absent_mean_the_one_figure():
+    """Without the two optional keys every forward of a block is charged fwd_tmp_bytes, as before
+    they existed: the same least budget and plans as giving that figure under both keys."""
+    rnd = random.Random(5)
+    for _ in range(4):
+        chain = random_chain(6, 2, rnd)
+        spelled = dict(chain)
+        spelled["fwd_nostore_tmp_bytes"] = list(chain["fwd_tmp_bytes"])
+        spelled["fwd_tape_tmp_bytes"] = [[t] * 2 for t in chain["fwd_tmp_bytes"]]
+        assert _C.plan_min_budget(spelled) == _C.plan_min_budget(chain)
+        for b in (_C.plan_min_budget(chain), 3 * _C.plan_min_budget(chain)):
+            assert _C.plan_solve(spelled, b, b) == _C.plan_solve(chain, b, b)
+
+
 @pytest.mark.slow
 def test_dp_is_optimal_against_brute_force_7_and_8_blocks():
     """L = 7 and 8, exhaustively, with fewer modes so that it takes seconds (the C test does L <= 6
@@ -254,6 +283,10 @@ def test_identical_blocks_fast_path_equals_general_dp():
         ("input_bytes", [1.5] * 5, "input_bytes"),
         ("mode_nestable", [2, 0], "mode_nestable"),
         ("fwd_time", "fast", "fwd_time"),
+        ("fwd_nostore_tmp_bytes", [1, 1, 1], "fwd_nostore_tmp_bytes"),
+        ("fwd_nostore_tmp_bytes", [1, 1, 1, 2**51], "fwd_nostore_tmp_bytes"),
+        ("fwd_tape_tmp_bytes", [[1]] * 4, r"fwd_tape_tmp_bytes'\]\[0\]"),
+        ("fwd_tape_tmp_bytes", [[1, 1]] * 3 + [[1, -1]], "fwd_tape_tmp_bytes"),
     ],
 )
 def test_malformed_costs_raise_value_error(key, value, match):

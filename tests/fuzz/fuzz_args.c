@@ -36,10 +36,22 @@ static uint64_t bytes(input_t *in, int k) {
   return v;
 }
 
-static const char *const KEYS[] = {"fwd_time",         "bwd_time",       "input_bytes",   "saved_bytes",
-                                   "fwd_nostore_time", "fwd_tmp_bytes",  "bwd_tmp_bytes", "mode_nestable",
-                                   "output_kept",      "host_bandwidth", "fwd_time2",     ""};
-#define N_KEYS (sizeof KEYS / sizeof KEYS[0])
+static const char *const KEYS[] = {"fwd_time",
+                                   "bwd_time",
+                                   "input_bytes",
+                                   "saved_bytes",
+                                   "fwd_nostore_time",
+                                   "fwd_tmp_bytes",
+                                   "bwd_tmp_bytes",
+                                   "mode_nestable",
+                                   "output_kept",
+                                   "host_bandwidth",
+                                   "fwd_nostore_tmp_bytes",
+                                   "fwd_tape_tmp_bytes",
+                                   "fwd_time2",
+                                   ""};
+#define N_CHAIN_KEYS 12 /* the chain's keys, first in KEYS: 4 required, the rest optional */
+#define N_KEYS       (sizeof KEYS / sizeof KEYS[0])
 
 static void set_int(args_value_t *v, int neg, uint64_t mag) {
   memset(v, 0, sizeof *v);
@@ -143,7 +155,7 @@ static void chain_value(input_t *in, args_arena_t *a, args_value_t *v, size_t *L
   const size_t L = 1 + byte(in) % 9, K = 1 + byte(in) % 3;
   const uint8_t opt = byte(in);
   size_t n = 4;
-  for (int i = 0; i < 6; i++) n += (opt >> i) & 1;
+  for (int i = 0; i < N_CHAIN_KEYS - 4; i++) n += (opt >> i) & 1;
   memset(v, 0, sizeof *v);
   v->kind = ARGS_DICT;
   v->type_name = "dict";
@@ -156,7 +168,7 @@ static void chain_value(input_t *in, args_arena_t *a, args_value_t *v, size_t *L
     return;
   }
   size_t at = 0;
-  for (size_t k = 0; k < 10; k++) {
+  for (size_t k = 0; k < N_CHAIN_KEYS; k++) {
     if (k >= 4 && !((opt >> (k - 4)) & 1)) continue;
     set_str(a, &v->seq.keys[at], KEYS[k], strlen(KEYS[k]));
     args_value_t *val = &v->seq.items[at++];
@@ -165,9 +177,11 @@ static void chain_value(input_t *in, args_arena_t *a, args_value_t *v, size_t *L
       case 1: table(in, a, val, L, K, 0); break;
       case 2: table(in, a, val, L + 1, 0, 1); break;
       case 3:
-      case 6: table(in, a, val, L, K, 1); break;
+      case 6:
+      case 11: table(in, a, val, L, K, 1); break;
       case 4: table(in, a, val, L, 0, 0); break;
-      case 5: table(in, a, val, L, 0, 1); break;
+      case 5:
+      case 10: table(in, a, val, L, 0, 1); break;
       case 7: {
         args_value_t *m = set_list(a, val, K);
         for (size_t j = 0; m && j < K; j++) set_int(&m[j], 0, flag(byte(in)));
@@ -269,6 +283,23 @@ static void check_chain(const args_value_t *dict, const args_chain_t *cs) {
         __builtin_trap();
       if (s->seq.items[i].seq.items[k].mag != c->saved_bytes[i * K + k]) __builtin_trap();
     }
+  }
+  const args_value_t *fnt = _llmmem_args_dict_get(dict, "fwd_nostore_tmp_bytes");
+  if (fnt && fnt->kind != ARGS_NONE) { /* optional: when given, read value by value */
+    if (!c->fwd_nostore_tmp_bytes || fnt->seq.n != L) __builtin_trap();
+    for (size_t i = 0; i < L; i++)
+      if (fnt->seq.items[i].kind != ARGS_INT || fnt->seq.items[i].mag != c->fwd_nostore_tmp_bytes[i]) __builtin_trap();
+  } else if (c->fwd_nostore_tmp_bytes) {
+    __builtin_trap();
+  }
+  const args_value_t *ftk = _llmmem_args_dict_get(dict, "fwd_tape_tmp_bytes");
+  if (ftk && ftk->kind != ARGS_NONE) {
+    if (!c->fwd_tape_tmp_bytes || ftk->seq.n != L) __builtin_trap();
+    for (size_t i = 0; i < L; i++)
+      for (size_t k = 0; k < K; k++)
+        if (ftk->seq.items[i].seq.items[k].mag != c->fwd_tape_tmp_bytes[i * K + k]) __builtin_trap();
+  } else if (c->fwd_tape_tmp_bytes) {
+    __builtin_trap();
   }
   if (c->mode_nestable)
     for (size_t k = 0; k < K; k++)

@@ -29,7 +29,11 @@
  *
  * Memory accounting (bytes): a block run with its tape in mode k holds its input plus
  * saved_bytes[i][k]; a region holds its input. Transients: fwd_tmp[i] while block i runs forward
- * (beyond its input, output and tape), bwd_tmp[i][k] while it runs backward (beyond its tape, the
+ * keeping its tape in mode k (at the top level, or inside a recompute; beyond its input, output and
+ * tape): fwd_tape_tmp[i][k], or one figure fwd_tmp[i] for every mode; fwd_nostore_tmp[i] (or
+ * fwd_tmp[i]) while it runs forward inside a region without keeping a tape (beyond its input and
+ * output: it frees its intermediates as it goes, but holds more of them at once than a tape's
+ * forward holds beyond its tape); bwd_tmp[i][k] while it runs backward (beyond its tape, the
  * incoming and the outgoing gradient). Gradients have the size of the activations. The loss
  * gradient of the chain output (input_bytes[L]) is reserved for the whole step.
  *
@@ -67,11 +71,15 @@ typedef struct llmmem_plan_chain_s {
   const double *bwd_time;         /* [i][k] backward of block i in mode k (with any in-block recompute) */
   const uint64_t *input_bytes;    /* [i], i = 0..L: bytes of a_i; a_L is the chain output */
   const uint64_t *saved_bytes;    /* [i][k] bytes block i keeps for backward beyond its input */
-  const uint64_t *fwd_tmp_bytes;  /* [i] transient peak of the forward; NULL: all 0 */
+  const uint64_t *fwd_tmp_bytes;  /* [i] transient peak of every forward of block i (unless given below); NULL: 0 */
   const uint64_t *bwd_tmp_bytes;  /* [i][k] transient peak of the backward; NULL: all 0 */
   const uint8_t *mode_nestable;   /* [k] 1 if mode k may be used inside a region; NULL: only mode 0 */
   const uint8_t *output_kept;     /* [i][k] 1 if block i's tape in mode k keeps its output a_{i+1}; NULL: none */
   double host_bandwidth;          /* bytes per time unit of a host<->device copy; 0: no offloading */
+  /* Added last, so callers built before them (positional initialisers, zeroed structs) keep their
+   * meaning. [i] transient peak of the forward inside a region (no tape kept); NULL: fwd_tmp_bytes[i]. */
+  const uint64_t *fwd_nostore_tmp_bytes;
+  const uint64_t *fwd_tape_tmp_bytes; /* [i][k] of the forward keeping its tape in mode k; NULL: fwd_tmp_bytes[i] */
 } llmmem_plan_chain_t;
 
 typedef struct llmmem_plan_region_s {
