@@ -126,28 +126,18 @@ def _positive_float(text: str) -> float:
 
 
 def _budget(text: str):
-    forms = "bytes ('64MB', 67108864), a fraction in (0, 1] (0.5) or a percent ('50%')"
-    stripped = text.strip()
-    if stripped.endswith("%"):
-        try:
-            value = float(stripped[:-1]) / 100.0
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}") from None
-        if 0.0 < value <= 1.0:
-            return value
-        raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+    from llmmem.checkpointing import parse_budget
+
     try:
-        value = float(text)
+        number = float(text)
     except ValueError:
-        try:
-            return llmmem.parse_bytes(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}") from None
-    if 0.0 < value <= 1.0:
-        return value
-    if value > 1.0 and value.is_integer():
-        return int(value)  # bytes
-    raise argparse.ArgumentTypeError(f"expected {forms}, got {text!r}")
+        number = None
+    if number is not None:  # 0.5 is a fraction, 67108864 bytes
+        text = int(number) if number > 1.0 and number.is_integer() else number
+    try:
+        return parse_budget(text, "--budget")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--budget: budget ")) from None
 
 
 def _world() -> int:

@@ -11,7 +11,7 @@ autocast state a recompute replays) and ``offload`` (region inputs in host memor
 from llmmem.checkpointing.auto import AutoCheckpointed, AutoCheckpointPlan, auto_checkpoint, find_blocks
 from llmmem.checkpointing.core import checkpoint, feature_status, noop_context_fn
 from llmmem.checkpointing.errors import CheckpointError
-from llmmem.checkpointing.plan import CheckpointPlan, plan_checkpoints
+from llmmem.checkpointing.plan import CheckpointPlan, parse_budget, plan_checkpoints
 from llmmem.checkpointing.profile import (
     ActivationMeter,
     BlockCall,
@@ -37,6 +37,7 @@ __all__ = [
     "measure_saved_bytes",
     "ChainProfile",
     "plan_checkpoints",
+    "parse_budget",
     "CheckpointPlan",
     "auto_checkpoint",
     "AutoCheckpointed",

@@ -41,7 +41,14 @@ from llmmem.checkpointing.profile import ChainProfile, median_time, profile_bloc
 from llmmem.errors import InfeasibleError
 from llmmem.units import format_bytes, parse_bytes
 
-__all__ = ["plan_checkpoints", "CheckpointPlan", "measure_host_bandwidth", "DEFAULT_HOST_BANDWIDTH", "DEFAULT_SLOTS"]
+__all__ = [
+    "plan_checkpoints",
+    "parse_budget",
+    "CheckpointPlan",
+    "measure_host_bandwidth",
+    "DEFAULT_HOST_BANDWIDTH",
+    "DEFAULT_SLOTS",
+]
 
 DEFAULT_SLOTS = None  # 2000 for identical blocks or short chains (cheap), else 500
 # Bytes per second of a host<->device copy when none is measured: a PCIe 4.0 x16 link moves about
@@ -205,9 +212,10 @@ BUDGET_FORMS = (
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*%\s*$")
 
 
-def _resolve_budget(budget, reference_peak: int, who: str) -> int:
-    """Bytes of a planner budget: bytes or a byte string as they are; a fraction (``0.5``) or a
-    percent string (``"50%"``) of ``reference_peak``, the peak without checkpointing."""
+def parse_budget(budget, who: str = "budget") -> int | float:
+    """A planner budget as bytes (``int``) or as a fraction in (0, 1] (``float``) of the peak
+    without checkpointing: bytes or a byte string (``"6GB"``) give bytes, a float or a percent
+    string (``"50%"``) the fraction. Raises ``ValueError`` listing the accepted forms."""
 
     def bad(why: str) -> ValueError:
         return ValueError(f"{who}: budget {why}; expected {BUDGET_FORMS}")
@@ -217,7 +225,7 @@ def _resolve_budget(budget, reference_peak: int, who: str) -> int:
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
             raise bad(f"as a fraction must be in (0, 1], got {budget!r}")
-        return int(budget * reference_peak)
+        return budget
     if isinstance(budget, str) and "%" in budget:
         m = _PERCENT.match(budget)
         if m is None:
@@ -225,13 +233,20 @@ def _resolve_budget(budget, reference_peak: int, who: str) -> int:
         percent = float(m.group(1))
         if not 0.0 < percent <= 100.0:
             raise bad(f"as a percent must be in (0%, 100%], got {budget!r}")
-        return int(percent / 100.0 * reference_peak)
+        return percent / 100.0
     name = f"{who}: budget"
     try:
         return parse_bytes(budget, name=name)
     except ValueError as e:
         detail = str(e).removeprefix(f"{name}: ")
         raise bad(f"{budget!r} is not valid ({detail})") from None
+
+
+def _resolve_budget(budget, reference_peak: int, who: str) -> int:
+    """Bytes of a planner budget (:func:`parse_budget`): a fraction is of ``reference_peak``, the
+    peak without checkpointing."""
+    value = parse_budget(budget, who)
+    return int(value * reference_peak) if isinstance(value, float) else value
 
 
 def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, bool]:

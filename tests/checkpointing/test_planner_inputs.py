@@ -162,3 +162,14 @@ def test_budget_as_a_percent_string():
     plan = llmmem.auto_checkpoint(model, budget="50%", sample=(idx, idx), repeats=0)
     assert plan.budget_bytes == int(0.5 * plan.no_checkpoint_peak_bytes)
     plan.remove()
+
+
+def test_parse_budget_is_the_one_reading_of_a_budget():
+    from llmmem.checkpointing import parse_budget
+
+    assert parse_budget(0.5) == 0.5 and parse_budget("50%") == 0.5 and parse_budget("12.5 %") == 0.125
+    assert parse_budget(4096) == 4096 and parse_budget("1KiB") == 1024
+    for bad in (0.0, 1.5, "0%", "150%", "x%", True, "lots"):
+        with pytest.raises(ValueError, match="expected bytes") as info:
+            parse_budget(bad, "--budget")
+        assert str(info.value).startswith("--budget: budget")
