@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -118,6 +119,14 @@ def test_train_gpt_sequence_longer_than_the_data_is_a_usage_error(tmp_path, caps
     assert exc.value.code == 2 and "fewer than --seq-len" in capsys.readouterr().err
 
 
+def _run_code(code: str, timeout: float) -> subprocess.CompletedProcess:
+    # away from the checkout: `-c` puts the working directory first on sys.path, and a source tree
+    # need not hold a built core (CI installs llmmem with pip and runs tests from a clean clone)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir()
+    )
+
+
 def _main_runs(runs: list[list[str]], timeout=300) -> subprocess.CompletedProcess:
     """``main(argv)`` of the script for each argv, in one fresh process (a torch import per run would
     cost seconds); a SystemExit is printed as ``exit CODE: message`` and the next run goes on."""
@@ -131,7 +140,7 @@ def _main_runs(runs: list[list[str]], timeout=300) -> subprocess.CompletedProces
         "    except SystemExit as e:\n"
         "        print('exit', e.code if isinstance(e.code, int) else 1, e.code, flush=True)\n"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    return _run_code(code, timeout)
 
 
 def test_train_gpt_every_technique_flag_trains(tmp_path):
@@ -199,7 +208,7 @@ def test_train_gpt_resumed_run_gives_the_same_losses(tmp_path):
         f"for argv in {runs!r}:\n"
         "    assert m.main(argv) == 0\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = _run_code(code, timeout=300)
     assert proc.returncode == 0, proc.stderr
     uninterrupted = json.loads((tmp_path / "full.json").read_text())["losses"]
     resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
