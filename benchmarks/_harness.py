@@ -55,7 +55,7 @@ def time_fn(
     return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples), "repeats": repeats}
 
 
-# A benchmark run in spawned ranks (llmmem.parallel.testing.run_ranks) gets rank 0's result back
+# A benchmark run in spawned ranks (llmmem.parallel.ranks.run_ranks) gets rank 0's result back
 # through that rank's output, as one marked JSON line.
 _RANK_MARK = "BENCH_JSON "
 

@@ -189,7 +189,7 @@ def _print_spread(world: int, launches: list) -> None:
 def main(argv=None) -> int:
     from _harness import print_table, rank_result, write_json
 
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

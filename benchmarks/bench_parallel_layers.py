@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     import torch.nn as nn
     from _harness import print_table, rank_result, time_fn, write_json
 
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

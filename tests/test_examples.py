@@ -235,7 +235,7 @@ def _train_ranks(rank, world, folder):
 
 @pytest.mark.distributed
 def test_train_gpt_tp2_x_dp2_zero1_resumes_exactly(tmp_path):
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     run_ranks(__file__, "_train_ranks", 4, args=(str(tmp_path),), timeout=240)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank{r}.pt" for r in range(4)]

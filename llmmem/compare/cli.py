@@ -252,7 +252,7 @@ def run_strategy(spec: dict, tmp: str, timeout: float, server: WorkerServer | No
                 return _failed(spec, text or f"the worker exited with status {code}")
         elif world > 1:
             from llmmem.compare import worker_path
-            from llmmem.parallel.testing import RanksFailed, run_ranks
+            from llmmem.parallel.ranks import RanksFailed, run_ranks
 
             try:
                 run_ranks(worker_path(), "rank_main", world, args=(spec, out_path), timeout=timeout)

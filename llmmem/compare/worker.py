@@ -2,7 +2,7 @@
 
 Single-process strategies: ``python -m llmmem.compare.worker SPEC.json OUT.json``. Parallel ones run
 :func:`rank_main` on ``tp * dp`` gloo ranks forked from one launcher process
-(:func:`llmmem.parallel.testing.run_ranks`); rank 0 writes ``OUT.json``. As ``python -m llmmem
+(:func:`llmmem.parallel.ranks.run_ranks`); rank 0 writes ``OUT.json``. As ``python -m llmmem
 compare`` runs them, both start from a server that imported torch once (``--serve``, :func:`serve`):
 a single-process strategy is a child forked from it, a parallel one a child that forks the ranks.
 
@@ -362,7 +362,7 @@ class _ParallelModel:
 
 
 def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
-    """Entry point of each rank (called by llmmem.parallel.testing's launcher)."""
+    """Entry point of each rank (called by llmmem.parallel.ranks's launcher)."""
     import torch.distributed as dist
 
     import llmmem.parallel as tp
@@ -511,7 +511,7 @@ def _forked_ranks(job: dict) -> int:
     import tempfile
 
     from llmmem.compare import worker_path
-    from llmmem.parallel.testing import fork_ranks
+    from llmmem.parallel.ranks import fork_ranks
 
     with open(job["spec"]) as f:
         spec = json.load(f)

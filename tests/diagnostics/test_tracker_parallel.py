@@ -41,7 +41,7 @@ def _tracked_rank(rank, world):
 
 @pytest.mark.distributed
 def test_each_rank_reports_its_rank_and_its_share():
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_tracked_rank", 2, timeout=180)
     assert all("tracker rank check passed" in r.output for r in results)

@@ -92,7 +92,7 @@ def _collectives_worker(rank, world):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shm_collectives_match_gloo(world_size):
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     before = _segments()
     results = run_ranks(__file__, "_collectives_worker", world_size, timeout=120)
@@ -167,7 +167,7 @@ def _fault_worker(rank, world):
 
 @pytest.mark.distributed
 def test_faults_raise_and_leave_nothing_behind():
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     before = _segments()
     env = {"LLMMEM_TEST_SEGMENTS_BEFORE": ",".join(sorted(before))}

@@ -154,7 +154,7 @@ def _ipc_fault_worker(rank, world):
 
 
 def test_layers_on_cuda_world_size_one():
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_layers_cuda_worker", 1, timeout=120)
     assert "cuda layers ok" in results[0].output
@@ -165,7 +165,7 @@ def test_ipc_all_reduce_two_processes_one_gpu():
 
     if not native.build_info().get("cuda_built"):
         pytest.skip("llmmem was built without CUDA")
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_ipc_worker", 2, timeout=180, env={"LLMMEM_TP_CUDA_IPC": "1"})
     assert all("ipc ok" in r.output for r in results)
@@ -176,7 +176,7 @@ def test_ipc_all_reduce_faults_two_processes_one_gpu():
 
     if not native.build_info().get("cuda_built"):
         pytest.skip("llmmem was built without CUDA")
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_ipc_fault_worker", 2, timeout=180)
     assert all("ipc faults ok" in r.output for r in results)

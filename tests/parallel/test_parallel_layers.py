@@ -332,7 +332,7 @@ def _check_tp_dp(rank, world):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])  # world 2 also checks TP size 1, world 4 TP 2 x DP 2
 def test_layers_match_single_process(world_size):
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_layers_worker", world_size, timeout=120)
     assert all("all layer checks passed" in r.output for r in results)

@@ -388,7 +388,7 @@ def _random_worker(rank, world):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])  # 4: TP 2 x DP 2
 def test_tp_gpt_dropout_streams(world_size):
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_random_worker", world_size, timeout=120)
     assert all("all random-stream checks passed" in r.output for r in results)

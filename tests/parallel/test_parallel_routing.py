@@ -109,7 +109,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,world", CASES, ids=[f"{n}-{w}ranks" for n, w in CASES])
 def test_mismatched_calls_fail_fast_on_every_rank(name, world):
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_case", world, args=(name,), timeout=RUN_TIMEOUT, grace=5)
     for r in results:
@@ -144,7 +144,7 @@ def _late_setup(rank, world):
 
 
 def test_engine_setup_is_bounded_by_the_engine_timeout():
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_late_setup", 2, timeout=RUN_TIMEOUT, grace=20)
     assert "StateError" in results[0].output
@@ -182,7 +182,7 @@ def _repeated_init(rank, world):
 
 
 def test_repeated_init_keeps_one_engine_per_group():
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_repeated_init", 2, timeout=RUN_TIMEOUT)
     assert all("repeated init passed" in r.output for r in results)
@@ -231,7 +231,7 @@ def _destroyed_groups(rank, world):
 
 
 def test_destroyed_groups_release_their_engines():
-    from llmmem.parallel.testing import run_ranks
+    from llmmem.parallel.ranks import run_ranks
 
     results = run_ranks(__file__, "_destroyed_groups", 2, timeout=RUN_TIMEOUT)
     assert all("destroyed groups passed" in r.output for r in results)

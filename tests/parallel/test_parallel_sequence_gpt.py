@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmmem.parallel.testing import run_ranks
+from llmmem.parallel.ranks import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""Run a function on several local ranks (gloo on CPU), for tests, examples and benchmarks.
+"""Run a function on several local ranks (gloo on CPU): compare's parallel rows, tests and benchmarks.
 
 ``run_ranks(path, "fn", world_size)`` starts one launcher process that imports torch and the file
 at ``path`` once, then forks ``world_size`` ranks from it (a fresh ``import torch`` per rank costs
@@ -76,7 +76,7 @@ def run_ranks(
         cmd = [
             sys.executable,
             "-m",
-            "llmmem.parallel.testing",
+            "llmmem.parallel.ranks",
             "--file",
             os.path.abspath(path),
             "--fn",
