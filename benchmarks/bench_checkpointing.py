@@ -26,8 +26,8 @@ Part 3 (--hf llama,gpt2): llmmem.auto_checkpoint(model, budget, sample=batch) on
 and GPT-2 built from small configs (random weights, dropout on), sdpa and eager attention, budgets
 50% and 25%: predicted and measured peak and held bytes (ActivationMeter: exact tensor bytes of the
 step beyond parameters and their gradients; on CUDA also the allocator's peak), predicted recompute
-overhead against the measured one (median of interleaved steps of the planned model and an identical
-unplanned copy), and the planning time in training steps.
+overhead against the measured one (median over rounds of the planned model's step over an identical
+unplanned copy's in the same round, garbage collector off), and the planning time in training steps.
 
 python benchmarks/run.py --only checkpoint [--quick] [--device cuda]
 python benchmarks/bench_checkpointing.py --hf llama,gpt2 --skip-chain --skip-solver [--device cuda]
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -254,8 +255,10 @@ def bench_chain(args, device) -> dict:
             continue
         n_sel = sum(1 for m in plan.modes if m == "selective")
         n_cheap = sum(1 for i, m in enumerate(plan.modes) if m == "recompute-cheap" and plan.depth(i) == 0)
+        base = plan.predicted_time - plan.predicted_overhead_time
         note = (
-            f"held predicted {plan.predicted_held_bytes / MiB:.2f}; {len(plan.regions)} regions, "
+            f"held predicted {plan.predicted_held_bytes / MiB:.2f}, overhead predicted "
+            f"{100 * plan.predicted_overhead_time / base:+.1f}%; {len(plan.regions)} regions, "
             f"{n_sel} selective, {n_cheap} recompute-cheap"
         )
         _, over, t = add(name, budget, "llmmem/auto", f"llmmem/{name}", plan.predicted_peak_bytes, note)
@@ -441,6 +444,7 @@ def _hf_model(kind: str, attn: str, args):
             max_position_embeddings=args.seq,
             attention_dropout=0.1,
             attn_implementation=attn,
+            use_cache=False,  # as training runs it: the unplanned copy then builds no key/value cache either
         )
         return transformers.LlamaForCausalLM(cfg).train()
     if kind == "gpt2":
@@ -451,6 +455,7 @@ def _hf_model(kind: str, attn: str, args):
             n_head=4,
             n_positions=args.seq,
             attn_implementation=attn,
+            use_cache=False,
         )
         return transformers.GPT2LMHeadModel(cfg).train()
     raise ValueError(f"--hf: unknown model {kind!r} (llama, gpt2)")
@@ -485,9 +490,10 @@ def _hf_memory(model, step, device):
 
 
 def _paired_times(steps: dict, device, rounds: int) -> dict:
-    """(median, least) seconds of each step, in rounds of shuffled order (a shared machine's load
-    drifts; other work only slows a step down, so the least is the step's own cost)."""
-    import statistics
+    """Each step's seconds over ``rounds`` rounds, every step once per round in shuffled order, with
+    the garbage collector off (as timeit has it: a collection would land in one step at random).
+    Returns ``{key: [seconds per round]}``; ratios taken within a round see the same load."""
+    import gc
     import time
 
     for step in steps.values():
@@ -495,17 +501,24 @@ def _paired_times(steps: dict, device, rounds: int) -> dict:
     samples = {k: [] for k in steps}
     order = list(steps.items())
     shuffler = random.Random(0)
-    for _ in range(rounds):
-        shuffler.shuffle(order)
-        for key, step in order:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            samples[key].append(time.perf_counter() - t0)
-    return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            shuffler.shuffle(order)
+            for key, step in order:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples[key].append(time.perf_counter() - t0)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return samples
 
 
 def bench_hf(args, device) -> list:
@@ -535,9 +548,12 @@ def bench_hf(args, device) -> list:
                     for p in m.parameters():
                         p.grad = None
                 times = _paired_times({"plan": _hf_step(model, batch), "none": _hf_step(ref, batch)}, device, rounds)
-                (plan_median, plan_least), (none_median, none_least) = times["plan"], times["none"]
-                measured = plan_least / none_least - 1.0
-                measured_median = plan_median / none_median - 1.0
+                none_median, none_least = statistics.median(times["none"]), min(times["none"])
+                plan_least = min(times["plan"])
+                # the median of the plan's step over the unplanned one's in the same round; the
+                # ratio of the least steps beside it
+                measured = statistics.median(p / n for p, n in zip(times["plan"], times["none"])) - 1.0
+                measured_least = plan_least / none_least - 1.0
                 predicted = plan.predicted_overhead
                 record = {
                     "model": kind,
@@ -553,12 +569,12 @@ def bench_hf(args, device) -> list:
                     "no_checkpoint_peak_measured": ref_peak,
                     "no_checkpoint_allocator_peak": ref_alloc,
                     "predicted_overhead_s": plan.predicted_overhead_time,
-                    "measured_overhead_s": plan_least - none_least,
+                    "measured_overhead_s": measured * none_median,
                     "step_s": none_least,
                     "step_median_s": none_median,
                     "predicted_overhead": predicted,
                     "measured_overhead": measured,
-                    "measured_overhead_median": measured_median,
+                    "measured_overhead_least": measured_least,
                     "planning_s": plan.planning_time,
                     "planning_steps": plan.planning_time / none_median,
                     "regions": plan.regions,
@@ -577,7 +593,7 @@ def bench_hf(args, device) -> list:
                         "yes" if peak <= plan.budget_bytes else "NO",
                         f"{100 * (held / plan.predicted_held_bytes - 1):+.1f}%",
                         f"{100 * predicted:+.1f}%",
-                        f"{100 * measured:+.1f}% ({100 * measured_median:+.0f}%)",
+                        f"{100 * measured:+.1f}% ({100 * measured_least:+.0f}%)",
                         f"{100 * error:+.0f}%",
                         f"{plan.planning_time / none_median:.1f}",
                     ]
@@ -586,7 +602,7 @@ def bench_hf(args, device) -> list:
     _harness.print_table(
         f"auto_checkpoint on Hugging Face models ({device.type}, {torch.get_num_threads()} torch threads; hidden "
         f"{args.hidden}, {args.layers or 8} layers, seq {args.seq}, batch {args.batch}, vocab {args.hf_vocab}; "
-        f"least (median) of {rounds} interleaved steps)\n"
+        f"overhead: median of {rounds} paired steps (ratio of the least))\n"
         "  peaks: activation bytes of a step beyond parameters and their gradients (measured: exact tensor bytes"
         + (" / allocator" if device.type == "cuda" else "")
         + "); held: at the start of the backward; overhead: step time over the unplanned model's",
@@ -600,7 +616,7 @@ def bench_hf(args, device) -> list:
             "fits",
             "held vs pred.",
             "pred. overhead",
-            "meas. overhead (median)",
+            "meas. overhead (least)",
             "pred. error",
             "planning (steps)",
         ],

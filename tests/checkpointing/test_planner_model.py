@@ -290,6 +290,35 @@ def test_overhead_is_predicted_as_a_fraction_of_the_whole_step():
     untimed.remove()
 
 
+def test_overhead_is_the_plans_extra_work_at_the_timed_forward_rate():
+    """The plan's extra work (counted, the same every run) priced at the blocks' store-all forward
+    seconds per work unit: each mode's own timing, which swings between runs, does not move it."""
+    import copy
+
+    from llmmem._native import native
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=6, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.0)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    plan = llmmem.auto_checkpoint(model, budget=0.3, sample=(idx, idx), repeats=2)
+    plan.remove()
+    p = plan.profile
+    modes = [p.modes.index(m) for m in plan.modes] + [0]  # the head keeps its tape
+    work = native.plan_simulate(p.to_chain(), modes, [tuple(r) for r in plan.regions])
+    assert work["overhead_time"] > 0
+    assert p.time_unit == pytest.approx(sum(f[0] for f in p.seconds["fwd_time"]) / sum(f[0] for f in p.fwd_time))
+    assert plan.predicted_overhead_time == pytest.approx(work["overhead_time"] * p.time_unit)
+    assert plan.predicted_time == pytest.approx(p.measured_step_time + plan.predicted_overhead_time)
+    # the other modes timed three times slower: the same plan, the same prediction
+    slow = copy.deepcopy(p)
+    for key in ("fwd_time", "bwd_time"):
+        slow.seconds[key] = [[row[0]] + [3 * t for t in row[1:]] for row in slow.seconds[key]]
+    slow.seconds["fwd_nostore_time"] = [3 * t for t in slow.seconds["fwd_nostore_time"]]
+    again = llmmem.plan_checkpoints(None, budget=plan.budget_bytes, profile=slow)
+    assert (again.modes, again.regions) == (plan.modes, plan.regions)
+    assert again.predicted_overhead_time == pytest.approx(plan.predicted_overhead_time)
+
+
 def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
     """A round slowed down as a whole (load on a shared machine) moves the store-all median, not the
     other modes' ratios to it."""

@@ -1,0 +1,169 @@
+"""What a recompute costs inside a model, against the planner's prediction (the measurement behind
+pricing a plan's extra work at the blocks' forward rate; see benchmarks/README.md).
+
+A Hugging Face Llama or GPT-2 from a small config (random weights) runs unplanned, with every layer
+checkpointed (llmmem.checkpoint) and with llmmem.auto_checkpoint at 50%, in shuffled rounds with the
+garbage collector off. Hooks time each layer's forward and its backward window (from the gradient
+of its output to that of its input): the every-layer backward window less the unplanned one is what
+one recompute costs there, to set beside the layer's forward.
+
+    python benchmarks/recompute_in_context.py [llama|gpt2] [sdpa|eager] [--rounds 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import random
+import statistics
+import time
+import warnings
+
+import torch
+
+import llmmem
+from llmmem._native import native
+
+
+def build(kind: str, attn: str, hidden=128, layers=8, seq=128, vocab=1024):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=8 * hidden // 3,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=seq,
+            attention_dropout=0.1,
+            attn_implementation=attn,
+            use_cache=False,  # training: a recompute must not extend a key/value cache
+        )
+        model = transformers.LlamaForCausalLM(cfg).train()
+        return model, lambda m: m.model.layers
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=4,
+        n_positions=seq,
+        attn_implementation=attn,
+        use_cache=False,
+    )
+    return transformers.GPT2LMHeadModel(cfg).train(), lambda m: m.transformer.h
+
+
+def step_of(model, batch):
+    def step():
+        torch.manual_seed(3)
+        model(**batch).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def instrument(layers) -> dict:
+    """Per step: each layer's forward seconds, and the time its output's gradient arrived."""
+    rec = {"fwd": {}, "grad": {}, "start": {}}
+
+    def pre(i):
+        def hook(module, args, kwargs):
+            if torch._C._current_graph_task_id() < 0:  # not a recompute inside the backward
+                rec["start"][i] = time.perf_counter()
+
+        return hook
+
+    def post(i):
+        def hook(module, args, kwargs, out):
+            if torch._C._current_graph_task_id() >= 0:
+                return
+            rec["fwd"][i] = time.perf_counter() - rec["start"][i]
+            y = out[0] if isinstance(out, tuple) else out
+            if y.requires_grad:
+                y.register_hook(lambda g: rec["grad"].__setitem__(i, time.perf_counter()))
+
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(pre(i), with_kwargs=True)
+        layer.register_forward_hook(post(i), with_kwargs=True)
+    return rec
+
+
+def work_overhead(plan) -> float:
+    """The plan's extra work, counted, in the profile's work units."""
+    p = plan.profile
+    modes = [p.modes.index(m) for m in plan.modes] + ([0] if p.head is not None else [])
+    return native.plan_simulate(p.to_chain(), modes, [tuple(r) for r in plan.regions])["overhead_time"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kind", nargs="?", default="llama", choices=("llama", "gpt2"))
+    ap.add_argument("attn", nargs="?", default="sdpa", choices=("sdpa", "eager"))
+    ap.add_argument("--rounds", type=int, default=25)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*caching is incompatible.*")
+    model, layers_of = build(args.kind, args.attn)
+    L = len(layers_of(model))
+    ids = torch.randint(0, 1024, (4, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    none, every = copy.deepcopy(model), copy.deepcopy(model)
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch)
+    for layer in layers_of(every):
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: llmmem.checkpoint(_f, *a, use_reentrant=False, **k)
+    models = {"none": none, "every": every, "plan": model}
+    recs = {k: instrument(layers_of(m)) for k, m in models.items()}
+    steps = {k: step_of(m, batch) for k, m in models.items()}
+    for s in steps.values():
+        s()
+    total = {k: [] for k in steps}
+    fwd = {k: [] for k in steps}
+    window = {k: [] for k in steps}
+    order, rnd = list(steps), random.Random(0)
+    gc.collect()
+    gc.disable()
+    for _ in range(args.rounds):
+        rnd.shuffle(order)
+        for k in order:
+            t0 = time.perf_counter()
+            steps[k]()
+            total[k].append(time.perf_counter() - t0)
+            g = recs[k]["grad"]
+            fwd[k].append(statistics.median(recs[k]["fwd"].values()))
+            window[k].append(statistics.median(g[i - 1] - g[i] for i in range(1, L)))
+    gc.enable()
+    ms = lambda v: 1e3 * statistics.median(v)  # noqa: E731
+    p = plan.profile
+    s = p.seconds
+    print(f"{args.kind} {args.attn}, {L} layers, 1 torch thread, medians of {args.rounds} shuffled rounds (ms)")
+    print(
+        f"  a layer timed alone (the profile): forward {1e3 * s['fwd_time'][0][0]:.2f}, backward "
+        f"{1e3 * s['bwd_time'][0][0]:.2f}, checkpointed forward {1e3 * s['fwd_nostore_time'][0]:.2f}"
+    )
+    for k in steps:
+        print(
+            f"  {k:5s} step {ms(total[k]):7.1f}  layer forward {ms(fwd[k]):5.2f}  backward window {ms(window[k]):5.2f}"
+        )
+    print(
+        f"  one recompute inside the model (every-layer window less the unplanned one): "
+        f"{ms(window['every']) - ms(window['none']):.2f}, the layer's forward there {ms(fwd['none']):.2f}"
+    )
+    measured = statistics.median(a / b for a, b in zip(total["plan"], total["none"])) - 1
+    print(
+        f"  plan at 50% {plan.regions}: measured overhead {100 * measured:+.1f}%; predicted "
+        f"{100 * plan.predicted_overhead:+.1f}% (extra work {work_overhead(plan):.3g} units at "
+        f"{1e9 * p.time_unit:.3f} ns per unit, over a {1e3 * plan.predicted_step_time:.1f} ms step)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
