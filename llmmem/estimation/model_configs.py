@@ -354,6 +354,56 @@ _HF_ACTIVATIONS = {
 }
 _HF_ATTENTION = {"eager": "explicit"}  # sdpa, flash and flex attention keep no s x s tensor
 
+# Model types whose Hugging Face model class cannot run SDPA (``_supports_sdpa`` false), so that HF
+# runs eager attention when none is asked for. Read off transformers 5.24: the causal-LM classes of
+# the model types whose configs from_hf_config reads. Used only when transformers cannot be imported.
+_HF_TYPES_WITHOUT_SDPA = frozenset(
+    (
+        "big_bird", "bigbird_pegasus", "bloom", "cpmant", "deepseek_v4", "flint", "gemma2", "git",
+        "gpt_neo", "gpt_neox_japanese", "gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4",
+        "inkling2_loop_text", "inkling2_text", "megatron-bert", "mimo_v2_flash", "mpt", "mvp",
+        "openai-gpt", "prophetnet", "rembert", "roformer", "trocr", "vaultgemma", "xglm", "xlm",
+    )
+)  # fmt: skip
+
+
+def hf_class_supports_sdpa(config) -> bool | None:
+    """The ``_supports_sdpa`` flag of the installed ``transformers``' model class for ``config``
+    (its ``architectures``, else its ``model_type``'s causal-LM or base class); None when
+    transformers cannot be imported or has no such class. Imports transformers and the model's
+    module (and so torch); builds no model and uses no network."""
+    model_type = str(getattr(config, "model_type", "") or "")
+    names = getattr(config, "architectures", None)
+    names = list(names) if isinstance(names, (list, tuple)) else []
+    try:
+        import transformers
+        from transformers.models.auto import modeling_auto
+
+        auto = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES)
+        names += [m.get(model_type) for m in auto]
+    except Exception:  # not installed, or without a usable torch (its model classes are then stubs)
+        return None
+    for name in names:
+        if not isinstance(name, str):
+            continue
+        try:
+            flag = getattr(getattr(transformers, name, None), "_supports_sdpa", None)
+        except Exception:  # a model module whose optional dependencies are missing
+            continue
+        if isinstance(flag, bool):
+            return flag
+    return None
+
+
+def hf_default_attention(config) -> str:
+    """The attention implementation Hugging Face gives ``config``'s model when the config names
+    none: ``"sdpa"`` where the model class supports it, else ``"eager"``. Asks the installed
+    transformers (:func:`hf_class_supports_sdpa`); without it, a table of model types."""
+    supports = hf_class_supports_sdpa(config)
+    if supports is None:
+        supports = str(getattr(config, "model_type", "") or "") not in _HF_TYPES_WITHOUT_SDPA
+    return "sdpa" if supports else "eager"
+
 
 def is_hf_config(obj) -> bool:
     """A Hugging Face ``PretrainedConfig`` (duck-typed: ``model_type`` and ``to_dict``)."""
@@ -366,7 +416,8 @@ def from_hf_config(config) -> ModelConfig:
     LayerNorm), the activation and whether the MLP is gated, grouped key/value heads and
     ``head_dim``, rotary or learned positions, biases, dropout on attention and on the residual
     branches, tied embeddings, and the attention implementation (``eager`` materialises the scores;
-    ``sdpa`` and flash attention do not). Multimodal configs are read through their text config.
+    ``sdpa`` and flash attention do not; when the config names none, Hugging Face's default for the
+    model class, :func:`hf_default_attention`). Multimodal configs are read through their text config.
     """
     if callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()
@@ -400,7 +451,8 @@ def from_hf_config(config) -> ModelConfig:
     rotary = any(k in raw for k in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct"))
     hidden_dropout = get("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "dropout", default=0.0)
     attention_dropout = get("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob", default=0.0)
-    impl = getattr(config, "_attn_implementation", None) or "sdpa"  # HF picks sdpa when none is asked for
+    # HF picks sdpa when none is asked for, and eager for a model class that has no SDPA path (BLOOM)
+    impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
     bias = get("attention_bias", "bias")
     return ModelConfig(
         layers=get("num_hidden_layers", "n_layer", "num_layers"),

@@ -5,6 +5,7 @@ Skipped when ``transformers`` is not installed."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn as nn
 from support.planner import lm_batch, step_memory, tiny_gpt2, tiny_llama, transformers_or_skip
 
 import llmmem
+from llmmem.estimation import model_configs
 from llmmem.models.gpt import GPT, GPTConfig
 
 transformers_or_skip()
@@ -112,3 +114,70 @@ def test_measure_misuse():
     model = GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=16, vocab_size=64))
     with pytest.raises(TypeError, match="measure: expected True or a batch"):
         llmmem.estimate(model, batch=1, seq=16, measure=3.5)
+
+
+def _bloom_config(dropout: float = 0.0, layers: int = 8):
+    """A small BLOOM config naming no attention implementation (ALiBi, fused QKV, LayerNorm, GELU)."""
+    transformers = transformers_or_skip()
+    return transformers.BloomConfig(
+        vocab_size=256, hidden_size=64, n_layer=layers, n_head=4, hidden_dropout=dropout, attention_dropout=dropout
+    )
+
+
+def test_bloom_without_an_attention_implementation_is_estimated_with_explicit_attention(tmp_path):
+    """Hugging Face's BLOOM has no SDPA path, so a config that names no implementation runs eager
+    attention: the estimate, from the config object and from its config.json, keeps the scores and
+    matches a real step (without dropout, where an SDPA estimate is 20-26% low)."""
+    transformers = transformers_or_skip()
+    config = _bloom_config()
+    config.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(_bloom_config()).train()
+    assert model.config._attn_implementation == "eager"  # what Hugging Face itself chose
+    read = {"object": config, "config.json": model_configs.read_hf_config_file(tmp_path / "config.json")}
+    for b, s in ((2, 64), (3, 96)):
+        held = _held(model, lm_batch(batch=b, seq=s))
+        for source, cfg in read.items():
+            est = llmmem.estimate(cfg, batch=b, seq=s, precision="fp32", device_type="cpu")
+            print(f"bloom b{b} s{s} from the {source}: estimated {est.activations}, measured {held}")
+            assert est.model.attention == "explicit", source
+            assert abs(est.activations - held) <= 0.10 * held, source
+
+
+def _saved(config, path) -> str:
+    config.save_pretrained(path)
+    return str(path / "config.json")
+
+
+def test_the_default_attention_follows_the_model_class_without_transformers_too(tmp_path, monkeypatch):
+    """Llama and GPT-2 support SDPA, BLOOM does not: the same default whether the installed
+    transformers is asked or, when it cannot be imported, the estimator's own table is."""
+    transformers = transformers_or_skip()
+    llama = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4
+    )
+    gpt2 = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    expected = {"llama": "sdpa", "gpt2": "sdpa", "bloom": "explicit"}
+    configs = {"llama": llama, "gpt2": gpt2, "bloom": _bloom_config(layers=2)}
+    files = {kind: _saved(cfg, tmp_path / kind) for kind, cfg in configs.items()}
+    for kind, cfg in configs.items():
+        assert llmmem.estimate(cfg, batch=1, seq=16).model.attention == expected[kind], kind
+        assert model_configs.read_hf_config_file(files[kind]).attention == expected[kind], kind
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    assert model_configs.hf_class_supports_sdpa(configs["bloom"]) is None
+    for kind, cfg in configs.items():
+        assert llmmem.estimate(cfg, batch=1, seq=16).model.attention == expected[kind], kind
+        assert model_configs.read_hf_config_file(files[kind]).attention == expected[kind], kind
+
+
+def test_the_table_of_model_types_without_sdpa_agrees_with_transformers():
+    """The fallback table holds what the installed transformers says of each type it knows."""
+    transformers_or_skip()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = sorted(t for t in model_configs._HF_TYPES_WITHOUT_SDPA if t in CONFIG_MAPPING)
+    assert "bloom" in known
+    for model_type in known:
+        assert model_configs.hf_class_supports_sdpa(CONFIG_MAPPING[model_type]()) is False, model_type
+    for model_type in ("llama", "gpt2", "mistral", "qwen2", "gpt_neox"):
+        assert model_configs.hf_class_supports_sdpa(CONFIG_MAPPING[model_type]()) is True, model_type
