@@ -82,10 +82,10 @@ class Estimate:
     ``optimizer_state``, ``activations`` (= ``activations_layers`` + ``activations_other``),
     ``activations_per_layer`` (one layer without recompute), ``activations_layers`` (all layers,
     under the chosen checkpointing), ``activations_other`` (embeddings, head, loss),
-    ``temporary`` (largest transient buffer), ``total``; ``layer_terms``, ``other_terms`` and
-    ``temporary_terms`` break those down; ``parameter_count`` (elements, whole model),
-    ``slowdown`` (fraction); with ``device_memory``: ``fits`` (bool), ``recommendation``
-    (:class:`Recommendation` or None) and ``advice`` (one line).
+    ``temporary`` (largest transient buffer), ``total`` (the peak: model state + activations +
+    temporary); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
+    ``parameter_count`` (elements, whole model), ``slowdown`` (fraction); with ``device_memory``:
+    ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None) and ``advice`` (one line).
     """
 
     def __init__(self, cfg: ModelConfig, st: _Settings, numbers_: dict, device_memory: int | None = None) -> None:
@@ -163,7 +163,7 @@ class Estimate:
         row(f"  all {cfg.layers} layers ({st.checkpointing})", self.activations_layers)
         row("  embeddings, head, loss", self.activations_other)
         row("largest temporary", self.temporary, "; ".join(self.temporary_terms))
-        row("total", self.total)
+        row("total", self.total, "the peak: model state (first four rows) + activations + largest temporary")
         if self.slowdown_terms:
             parts = ", ".join(f"{k} {_pct(v)}" for k, v in self.slowdown_terms.items())
             lines.append(f"expected slowdown {_pct(self.slowdown)} ({parts})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -359,6 +360,33 @@ def test_cli_table_and_recommendation(capsys):
     ):
         assert word in out
     assert f"{estimate('llama-7b').total:,}" in out
+
+
+def _byte_column(text: str) -> dict:
+    """The rows of a printed estimate: label -> the exact bytes column."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"  (\S.*?)\s{2,}\S+ \S+\s+([\d,]+)(?:  (.*))?$", line)
+        if m:
+            rows[m.group(1)] = (int(m.group(2).replace(",", "")), m.group(3) or "")
+    return rows
+
+
+@pytest.mark.parametrize("how", ["str", "cli"])
+def test_the_printed_total_says_it_is_the_peak_and_what_it_adds_up(how, capsys):
+    """The total row names what makes the peak, and those rows add up to it."""
+    kwargs = {"batch": 2, "seq": 1024, "checkpointing": "selective"}
+    if how == "str":
+        text = str(estimate("gpt2-medium", **kwargs))
+    else:
+        assert main(["estimate", "gpt2-medium", "--batch", "2", "--seq", "1024", "--checkpointing", "selective"]) == 0
+        text = capsys.readouterr().out
+    rows = _byte_column(text)
+    total, note = rows["total"]
+    assert note == "the peak: model state (first four rows) + activations + largest temporary"
+    state = [rows[k][0] for k in ("parameters", "gradients", "master weights", "optimizer state")]
+    assert total == sum(state) + rows["activations"][0] + rows["largest temporary"][0]
+    assert total == estimate("gpt2-medium", **kwargs).total
 
 
 def test_cli_json_matches_the_api(capsys):
