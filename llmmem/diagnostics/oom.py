@@ -24,7 +24,7 @@ import traceback
 import torch
 
 from llmmem.diagnostics.advice import estimate_settings, find_blocks, suggest
-from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory
+from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory, step_text
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError", "cuda_capacity"]
@@ -83,7 +83,8 @@ class OutOfMemoryReport:
         first = str(self.original).splitlines()[0] if str(self.original) else type(self.original).__name__
         where = f.get("phase", "?") + (f" of {f['module']}" if f.get("module") else "")
         op = f", in {f['op']}" if f.get("op") else ""
-        lines = [f"out of memory in {where} (step {f.get('step', '?')}{op}): {first}"]
+        step = step_text(f["step"]) if isinstance(f.get("step"), int) else "step ?"
+        lines = [f"out of memory in {where} ({step}{op}): {first}"]
         device = f.get("device", "cpu")
         live = f.get("live", {}).get(device, {})
         total = sum(live.values())
@@ -135,7 +136,7 @@ class OutOfMemoryReport:
             for t in outlived["largest"][:3]:
                 made = t["phase"] + (f" of {t['module']}" if t["module"] else "")
                 lines.append(
-                    f"  {format_bytes(t['bytes']):>11}  {t['dtype']}{t['shape']} made in step {t['step']}, {made}"
+                    f"  {format_bytes(t['bytes']):>11}  {t['dtype']}{t['shape']} made {_made_in(t['step'])}, {made}"
                     + (f" at {', '.join(t['where'][:2])}" if t["where"] else "")
                 )
         elif f.get("step", 0) > 0:
@@ -156,6 +157,11 @@ class OutOfMemoryReport:
         if self.state:
             lines.append(f"training state: {self.state}")
         return "\n".join(lines)
+
+
+def _made_in(step: int) -> str:
+    text = step_text(step)
+    return f"in {text}" if step >= 0 else text  # "made in step 3", "made outside a tracked step"
 
 
 def _rss() -> int:

@@ -67,7 +67,7 @@ from llmmem.diagnostics.live import LiveBytes, device_key, storage_key
 from llmmem.errors import OutOfMemoryError
 from llmmem.units import format_bytes, parse_bytes
 
-__all__ = ["MemoryTracker", "CATEGORIES", "PHASES", "is_out_of_memory"]
+__all__ = ["MemoryTracker", "CATEGORIES", "PHASES", "is_out_of_memory", "step_text"]
 
 # The calling thread's dispatch-mode stack (thread-local; see MemoryTracker._here).
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -113,6 +113,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
         text = str(exc)
         return any(t in text for t in _OOM_TEXTS)
     return False
+
+
+def step_text(step: int) -> str:
+    """A step number as reports print it: ``"step 3"``; the tracker's step -1 (no training step
+    had begun: no outermost module's forward had run under the tracker) as ``"outside a tracked step"``."""
+    return f"step {step}" if step >= 0 else "outside a tracked step"
 
 
 # Per thread: the trackers inside their ``with`` block on it, innermost last (see MemoryTracker._pack).
@@ -1064,7 +1070,7 @@ class MemoryTracker:
             where = f"{peak['phase']}" + (f" of {peak['module']}" if peak["module"] else "")
             lines.append(
                 f"peak {format_bytes(peak['bytes'])} ({peak['bytes']:,} B) at event {peak['event']:,}: {where}, "
-                f"step {peak['step']}"
+                + step_text(peak["step"])
             )
         if self.budget is not None:
             lines.append(f"budget {format_bytes(self.budget)} ({self.budget:,} B)")

@@ -189,3 +189,54 @@ def test_cuda_out_of_memory_report_under_a_memory_fraction():
     assert "reserved but free" in str(exc)
     assert exc.report.capacity_source.startswith("set_per_process_memory_fraction")
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_report_texts_name_the_step_or_say_it_was_outside_one():
+    """The header and the "made in" lines of tensors kept from earlier steps: a step number inside a
+    tracked step; "outside a tracked step" for what ran before the model's first forward under the
+    report (the tracker's step -1), never "step -1"."""
+    model, opt = tiny_gpt()
+    budget = _steady_peak(model, opt, 2) + 2**20  # a step of batch 2 fits, one of batch 8 does not
+    kept = []
+    idx = torch.randint(0, 256, (2, 64))
+    logits, loss = model(idx, targets=idx)  # its forward ran before the report, so its backward is outside a step
+    logits.register_hook(lambda g: kept.append(g * 2))  # a tensor made in that backward, kept
+    with pytest.raises(llmmem.OutOfMemoryError) as info:
+        with llmmem.oom_report(model, opt, budget=budget, plan=False):
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            logits, loss = model(idx, targets=idx)  # step 0
+            kept.append(logits)  # made in the forward of step 0, kept
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del logits, loss
+            gpt_step(model, opt, 8)  # step 1: out of memory
+    text = str(info.value)
+    assert info.value.report.failure["step"] == 1
+    assert text.splitlines()[0].startswith("out of memory in ") and " (step 1" in text.splitlines()[0]
+    made = [line for line in text.splitlines() if " made " in line and "float32" in line]
+    assert any("made outside a tracked step, backward" in line for line in made), text
+    assert any("made in step 0, forward of GPT" in line for line in made), text
+    assert "step -1" not in text
+
+
+def test_report_outside_any_step_says_so():
+    with pytest.raises(RuntimeError) as info:
+        with llmmem.oom_report():
+            torch.empty(2**48, dtype=torch.uint8)  # refused by the CPU allocator, no model ever ran
+    first = str(info.value).splitlines()[0]
+    assert info.value.report.failure["step"] == -1
+    assert first.startswith("out of memory in other (outside a tracked step, in aten.empty"), first
+
+
+def test_tracker_peak_line_names_the_step_or_says_it_was_outside_one():
+    model, opt = tiny_gpt()
+    with MemoryTracker(model, opt) as outside:
+        torch.ones(2**20).sum()  # 4 MiB, more than the model: the peak, with no step begun
+    with MemoryTracker(model, opt) as inside:
+        gpt_step(model, opt, 2)
+    peak_lines = [next(line for line in t.table().splitlines() if line.startswith("peak ")) for t in (outside, inside)]
+    assert peak_lines[0].endswith(": other, outside a tracked step"), peak_lines[0]
+    assert inside.peak()["step"] == 0 and peak_lines[1].endswith(", step 0"), peak_lines[1]
