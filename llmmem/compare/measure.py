@@ -20,6 +20,7 @@ process's CPU time is recorded too (less sensitive to other load on a shared mac
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -131,6 +132,19 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
     """
     if steps < 3:
         raise ValueError(f"steps must be at least 3 (warm-up, timed, measured), got {steps}")
+    # The collector off while training, as timeit has it: a collection costs tens of milliseconds
+    # with torch loaded and would land in one strategy's step at random (and flatten its timeline).
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _train_and_measure(trainer, batches, steps, device, reduce_loss, reference)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _train_and_measure(trainer, batches, steps: int, device: torch.device, reduce_loss, reference) -> dict:
     losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
     measured = None
     for i in range(steps):
