@@ -134,36 +134,33 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
         raise ValueError(f"steps must be at least 3 (warm-up, timed, measured), got {steps}")
     # The collector off while training, as timeit has it: a collection costs tens of milliseconds
     # with torch loaded and would land in one strategy's step at random (and flatten its timeline).
+    # In this one frame: the reference must have no other holder when it is dropped.
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _train_and_measure(trainer, batches, steps, device, reduce_loss, reference)
+        losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
+        measured = None
+        for i in range(steps):
+            x, y = batches()
+            if i == steps - 1:
+                reference = None  # its memory is freed before the measured step
+                measured = measured_step(trainer, x, y, device, timeline=True)
+                loss = measured.pop("loss")
+            else:
+                loss, w, c = _timed(lambda: trainer.step(x, y), device)
+                if reference is not None:
+                    _, rw, rc = _timed(lambda: reference.step(x, y), device)
+                if i >= 1:
+                    wall.append(w)
+                    cpu.append(c)
+                    if reference is not None:
+                        ref_wall.append(rw)
+                        ref_cpu.append(rc)
+            losses.append(reduce_loss(loss) if reduce_loss is not None else loss)
     finally:
         if collecting:
             gc.enable()
-
-
-def _train_and_measure(trainer, batches, steps: int, device: torch.device, reduce_loss, reference) -> dict:
-    losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
-    measured = None
-    for i in range(steps):
-        x, y = batches()
-        if i == steps - 1:
-            reference = None  # its memory is freed before the measured step
-            measured = measured_step(trainer, x, y, device, timeline=True)
-            loss = measured.pop("loss")
-        else:
-            loss, w, c = _timed(lambda: trainer.step(x, y), device)
-            if reference is not None:
-                _, rw, rc = _timed(lambda: reference.step(x, y), device)
-            if i >= 1:
-                wall.append(w)
-                cpu.append(c)
-                if reference is not None:
-                    ref_wall.append(rw)
-                    ref_cpu.append(rc)
-        losses.append(reduce_loss(loss) if reduce_loss is not None else loss)
     out = {
         "losses": losses,
         "final_loss": losses[-1],
