@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -364,6 +365,17 @@ def plan_checkpoints(
     if any(e > L for _, e in regions):  # pragma: no cover - the head is always the last tape
         raise RuntimeError(f"plan_checkpoints: the planner put the head in a region {regions} (please report)")
     offloaded = [tuple(r) for r in result["offloaded"]]
+    if offloaded and torch.device(profile.device).type == "cpu":
+        # the planner's offload model describes a device with its own memory; on the CPU the copy
+        # lands in the same memory, so say what this plan really peaks at here
+        here = native.plan_simulate(profile.to_chain(), result["modes"], regions)["peak_bytes"] + static
+        warnings.warn(
+            f"plan_checkpoints: offload=True on the CPU: host memory is the device's, so keeping "
+            f"{len(offloaded)} region input(s) on the host frees nothing here. The plan's predicted peak, "
+            f"{format_bytes(max(result['peak_bytes'] + static, outside))}, is what a CUDA device would hold; "
+            f"on the CPU it peaks at about {format_bytes(max(here, outside))}",
+            stacklevel=2,
+        )
     # Chosen on work, so the same plan every run; its extra work (recompute, transfer stalls) priced
     # at the blocks' timed store-all forward seconds per work unit (time_unit), not at each mode's
     # own timing: checkpointed alone a block cost 3-24% more than its forward from run to run, while

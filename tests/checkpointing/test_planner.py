@@ -15,6 +15,7 @@ import llmmem
 from llmmem import _C
 from llmmem.checkpointing import AutoCheckpointed, measure_saved_bytes
 from llmmem.models.gpt import GPT, GPTConfig
+from llmmem.units import format_bytes
 
 
 def random_chain(L, K, rnd, identical=False):
@@ -421,9 +422,15 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
     plain = llmmem.plan_checkpoints(None, budget=1.0, profile=prof)
     least = llmmem.plan_checkpoints(None, budget=1.0, profile=prof, offload=True).min_budget_bytes
     assert least < plain.min_budget_bytes < _every_layer_peak(prof)
-    plan = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True)
+    with pytest.warns(UserWarning, match="offload=True on the CPU") as caught:
+        plan = llmmem.plan_checkpoints(None, budget=least, profile=prof, offload=True)
     assert plan.offloaded and set(plan.offloaded) <= set(plan.regions)
     assert all(s >= 1 for s, _ in plan.offloaded)
+    # the warning gives the same plan's peak with its inputs kept where they are: above the budget
+    modes = [prof.modes.index(m) for m in plan.modes] + ([0] if prof.head is not None else [])
+    here = _C.plan_simulate(prof.to_chain(), modes, plan.regions)["peak_bytes"] + plan.static_bytes
+    assert here > plan.predicted_peak_bytes
+    assert f"on the CPU it peaks at about {format_bytes(here)}" in str(caught[0].message)
     assert plan.predicted_peak_bytes <= plan.budget_bytes == least
     assert plan.host_bandwidth == llmmem.checkpointing.plan.DEFAULT_HOST_BANDWIDTH and not plan.host_bandwidth_measured
     assert plan.predicted_host_bytes == sum(prof.input_bytes[s] for s, _ in plan.offloaded)
@@ -464,6 +471,7 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
+@pytest.mark.filterwarnings("ignore:plan_checkpoints. offload=True on the CPU")
 def test_offload_arguments_and_bandwidth(gpt_profile):
     _, _, _, prof = gpt_profile
     for kwargs, match in (
@@ -519,6 +527,7 @@ def test_checkpoint_sequential_auto_segments():
         llmmem.checkpoint_sequential(seq, "auto", x)
 
 
+@pytest.mark.filterwarnings("ignore:plan_checkpoints. offload=True on the CPU")
 def test_checkpoint_sequential_auto_budgets_and_offload():
     """segments='auto' takes every budget form, states the least budget when it cannot fit, and runs
     offload=True plans (same gradients, bitwise on the CPU). Here nested regions already reach the
