@@ -431,6 +431,7 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
     here = _C.plan_simulate(prof.to_chain(), modes, plan.regions)["peak_bytes"] + plan.static_bytes
     assert here > plan.predicted_peak_bytes
     assert f"on the CPU it peaks at about {format_bytes(here)}" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the caller's line, not llmmem's
     assert plan.predicted_peak_bytes <= plan.budget_bytes == least
     assert plan.host_bandwidth == llmmem.checkpointing.plan.DEFAULT_HOST_BANDWIDTH and not plan.host_bandwidth_measured
     assert plan.predicted_host_bytes == sum(prof.input_bytes[s] for s, _ in plan.offloaded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -285,9 +286,15 @@ def test_overhead_is_predicted_as_a_fraction_of_the_whole_step():
     assert "ms step: blocks" in plan.describe() and "from its work" in plan.describe()
     plan.remove()
     untimed = llmmem.auto_checkpoint(model, budget=0.3, sample=(idx, idx), repeats=0)
-    assert untimed.predicted_step_time == 0 and untimed.predicted_overhead != untimed.predicted_overhead  # NaN
-    assert "ms step" not in untimed.describe()
+    assert untimed.predicted_step_time == 0 and math.isnan(untimed.predicted_overhead)
+    # counted work only: no figure passes for seconds
+    assert math.isnan(untimed.profile.time_unit) and math.isnan(untimed.predicted_overhead_time)
+    assert math.isnan(untimed.predicted_time) and untimed.predicted_overhead_work > 0
+    text = untimed.describe()
+    assert "ms" not in text and "Gwork" in text and "work units" in text and "not timed (repeats=0)" in text
     untimed.remove()
+    with pytest.raises(ValueError, match="offload=True needs timed blocks"):
+        llmmem.plan_checkpoints(None, budget=0.3, profile=untimed.profile, offload=True)
 
 
 def test_overhead_is_the_plans_extra_work_at_the_timed_forward_rate():
