@@ -289,6 +289,19 @@ def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 
     return min(rates), True
 
 
+def _price_regions_by_work(chain: dict, profile: ChainProfile) -> None:
+    """In a chain of timed seconds, the costs of checkpointed regions (the no-store forward and its
+    recompute; the one-block checkpoint column of a chain that is not chainable) become their
+    counted work at ``profile.time_unit`` seconds per unit."""
+    unit = profile.time_unit
+    for i in range(profile.n_blocks):
+        chain["fwd_nostore_time"][i] = profile.fwd_nostore_time[i] * unit
+        if not profile.chainable:  # the last column: the block checkpointed alone
+            store_bwd = profile.seconds["bwd_time"][i][0]
+            chain["fwd_time"][i][-1] = profile.fwd_time[i][-1] * unit
+            chain["bwd_time"][i][-1] = store_bwd + (profile.bwd_time[i][-1] - profile.bwd_time[i][0]) * unit
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning issued by this module's caller point at the first
     frame outside llmmem (the user's line, whichever public entry point was called)."""
@@ -407,12 +420,23 @@ def plan_checkpoints(
             stacklevel=_user_stacklevel(),
         )
     # Chosen on work, so the same plan every run (without offload, whose price also depends on the
-    # timed rate); its extra work (recompute, transfer stalls) priced at the blocks' timed store-all
-    # forward seconds per work unit (time_unit), not at each mode's own timing: checkpointed alone a
-    # block cost 3-24% more than its forward from run to run, while inside a model a recompute costs
-    # what the forward does there (benchmarks/README.md). Untimed (repeats=0): no seconds at all.
+    # timed rate); predicted in seconds. A region's recompute is priced as its counted work at the
+    # blocks' store-all forward seconds per work unit (time_unit): a block checkpointed and timed
+    # alone cost 3-24% more than its forward from run to run, while inside a model a recompute costs
+    # what the forward does there. A mode's own extra cost (selective, recompute-cheap: many small
+    # operators and Python hooks, which the work model underprices several times) keeps its timed
+    # ratio to store-all (benchmarks/README.md). Untimed (repeats=0): no seconds at all.
     unit = profile.time_unit
-    overhead = result["overhead_time"] * unit
+    transfer = result["transfer_time"] * unit
+    if profile.seconds:
+        timed_chain = profile.to_chain(host_bandwidth if offload else 0.0, seconds=True)
+        _price_regions_by_work(timed_chain, profile)
+        timed = native.plan_simulate(
+            timed_chain, result["modes"], [r + ((1,) if r in offloaded else ()) for r in regions]
+        )
+        overhead, transfer = timed["overhead_time"], timed["transfer_time"]
+    else:
+        overhead = result["overhead_time"] * unit
     if profile.measured_step_time > 0:
         base = profile.measured_step_time
     else:
@@ -429,7 +453,7 @@ def plan_checkpoints(
         no_checkpoint_peak_bytes=reference,
         profile=profile,
         offloaded=offloaded,
-        predicted_transfer_time=result["transfer_time"] * unit,
+        predicted_transfer_time=transfer,
         predicted_host_bytes=result["host_bytes"],
         host_bandwidth=float(host_bandwidth) if offload else None,
         host_bandwidth_measured=measured,

@@ -472,7 +472,7 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
-@pytest.mark.filterwarnings("ignore:plan_checkpoints. offload=True on the CPU")
+@pytest.mark.filterwarnings("ignore:llmmem. offload=True on the CPU")
 def test_offload_arguments_and_bandwidth(gpt_profile):
     _, _, _, prof = gpt_profile
     for kwargs, match in (
@@ -528,7 +528,7 @@ def test_checkpoint_sequential_auto_segments():
         llmmem.checkpoint_sequential(seq, "auto", x)
 
 
-@pytest.mark.filterwarnings("ignore:plan_checkpoints. offload=True on the CPU")
+@pytest.mark.filterwarnings("ignore:llmmem. offload=True on the CPU")
 def test_checkpoint_sequential_auto_budgets_and_offload():
     """segments='auto' takes every budget form, states the least budget when it cannot fit, and runs
     offload=True plans (same gradients, bitwise on the CPU). Here nested regions already reach the
