@@ -31,7 +31,9 @@ every-layer checkpointing minimum. The model is in csrc/include/llmmem/checkpoin
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -111,6 +113,7 @@ class CheckpointPlan:
     outside_peak_bytes: int = 0
     reference_measured: bool = False
     predicted_work: float = 0.0  # what the planner minimised, in the profile's time units
+    predicted_overhead_work: float = 0.0  # the part of it the plan adds (recompute, transfer stalls)
 
     @property
     def n_blocks(self) -> int:
@@ -151,13 +154,20 @@ class CheckpointPlan:
     def describe(self) -> str:
         """A readable table of the plan and its predictions."""
         p = self.profile
-        times, unit = (p.seconds, 1e3) if p.seconds else (p.__dict__, 1e3 * p.time_unit)
-        rows = [f"{'block':>5}  {'plan':<32} {'fwd ms':>8} {'bwd ms':>8} {'input':>11} {'kept (store-all)':>17}"]
+        timed = math.isfinite(p.time_unit)
+        if p.seconds:
+            times, unit, label = p.seconds, 1e3, "ms"
+        elif timed:
+            times, unit, label = p.__dict__, 1e3 * p.time_unit, "ms"
+        else:  # counted work only (repeats=0), in 1e9 units
+            times, unit, label = p.__dict__, 1e-9, "Gwork"
+        fwd, bwd = f"fwd {label}", f"bwd {label}"
+        rows = [f"{'block':>5}  {'plan':<32} {fwd:>9} {bwd:>9} {'input':>11} {'kept (store-all)':>17}"]
         for i in range(self.n_blocks):
             k = p.modes.index(self.modes[i])
             rows.append(
-                f"{i:>5}  {self.block_label(i):<32} {unit * times['fwd_time'][i][k]:>8.3f} "
-                f"{unit * times['bwd_time'][i][k]:>8.3f} {format_bytes(p.input_bytes[i]):>11} "
+                f"{i:>5}  {self.block_label(i):<32} {unit * times['fwd_time'][i][k]:>9.3f} "
+                f"{unit * times['bwd_time'][i][k]:>9.3f} {format_bytes(p.input_bytes[i]):>11} "
                 f"{format_bytes(p.saved_bytes[i][0]):>17}"
             )
         base = self.predicted_time - self.predicted_overhead_time
@@ -179,7 +189,11 @@ class CheckpointPlan:
                 f"{format_bytes(max(p.head['fwd_tmp_bytes'], p.head['bwd_tmp_bytes']))} transient"
             )
         overhead = f"{1e3 * self.predicted_overhead_time:.2f} ms"
-        if p.measured_step_time > 0:
+        if not timed:
+            work = self.predicted_work - self.predicted_overhead_work
+            share = f" (+{100 * self.predicted_overhead_work / work:.1f}% of the chain's work)" if work > 0 else ""
+            overhead = f"{self.predicted_overhead_work / 1e9:.3g}e9 work units{share}; not timed (repeats=0)"
+        elif p.measured_step_time > 0:
             overhead += f" (+{100 * self.predicted_overhead:.1f}% of a {1e3 * self.predicted_step_time:.2f} ms step: "
             overhead += f"blocks {1e3 * p.measured_step_time:.2f} ms measured"
             if p.outside_time > 0:
@@ -188,7 +202,7 @@ class CheckpointPlan:
         elif base > 0:
             overhead += f" (+{100 * self.predicted_overhead_time / base:.1f}% over no checkpointing)"
         rows += [
-            f"{what + ' time':<22}{overhead}",
+            f"{what + ' time':<21} {overhead}",
             f"regions               {self.regions if self.regions else 'none'}",
         ]
         if self.host_bandwidth is not None:
@@ -198,11 +212,11 @@ class CheckpointPlan:
                     f"offloaded to host     {self.offloaded}: {format_bytes(self.predicted_host_bytes)} "
                     f"on the host after the forward",
                     f"transfer time         {1e3 * self.predicted_transfer_time:.2f} ms of the step (modelled at "
-                    f"{self.host_bandwidth / 1e9:.1f} GB/s, {source}: copy back not prefetched, copy out hidden "
+                    f"{format_bytes(self.host_bandwidth)}/s, {source}: copy back not prefetched, copy out hidden "
                     f"behind the region's forward)",
                 ]
             else:
-                rows.append(f"offloaded to host     none (allowed at {self.host_bandwidth / 1e9:.1f} GB/s, {source})")
+                rows.append(f"offloaded to host     none (allowed at {format_bytes(self.host_bandwidth)}/s, {source})")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -275,6 +289,29 @@ def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 
     return min(rates), True
 
 
+def _price_regions_by_work(chain: dict, profile: ChainProfile) -> None:
+    """In a chain of timed seconds, the costs of checkpointed regions (the no-store forward and its
+    recompute; the one-block checkpoint column of a chain that is not chainable) become their
+    counted work at ``profile.time_unit`` seconds per unit."""
+    unit = profile.time_unit
+    for i in range(profile.n_blocks):
+        chain["fwd_nostore_time"][i] = profile.fwd_nostore_time[i] * unit
+        if not profile.chainable:  # the last column: the block checkpointed alone
+            store_bwd = profile.seconds["bwd_time"][i][0]
+            chain["fwd_time"][i][-1] = profile.fwd_time[i][-1] * unit
+            chain["bwd_time"][i][-1] = store_bwd + (profile.bwd_time[i][-1] - profile.bwd_time[i][0]) * unit
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by this module's caller point at the first
+    frame outside llmmem (the user's line, whichever public entry point was called)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def plan_checkpoints(
     blocks,
     sample_input=None,
@@ -336,6 +373,12 @@ def plan_checkpoints(
         slots = _default_slots(profile)
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 100000:
         raise ValueError(f"plan_checkpoints: slots must be an int in 1..100000, got {slots!r}")
+    timed = math.isfinite(profile.time_unit)
+    if offload and not timed:
+        raise ValueError(
+            "plan_checkpoints: offload=True needs timed blocks, to price a transfer against a recompute "
+            "(profile with repeats >= 1)"
+        )
     measured = False
     if offload and host_bandwidth is None:
         host_bandwidth, measured = measure_host_bandwidth(profile.device)
@@ -370,19 +413,34 @@ def plan_checkpoints(
         # lands in the same memory, so say what this plan really peaks at here
         here = native.plan_simulate(profile.to_chain(), result["modes"], regions)["peak_bytes"] + static
         warnings.warn(
-            f"plan_checkpoints: offload=True on the CPU: host memory is the device's, so keeping "
+            f"llmmem: offload=True on the CPU: host memory is the device's, so keeping "
             f"{len(offloaded)} region input(s) on the host frees nothing here. The plan's predicted peak, "
             f"{format_bytes(max(result['peak_bytes'] + static, outside))}, is what a CUDA device would hold; "
             f"on the CPU it peaks at about {format_bytes(max(here, outside))}",
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
-    # Chosen on work, so the same plan every run; its extra work (recompute, transfer stalls) priced
-    # at the blocks' timed store-all forward seconds per work unit (time_unit), not at each mode's
-    # own timing: checkpointed alone a block cost 3-24% more than its forward from run to run, while
-    # inside a model a recompute costs what the forward does there (benchmarks/README.md).
+    # Chosen on work, so the same plan every run (without offload, whose price also depends on the
+    # timed rate); predicted in seconds. A region's recompute is priced as its counted work at the
+    # blocks' store-all forward seconds per work unit (time_unit): a block checkpointed and timed
+    # alone cost 3-24% more than its forward from run to run, while inside a model a recompute costs
+    # what the forward does there. A mode's own extra cost (selective, recompute-cheap: many small
+    # operators and Python hooks, which the work model underprices several times) keeps its timed
+    # ratio to store-all (benchmarks/README.md). Untimed (repeats=0): no seconds at all.
     unit = profile.time_unit
-    overhead = result["overhead_time"] * unit
-    base = profile.measured_step_time if profile.seconds else (result["time"] - result["overhead_time"]) * unit
+    transfer = result["transfer_time"] * unit
+    if profile.seconds:
+        timed_chain = profile.to_chain(host_bandwidth if offload else 0.0, seconds=True)
+        _price_regions_by_work(timed_chain, profile)
+        timed = native.plan_simulate(
+            timed_chain, result["modes"], [r + ((1,) if r in offloaded else ()) for r in regions]
+        )
+        overhead, transfer = timed["overhead_time"], timed["transfer_time"]
+    else:
+        overhead = result["overhead_time"] * unit
+    if profile.measured_step_time > 0:
+        base = profile.measured_step_time
+    else:
+        base = (result["time"] - result["overhead_time"]) * unit
     return CheckpointPlan(
         modes=[profile.modes[k] for k in result["modes"][:L]],
         regions=regions,
@@ -395,7 +453,7 @@ def plan_checkpoints(
         no_checkpoint_peak_bytes=reference,
         profile=profile,
         offloaded=offloaded,
-        predicted_transfer_time=result["transfer_time"] * unit,
+        predicted_transfer_time=transfer,
         predicted_host_bytes=result["host_bytes"],
         host_bandwidth=float(host_bandwidth) if offload else None,
         host_bandwidth_measured=measured,
@@ -403,4 +461,5 @@ def plan_checkpoints(
         outside_peak_bytes=outside,
         reference_measured=bool(profile.measured_peak_bytes),
         predicted_work=result["time"],
+        predicted_overhead_work=result["overhead_time"],
     )

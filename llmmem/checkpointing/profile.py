@@ -6,8 +6,8 @@ its backward (exact: :class:`ActivationMeter`, tensor storages counted by
 statistics too, whichever is larger), and its cost in work units (:class:`WorkCounter`: FLOPs of the
 matrix products plus a fixed price per byte moved and per operator). The planner compares plans in
 work units, which are counted, not timed, so the same model and budget give the same plan on every
-run; one measured factor (median of timed repeats: the recompute of a block against its store-all
-step) turns them into seconds for the predictions.
+run; one measured factor, the blocks' store-all forward seconds per work unit (``time_unit``, from
+the median of timed repeats), turns a plan's extra work into seconds for the predictions.
 
 Modes of a block: ``"store-all"`` (autograd keeps its tape), ``"selective"`` (keeps matmul and
 attention outputs, recomputes the rest: :mod:`llmmem.checkpointing.selective`), ``"recompute-cheap"``
@@ -483,7 +483,8 @@ class ChainProfile:
     """Measured costs of a chain of blocks, in bytes and in time units; ``modes`` names the columns.
 
     Times are in units of ``time_unit`` seconds (:func:`profile_blocks` counts work, so plans are
-    the same on every run; a profile made by hand may use seconds with the default ``time_unit=1``).
+    the same on every run; a profile made by hand may use seconds with the default ``time_unit=1``;
+    NaN when the blocks were counted but not timed, ``repeats=0``).
     ``head`` is what runs between the chain's forward and its backward, a model's head and loss
     (``{"saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"}``: kept at its end, transient peaks of its
     forward and its backward), planned as a last block that always keeps its tape; ``static_bytes``
@@ -915,6 +916,8 @@ def profile_calls(
         prof.fwd_nostore_tmp_bytes.append(c.nostore_ftmp)
         prof.bwd_tmp_bytes.append(btmp)
         prof.output_kept.append(kept)
+    if not timed:
+        prof.time_unit = float("nan")  # counted work only: no seconds to predict (repeats=0)
     if timed:
         prof.seconds = seconds
         prof.measured_step_time = sum(f[0] + b[0] for f, b in zip(seconds["fwd_time"], seconds["bwd_time"]))

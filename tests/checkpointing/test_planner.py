@@ -431,6 +431,7 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
     here = _C.plan_simulate(prof.to_chain(), modes, plan.regions)["peak_bytes"] + plan.static_bytes
     assert here > plan.predicted_peak_bytes
     assert f"on the CPU it peaks at about {format_bytes(here)}" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the caller's line, not llmmem's
     assert plan.predicted_peak_bytes <= plan.budget_bytes == least
     assert plan.host_bandwidth == llmmem.checkpointing.plan.DEFAULT_HOST_BANDWIDTH and not plan.host_bandwidth_measured
     assert plan.predicted_host_bytes == sum(prof.input_bytes[s] for s, _ in plan.offloaded)
@@ -471,7 +472,7 @@ def test_offload_plan_fits_below_the_every_layer_minimum(gpt_profile, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
-@pytest.mark.filterwarnings("ignore:plan_checkpoints. offload=True on the CPU")
+@pytest.mark.filterwarnings("ignore:llmmem. offload=True on the CPU")
 def test_offload_arguments_and_bandwidth(gpt_profile):
     _, _, _, prof = gpt_profile
     for kwargs, match in (
@@ -527,7 +528,7 @@ def test_checkpoint_sequential_auto_segments():
         llmmem.checkpoint_sequential(seq, "auto", x)
 
 
-@pytest.mark.filterwarnings("ignore:plan_checkpoints. offload=True on the CPU")
+@pytest.mark.filterwarnings("ignore:llmmem. offload=True on the CPU")
 def test_checkpoint_sequential_auto_budgets_and_offload():
     """segments='auto' takes every budget form, states the least budget when it cannot fit, and runs
     offload=True plans (same gradients, bitwise on the CPU). Here nested regions already reach the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -285,14 +286,21 @@ def test_overhead_is_predicted_as_a_fraction_of_the_whole_step():
     assert "ms step: blocks" in plan.describe() and "from its work" in plan.describe()
     plan.remove()
     untimed = llmmem.auto_checkpoint(model, budget=0.3, sample=(idx, idx), repeats=0)
-    assert untimed.predicted_step_time == 0 and untimed.predicted_overhead != untimed.predicted_overhead  # NaN
-    assert "ms step" not in untimed.describe()
+    assert untimed.predicted_step_time == 0 and math.isnan(untimed.predicted_overhead)
+    # counted work only: no figure passes for seconds
+    assert math.isnan(untimed.profile.time_unit) and math.isnan(untimed.predicted_overhead_time)
+    assert math.isnan(untimed.predicted_time) and untimed.predicted_overhead_work > 0
+    text = untimed.describe()
+    assert "ms" not in text and "Gwork" in text and "work units" in text and "not timed (repeats=0)" in text
     untimed.remove()
+    with pytest.raises(ValueError, match="offload=True needs timed blocks"):
+        llmmem.plan_checkpoints(None, budget=0.3, profile=untimed.profile, offload=True)
 
 
-def test_overhead_is_the_plans_extra_work_at_the_timed_forward_rate():
-    """The plan's extra work (counted, the same every run) priced at the blocks' store-all forward
-    seconds per work unit: each mode's own timing, which swings between runs, does not move it."""
+def test_overhead_prices_regions_by_work_and_modes_by_their_timing():
+    """A checkpointed region's recompute is its counted work at the blocks' store-all forward
+    seconds per work unit (the same every run): the block's own checkpointed timing, which swings
+    between runs, does not move it. A mode's extra cost keeps its timed ratio to store-all."""
     import copy
 
     from llmmem._native import native
@@ -303,20 +311,32 @@ def test_overhead_is_the_plans_extra_work_at_the_timed_forward_rate():
     plan = llmmem.auto_checkpoint(model, budget=0.3, sample=(idx, idx), repeats=2)
     plan.remove()
     p = plan.profile
+    assert plan.regions
     modes = [p.modes.index(m) for m in plan.modes] + [0]  # the head keeps its tape
-    work = native.plan_simulate(p.to_chain(), modes, [tuple(r) for r in plan.regions])
-    assert work["overhead_time"] > 0
+    chain = p.to_chain(seconds=True)
+    chain["fwd_nostore_time"] = [w * p.time_unit for w in p.fwd_nostore_time] + [0.0]
+    expected = native.plan_simulate(chain, modes, [tuple(r) for r in plan.regions])["overhead_time"]
     assert p.time_unit == pytest.approx(sum(f[0] for f in p.seconds["fwd_time"]) / sum(f[0] for f in p.fwd_time))
-    assert plan.predicted_overhead_time == pytest.approx(work["overhead_time"] * p.time_unit)
+    assert plan.predicted_overhead_time == pytest.approx(expected) and expected > 0
     assert plan.predicted_time == pytest.approx(p.measured_step_time + plan.predicted_overhead_time)
-    # the other modes timed three times slower: the same plan, the same prediction
-    slow = copy.deepcopy(p)
-    for key in ("fwd_time", "bwd_time"):
-        slow.seconds[key] = [[row[0]] + [3 * t for t in row[1:]] for row in slow.seconds[key]]
-    slow.seconds["fwd_nostore_time"] = [3 * t for t in slow.seconds["fwd_nostore_time"]]
-    again = llmmem.plan_checkpoints(None, budget=plan.budget_bytes, profile=slow)
-    assert (again.modes, again.regions) == (plan.modes, plan.regions)
-    assert again.predicted_overhead_time == pytest.approx(plan.predicted_overhead_time)
+
+    def replanned(budget, scale_key):
+        first = llmmem.plan_checkpoints(None, budget=budget, profile=p)
+        other = copy.deepcopy(p)
+        if scale_key == "fwd_nostore_time":
+            other.seconds[scale_key] = [3 * t for t in other.seconds[scale_key]]
+        else:  # every mode but store-all three times slower
+            other.seconds[scale_key] = [[row[0]] + [3 * t for t in row[1:]] for row in other.seconds[scale_key]]
+        again = llmmem.plan_checkpoints(None, budget=budget, profile=other)
+        assert (again.modes, again.regions) == (first.modes, first.regions)  # chosen on work
+        return first, again.predicted_overhead_time
+
+    first, slower = replanned(plan.budget_bytes, "fwd_nostore_time")
+    assert slower == pytest.approx(first.predicted_overhead_time)
+    # at 50% this model has recompute-cheap blocks outside any region: their timing counts
+    first, slower = replanned(0.5, "fwd_time")
+    assert any(m != "store-all" and first.depth(i) == 0 for i, m in enumerate(first.modes))
+    assert slower > 1.5 * first.predicted_overhead_time
 
 
 def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
