@@ -20,7 +20,6 @@ process's CPU time is recorded too (less sensitive to other load on a shared mac
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 
@@ -132,35 +131,25 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
     """
     if steps < 3:
         raise ValueError(f"steps must be at least 3 (warm-up, timed, measured), got {steps}")
-    # The collector off while training, as timeit has it: a collection costs tens of milliseconds
-    # with torch loaded and would land in one strategy's step at random (and flatten its timeline).
-    # In this one frame: the reference must have no other holder when it is dropped.
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
-        measured = None
-        for i in range(steps):
-            x, y = batches()
-            if i == steps - 1:
-                reference = None  # its memory is freed before the measured step
-                measured = measured_step(trainer, x, y, device, timeline=True)
-                loss = measured.pop("loss")
-            else:
-                loss, w, c = _timed(lambda: trainer.step(x, y), device)
+    losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
+    measured = None
+    for i in range(steps):
+        x, y = batches()
+        if i == steps - 1:
+            reference = None  # its memory is freed before the measured step
+            measured = measured_step(trainer, x, y, device, timeline=True)
+            loss = measured.pop("loss")
+        else:
+            loss, w, c = _timed(lambda: trainer.step(x, y), device)
+            if reference is not None:
+                _, rw, rc = _timed(lambda: reference.step(x, y), device)
+            if i >= 1:
+                wall.append(w)
+                cpu.append(c)
                 if reference is not None:
-                    _, rw, rc = _timed(lambda: reference.step(x, y), device)
-                if i >= 1:
-                    wall.append(w)
-                    cpu.append(c)
-                    if reference is not None:
-                        ref_wall.append(rw)
-                        ref_cpu.append(rc)
-            losses.append(reduce_loss(loss) if reduce_loss is not None else loss)
-    finally:
-        if collecting:
-            gc.enable()
+                    ref_wall.append(rw)
+                    ref_cpu.append(rc)
+        losses.append(reduce_loss(loss) if reduce_loss is not None else loss)
     out = {
         "losses": losses,
         "final_loss": losses[-1],
