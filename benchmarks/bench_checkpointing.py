@@ -22,8 +22,9 @@ modelled, not measured; on CUDA the bandwidth is measured and the step time incl
 Part 2, planner solve time for L = 32, 96, 256 blocks at 500 and 2000 slots (heterogeneous random
 chains and identical blocks; heterogeneous L = 256 runs at 500 slots only, and not with --quick).
 
-Part 3 (--hf llama,gpt2): llmmem.auto_checkpoint(model, budget, sample=batch) on Hugging Face Llama
-and GPT-2 built from small configs (random weights, dropout on), sdpa and eager attention, budgets
+Part 3 (--hf llama,gpt2; also qwen2, mistral, phi, with dropout off): llmmem.auto_checkpoint(model,
+budget, sample=batch) on Hugging Face Llama and GPT-2 built from small configs (random weights,
+dropout on), sdpa and eager attention, budgets
 50% and 25%: predicted and measured peak and held bytes (ActivationMeter: exact tensor bytes of the
 step beyond parameters and their gradients; on CUDA also the allocator's peak), predicted recompute
 overhead against the measured one (median over rounds of the planned model's step over an identical
@@ -31,6 +32,7 @@ unplanned copy's in the same round, garbage collector off), and the planning tim
 
 python benchmarks/run.py --only checkpoint [--quick] [--device cuda]
 python benchmarks/bench_checkpointing.py --hf llama,gpt2 --skip-chain --skip-solver [--device cuda]
+python benchmarks/bench_checkpointing.py --hf qwen2,mistral,phi --batch 2 --skip-chain --skip-solver
 python benchmarks/bench_checkpointing.py --device cuda --preset 1b --skip-solver   (the large-GPU check)
 On CUDA the "alloc MiB" column is torch.cuda.max_memory_allocated during the step beyond the
 parameters and their gradients, to compare with the plan's predicted peak.
@@ -458,7 +460,29 @@ def _hf_model(kind: str, attn: str, args):
             use_cache=False,
         )
         return transformers.GPT2LMHeadModel(cfg).train()
-    raise ValueError(f"--hf: unknown model {kind!r} (llama, gpt2)")
+    if kind in ("qwen2", "mistral", "phi"):
+        # a new user's trial: dropout off, sliding window (Mistral) shorter than the sequence
+        common = dict(
+            vocab_size=args.hf_vocab,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers or 8,
+            num_attention_heads=4,
+            max_position_embeddings=args.seq,
+            attention_dropout=0.0,
+            attn_implementation=attn,
+            use_cache=False,
+        )
+        if kind == "qwen2":
+            cfg = transformers.Qwen2Config(intermediate_size=(8 * args.hidden) // 3, num_key_value_heads=2, **common)
+            return transformers.Qwen2ForCausalLM(cfg).train()
+        if kind == "mistral":
+            cfg = transformers.MistralConfig(
+                intermediate_size=(8 * args.hidden) // 3, num_key_value_heads=2, sliding_window=args.seq // 2, **common
+            )
+            return transformers.MistralForCausalLM(cfg).train()
+        cfg = transformers.PhiConfig(intermediate_size=4 * args.hidden, resid_pdrop=0.0, embd_pdrop=0.0, **common)
+        return transformers.PhiForCausalLM(cfg).train()
+    raise ValueError(f"--hf: unknown model {kind!r} (llama, gpt2, qwen2, mistral, phi)")
 
 
 def _hf_step(model, batch, seed=3):
