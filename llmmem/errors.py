@@ -9,6 +9,9 @@ would catch: ``InvalidArgumentError`` and ``InfeasibleError`` are ``ValueError``
 
 from __future__ import annotations
 
+import os
+import sys
+
 from llmmem._native import available, native
 
 __all__ = [
@@ -21,6 +24,7 @@ __all__ = [
     "InfeasibleError",
     "StateError",
     "InternalError",
+    "user_stacklevel",
 ]
 
 if available():
@@ -61,3 +65,17 @@ else:
 
     class InternalError(LlmmemError):
         """A broken invariant inside llmmem; please report it."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that points at the
+    first frame outside llmmem and torch: the user's line, or the library (a model's own loop) that
+    called a module llmmem wraps, whichever public entry point led there."""
+    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    torch = sys.modules.get("torch")  # only when loaded: importing llmmem never imports torch
+    if torch is not None and getattr(torch, "__file__", None):
+        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
+        frame, level = frame.f_back, level + 1
+    return level

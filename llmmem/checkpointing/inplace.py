@@ -43,6 +43,7 @@ from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
 from llmmem.checkpointing.profile import find_hidden, hidden_of, run_call, without_cache
 from llmmem.checkpointing.replay import RngState, accelerator_type, autocast_state
+from llmmem.errors import user_stacklevel
 
 __all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "restore_flags"]
 
@@ -354,7 +355,7 @@ class ChainRunner:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=4)
+            warnings.warn(message, stacklevel=user_stacklevel())
 
     def _hidden(self, j: int, args: tuple, kwargs: dict):
         where = self.hidden[j]

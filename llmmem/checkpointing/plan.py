@@ -31,9 +31,7 @@ every-layer checkpointing minimum. The model is in csrc/include/llmmem/checkpoin
 from __future__ import annotations
 
 import math
-import os
 import re
-import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -41,7 +39,7 @@ import torch
 
 from llmmem._native import native
 from llmmem.checkpointing.profile import ChainProfile, median_time, profile_blocks
-from llmmem.errors import InfeasibleError
+from llmmem.errors import InfeasibleError, user_stacklevel
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -302,16 +300,6 @@ def _price_regions_by_work(chain: dict, profile: ChainProfile) -> None:
             chain["bwd_time"][i][-1] = store_bwd + (profile.bwd_time[i][-1] - profile.bwd_time[i][0]) * unit
 
 
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning issued by this module's caller point at the first
-    frame outside llmmem (the user's line, whichever public entry point was called)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(2), 2  # the caller of the function that warns
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def plan_checkpoints(
     blocks,
     sample_input=None,
@@ -417,7 +405,7 @@ def plan_checkpoints(
             f"{len(offloaded)} region input(s) on the host frees nothing here. The plan's predicted peak, "
             f"{format_bytes(max(result['peak_bytes'] + static, outside))}, is what a CUDA device would hold; "
             f"on the CPU it peaks at about {format_bytes(max(here, outside))}",
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
     # Chosen on work, so the same plan every run (without offload, whose price also depends on the
     # timed rate); predicted in seconds. A region's recompute is priced as its counted work at the

@@ -479,3 +479,16 @@ def test_hand_made_profiles_send_one_forward_transient():
     assert llmmem.plan_checkpoints(None, budget=10**6, profile=prof).min_budget_bytes == least
     prof.fwd_nostore_tmp_bytes = [600] * L  # a region's forward now needs more than any tape's
     assert llmmem.plan_checkpoints(None, budget=10**6, profile=prof).min_budget_bytes > least
+
+
+def test_planner_warnings_point_at_the_model_code_not_at_llmmem():
+    """The use_cache warning of a planned block is reported at the model's own loop (line 56 of this
+    file calls the layer), not inside llmmem or torch's module call."""
+    model, idx = _kw_model()
+    plan = llmmem.auto_checkpoint(model, budget=1.0, sample=lambda: model(idx).backward())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(idx).backward()
+    plan.remove()
+    cache = [w for w in caught if "caching is incompatible" in str(w.message)]
+    assert cache and all(w.filename == __file__ for w in cache)
