@@ -1,13 +1,13 @@
 """What a recompute costs inside a model, against the planner's prediction (the measurement behind
 pricing a plan's extra work at the blocks' forward rate; see benchmarks/README.md).
 
-A Hugging Face Llama or GPT-2 from a small config (random weights) runs unplanned, with every layer
+A Hugging Face Llama, GPT-2 or Qwen2 from a small config (random weights) runs unplanned, with every layer
 checkpointed (llmmem.checkpoint) and with llmmem.auto_checkpoint at 50%, in shuffled rounds with the
 garbage collector off. Hooks time each layer's forward and its backward window (from the gradient
 of its output to that of its input): the every-layer backward window less the unplanned one is what
 one recompute costs there, to set beside the layer's forward.
 
-    python benchmarks/recompute_in_context.py [llama|gpt2] [sdpa|eager] [--rounds 25]
+    python benchmarks/recompute_in_context.py [llama|gpt2|qwen2] [sdpa|eager] [--rounds 25] [--batch 4]
 """
 
 from __future__ import annotations
@@ -45,6 +45,20 @@ def build(kind: str, attn: str, hidden=128, layers=8, seq=128, vocab=1024):
         )
         model = transformers.LlamaForCausalLM(cfg).train()
         return model, lambda m: m.model.layers
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=8 * hidden // 3,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=seq,
+            attention_dropout=0.0,
+            attn_implementation=attn,
+            use_cache=False,
+        )
+        return transformers.Qwen2ForCausalLM(cfg).train(), lambda m: m.model.layers
     cfg = transformers.GPT2Config(
         vocab_size=vocab,
         n_embd=hidden,
@@ -104,15 +118,16 @@ def work_overhead(plan) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", nargs="?", default="llama", choices=("llama", "gpt2"))
+    ap.add_argument("kind", nargs="?", default="llama", choices=("llama", "gpt2", "qwen2"))
     ap.add_argument("attn", nargs="?", default="sdpa", choices=("sdpa", "eager"))
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*caching is incompatible.*")
     model, layers_of = build(args.kind, args.attn)
     L = len(layers_of(model))
-    ids = torch.randint(0, 1024, (4, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1024, (args.batch, 128), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     none, every = copy.deepcopy(model), copy.deepcopy(model)
     plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch)
@@ -143,7 +158,10 @@ def main(argv=None) -> int:
     ms = lambda v: 1e3 * statistics.median(v)  # noqa: E731
     p = plan.profile
     s = p.seconds
-    print(f"{args.kind} {args.attn}, {L} layers, 1 torch thread, medians of {args.rounds} shuffled rounds (ms)")
+    print(
+        f"{args.kind} {args.attn}, {L} layers, batch {args.batch}, 1 torch thread, medians of {args.rounds} "
+        "shuffled rounds (ms)"
+    )
     print(
         f"  a layer timed alone (the profile): forward {1e3 * s['fwd_time'][0][0]:.2f}, backward "
         f"{1e3 * s['bwd_time'][0][0]:.2f}, checkpointed forward {1e3 * s['fwd_nostore_time'][0]:.2f}"
