@@ -87,9 +87,10 @@ class CheckpointPlan:
     and the peaks outside the chain (``outside_peak_bytes``). ``predicted_held_bytes`` is what is
     held when the backward starts. Times are seconds; ``predicted_work`` is what the plan was chosen
     on (the profile's time units: counted work for :func:`profile_blocks`).
-    ``predicted_overhead_time`` is the plan's extra work (recompute, transfer stalls) at the blocks'
-    timed forward seconds per work unit (``profile.time_unit``), and ``predicted_time`` the chain's
-    timed store-all steps plus it.
+    ``predicted_overhead_time`` is what the plan adds to a step (recompute, transfer stalls): a
+    region's recompute as its counted work at the blocks' timed forward seconds per work unit
+    (``profile.time_unit``), a mode's own extra cost as timed; ``predicted_time`` is the chain's
+    timed store-all steps plus it. All NaN for a profile counted but not timed (``repeats=0``).
     """
 
     modes: list
@@ -399,7 +400,7 @@ def plan_checkpoints(
     if offloaded and torch.device(profile.device).type == "cpu":
         # the planner's offload model describes a device with its own memory; on the CPU the copy
         # lands in the same memory, so say what this plan really peaks at here
-        here = native.plan_simulate(profile.to_chain(), result["modes"], regions)["peak_bytes"] + static
+        here = native.plan_simulate(chain, result["modes"], regions)["peak_bytes"] + static  # nothing flagged
         warnings.warn(
             f"llmmem: offload=True on the CPU: host memory is the device's, so keeping "
             f"{len(offloaded)} region input(s) on the host frees nothing here. The plan's predicted peak, "
@@ -419,10 +420,10 @@ def plan_checkpoints(
     if profile.seconds:
         timed_chain = profile.to_chain(host_bandwidth if offload else 0.0, seconds=True)
         _price_regions_by_work(timed_chain, profile)
-        timed = native.plan_simulate(
+        in_seconds = native.plan_simulate(
             timed_chain, result["modes"], [r + ((1,) if r in offloaded else ()) for r in regions]
         )
-        overhead, transfer = timed["overhead_time"], timed["transfer_time"]
+        overhead, transfer = in_seconds["overhead_time"], in_seconds["transfer_time"]
     else:
         overhead = result["overhead_time"] * unit
     if profile.measured_step_time > 0:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from dataclasses import dataclass, field
 
 MLP_KINDS = ("gelu", "swiglu")
@@ -398,8 +399,10 @@ def hf_class_supports_sdpa(config) -> bool | None:
 def hf_default_attention(config) -> str:
     """The attention implementation Hugging Face gives ``config``'s model when the config names
     none: ``"sdpa"`` where the model class supports it, else ``"eager"``. Asks the installed
-    transformers (:func:`hf_class_supports_sdpa`); without it, a table of model types."""
-    supports = hf_class_supports_sdpa(config)
+    transformers (:func:`hf_class_supports_sdpa`) when it is already loaded (a config object from
+    it); else a table of model types, which spares a ``config.json`` read from the CLI the seconds of
+    importing transformers and torch."""
+    supports = hf_class_supports_sdpa(config) if sys.modules.get("transformers") is not None else None
     if supports is None:
         supports = str(getattr(config, "model_type", "") or "") not in _HF_TYPES_WITHOUT_SDPA
     return "sdpa" if supports else "eager"
