@@ -566,7 +566,13 @@ def bench_hf(args, device) -> list:
             ref = copy.deepcopy(model)
             ref_peak, _, ref_alloc = _hf_memory(ref, _hf_step(ref, batch), device)
             for budget in (0.5, 0.25):
-                plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch, repeats=args.hf_repeats)
+                try:
+                    plan = llmmem.auto_checkpoint(model, budget=budget, sample=batch, repeats=args.hf_repeats)
+                except llmmem.InfeasibleError as exc:
+                    print(
+                        f"  {kind} {attn} {100 * budget:.0f}%: no plan fits (least {exc.min_budget_bytes / MiB:.3f} MiB)"
+                    )
+                    continue
                 peak, held, alloc = _hf_memory(model, _hf_step(model, batch), device)
                 for m in (model, ref):
                     for p in m.parameters():

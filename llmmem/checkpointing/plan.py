@@ -87,10 +87,12 @@ class CheckpointPlan:
     and the peaks outside the chain (``outside_peak_bytes``). ``predicted_held_bytes`` is what is
     held when the backward starts. Times are seconds; ``predicted_work`` is what the plan was chosen
     on (the profile's time units: counted work for :func:`profile_blocks`).
-    ``predicted_overhead_time`` is what the plan adds to a step (recompute, transfer stalls): a
-    region's recompute as its counted work at the blocks' timed forward seconds per work unit
-    (``profile.time_unit``), a mode's own extra cost as timed; ``predicted_time`` is the chain's
-    timed store-all steps plus it. All NaN for a profile counted but not timed (``repeats=0``).
+    ``predicted_overhead_time`` is what the plan adds to a step (recompute, transfer stalls): the
+    work a region or the recompute-cheap mode adds, counted, at the blocks' timed forward seconds
+    per work unit (``profile.time_unit``), plus their Python timed apart on the CPU (a checkpoint's
+    bookkeeping, recompute-cheap's hooks); the selective mode's extra cost as timed;
+    ``predicted_time`` is the chain's timed store-all steps plus it. All NaN for a profile counted
+    but not timed (``repeats=0``).
     """
 
     modes: list
@@ -288,17 +290,33 @@ def measure_host_bandwidth(device="cpu", nbytes: int = 64 << 20, repeats: int = 
     return min(rates), True
 
 
-def _price_regions_by_work(chain: dict, profile: ChainProfile) -> None:
-    """In a chain of timed seconds, the costs of checkpointed regions (the no-store forward and its
-    recompute; the one-block checkpoint column of a chain that is not chainable) become their
-    counted work at ``profile.time_unit`` seconds per unit."""
-    unit = profile.time_unit
-    for i in range(profile.n_blocks):
-        chain["fwd_nostore_time"][i] = profile.fwd_nostore_time[i] * unit
+def _price_by_work(chain: dict, profile: ChainProfile) -> None:
+    """In a chain of timed seconds, what checkpointing and the recompute-cheap mode add to a block's
+    store-all seconds becomes the work they add at ``profile.time_unit`` seconds per unit, plus their
+    Python: a checkpoint's bookkeeping timed on a null block (:mod:`llmmem.checkpointing.bookkeeping`),
+    the recompute-cheap hooks' seconds less those of the operators they run (timed with the block).
+    Without those timings (an accelerator) the recompute-cheap mode keeps its own timed cost. In a region the planner charges a block's no-store forward on
+    top of what a tape costs (its recompute keeps a tape): the checkpoint's bookkeeping goes there,
+    or half on the forward and half on the backward of the one-block checkpoint column of a chain
+    that is not chainable."""
+    unit, sec = profile.time_unit, profile.seconds
+    books = sec.get("bookkeeping") or [{}] * profile.n_blocks
+    cheap = [k for k, m in enumerate(profile.modes) if m == "recompute-cheap"]
+    for i, book in enumerate(books):
+        region = book.get("checkpoint", 0.0)
+        chain["fwd_nostore_time"][i] = profile.fwd_nostore_time[i] * unit + region
+        if "recompute-cheap" in book:
+            pack, unpack, operators = book["recompute-cheap"]
+            python = (pack, max(0.0, unpack - operators))
+            for k in cheap:
+                for part, key in enumerate(("fwd_time", "bwd_time")):
+                    work = getattr(profile, key)[i]
+                    chain[key][i][k] = sec[key][i][0] + max(0.0, work[k] - work[0]) * unit + python[part]
         if not profile.chainable:  # the last column: the block checkpointed alone
-            store_bwd = profile.seconds["bwd_time"][i][0]
-            chain["fwd_time"][i][-1] = profile.fwd_time[i][-1] * unit
-            chain["bwd_time"][i][-1] = store_bwd + (profile.bwd_time[i][-1] - profile.bwd_time[i][0]) * unit
+            chain["fwd_time"][i][-1] = profile.fwd_time[i][-1] * unit + 0.5 * region
+            chain["bwd_time"][i][-1] = (
+                sec["bwd_time"][i][0] + (profile.bwd_time[i][-1] - profile.bwd_time[i][0]) * unit + 0.5 * region
+            )
 
 
 def plan_checkpoints(
@@ -409,17 +427,16 @@ def plan_checkpoints(
             stacklevel=user_stacklevel(),
         )
     # Chosen on work, so the same plan every run (without offload, whose price also depends on the
-    # timed rate); predicted in seconds. A region's recompute is priced as its counted work at the
-    # blocks' store-all forward seconds per work unit (time_unit): a block checkpointed and timed
-    # alone cost 3-24% more than its forward from run to run, while inside a model a recompute costs
-    # what the forward does there. A mode's own extra cost (selective, recompute-cheap: many small
-    # operators and Python hooks, which the work model underprices several times) keeps its timed
-    # ratio to store-all (benchmarks/README.md). Untimed (repeats=0): no seconds at all.
+    # timed rate); predicted in seconds (_price_by_work). Timed alone, a block's checkpointed form
+    # cost 3-24% more than its forward from run to run, its recompute-cheap form 2-6x what that mode
+    # adds inside the model; the work they add at the store-all rate plus their Python timed apart
+    # comes closer (benchmarks/README.md).
+    # Untimed (repeats=0): no seconds at all.
     unit = profile.time_unit
     transfer = result["transfer_time"] * unit
     if profile.seconds:
         timed_chain = profile.to_chain(host_bandwidth if offload else 0.0, seconds=True)
-        _price_regions_by_work(timed_chain, profile)
+        _price_by_work(timed_chain, profile)
         in_seconds = native.plan_simulate(
             timed_chain, result["modes"], [r + ((1,) if r in offloaded else ()) for r in regions]
         )

@@ -7,7 +7,9 @@ statistics too, whichever is larger), and its cost in work units (:class:`WorkCo
 matrix products plus a fixed price per byte moved and per operator). The planner compares plans in
 work units, which are counted, not timed, so the same model and budget give the same plan on every
 run; one measured factor, the blocks' store-all forward seconds per work unit (``time_unit``, from
-the median of timed repeats), turns a plan's extra work into seconds for the predictions.
+the median of timed repeats), turns a plan's extra work into seconds for the predictions. On the CPU
+the Python a mode adds beyond its work is timed apart: a checkpoint's bookkeeping on a null block
+(:mod:`llmmem.checkpointing.bookkeeping`), the recompute-cheap hooks while the block is timed.
 
 Modes of a block: ``"store-all"`` (autograd keeps its tape), ``"selective"`` (keeps matmul and
 attention outputs, recomputes the rest: :mod:`llmmem.checkpointing.selective`), ``"recompute-cheap"``
@@ -38,6 +40,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from llmmem.checkpointing import remat, selective
+from llmmem.checkpointing.bookkeeping import checkpoint_bookkeeping_seconds
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key
@@ -96,6 +99,7 @@ class measure_saved_bytes:
     def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
         self.excluded = {_storage_key(t) for t in exclude}
         self.storages: dict = {}
+        self.packed = 0  # tensors saved, each time (the region bookkeeping is paid per saved tensor)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _record(self, t: torch.Tensor) -> None:
@@ -106,6 +110,7 @@ class measure_saved_bytes:
             self.storages[key] = t.untyped_storage().nbytes()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.packed += 1
         self._record(t)
         # Detached (same storage and version counter): a saved output returned as itself holds its
         # own grad_fn, a cycle through C++ that leaks when the forward is measured without a backward.
@@ -527,7 +532,9 @@ class ChainProfile:
     hidden: list = field(default_factory=list)  # [L] where each block's chain input is in its call
     chainable: bool = True
     # the time fields measured in seconds ({"fwd_time", "bwd_time", "fwd_nostore_time"}), for the
-    # predictions of a plan chosen on work (None: not timed)
+    # predictions of a plan chosen on work (None: not timed), and "bookkeeping": per block, the
+    # seconds of Python a mode adds beyond its work ({"checkpoint": s, "recompute-cheap": (pack,
+    # unpack, operators inside the unpacks)}; {} off the CPU)
     seconds: dict | None = None
 
     def to_chain(self, host_bandwidth: float = 0.0, seconds: bool = False) -> dict:
@@ -635,6 +642,9 @@ class _BlockCosts:
     btmp: list  # [K]
     kept_out: list  # [K] bytes of the output kept by the tape
     input_only_btmp: int
+    # seconds a mode adds beyond its work: {"checkpoint": s, "recompute-cheap": (pack, unpack, operators
+    # inside the unpacks)}; {}: not timed, or not on the CPU
+    bookkeeping: dict
 
 
 def _planner_costs(fwd: dict, bwd: dict, modes) -> dict:
@@ -690,6 +700,7 @@ def _memory_and_work(run, block, call: BlockCall, mode: str, device: torch.devic
         "btmp": max(0, bwd_peak - bwd_start - grad_in),
         "fwd": forward_work,
         "bwd": backward_work,
+        "packed": saved.packed,
     }
 
 
@@ -722,7 +733,9 @@ def _allocator_transients(run, block, call: BlockCall, mode: str, device: torch.
 
 
 def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, device: torch.device) -> dict:
-    """Seconds of a step of the block in each mode (and "nostore"): ``{mode: (forward, backward)}``.
+    """Seconds of a step of the block in each mode (and "nostore"): ``{mode: (forward, backward)}``,
+    and ``"hooks"``: the recompute-cheap mode's (pack, unpack, rebuilding operators) seconds
+    (:func:`remat.hook_clock`).
     Round-robin over the modes; each mode's time is the store-all time (median) times the median of
     its ratio to store-all within a round: a shared machine's load drifts between rounds and slows a
     whole round alike, so ratios taken within a round are steady where times taken apart are not."""
@@ -730,14 +743,16 @@ def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
     args, kwargs = call.with_hidden(x)
 
     def step(mode):
-        _sync(device)
-        t0 = time.perf_counter()
-        y = _grad_tensor(run_call(run, args, kwargs, mode, block))
-        _sync(device)
-        t1 = time.perf_counter()
-        torch.autograd.backward(y, torch.ones_like(y))
-        _sync(device)
-        return t1 - t0, time.perf_counter() - t1
+        with remat.hook_clock() if mode == "recompute-cheap" else contextlib.nullcontext((0.0, 0.0, 0.0)) as hooks:
+            _sync(device)
+            t0 = time.perf_counter()
+            y = _grad_tensor(run_call(run, args, kwargs, mode, block))
+            _sync(device)
+            t1 = time.perf_counter()
+            torch.autograd.backward(y, torch.ones_like(y))
+            _sync(device)
+            t2 = time.perf_counter()
+        return t1 - t0, t2 - t1, tuple(hooks)
 
     store, timed = modes[0], (*modes, "nostore")
     rounds: list = []
@@ -755,6 +770,8 @@ def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
             ratio = statistics.median(s[m][part] / s[store][part] if s[store][part] > 0 else 1.0 for s in rounds)
             times.append(base * ratio)
         out[m] = tuple(times)
+    if "recompute-cheap" in modes:
+        out["hooks"] = tuple(statistics.median(s["recompute-cheap"][2][part] for s in rounds) for part in (0, 1, 2))
     return out
 
 
@@ -768,10 +785,16 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
     work = _planner_costs(
         {m: c["fwd"] for m, c in per_mode.items()}, {m: c["bwd"] for m, c in per_mode.items()}, modes
     )
-    seconds = None
+    seconds, bookkeeping = None, {}
     if repeats > 0:
         timed = _timed_steps(run, block, call, modes, repeats, warmup, device)
+        hooks = timed.pop("hooks", None)
         seconds = _planner_costs({m: t[0] for m, t in timed.items()}, {m: t[1] for m, t in timed.items()}, modes)
+        if device.type == "cpu":
+            # host-side Python: on an accelerator it overlaps the device's work
+            bookkeeping["checkpoint"] = checkpoint_bookkeeping_seconds(call, per_mode[modes[0]]["packed"])
+            if hooks is not None:
+                bookkeeping["recompute-cheap"] = hooks
     return _BlockCosts(
         work=work,
         seconds=seconds,
@@ -785,6 +808,7 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         btmp=[max(per_mode[m]["btmp"], per_mode[modes[0]]["btmp"]) for m in modes],
         kept_out=[per_mode[m]["kept_out"] for m in modes],
         input_only_btmp=per_mode["nostore"]["btmp"],
+        bookkeeping=bookkeeping,
     )
 
 
@@ -884,7 +908,7 @@ def profile_calls(
         hidden=[c.hidden for c in calls],
     )
     timed = all(c.seconds is not None for c in costs)
-    seconds = {"fwd_time": [], "bwd_time": [], "fwd_nostore_time": []}
+    seconds = {"fwd_time": [], "bwd_time": [], "fwd_nostore_time": [], "bookkeeping": [c.bookkeeping for c in costs]}
     for i, c in enumerate(costs):
         saved, btmp = list(c.saved), list(c.btmp)
         kept = [int(o > 0) for o in c.kept_out]

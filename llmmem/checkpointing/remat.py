@@ -32,6 +32,7 @@ it at the top level only.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.observers import notify_kept
 
-__all__ = ["recompute_cheap", "REBUILDABLE"]
+__all__ = ["recompute_cheap", "REBUILDABLE", "hook_clock"]
 
 # Autograd node -> how to run its forward again from its operands. Only elementwise operators, and
 # only nodes that keep their inputs (or whose inputs can be had otherwise, see _operand).
@@ -95,6 +96,16 @@ class _Memo:
 
     def __init__(self) -> None:
         self.results: dict = {}  # id(node) -> (node, weak reference to the rebuilt output)
+        self.clock: list | None = None  # hook_clock's, when timed
+
+    def run(self, op, *args) -> torch.Tensor:
+        if self.clock is None:
+            return op(*args)
+        t0 = time.perf_counter()
+        try:
+            return op(*args)
+        finally:
+            self.clock[2] += time.perf_counter() - t0
 
     def output(self, node) -> torch.Tensor:
         hit = self.results.get(id(node))
@@ -104,7 +115,7 @@ class _Memo:
                 return done
         name = _name(node)
         ops = [self.operand(node, i) for i in range(len(_OPERAND_FIELDS[name]))]
-        out = REBUILDABLE[name](node, ops)
+        out = self.run(REBUILDABLE[name], node, ops)
         key = id(node)
         # The entry (which holds the node) goes when the rebuilt output does: a node held here for
         # longer closes a cycle through C++ (node -> next node -> saved handle -> memo -> node)
@@ -149,7 +160,10 @@ class _Handle:
 
     def rebuild(self) -> torch.Tensor:
         try:
-            base = self.memo.output(self.node) if self.eps is None else _layer_norm(self.node, self.eps)
+            if self.eps is None:
+                base = self.memo.output(self.node)
+            else:
+                base = self.memo.run(_layer_norm, self.node, self.eps)
         except RuntimeError as exc:
             raise CheckpointError(
                 f"llmmem recompute-cheap: cannot rebuild the output of {_name(self.node)} for backward ({exc}). Its "
@@ -258,11 +272,51 @@ def recompute_cheap(module=None):
     return _context(_Hooks(module))
 
 
+# [pack seconds, unpack seconds, seconds of the rebuilding operators inside the unpacks] of the
+# contexts entered inside hook_clock()
+_clock: list | None = None
+
+
+@contextlib.contextmanager
+def hook_clock():
+    """Inside: the seconds spent in the pack and in the unpack hooks of every ``recompute_cheap``
+    context entered inside, and in the operators that rebuild tensors within those unpacks,
+    accumulate in the yielded ``[pack, unpack, operators]`` (also when the backward runs after the
+    context's exit). The planner prices the mode's Python by the hooks' time less the operators',
+    and the operators by their counted work (:mod:`llmmem.checkpointing.plan`)."""
+    global _clock
+    outer, _clock = _clock, [0.0, 0.0, 0.0]
+    try:
+        yield _clock
+    finally:
+        _clock = outer
+
+
+def _timed(hook, clock: list, part: int):
+    depth = [0]  # an unpack may need another (a rebuilt operand): count the outermost only
+
+    def timed(x):
+        depth[0] += 1
+        t0 = time.perf_counter()
+        try:
+            return hook(x)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:
+                clock[part] += time.perf_counter() - t0
+
+    return timed
+
+
 @contextlib.contextmanager
 def _context(hooks: _Hooks):
+    pack, unpack = hooks.pack, hooks.unpack
+    if _clock is not None:
+        pack, unpack = _timed(pack, _clock, 0), _timed(unpack, _clock, 1)
+        hooks.memo.clock = _clock
     handles = [m.register_forward_hook(hooks.record_layer_norm) for m in hooks.layer_norms]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
     finally:
         for h in handles:

@@ -297,10 +297,12 @@ def test_overhead_is_predicted_as_a_fraction_of_the_whole_step():
         llmmem.plan_checkpoints(None, budget=0.3, profile=untimed.profile, offload=True)
 
 
-def test_overhead_prices_regions_by_work_and_modes_by_their_timing():
-    """A checkpointed region's recompute is its counted work at the blocks' store-all forward
-    seconds per work unit (the same every run): the block's own checkpointed timing, which swings
-    between runs, does not move it. A mode's extra cost keeps its timed ratio to store-all."""
+def test_overhead_prices_work_and_python_bookkeeping():
+    """What checkpointing and recompute-cheap add is their counted work at the blocks' store-all
+    forward seconds per work unit, plus their Python timed apart (a checkpoint's on a null block,
+    recompute-cheap's hooks less the operators they run): the blocks' own timings in those modes,
+    which swing between runs, do not move it. Without those timings (an accelerator's profile) a
+    mode keeps its timed cost."""
     import copy
 
     from llmmem._native import native
@@ -312,31 +314,64 @@ def test_overhead_prices_regions_by_work_and_modes_by_their_timing():
     plan.remove()
     p = plan.profile
     assert plan.regions
-    modes = [p.modes.index(m) for m in plan.modes] + [0]  # the head keeps its tape
+    books = p.seconds["bookkeeping"]
+    assert len(books) == p.n_blocks
+    for book in books:
+        assert book["checkpoint"] > 0
+        pack, unpack, operators = book["recompute-cheap"]
+        assert pack > 0 and unpack > 0 and operators > 0  # the GPT block rebuilds its GELU output
+
+    # by hand: regions at work + the null block's bookkeeping, recompute-cheap at store-all's
+    # seconds + its extra work + its hooks' Python
     chain = p.to_chain(seconds=True)
-    chain["fwd_nostore_time"] = [w * p.time_unit for w in p.fwd_nostore_time] + [0.0]
+    unit, k = p.time_unit, p.modes.index("recompute-cheap")
+    for i, book in enumerate(books):
+        chain["fwd_nostore_time"][i] = p.fwd_nostore_time[i] * unit + book["checkpoint"]
+        pack, unpack, operators = book["recompute-cheap"]
+        extra = [max(0.0, getattr(p, key)[i][k] - getattr(p, key)[i][0]) * unit for key in ("fwd_time", "bwd_time")]
+        chain["fwd_time"][i][k] = p.seconds["fwd_time"][i][0] + extra[0] + pack
+        chain["bwd_time"][i][k] = p.seconds["bwd_time"][i][0] + extra[1] + max(0.0, unpack - operators)
+    modes = [p.modes.index(m) for m in plan.modes] + [0]  # the head keeps its tape
     expected = native.plan_simulate(chain, modes, [tuple(r) for r in plan.regions])["overhead_time"]
-    assert p.time_unit == pytest.approx(sum(f[0] for f in p.seconds["fwd_time"]) / sum(f[0] for f in p.fwd_time))
     assert plan.predicted_overhead_time == pytest.approx(expected) and expected > 0
     assert plan.predicted_time == pytest.approx(p.measured_step_time + plan.predicted_overhead_time)
 
-    def replanned(budget, scale_key):
+    def replanned(budget, change):
         first = llmmem.plan_checkpoints(None, budget=budget, profile=p)
         other = copy.deepcopy(p)
-        if scale_key == "fwd_nostore_time":
-            other.seconds[scale_key] = [3 * t for t in other.seconds[scale_key]]
-        else:  # every mode but store-all three times slower
-            other.seconds[scale_key] = [[row[0]] + [3 * t for t in row[1:]] for row in other.seconds[scale_key]]
+        change(other)
         again = llmmem.plan_checkpoints(None, budget=budget, profile=other)
         assert (again.modes, again.regions) == (first.modes, first.regions)  # chosen on work
-        return first, again.predicted_overhead_time
+        return first.predicted_overhead_time, again.predicted_overhead_time
 
-    first, slower = replanned(plan.budget_bytes, "fwd_nostore_time")
-    assert slower == pytest.approx(first.predicted_overhead_time)
-    # at 50% this model has recompute-cheap blocks outside any region: their timing counts
-    first, slower = replanned(0.5, "fwd_time")
-    assert any(m != "store-all" and first.depth(i) == 0 for i, m in enumerate(first.modes))
-    assert slower > 1.5 * first.predicted_overhead_time
+    def slower_modes(q):  # every mode but store-all, and the checkpointed forward, three times slower
+        q.seconds["fwd_nostore_time"] = [3 * t for t in q.seconds["fwd_nostore_time"]]
+        for key in ("fwd_time", "bwd_time"):
+            q.seconds[key] = [[row[0]] + [3 * t for t in row[1:]] for row in q.seconds[key]]
+
+    # at 50% this model has recompute-cheap blocks outside any region
+    first = llmmem.plan_checkpoints(None, budget=0.5, profile=p)
+    assert any(m == "recompute-cheap" and first.depth(i) == 0 for i, m in enumerate(first.modes))
+    for budget in (plan.budget_bytes, 0.5):
+        before, after = replanned(budget, slower_modes)
+        assert after == pytest.approx(before)
+
+    def dearer_bookkeeping(q):
+        q.seconds["bookkeeping"] = [
+            {"checkpoint": b["checkpoint"] + 1e-3, "recompute-cheap": b["recompute-cheap"]} for b in books
+        ]
+
+    before, after = replanned(plan.budget_bytes, dearer_bookkeeping)
+    # each block of a region pays it at least once (a nested one more often)
+    inside = {i for s, e in plan.regions for i in range(s, e)}
+    assert after >= before + 1e-3 * len(inside) * (1 - 1e-9)
+
+    def untimed_python(q):  # an accelerator's profile: no Python timed apart
+        q.seconds["bookkeeping"] = [{} for _ in books]
+        slower_modes(q)
+
+    before, after = replanned(0.5, untimed_python)
+    assert after > 1.5 * before
 
 
 def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):

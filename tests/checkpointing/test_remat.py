@@ -284,3 +284,26 @@ def test_operand_changed_under_no_grad_before_the_multiply_is_not_rebuilt_from_i
     got = _step(_cheap_fn(f, None), mod, x)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
+
+
+def test_hook_clock_times_hooks_and_rebuilds_without_changing_gradients():
+    """remat.hook_clock: the pack and unpack hooks' seconds and, within the unpacks, the rebuilding
+    operators' (the planner prices the mode's Python as the difference); gradients stay bitwise."""
+    from llmmem.checkpointing import remat
+
+    torch.manual_seed(0)
+    block = gpt_block(dropout=0.1)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    ref = _step(_cheap(block), block, x)
+    with remat.hook_clock() as clock:
+        got = _step(_cheap(block), block, x)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        with remat.hook_clock() as inner:  # the innermost clock takes what runs inside it
+            _step(_cheap(block), block, x)
+    pack, unpack, operators = clock
+    assert pack > 0 and unpack > 0 and operators > 0
+    assert operators <= unpack  # the rebuilds run inside the unpacks
+    assert inner[0] > 0 and inner[2] > 0
+    after = list(clock)
+    _step(_cheap(block), block, x)  # outside any clock: nothing is timed
+    assert list(clock) == after and remat._clock is None
