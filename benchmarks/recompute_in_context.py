@@ -2,17 +2,22 @@
 pricing a plan's extra work at the blocks' forward rate; see benchmarks/README.md).
 
 A Hugging Face Llama, GPT-2 or Qwen2 from a small config (random weights) runs unplanned, with every layer
-checkpointed (llmmem.checkpoint) and with llmmem.auto_checkpoint at 50%, in shuffled rounds with the
-garbage collector off. Hooks time each layer's forward and its backward window (from the gradient
-of its output to that of its input): the every-layer backward window less the unplanned one is what
-one recompute costs there, to set beside the layer's forward.
+checkpointed (llmmem.checkpoint), with every layer in the recompute-cheap mode, and with
+llmmem.auto_checkpoint at 50%, in shuffled rounds with the garbage collector off. Hooks time each
+layer's forward and its backward window (from the gradient of its output to that of its input): the
+every-layer backward window less the unplanned one is what one recompute costs there, to set beside
+the layer's forward and the checkpoint bookkeeping the planner timed on a null block. The
+recompute-cheap model's step less the unplanned one, per layer, is what that mode adds there, beside
+its hooks' seconds in the same steps and the mode's cost timed alone (the profile).
 
     python benchmarks/recompute_in_context.py [llama|gpt2|qwen2] [sdpa|eager] [--rounds 25] [--batch 4]
+        [--hidden 128] [--seq 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import random
@@ -24,6 +29,7 @@ import torch
 
 import llmmem
 from llmmem._native import native
+from llmmem.checkpointing import remat
 
 
 def build(kind: str, attn: str, hidden=128, layers=8, seq=128, vocab=1024):
@@ -71,10 +77,13 @@ def build(kind: str, attn: str, hidden=128, layers=8, seq=128, vocab=1024):
     return transformers.GPT2LMHeadModel(cfg).train(), lambda m: m.transformer.h
 
 
-def step_of(model, batch):
+def step_of(model, batch, clock=None):
     def step():
         torch.manual_seed(3)
-        model(**batch).loss.backward()
+        with remat.hook_clock() if clock is not None else contextlib.nullcontext() as hooks:
+            model(**batch).loss.backward()
+        if clock is not None:
+            clock.append(hooks[0] + hooks[1])
         for p in model.parameters():
             p.grad = None
 
@@ -122,21 +131,32 @@ def main(argv=None) -> int:
     ap.add_argument("attn", nargs="?", default="sdpa", choices=("sdpa", "eager"))
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=128)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*caching is incompatible.*")
-    model, layers_of = build(args.kind, args.attn)
+    model, layers_of = build(args.kind, args.attn, hidden=args.hidden, seq=args.seq)
     L = len(layers_of(model))
-    ids = torch.randint(0, 1024, (args.batch, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    none, every = copy.deepcopy(model), copy.deepcopy(model)
+    none, every, cheap = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
     plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch)
     for layer in layers_of(every):
         forward = layer.forward
         layer.forward = lambda *a, _f=forward, **k: llmmem.checkpoint(_f, *a, use_reentrant=False, **k)
-    models = {"none": none, "every": every, "plan": model}
+    for layer in layers_of(cheap):
+        forward = layer.forward
+
+        def in_cheap_mode(*a, _f=forward, _layer=layer, **k):
+            with remat.recompute_cheap(_layer):
+                return _f(*a, **k)
+
+        layer.forward = in_cheap_mode
+    models = {"none": none, "every": every, "cheap": cheap, "plan": model}
     recs = {k: instrument(layers_of(m)) for k, m in models.items()}
-    steps = {k: step_of(m, batch) for k, m in models.items()}
+    hook_seconds: list = []
+    steps = {k: step_of(m, batch, hook_seconds if k == "cheap" else None) for k, m in models.items()}
     for s in steps.values():
         s()
     total = {k: [] for k in steps}
@@ -172,7 +192,15 @@ def main(argv=None) -> int:
         )
     print(
         f"  one recompute inside the model (every-layer window less the unplanned one): "
-        f"{ms(window['every']) - ms(window['none']):.2f}, the layer's forward there {ms(fwd['none']):.2f}"
+        f"{ms(window['every']) - ms(window['none']):.2f}, the layer's forward there {ms(fwd['none']):.2f}, "
+        f"checkpointed forward less it {ms(fwd['every']) - ms(fwd['none']):.2f}; the planner's null-block "
+        f"bookkeeping {1e3 * s['bookkeeping'][0].get('checkpoint', 0.0):.2f}"
+    )
+    k = p.modes.index("recompute-cheap")
+    alone = sum(s[key][0][k] - s[key][0][0] for key in ("fwd_time", "bwd_time"))
+    print(
+        f"  recompute-cheap, per layer: adds {(ms(total['cheap']) - ms(total['none'])) / L:.2f} inside the model, "
+        f"its hooks {ms(hook_seconds) / L:.2f} there; timed alone (the profile) it adds {1e3 * alone:.2f}"
     )
     measured = statistics.median(a / b for a, b in zip(total["plan"], total["none"])) - 1
     print(
