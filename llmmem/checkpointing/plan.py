@@ -295,10 +295,11 @@ def _price_by_work(chain: dict, profile: ChainProfile) -> None:
     store-all seconds becomes the work they add at ``profile.time_unit`` seconds per unit, plus their
     Python: a checkpoint's bookkeeping timed on a null block (:mod:`llmmem.checkpointing.bookkeeping`),
     the recompute-cheap hooks' seconds less those of the operators they run (timed with the block).
-    Without those timings (an accelerator) the recompute-cheap mode keeps its own timed cost. In a region the planner charges a block's no-store forward on
-    top of what a tape costs (its recompute keeps a tape): the checkpoint's bookkeeping goes there,
-    or half on the forward and half on the backward of the one-block checkpoint column of a chain
-    that is not chainable."""
+    Without those timings (an accelerator) the recompute-cheap mode keeps its own timed cost.
+
+    In a region the planner charges a block's no-store forward on top of what a tape costs (its
+    recompute keeps a tape): the checkpoint's bookkeeping goes there, or half on the forward and
+    half on the backward of the one-block checkpoint column of a chain that is not chainable."""
     unit, sec = profile.time_unit, profile.seconds
     books = sec.get("bookkeeping") or [{}] * profile.n_blocks
     cheap = [k for k, m in enumerate(profile.modes) if m == "recompute-cheap"]
