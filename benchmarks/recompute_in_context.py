@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     steps = {k: step_of(m, batch, hook_seconds if k == "cheap" else None) for k, m in models.items()}
     for s in steps.values():
         s()
+    hook_seconds.clear()  # the warm-up step's
     total = {k: [] for k in steps}
     fwd = {k: [] for k in steps}
     window = {k: [] for k in steps}
@@ -198,9 +199,14 @@ def main(argv=None) -> int:
     )
     k = p.modes.index("recompute-cheap")
     alone = sum(s[key][0][k] - s[key][0][0] for key in ("fwd_time", "bwd_time"))
+    pack, unpack, operators = s["bookkeeping"][0].get("recompute-cheap", (0.0, 0.0, 0.0))
+    work = sum(max(0.0, getattr(p, key)[0][k] - getattr(p, key)[0][0]) for key in ("fwd_time", "bwd_time"))
+    priced = work * p.time_unit + pack + max(0.0, unpack - operators)
     print(
         f"  recompute-cheap, per layer: adds {(ms(total['cheap']) - ms(total['none'])) / L:.2f} inside the model, "
-        f"its hooks {ms(hook_seconds) / L:.2f} there; timed alone (the profile) it adds {1e3 * alone:.2f}"
+        f"its hooks (rebuilds included) {ms(hook_seconds) / L:.2f} there; the planner prices it at {1e3 * priced:.2f} "
+        f"(extra work {1e3 * work * p.time_unit:.2f} + hooks' Python {1e3 * (pack + max(0.0, unpack - operators)):.2f}); "
+        f"timed alone it adds {1e3 * alone:.2f}"
     )
     measured = statistics.median(a / b for a, b in zip(total["plan"], total["none"])) - 1
     print(

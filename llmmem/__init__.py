@@ -39,6 +39,8 @@ _LAZY = {
     "profile_blocks": "llmmem.checkpointing",
     "plan_checkpoints": "llmmem.checkpointing",
     "auto_checkpoint": "llmmem.checkpointing",
+    "AutoCheckpointPlan": "llmmem.checkpointing",
+    "CheckpointPlan": "llmmem.checkpointing",
     "selective_context_fn": "llmmem.checkpointing",
     "recompute_cheap": "llmmem.checkpointing",
     # mixed precision

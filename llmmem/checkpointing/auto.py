@@ -211,6 +211,16 @@ class AutoCheckpointPlan:
         )
 
 
+def _as_ours(exc: Exception) -> Exception:
+    """``exc`` from plan_checkpoints, saying auto_checkpoint (the function the user called)."""
+    text = str(exc)
+    if not text.startswith("plan_checkpoints:"):
+        return exc
+    ours = type(exc)("auto_checkpoint:" + text[len("plan_checkpoints:") :])
+    ours.__dict__.update(exc.__dict__)  # InfeasibleError's min_budget_bytes
+    return ours
+
+
 def auto_checkpoint(
     model,
     sample_input=None,
@@ -326,9 +336,12 @@ def auto_checkpoint(
     try:
         if profile is None:
             profile = profile_model(model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0)
-        plan = plan_checkpoints(
-            None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
-        )
+        try:
+            plan = plan_checkpoints(
+                None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
+            )
+        except (ValueError, TypeError) as exc:
+            raise _as_ours(exc) from None
         runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags)
         runner.install()
     except BaseException:

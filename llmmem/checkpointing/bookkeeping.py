@@ -45,8 +45,8 @@ def checkpoint_bookkeeping_seconds(call, saved: int, rounds: int = BOOKKEEPING_R
     """Seconds that checkpointing a block called as ``call`` (a ``BlockCall``) and saving ``saved``
     tensors adds to a step beyond the recompute of its operators: the median over ``rounds`` rounds
     of the null block's checkpointed step less its plain step and its plain forward. Past
-    :data:`MAX_NULL_SAVES` saved tensors, the cost is drawn as a line through the null block with none
-    and with that many (each saved tensor costs the same).
+    :data:`MAX_NULL_SAVES` saved tensors, the cost is drawn as a line through the null block with one
+    and with that many (each saved tensor costs the same), never falling.
 
     CPU only: on an accelerator this host-side work overlaps the device's and is not measured (0.0).
     """
@@ -56,8 +56,10 @@ def checkpoint_bookkeeping_seconds(call, saved: int, rounds: int = BOOKKEEPING_R
     saved = max(0, int(saved))
     if saved <= MAX_NULL_SAVES:
         return _null_extra(call, saved, rounds)
-    fixed = _null_extra(call, 0, rounds)
-    return fixed + (_null_extra(call, MAX_NULL_SAVES, rounds) - fixed) * saved / MAX_NULL_SAVES
+    # through one saved tensor, not none: a null block saving nothing recomputes nothing
+    one = _null_extra(call, 1, rounds)
+    slope = max(0.0, _null_extra(call, MAX_NULL_SAVES, rounds) - one) / (MAX_NULL_SAVES - 1)
+    return one + slope * (saved - 1)
 
 
 def _null_extra(call, saved: int, rounds: int) -> float:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmmem._native import native
-from llmmem.checkpointing.profile import ChainProfile, median_time, profile_blocks
+from llmmem.checkpointing.profile import INPUT_ONLY, ChainProfile, median_time, profile_blocks
 from llmmem.errors import InfeasibleError, user_stacklevel
 from llmmem.units import format_bytes, parse_bytes
 
@@ -148,7 +148,7 @@ class CheckpointPlan:
             return self.modes[i]
         host = ", input on host" if any(s <= i < e for s, e in self.offloaded) else ""
         if len(inner) == 1 and inner[0] == (i, i + 1):
-            return "store-input-only" + host
+            return "recomputed alone" + host
         s, e = min(inner, key=lambda r: r[1] - r[0])
         return f"recomputed in [{s},{e}) depth {len(inner)}{host}"
 
@@ -156,21 +156,32 @@ class CheckpointPlan:
         """A readable table of the plan and its predictions."""
         p = self.profile
         timed = math.isfinite(p.time_unit)
-        if p.seconds:
-            times, unit, label = p.seconds, 1e3, "ms"
+        if p.seconds:  # as the prediction prices them
+            times, unit, label = p.to_chain(seconds=True), 1e3, "ms"
+            _price_by_work(times, p)
         elif timed:
             times, unit, label = p.__dict__, 1e3 * p.time_unit, "ms"
         else:  # counted work only (repeats=0), in 1e9 units
             times, unit, label = p.__dict__, 1e-9, "Gwork"
         fwd, bwd = f"fwd {label}", f"bwd {label}"
-        rows = [f"{'block':>5}  {'plan':<32} {fwd:>9} {bwd:>9} {'input':>11} {'kept (store-all)':>17}"]
+        rows = [
+            f"{'block':>5}  {'plan':<32} {fwd:>9} {bwd:>9} {'input':>11} {'kept (plan)':>12} {'kept (store-all)':>17}"
+        ]
         for i in range(self.n_blocks):
             k = p.modes.index(self.modes[i])
+            kept = "recomputed" if self.depth(i) else format_bytes(p.saved_bytes[i][k])
             rows.append(
                 f"{i:>5}  {self.block_label(i):<32} {unit * times['fwd_time'][i][k]:>9.3f} "
-                f"{unit * times['bwd_time'][i][k]:>9.3f} {format_bytes(p.input_bytes[i]):>11} "
+                f"{unit * times['bwd_time'][i][k]:>9.3f} {format_bytes(p.input_bytes[i]):>11} {kept:>12} "
                 f"{format_bytes(p.saved_bytes[i][0]):>17}"
             )
+        recomputed = sum(1 for i in range(self.n_blocks) if self.depth(i))
+        summary = f"{recomputed} of {self.n_blocks} blocks recomputed in {len(self.regions)} region(s)"
+        for mode in p.modes[1:]:
+            n = sum(1 for i, m in enumerate(self.modes) if m == mode and not self.depth(i))
+            if n:
+                summary += f", {n} " + ("checkpointed alone" if mode == INPUT_ONLY else mode)
+        rows += ["", summary + "; the other blocks keep their tape"]
         base = self.predicted_time - self.predicted_overhead_time
         what = "recompute and transfers" if self.offloaded else "recompute"
         reference = "measured" if self.reference_measured else "predicted"
@@ -299,11 +310,14 @@ def _price_by_work(chain: dict, profile: ChainProfile) -> None:
 
     In a region the planner charges a block's no-store forward on top of what a tape costs (its
     recompute keeps a tape): the checkpoint's bookkeeping goes there, or half on the forward and
-    half on the backward of the one-block checkpoint column of a chain that is not chainable."""
+    half on the backward of the one-block checkpoint column of a chain that is not chainable. So it
+    is charged per block and per level of nesting: a nested region's per-tensor work runs once,
+    and a bare chain's region pays its fixed part once, not per block; both price a little high."""
     unit, sec = profile.time_unit, profile.seconds
-    books = sec.get("bookkeeping") or [{}] * profile.n_blocks
+    books = list(sec.get("bookkeeping") or [])
+    books += [{}] * (profile.n_blocks - len(books))  # a profile made by hand may have none
     cheap = [k for k, m in enumerate(profile.modes) if m == "recompute-cheap"]
-    for i, book in enumerate(books):
+    for i, book in enumerate(books[: profile.n_blocks]):
         region = book.get("checkpoint", 0.0)
         chain["fwd_nostore_time"][i] = profile.fwd_nostore_time[i] * unit + region
         if "recompute-cheap" in book:

@@ -792,7 +792,9 @@ def _profile_one(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
         seconds = _planner_costs({m: t[0] for m, t in timed.items()}, {m: t[1] for m, t in timed.items()}, modes)
         if device.type == "cpu":
             # host-side Python: on an accelerator it overlaps the device's work
-            bookkeeping["checkpoint"] = checkpoint_bookkeeping_seconds(call, per_mode[modes[0]]["packed"])
+            # rounds as the block's (a short null-block round each; at least 5 for a median)
+            rounds = max(5, 3 * repeats)
+            bookkeeping["checkpoint"] = checkpoint_bookkeeping_seconds(call, per_mode[modes[0]]["packed"], rounds)
             if hooks is not None:
                 bookkeeping["recompute-cheap"] = hooks
     return _BlockCosts(

@@ -32,6 +32,7 @@ it at the top level only.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import weakref
 
@@ -135,14 +136,18 @@ class _Memo:
         return node.next_functions[i][0]._saved_result  # a kept result (_operand_ok)
 
 
-def _layer_norm(node, eps: float) -> torch.Tensor:
+def _layer_norm_operands(node) -> tuple:
+    """What LayerNorm's node keeps, read before the rebuild is timed (a read may rebuild an operand)."""
+    return node._saved_input, node._saved_normalized_shape, node._saved_weight, node._saved_bias, node._saved_result2
+
+
+def _layer_norm(operands: tuple, eps: float) -> torch.Tensor:
     """LayerNorm's output again, from what its node keeps (eps is not among it: see _Hooks). The
     recomputed 1/std is checked against the saved one, so that an eps other than the forward's
     raises instead of giving wrong gradients."""
-    out, _, rstd = torch.native_layer_norm(
-        node._saved_input, node._saved_normalized_shape, node._saved_weight, node._saved_bias, eps
-    )
-    if not torch.equal(rstd, node._saved_result2):
+    x, shape, weight, bias, saved_rstd = operands
+    out, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+    if not torch.equal(rstd, saved_rstd):
         raise RuntimeError(f"its statistics differ from the forward's with eps = {eps}")
     return out
 
@@ -163,7 +168,7 @@ class _Handle:
             if self.eps is None:
                 base = self.memo.output(self.node)
             else:
-                base = self.memo.run(_layer_norm, self.node, self.eps)
+                base = self.memo.run(_layer_norm, _layer_norm_operands(self.node), self.eps)
         except RuntimeError as exc:
             raise CheckpointError(
                 f"llmmem recompute-cheap: cannot rebuild the output of {_name(self.node)} for backward ({exc}). Its "
@@ -273,23 +278,28 @@ def recompute_cheap(module=None):
 
 
 # [pack seconds, unpack seconds, seconds of the rebuilding operators inside the unpacks] of the
-# contexts entered inside hook_clock()
-_clock: list | None = None
+# contexts entered inside hook_clock() on this thread (another thread's contexts are not the block's)
+_clocks = threading.local()
+
+
+def _clock() -> list | None:
+    return getattr(_clocks, "clock", None)
 
 
 @contextlib.contextmanager
 def hook_clock():
     """Inside: the seconds spent in the pack and in the unpack hooks of every ``recompute_cheap``
-    context entered inside, and in the operators that rebuild tensors within those unpacks,
-    accumulate in the yielded ``[pack, unpack, operators]`` (also when the backward runs after the
-    context's exit). The planner prices the mode's Python by the hooks' time less the operators',
-    and the operators by their counted work (:mod:`llmmem.checkpointing.plan`)."""
-    global _clock
-    outer, _clock = _clock, [0.0, 0.0, 0.0]
+    context entered inside on this thread, and in the operators that rebuild tensors within those
+    unpacks (their operands fetched first), accumulate in the yielded ``[pack, unpack, operators]``
+    (also when the backward runs after the context's exit). The innermost clock takes what runs
+    inside it. The planner prices the mode's Python by the hooks' time less the operators', and the
+    operators by their counted work (:mod:`llmmem.checkpointing.plan`)."""
+    outer = _clock()
+    _clocks.clock = [0.0, 0.0, 0.0]
     try:
-        yield _clock
+        yield _clocks.clock
     finally:
-        _clock = outer
+        _clocks.clock = outer
 
 
 def _timed(hook, clock: list, part: int):
@@ -311,9 +321,10 @@ def _timed(hook, clock: list, part: int):
 @contextlib.contextmanager
 def _context(hooks: _Hooks):
     pack, unpack = hooks.pack, hooks.unpack
-    if _clock is not None:
-        pack, unpack = _timed(pack, _clock, 0), _timed(unpack, _clock, 1)
-        hooks.memo.clock = _clock
+    clock = _clock()
+    if clock is not None:
+        pack, unpack = _timed(pack, clock, 0), _timed(unpack, clock, 1)
+        hooks.memo.clock = clock
     handles = [m.register_forward_hook(hooks.record_layer_norm) for m in hooks.layer_norms]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

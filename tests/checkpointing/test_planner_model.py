@@ -102,9 +102,13 @@ def test_gpt_in_place_keeps_the_model_as_it_was():
     assert type(model.blocks[0]) is block_type and isinstance(model.blocks, nn.ModuleList)
     _check_plan(model, plan, step_of(model), ref_grads)
     text = plan.describe()
-    for needle in ("budget", "predicted peak", "held after forward", "recompute time", "blocks"):
+    for needle in ("budget", "predicted peak", "held after forward", "recompute time", "blocks", "kept (plan)"):
         assert needle in text
+    recomputed = sum(1 for i in range(len(model.blocks)) if plan.plan.depth(i))
+    assert f"{recomputed} of {len(model.blocks)} blocks recomputed in {len(plan.regions)} region(s)" in text
+    assert text.count("recomputed ") >= recomputed  # each such row says so, alone or in its region
     assert str(plan) == text and "AutoCheckpointPlan" in repr(plan)
+    assert llmmem.AutoCheckpointPlan is AutoCheckpointPlan and llmmem.CheckpointPlan is type(plan.plan)
     model.to(torch.float32)  # .to() keeps working (the plan holds no tensors)
     plan.remove()
     assert not plan.active and "removed" in repr(plan)
@@ -527,3 +531,37 @@ def test_planner_warnings_point_at_the_model_code_not_at_llmmem():
     plan.remove()
     cache = [w for w in caught if "caching is incompatible" in str(w.message)]
     assert cache and all(w.filename == __file__ for w in cache)
+
+
+def test_auto_checkpoint_errors_name_auto_checkpoint():
+    """The user called auto_checkpoint: its budget errors say so (they come from plan_checkpoints),
+    and an infeasible one still carries the least budget."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=3, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.0)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    with pytest.raises(llmmem.InfeasibleError, match=r"^auto_checkpoint: no plan fits") as info:
+        llmmem.auto_checkpoint(model, budget=0.01, sample=(idx, idx), repeats=0)
+    assert info.value.min_budget_bytes > 0
+    with pytest.raises(ValueError, match=r"^auto_checkpoint: budget"):
+        llmmem.auto_checkpoint(model, budget="lots", sample=(idx, idx), repeats=0)
+    assert all("_llmmem_chain" not in b.__dict__ for b in model.blocks)  # nothing left installed
+
+
+def test_a_short_bookkeeping_list_prices_the_other_blocks_without_it():
+    """A profile made by hand may time the Python of some blocks only: the others are priced by
+    work alone, not by their own timings in checkpointed form."""
+    import copy
+
+    from llmmem.checkpointing.plan import _price_by_work
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, heads=2, seq_len=32, vocab_size=64, dropout=0.0)).train()
+    idx = torch.randint(0, 64, (2, 32))
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=(idx, idx), repeats=1)
+    plan.remove()
+    p = copy.deepcopy(plan.profile)
+    p.seconds["bookkeeping"] = p.seconds["bookkeeping"][:1]
+    chain = p.to_chain(seconds=True)
+    _price_by_work(chain, p)
+    for i in range(1, p.n_blocks):
+        assert chain["fwd_nostore_time"][i] == pytest.approx(p.fwd_nostore_time[i] * p.time_unit)

@@ -259,9 +259,10 @@ def test_layer_norm_rebuild_with_another_eps_raises():
 
     x = torch.randn(4, 8, requires_grad=True)
     y = F.layer_norm(x, (8,), eps=1e-5)
-    assert torch.equal(remat._layer_norm(y.grad_fn, 1e-5), y.detach())
+    operands = remat._layer_norm_operands(y.grad_fn)
+    assert torch.equal(remat._layer_norm(operands, 1e-5), y.detach())
     with pytest.raises(RuntimeError, match="eps"):
-        remat._layer_norm(y.grad_fn, 1e-3)
+        remat._layer_norm(operands, 1e-3)
 
 
 def test_operand_changed_under_no_grad_before_the_multiply_is_not_rebuilt_from_its_maker():
@@ -298,12 +299,45 @@ def test_hook_clock_times_hooks_and_rebuilds_without_changing_gradients():
     with remat.hook_clock() as clock:
         got = _step(_cheap(block), block, x)
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        before = list(clock)
         with remat.hook_clock() as inner:  # the innermost clock takes what runs inside it
             _step(_cheap(block), block, x)
+        assert list(clock) == before
     pack, unpack, operators = clock
     assert pack > 0 and unpack > 0 and operators > 0
     assert operators <= unpack  # the rebuilds run inside the unpacks
     assert inner[0] > 0 and inner[2] > 0
     after = list(clock)
     _step(_cheap(block), block, x)  # outside any clock: nothing is timed
-    assert list(clock) == after and remat._clock is None
+    assert list(clock) == after and remat._clock() is None
+
+
+def test_hook_clock_counts_a_rebuilt_operand_of_a_rebuild_once():
+    """A LayerNorm of a product: rebuilding the LayerNorm's output first rebuilds its input (the
+    product, itself dropped). Its operands are fetched before the rebuild is timed, so the operators'
+    seconds stay inside the unpacks' (they were counted twice)."""
+    from llmmem.checkpointing import remat
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(512), nn.Linear(512, 8))
+    a = torch.randn(256, 512, requires_grad=True)
+    b = torch.randn(256, 512, requires_grad=True)
+    with remat.hook_clock() as clock:
+        with recompute_cheap(block):
+            y = block(a * b)
+        y.sum().backward()
+    assert 0 < clock[2] <= clock[1]
+
+
+def test_hook_clock_ignores_other_threads():
+    import threading
+
+    from llmmem.checkpointing import remat
+
+    block = gpt_block(dropout=0.0)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    with remat.hook_clock() as clock:
+        worker = threading.Thread(target=_step, args=(_cheap(block), block, x))
+        worker.start()
+        worker.join()
+    assert clock == [0.0, 0.0, 0.0]
