@@ -12,8 +12,9 @@ import torch.nn as nn
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpointing_flags_off, restore_flags
 from llmmem.checkpointing.offload import offload_without_prefetch
+from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
+from llmmem.checkpointing.profile import ChainProfile, as_block_list, is_step, profile_model, run_mode
 from llmmem.units import format_bytes
 
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
@@ -155,12 +156,21 @@ class AutoCheckpointPlan:
     the seconds profiling and solving took.
     """
 
-    def __init__(self, model: nn.Module, name: str, runner: ChainRunner, plan: CheckpointPlan, planning_time: float):
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str,
+        runner: ChainRunner,
+        plan: CheckpointPlan,
+        planning_time: float,
+        watch: OutputWatch | None = None,
+    ):
         self.model = model
         self.blocks_name = name
         self.runner = runner
         self.plan = plan
         self.planning_time = planning_time
+        self.watch = watch
 
     @property
     def active(self) -> bool:
@@ -171,13 +181,15 @@ class AutoCheckpointPlan:
         return self.plan.profile
 
     def __getattr__(self, name: str):
-        if name.startswith("_") or name in ("plan", "runner"):
+        if name.startswith("_") or name in ("plan", "runner", "watch"):
             raise AttributeError(name)
         return getattr(self.plan, name)
 
     def remove(self) -> None:
         """Undo: every block runs its own ``forward`` again (idempotent)."""
         self.runner.remove()
+        if self.watch is not None:
+            self.watch.remove()
 
     def __enter__(self):
         return self
@@ -332,6 +344,7 @@ def auto_checkpoint(
             f"auto_checkpoint: the profile is for {profile.n_blocks} blocks, {name!r} has {len(block_list)}"
         )
     start = time.perf_counter()
+    profiled_here = profile is None
     flags = checkpointing_flags_off(block_list)  # the plan takes over from Hugging Face's own checkpointing
     try:
         if profile is None:
@@ -347,4 +360,8 @@ def auto_checkpoint(
     except BaseException:
         restore_flags(block_list, flags)
         raise
-    return AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start)
+    watch = None
+    if profiled_here and not is_step(sample):
+        # profiled as model(**batch).loss.backward(): a loop keeping the output breaks the budget
+        watch = OutputWatch(model, block_list[-1], plan.predicted_peak_bytes, plan.budget_bytes)
+    return AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start, watch)

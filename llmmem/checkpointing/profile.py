@@ -47,6 +47,7 @@ from llmmem.diagnostics.live import LiveBytes, device_key
 
 __all__ = [
     "kept_state",
+    "is_step",
     "profile_blocks",
     "profile_calls",
     "measure_saved_bytes",
@@ -1050,13 +1051,18 @@ def loss_of(out) -> torch.Tensor:
     )
 
 
+def is_step(sample) -> bool:
+    """Is ``sample`` a callable running a training step (rather than a batch)?"""
+    return callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module))
+
+
 def sample_step(model, sample) -> Callable[[], None]:
     """One training step on ``sample``: a callable is the step itself; a tensor, a tuple/list or a
     mapping are the model's inputs (``model(x)``, ``model(*sample)``, ``model(**sample)``), and the
     step is that forward, :func:`loss_of` its output, and the backward. Such a step carries
     ``called_as`` (how the model is called, with the sample's types), which :func:`record_step`
     puts in the ``TypeError`` it raises when the model refuses the sample before any block ran."""
-    if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
+    if is_step(sample):
         return sample
     if isinstance(sample, torch.Tensor):
         call, how = (lambda: model(sample)), "model(sample)"

@@ -175,3 +175,45 @@ def test_grouped_query_attention_plans_and_trains():
     _step(model, batch)()
     assert same_grads(grads(model), grads(reference))
     plan.remove()
+
+
+def test_a_loop_keeping_the_output_is_told_what_it_costs():
+    """Planned on a batch (the output freed before the backward), then trained by a loop that keeps
+    the output (Hugging Face's Trainer does): one warning, at the user's line, with the bytes kept,
+    and the step's peak within the predicted peak plus those bytes. The loop the plan assumed, a
+    callable sample, and a removed plan say nothing."""
+    import re
+
+    batch = lm_batch()
+    model = tiny_llama("sdpa", seed=0)
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=0)
+
+    def keeping():
+        out = model(**batch)
+        out.loss.backward()  # out (the logits) alive through the backward
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step_memory(model, _step(model, batch))
+        assert not [w for w in seen if "still alive" in str(w.message)]
+        peak, _ = step_memory(model, keeping)
+        step_memory(model, keeping)
+    kept = [w for w in seen if "still alive during the backward" in str(w.message)]
+    assert len(kept) == 1 and kept[0].filename == __file__  # once, at the loop's line
+    logits = batch["input_ids"].numel() * model.config.vocab_size * 4
+    size = re.search(r"output \(([\d.]+ \w+) in", str(kept[0].message)).group(1)
+    assert llmmem.parse_bytes(size.replace(" ", "")) == logits
+    assert plan.predicted_peak_bytes < peak <= plan.predicted_peak_bytes + logits
+    plan.remove()
+
+    callable_plan = llmmem.auto_checkpoint(model, budget=0.5, sample=keeping, repeats=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        peak, _ = step_memory(model, keeping)
+    assert not [w for w in seen if "still alive" in str(w.message)]
+    assert peak <= callable_plan.budget_bytes
+    callable_plan.remove()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step_memory(model, keeping)
+    assert not [w for w in seen if "still alive" in str(w.message)]
