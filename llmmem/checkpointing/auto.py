@@ -4,6 +4,7 @@ or, for a bare chain, as a module that runs the chain itself (:class:`AutoCheckp
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -14,7 +15,7 @@ from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpoint
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, is_step, profile_model, run_mode
+from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
 from llmmem.units import format_bytes
 
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
@@ -223,14 +224,19 @@ class AutoCheckpointPlan:
         )
 
 
-def _as_ours(exc: Exception) -> Exception:
-    """``exc`` from plan_checkpoints, saying auto_checkpoint (the function the user called)."""
-    text = str(exc)
-    if not text.startswith("plan_checkpoints:"):
-        return exc
-    ours = type(exc)("auto_checkpoint:" + text[len("plan_checkpoints:") :])
-    ours.__dict__.update(exc.__dict__)  # InfeasibleError's min_budget_bytes
-    return ours
+@contextlib.contextmanager
+def _errors_say_auto_checkpoint():
+    """Errors of plan_checkpoints inside say auto_checkpoint (the function the user called), with
+    their type, attributes (InfeasibleError's min_budget_bytes) and traceback."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        text = str(exc)
+        if not text.startswith("plan_checkpoints:"):
+            raise
+        ours = type(exc)("auto_checkpoint:" + text[len("plan_checkpoints:") :])
+        ours.__dict__.update(exc.__dict__)
+        raise ours.with_traceback(exc.__traceback__) from None
 
 
 def auto_checkpoint(
@@ -303,15 +309,16 @@ def auto_checkpoint(
     )
     if chain_form:
         block_list = as_block_list(model, "auto_checkpoint")
-        plan = plan_checkpoints(
-            block_list,
-            sample_input,
-            budget,
-            slots=slots,
-            profile=profile,
-            offload=offload,
-            host_bandwidth=host_bandwidth,
-        )
+        with _errors_say_auto_checkpoint():
+            plan = plan_checkpoints(
+                block_list,
+                sample_input,
+                budget,
+                slots=slots,
+                profile=profile,
+                offload=offload,
+                host_bandwidth=host_bandwidth,
+            )
         return AutoCheckpointed(block_list, plan, **options)
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -344,24 +351,21 @@ def auto_checkpoint(
             f"auto_checkpoint: the profile is for {profile.n_blocks} blocks, {name!r} has {len(block_list)}"
         )
     start = time.perf_counter()
-    profiled_here = profile is None
     flags = checkpointing_flags_off(block_list)  # the plan takes over from Hugging Face's own checkpointing
     try:
         if profile is None:
             profile = profile_model(model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0)
-        try:
+        with _errors_say_auto_checkpoint():
             plan = plan_checkpoints(
                 None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
             )
-        except (ValueError, TypeError) as exc:
-            raise _as_ours(exc) from None
         runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags)
         runner.install()
     except BaseException:
         restore_flags(block_list, flags)
         raise
     watch = None
-    if profiled_here and not is_step(sample):
+    if profile.step_frees_output:
         # profiled as model(**batch).loss.backward(): a loop keeping the output breaks the budget
         watch = OutputWatch(model, block_list[-1], plan.predicted_peak_bytes, plan.budget_bytes)
     return AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start, watch)

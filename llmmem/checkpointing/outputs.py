@@ -2,11 +2,13 @@
 
 A plan profiled on a batch (``auto_checkpoint(model, sample=batch)``) runs the step as
 ``model(**batch).loss.backward()``: the output (the logits, mostly) is gone before the backward.
-A loop written ``out = model(**batch); out.loss.backward()`` (Hugging Face's ``Trainer`` does so)
-holds it through the backward, above the budget the plan was made for. This watches the model's
-output by weak references and, when the gradient reaches the end of the chain (the head and loss
-are differentiated by then, so autograd holds none of it any more), warns once if some of it is
-still alive, with its size and the two ways out.
+A loop written ``out = model(**batch); out.loss.backward()`` (keeping ``out`` to log the logits,
+say) holds it through the backward, above the budget the plan was made for. This watches, by weak
+references, the output tensors made after the chain's last block (the head's: hidden states of
+earlier blocks or attention probabilities returned with the output are held by autograd anyway,
+and the plan counts them). When the gradient reaches the end of the chain (the head and loss are
+differentiated by then, so autograd holds none of those any more), it warns once if some are still
+alive, with their size and the two ways out.
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
-from llmmem.errors import user_stacklevel
+from llmmem.errors import user_frame
 from llmmem.units import format_bytes
 
 __all__ = ["OutputWatch"]
+
+
+def _order(t: torch.Tensor) -> int:
+    """Where ``t`` was made in the forward (autograd's sequence number of its node); -1 if no node."""
+    node = t.grad_fn
+    return node._sequence_nr() if node is not None else -1
 
 
 class OutputWatch:
@@ -30,11 +38,13 @@ class OutputWatch:
 
     def __init__(self, model: torch.nn.Module, last_block: torch.nn.Module, predicted_peak: int, budget: int) -> None:
         self.predicted_peak, self.budget = predicted_peak, budget
-        self.outputs: list = []  # weak references to the last forward's output tensors
+        self.outputs: list = []  # weak references to the last forward's head outputs
+        self.where = None  # (file, line) of the user's call of the model
+        self.chain_end = -1  # sequence number of the last block's output node in this forward
         self.warned = False
         self._handles = [
-            model.register_forward_hook(self._on_model_output),
             last_block.register_forward_hook(self._on_chain_output),
+            model.register_forward_hook(self._on_model_output),
         ]
 
     def remove(self) -> None:
@@ -42,13 +52,6 @@ class OutputWatch:
             h.remove()
         self._handles = []
         self.outputs = []
-
-    def _on_model_output(self, module, args, out) -> None:
-        if self.warned or not torch.is_grad_enabled():
-            return
-        # the loss (a scalar) is what the backward starts from: the rest is what a loop may keep
-        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() > 1]
-        self.outputs = [weakref.ref(t) for t in tensors]
 
     def _on_chain_output(self, module, args, out) -> None:
         if self.warned or not torch.is_grad_enabled():
@@ -59,22 +62,42 @@ class OutputWatch:
             else next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         )
         if h is not None and h.requires_grad:
+            self.chain_end = _order(h)
             h.register_hook(self._on_chain_backward)
+
+    def _on_model_output(self, module, args, out) -> None:
+        if self.warned or not torch.is_grad_enabled():
+            return
+        # made after the chain's end: the head's (the loss, a scalar, is what the backward starts from)
+        tensors = [
+            t
+            for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.numel() > 1 and _order(t) > self.chain_end
+        ]
+        self.outputs = [weakref.ref(t) for t in tensors]
+        # the line that holds the output: the backward may run on a thread with no user frame
+        frame = user_frame()
+        self.where = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else None
 
     def _on_chain_backward(self, grad):
         alive = [t for t in (r() for r in self.outputs) if t is not None]
+        self.outputs = []
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
         held = sum(storages.values())
-        if held and not self.warned:
-            self.warned = True
-            warnings.warn(
-                f"llmmem.auto_checkpoint: the model's output ({format_bytes(held)} in {len(alive)} tensor(s), e.g. "
-                f"the logits) is still alive during the backward, but the plan was profiled on a batch, whose "
-                f"step frees it before the backward: this step can peak up to {format_bytes(held)} above the "
-                f"predicted {format_bytes(self.predicted_peak)} (budget {format_bytes(self.budget)}). Free it "
-                f"before the backward (loss = model(**batch).loss; loss.backward()), or plan with sample= a "
-                f"callable that runs your training step",
-                stacklevel=user_stacklevel(),
-            )
-        self.outputs = []
+        if not held or self.warned:
+            return grad
+        self.warned = True
+        largest = max(alive, key=lambda t: t.untyped_storage().nbytes())
+        message = (
+            f"llmmem.auto_checkpoint: {format_bytes(held)} of the model's output ({len(alive)} tensor(s), the "
+            f"largest of shape {tuple(largest.shape)}) is still alive during the backward, but the plan was "
+            f"profiled on a batch, whose step frees the output before the backward: this step can peak up to "
+            f"{format_bytes(held)} above the predicted {format_bytes(self.predicted_peak)} (budget "
+            f"{format_bytes(self.budget)}). Keep only the loss through the backward, or plan with sample= a "
+            f"callable that runs your training step"
+        )
+        if self.where is not None:
+            warnings.warn_explicit(message, UserWarning, *self.where)
+        else:
+            warnings.warn(message, UserWarning, stacklevel=2)
         return grad

@@ -142,10 +142,14 @@ class CheckpointPlan:
         """How many regions contain block ``i``."""
         return sum(1 for s, e in self.regions if s <= i < e)
 
+    def recomputed(self, i: int) -> bool:
+        """Is block ``i``'s forward run again in the backward (in a region, or checkpointed alone)?"""
+        return self.depth(i) > 0 or self.modes[i] == INPUT_ONLY
+
     def block_label(self, i: int) -> str:
         inner = [(s, e) for s, e in self.regions if s <= i < e]
         if not inner:
-            return self.modes[i]
+            return "recomputed alone" if self.modes[i] == INPUT_ONLY else self.modes[i]
         host = ", input on host" if any(s <= i < e for s, e in self.offloaded) else ""
         if len(inner) == 1 and inner[0] == (i, i + 1):
             return "recomputed alone" + host
@@ -169,19 +173,25 @@ class CheckpointPlan:
         ]
         for i in range(self.n_blocks):
             k = p.modes.index(self.modes[i])
-            kept = "recomputed" if self.depth(i) else format_bytes(p.saved_bytes[i][k])
+            kept = "recomputed" if self.recomputed(i) else format_bytes(p.saved_bytes[i][k])
             rows.append(
                 f"{i:>5}  {self.block_label(i):<32} {unit * times['fwd_time'][i][k]:>9.3f} "
                 f"{unit * times['bwd_time'][i][k]:>9.3f} {format_bytes(p.input_bytes[i]):>11} {kept:>12} "
                 f"{format_bytes(p.saved_bytes[i][0]):>17}"
             )
-        recomputed = sum(1 for i in range(self.n_blocks) if self.depth(i))
-        summary = f"{recomputed} of {self.n_blocks} blocks recomputed in {len(self.regions)} region(s)"
+        recomputed = sum(1 for i in range(self.n_blocks) if self.recomputed(i))
+        alone = self.modes.count(INPUT_ONLY)
+        summary = f"{recomputed} of {self.n_blocks} blocks recomputed"
+        summary += f" ({alone} alone)" if alone else f" in {len(self.regions)} region(s)"
+        others = recomputed
         for mode in p.modes[1:]:
-            n = sum(1 for i, m in enumerate(self.modes) if m == mode and not self.depth(i))
+            n = sum(1 for i, m in enumerate(self.modes) if m == mode and not self.recomputed(i))
             if n:
-                summary += f", {n} " + ("checkpointed alone" if mode == INPUT_ONLY else mode)
-        rows += ["", summary + "; the other blocks keep their tape"]
+                summary += f", {n} {mode}"
+                others += n
+        if others < self.n_blocks:
+            summary += f"; the other {self.n_blocks - others} keep their tape"
+        rows += ["", summary]
         base = self.predicted_time - self.predicted_overhead_time
         what = "recompute and transfers" if self.offloaded else "recompute"
         reference = "measured" if self.reference_measured else "predicted"

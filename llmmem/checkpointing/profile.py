@@ -532,6 +532,9 @@ class ChainProfile:
     outside_time: float = 0.0  # seconds of it, at the blocks' timed rates (0: not timed or unknown)
     hidden: list = field(default_factory=list)  # [L] where each block's chain input is in its call
     chainable: bool = True
+    # made by profile_model on a batch, whose step frees the model's output before the backward (a
+    # loop that keeps it is warned: llmmem.checkpointing.outputs)
+    step_frees_output: bool = False
     # the time fields measured in seconds ({"fwd_time", "bwd_time", "fwd_nostore_time"}), for the
     # predictions of a plan chosen on work (None: not timed), and "bookkeeping": per block, the
     # seconds of Python a mode adds beyond its work ({"checkpoint": s, "recompute-cheap": (pack,
@@ -1373,6 +1376,7 @@ def profile_model(
             output_bytes=rec.output_bytes,
         )
     prof.head = rec.head
+    prof.step_frees_output = not is_step(sample)
     prof.static_bytes = rec.static_bytes
     prof.outside_peak_bytes = rec.outside_peak_bytes
     prof.outside_work = rec.outside_work

@@ -179,41 +179,71 @@ def test_grouped_query_attention_plans_and_trains():
 
 def test_a_loop_keeping_the_output_is_told_what_it_costs():
     """Planned on a batch (the output freed before the backward), then trained by a loop that keeps
-    the output (Hugging Face's Trainer does): one warning, at the user's line, with the bytes kept,
-    and the step's peak within the predicted peak plus those bytes. The loop the plan assumed, a
-    callable sample, and a removed plan say nothing."""
+    the output (to log the logits, say): one warning, at the loop's line, with the bytes kept, and
+    the step's peak within the predicted peak plus those bytes. The loop the plan assumed (also
+    returning hidden states and attentions, which autograd holds anyway), a callable sample, and a
+    removed plan say nothing; a plan made again from the batch's profile watches too."""
     import re
+
+    batch = lm_batch()
+    model = tiny_llama("eager", seed=0)
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=0)
+    logits = batch["input_ids"].numel() * model.config.vocab_size * 4
+
+    def keeping(**extra):
+        out = model(**batch, **extra)  # out (the logits) alive through the backward
+        out.loss.backward()
+
+    def warnings_of(step, **extra):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            peak, _ = step_memory(model, lambda: step(**extra))
+        return [w for w in seen if "still alive during the backward" in str(w.message)], peak
+
+    def freeing(**extra):
+        model(**batch, **extra).loss.backward()
+
+    assert warnings_of(freeing)[0] == []
+    assert warnings_of(freeing, output_hidden_states=True, output_attentions=True)[0] == []
+    kept, peak = warnings_of(keeping)
+    assert len(kept) == 1 and kept[0].filename == __file__  # at the loop's line
+    assert kept[0].lineno == keeping.__code__.co_firstlineno + 1
+    size = re.match(r"llmmem.auto_checkpoint: ([\d.]+ \w+) of the model's output", str(kept[0].message)).group(1)
+    assert llmmem.parse_bytes(size.replace(" ", "")) == logits
+    assert plan.predicted_peak_bytes < peak <= plan.predicted_peak_bytes + logits
+    assert warnings_of(keeping)[0] == []  # once
+    plan.remove()
+    assert warnings_of(keeping)[0] == []  # removed: nothing watches
+
+    again = llmmem.auto_checkpoint(model, budget=0.5, profile=plan.profile)
+    kept, _ = warnings_of(keeping, output_hidden_states=True)
+    # the logits and the final norm's output: made after the chain's last block
+    assert len(kept) == 1 and "2 tensor(s)" in str(kept[0].message)
+    again.remove()
+
+    callable_plan = llmmem.auto_checkpoint(model, budget=0.5, sample=keeping, repeats=0)
+    kept, peak = warnings_of(keeping)
+    assert kept == [] and peak <= callable_plan.budget_bytes
+    callable_plan.remove()
+
+
+def test_the_output_warning_points_at_the_loop_from_a_backward_thread():
+    """On an accelerator autograd runs the hook on its own thread, with no frame of the user's:
+    the warning still points at the line that called the model."""
+    import inspect
+    import threading
 
     batch = lm_batch()
     model = tiny_llama("sdpa", seed=0)
     plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=0)
-
-    def keeping():
-        out = model(**batch)
-        out.loss.backward()  # out (the logits) alive through the backward
-
+    out = model(**batch)  # the line the warning points at
+    line = inspect.currentframe().f_lineno - 1
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        step_memory(model, _step(model, batch))
-        assert not [w for w in seen if "still alive" in str(w.message)]
-        peak, _ = step_memory(model, keeping)
-        step_memory(model, keeping)
-    kept = [w for w in seen if "still alive during the backward" in str(w.message)]
-    assert len(kept) == 1 and kept[0].filename == __file__  # once, at the loop's line
-    logits = batch["input_ids"].numel() * model.config.vocab_size * 4
-    size = re.search(r"output \(([\d.]+ \w+) in", str(kept[0].message)).group(1)
-    assert llmmem.parse_bytes(size.replace(" ", "")) == logits
-    assert plan.predicted_peak_bytes < peak <= plan.predicted_peak_bytes + logits
+        worker = threading.Thread(target=plan.watch._on_chain_backward, args=(None,))
+        worker.start()
+        worker.join()
+    kept = [w for w in seen if "still alive" in str(w.message)]
+    assert len(kept) == 1 and (kept[0].filename, kept[0].lineno) == (__file__, line)
+    del out
     plan.remove()
-
-    callable_plan = llmmem.auto_checkpoint(model, budget=0.5, sample=keeping, repeats=0)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        peak, _ = step_memory(model, keeping)
-    assert not [w for w in seen if "still alive" in str(w.message)]
-    assert peak <= callable_plan.budget_bytes
-    callable_plan.remove()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        step_memory(model, keeping)
-    assert not [w for w in seen if "still alive" in str(w.message)]

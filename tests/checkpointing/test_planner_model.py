@@ -157,7 +157,11 @@ def test_a_model_that_changes_the_input_between_blocks():
         plan = llmmem.auto_checkpoint(model, budget=0.35, sample=lambda: model(idx).backward())
         assert not plan.profile.chainable
         assert plan.regions == [] and "store-input-only" in plan.modes
-        assert "regions hold one block each" in plan.describe()
+        text = plan.describe()
+        assert "regions hold one block each" in text
+        alone = plan.modes.count("store-input-only")
+        assert f"{alone} of {len(plan.modes)} blocks recomputed ({alone} alone)" in text
+        assert text.count("recomputed alone") == alone and "store-input-only " not in text.split("\n", 2)[2]
         _check_plan(model, plan, _seeded(lambda: model(idx).backward()), grads(ref))
     plan.remove()
 
@@ -542,9 +546,13 @@ def test_auto_checkpoint_errors_name_auto_checkpoint():
     with pytest.raises(llmmem.InfeasibleError, match=r"^auto_checkpoint: no plan fits") as info:
         llmmem.auto_checkpoint(model, budget=0.01, sample=(idx, idx), repeats=0)
     assert info.value.min_budget_bytes > 0
-    with pytest.raises(ValueError, match=r"^auto_checkpoint: budget"):
+    with pytest.raises(ValueError, match=r"^auto_checkpoint: budget") as info:
         llmmem.auto_checkpoint(model, budget="lots", sample=(idx, idx), repeats=0)
+    assert info.traceback[-1].path.name == "plan.py"  # where it was raised, still
     assert all("_llmmem_chain" not in b.__dict__ for b in model.blocks)  # nothing left installed
+    x = torch.randn(2, 32, 32)
+    with pytest.raises(ValueError, match=r"^auto_checkpoint: budget"):
+        llmmem.auto_checkpoint(model.blocks, x, budget="lots")  # the bare-chain form too
 
 
 def test_a_short_bookkeeping_list_prices_the_other_blocks_without_it():
