@@ -190,7 +190,8 @@ class CheckpointPlan:
                 summary += f", {n} {mode}"
                 others += n
         if others < self.n_blocks:
-            summary += f"; the other {self.n_blocks - others} keep their tape"
+            left = self.n_blocks - others
+            summary += f"; the other {left} keep their tape" if left > 1 else "; the other one keeps its tape"
         rows += ["", summary]
         base = self.predicted_time - self.predicted_overhead_time
         what = "recompute and transfers" if self.offloaded else "recompute"
