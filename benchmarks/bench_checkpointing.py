@@ -431,7 +431,9 @@ def bench_solver(args) -> list:
     return out
 
 
-def _hf_model(kind: str, attn: str, args):
+def hf_model(kind: str, attn: str, args):
+    """A Hugging Face causal LM from a small config (random weights), as the --hf part builds it
+    (``args``: hf_vocab, hidden, layers, seq); recompute_in_context.py builds the same."""
     import transformers
 
     torch.manual_seed(0)
@@ -562,7 +564,7 @@ def bench_hf(args, device) -> list:
     rows, out = [], []
     for kind in args.hf.split(","):
         for attn in ("sdpa", "eager"):
-            model = _hf_model(kind, attn, args).to(device)
+            model = hf_model(kind, attn, args).to(device)
             ref = copy.deepcopy(model)
             ref_peak, _, ref_alloc = _hf_memory(ref, _hf_step(ref, batch), device)
             for budget in (0.5, 0.25):

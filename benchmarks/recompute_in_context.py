@@ -1,8 +1,9 @@
 """What a recompute costs inside a model, against the planner's prediction (the measurement behind
 pricing a plan's extra work at the blocks' forward rate; see benchmarks/README.md).
 
-A Hugging Face Llama, GPT-2 or Qwen2 from a small config (random weights) runs unplanned, with every layer
-checkpointed (llmmem.checkpoint), with every layer in the recompute-cheap mode, and with
+A Hugging Face Llama, GPT-2, Qwen2, Mistral or Phi from a small config (random weights, as
+bench_checkpointing.py --hf builds them) runs unplanned, with every layer checkpointed
+(llmmem.checkpoint), with every layer in the recompute-cheap mode, and with
 llmmem.auto_checkpoint at 50%, in shuffled rounds with the garbage collector off. Hooks time each
 layer's forward and its backward window (from the gradient of its output to that of its input): the
 every-layer backward window less the unplanned one is what one recompute costs there, to set beside
@@ -10,8 +11,8 @@ the layer's forward and the checkpoint bookkeeping the planner timed on a null b
 recompute-cheap model's step less the unplanned one, per layer, is what that mode adds there, beside
 its hooks' seconds in the same steps and the mode's cost timed alone (the profile).
 
-    python benchmarks/recompute_in_context.py [llama|gpt2|qwen2] [sdpa|eager] [--rounds 25] [--batch 4]
-        [--hidden 128] [--seq 128]
+    python benchmarks/recompute_in_context.py [llama|gpt2|qwen2|mistral|phi] [sdpa|eager]
+        [--rounds 25] [--batch 4] [--hidden 128] [--seq 128]
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import argparse
 import contextlib
 import copy
 import gc
+import os
 import random
 import statistics
+import sys
 import time
 import warnings
 
@@ -29,52 +32,16 @@ import torch
 
 import llmmem
 from llmmem._native import native
-from llmmem.checkpointing import remat
+from llmmem.checkpointing import find_blocks, remat
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_checkpointing import hf_model
 
 
 def build(kind: str, attn: str, hidden=128, layers=8, seq=128, vocab=1024):
-    import transformers
-
-    torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=8 * hidden // 3,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=seq,
-            attention_dropout=0.1,
-            attn_implementation=attn,
-            use_cache=False,  # training: a recompute must not extend a key/value cache
-        )
-        model = transformers.LlamaForCausalLM(cfg).train()
-        return model, lambda m: m.model.layers
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=8 * hidden // 3,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=seq,
-            attention_dropout=0.0,
-            attn_implementation=attn,
-            use_cache=False,
-        )
-        return transformers.Qwen2ForCausalLM(cfg).train(), lambda m: m.model.layers
-    cfg = transformers.GPT2Config(
-        vocab_size=vocab,
-        n_embd=hidden,
-        n_layer=layers,
-        n_head=4,
-        n_positions=seq,
-        attn_implementation=attn,
-        use_cache=False,
-    )
-    return transformers.GPT2LMHeadModel(cfg).train(), lambda m: m.transformer.h
+    """The model bench_checkpointing.py --hf builds, and a function giving its blocks."""
+    model = hf_model(kind, attn, argparse.Namespace(hf_vocab=vocab, hidden=hidden, layers=layers, seq=seq))
+    return model, lambda m: find_blocks(m)[1]
 
 
 def step_of(model, batch, clock=None):
@@ -127,7 +94,7 @@ def work_overhead(plan) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", nargs="?", default="llama", choices=("llama", "gpt2", "qwen2"))
+    ap.add_argument("kind", nargs="?", default="llama", choices=("llama", "gpt2", "qwen2", "mistral", "phi"))
     ap.add_argument("attn", nargs="?", default="sdpa", choices=("sdpa", "eager"))
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--batch", type=int, default=4)

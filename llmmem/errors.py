@@ -72,27 +72,23 @@ def user_frame():
     """The first frame outside llmmem and torch above this function's caller (``None`` on a
     thread with no such frame, e.g. autograd's device threads): where a warning about the user's
     code should point."""
-    inside = _library_dirs()
-    frame = sys._getframe(2)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
-        frame = frame.f_back
-    return frame
-
-
-def _library_dirs() -> tuple:
-    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-    torch = sys.modules.get("torch")  # only when loaded: importing llmmem never imports torch
-    if torch is not None and getattr(torch, "__file__", None):
-        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-    return tuple(inside)
+    return _outside(sys._getframe(2))[0]
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that points at the
     first frame outside llmmem and torch: the user's line, or the library (a model's own loop) that
     called a module llmmem wraps, whichever public entry point led there."""
-    inside = _library_dirs()
-    frame, level = sys._getframe(2), 2  # the caller of the function that warns
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
+    return 2 + _outside(sys._getframe(2))[1]  # from the caller of the function that warns
+
+
+def _outside(frame) -> tuple:
+    """``(the first frame from frame outward outside llmmem and torch, frames skipped to it)``."""
+    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    torch = sys.modules.get("torch")  # only when loaded: importing llmmem never imports torch
+    if torch is not None and getattr(torch, "__file__", None):
+        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    skipped = 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
+        frame, skipped = frame.f_back, skipped + 1
+    return frame, skipped

@@ -19,6 +19,7 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
+from llmmem.checkpointing.profile import hidden_of
 from llmmem.errors import user_frame
 from llmmem.units import format_bytes
 
@@ -56,12 +57,11 @@ class OutputWatch:
     def _on_chain_output(self, module, args, out) -> None:
         if self.warned or not torch.is_grad_enabled():
             return
-        h = (
-            out
-            if isinstance(out, torch.Tensor)
-            else next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        )
-        if h is not None and h.requires_grad:
+        try:
+            h = hidden_of(out)
+        except TypeError:  # not a chain block's output: the runner's own call says so
+            return
+        if h.requires_grad:
             self.chain_end = _order(h)
             h.register_hook(self._on_chain_backward)
 
