@@ -31,7 +31,7 @@ CORE_SRC := $(filter-out csrc/python/%,$(wildcard csrc/*/*.c)) csrc/python/args.
 CORE_HDR := $(wildcard csrc/include/llmmem/*.h csrc/*/*.h tests/c/*.h)
 CTEST_SRC := $(wildcard tests/c/test_*.c)
 CTEST_BIN := $(patsubst tests/c/%.c,build/ctests/%,$(CTEST_SRC))
-CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initializers -pthread \
+CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initializers -pthread -fno-math-errno -fno-trapping-math -ffp-contract=off \
   -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
   -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -Itests/c
 # lsan is not usable under some sandboxes' ptrace rules; leaks are still checked where it works.
@@ -102,6 +102,15 @@ endif
 build/ctests/clang/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(dir $@)
 	$(CLANG) $(CTEST_CFLAGS) -o $@ $< $(CORE_SRC) -lm -ldl
+
+# Tests of vector loops again at -O3, the release build's level: at -O1 the compiler does not
+# vectorise, so only these compare the vector code the package ships with the references.
+CTEST_O3 := test_optim
+CTEST_BIN += $(addprefix build/ctests/O3/,$(CTEST_O3))
+
+build/ctests/O3/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(dir $@)
+	$(CC) $(CTEST_CFLAGS) -O3 -o $@ $< $(CORE_SRC) -lm -ldl
 
 c-tests: $(CTEST_BIN)
 

@@ -85,6 +85,13 @@ c_flags = [
     "-Wextra",
     "-Wno-missing-field-initializers",
     "-fvisibility=hidden",
+    # no errno from sqrtf and no FP-exception side effects: the vector loops need both to vectorise
+    # (values are unchanged: no reassociation, no contraction of separately rounded operations)
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    # every fp32 operation rounded on its own, as the C references and the CUDA kernels round it
+    # (clang would otherwise fuse a * b + c inside an expression where FMA is available)
+    "-ffp-contract=off",
     "-pthread",
     f"-DLLMMEM_DEBUG={DEBUG}",
 ]

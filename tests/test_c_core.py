@@ -1,5 +1,6 @@
 """Builds the C unit tests (tests/c/test_*.c) under AddressSanitizer + UBSan and runs each one
-(the plain C ones a second time built with clang, where it is installed).
+(the plain C ones a second time built with clang, where it is installed, and the vector loops'
+ones at -O3).
 
 Each C test program ends with the line "N passed, N failed"; a program passes when it exits 0,
 reports no failure, and its sanitizers stay silent.
@@ -30,6 +31,8 @@ if shutil.which("clang"):
     C_TESTS += sorted(
         "clang/" + p.stem for p in (ROOT / "tests" / "c").glob("test_*.c") if not p.stem.endswith("_openmp")
     )
+# Tests of vector loops, again built at -O3 (the Makefile's CTEST_O3): only there is the code vectorised.
+C_TESTS += ["O3/test_optim"]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@
 
 #include <llmmem/amp.h>
 
+#include "cpu_threads.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -42,20 +44,6 @@ void _llmmem_scaler_pipe_publish_checked(llmmem_scaler_pipe_t *p, size_t count, 
 /* unscale_cpu.c: the multiplier: 1 (check only) without a scale, the scale's fp64 reciprocal, or
  * the given inverse. */
 llmmem_status_t _llmmem_scaler_resolve_inv(const float *scale, int scale_is_inverse, float *inv);
-
-/* unscale_cpu.c: the CPUs this process may run on (its affinity mask where the OS has one, else
- * the online CPUs), at least 1. */
-int _llmmem_scaler_online_cpus(void);
-
-/* omp_team.c: whether a team of the process's OpenMP runtime can run work now (a runtime is
- * loaded, this thread is not in an active parallel region, this is not a child forked after
- * llmmem was loaded, omp_get_max_threads() >= 2). */
-int _llmmem_omp_team_usable(void);
-/* omp_team.c test hook: how many teams _llmmem_omp_team_run has run in this process. */
-int _llmmem_omp_team_runs(void);
-/* omp_team.c: runs fn(data) on every thread of a team of the runtime's default size, the caller
- * included, and returns 1 when they are all done; 0 (nothing run) when no team is usable. */
-int _llmmem_omp_team_run(void (*fn)(void *), void *data);
 
 /* unscale_pipe.c: drains a pipe (everything published, no workers of its own) on an OpenMP team,
  * at most `threads` of its threads taking part. 1 when it ran; 0 when no team was usable (finish

@@ -14,12 +14,9 @@
  * the pipe (its address set: about 16 bytes per tensor) and thread stacks, and only with more
  * than one thread; when the pipe cannot be allocated everything runs on the calling thread.
  */
-#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <math.h>
-#include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <llmmem/amp.h>
 
@@ -263,16 +260,6 @@ int _llmmem_scaler_run_span(const llmmem_scaler_tensor_t *tensors, _llmmem_scale
   return found;
 }
 
-int _llmmem_scaler_online_cpus(void) {
-#if defined(__linux__)
-  /* the CPUs this process may run on (taskset, cgroup cpusets), not all the machine has */
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-#endif
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? (int)n : 1;
-}
-
 LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tensor_t *tensors, size_t count,
                                                        const float *scale, int scale_is_inverse, float *found_inf,
                                                        uint8_t *tensor_flags, size_t n_flags, int num_threads) {
@@ -285,7 +272,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_unscale_check(const llmmem_scaler_tenso
   LLMMEM_TRY(_llmmem_scaler_resolve_inv(scale, scale_is_inverse, &inv));
 
   /* never more threads than CPUs to run them: this is memory traffic, more would take turns */
-  const size_t cpus = (size_t)_llmmem_scaler_online_cpus();
+  const size_t cpus = (size_t)_llmmem_online_cpus();
   size_t nt = num_threads > 0 && (size_t)num_threads < cpus ? (size_t)num_threads : cpus;
   size_t by_size = total / MIN_BYTES_PER_THREAD;
   if (nt > by_size) nt = by_size;

@@ -186,7 +186,7 @@ LLMMEM_API llmmem_status_t llmmem_scaler_pipe_start(const llmmem_scaler_tensor_t
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "llmmem_scaler_pipe_start: pthread_mutex_init failed");
   }
   /* the caller works too: more workers than the other CPUs would only take turns with it */
-  size_t others = (size_t)_llmmem_scaler_online_cpus() - 1;
+  size_t others = (size_t)_llmmem_online_cpus() - 1;
   size_t want = (size_t)workers < others ? (size_t)workers : others;
   p->want_workers = want < MAX_WORKERS ? want : MAX_WORKERS;
   if (_llmmem_addr_set_init(&p->seen, capacity) != 0) {

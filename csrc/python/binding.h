@@ -46,5 +46,6 @@ extern PyMethodDef llmmem_py_scaler_params_methods[]; /* amp_params.c: unscale_ 
 extern PyMethodDef llmmem_py_plan_methods[];          /* checkpointing.c: recompute planner */
 extern PyMethodDef llmmem_py_pool_methods[];          /* pool.c: caching allocator */
 extern PyMethodDef llmmem_py_comm_methods[];          /* parallel.c: intra-node collectives */
+extern PyMethodDef llmmem_py_optim_methods[];         /* optim.c: the AdamW step and its codes */
 
 #endif /* LLMMEM_BINDING_H */

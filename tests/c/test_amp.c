@@ -25,7 +25,7 @@
 int _llmmem_scaler_force_isa(int isa); /* unscale_cpu.c test hook */
 int _llmmem_omp_team_usable(void);     /* omp_team.c: 1 = the threaded unscale runs on the OpenMP team */
 int _llmmem_omp_team_runs(void);       /* omp_team.c: teams run so far */
-int _llmmem_scaler_online_cpus(void);
+int _llmmem_online_cpus(void);
 
 static const int64_t SIZES[] = {0, 1, 7, 64, 65, 4097, 100003};
 #define N_SIZES (sizeof SIZES / sizeof SIZES[0])
@@ -233,7 +233,7 @@ int main(void) {
     float scale = 512.0f;
     int runs = _llmmem_omp_team_runs();
     CHECK(fast_matches_ref(&l, &scale, 2));
-    if (_llmmem_omp_team_usable() && _llmmem_scaler_online_cpus() >= 2)
+    if (_llmmem_omp_team_usable() && _llmmem_online_cpus() >= 2)
       CHECK(_llmmem_omp_team_runs() == runs + 1); /* the team did run it */
     else
       printf("  (one CPU or no team here: the team path is not exercised)\n");

@@ -1,5 +1,5 @@
 /*
- * omp_team.c — runs the threaded CPU unscale on the process's OpenMP team (torch's libgomp, or a
+ * omp_team.c — runs threaded CPU work (the unscale, the optimizer step) on the process's OpenMP team (torch's libgomp, or a
  * runtime with the same GNU entry points, such as Intel's), when there is one.
  *
  * Why: after a parallel torch op, torch's OpenMP threads keep spinning for a few milliseconds,
@@ -26,7 +26,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "scaler_internal.h"
+#include "cpu_threads.h"
 
 typedef void (*parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 typedef int (*query_fn)(void);

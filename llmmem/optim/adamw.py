@@ -1,0 +1,503 @@
+"""``llmmem.optim.Adam`` and ``llmmem.optim.AdamW``: torch's Adam/AdamW with their moments in
+fp32, bf16, 8 or 4 bits, bf16 weights updated without an fp32 master, and one fused kernel call
+per parameter group.
+
+With ``state_dtype="fp32"`` and fp32 parameters the update is torch's single-tensor AdamW
+(``torch.optim.AdamW(foreach=False)``) operation for operation: a drop-in. The other formats
+(:mod:`llmmem.optim.formats`) keep the same update and store the moments in less memory:
+
+==============  ===============================  ==============================================
+``state_dtype``  state a parameter (+ master)     what is lost
+==============  ===============================  ==============================================
+``"fp32"``       8 B                              nothing
+``"bf16"``       4 B                              moments rounded (stochastically) to bf16
+``"int8"``       2 B + 8 B / block (256)          moments to 8-bit codes with a scale a block
+``"int4"``       1 B + 8 B / block (128)          moments to 4-bit codes
+==============  ===============================  ==============================================
+
+Parameters smaller than ``min_quantized_numel`` elements (biases, norms) keep fp32 moments in
+the quantized formats, as bitsandbytes does: they cost little and are the sensitive ones.
+
+bf16 parameters are updated in fp32 and rounded back with stochastic rounding (unbiased: an
+update far below the bf16 step still moves the weight on average), so no fp32 master copy is
+needed; ``stochastic_rounding=False`` rounds to nearest, and ``master_weights=True`` keeps an
+fp32 master in the state instead (4 B a parameter more). fp16 parameters need the master.
+
+A step is all-or-nothing: every parameter's gradient is checked and every missing state
+allocated before any parameter changes, so an error (an out-of-memory error included) leaves
+parameters and state as they were.
+
+Memory and synchronisation: a CPU step runs in the calling thread and ``torch.get_num_threads()``
+threads, with the GIL released; a CUDA step is queued on the current stream without a host
+synchronisation (a tensor ``lr`` is read with ``float()``, which synchronises).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from llmmem.optim import formats, kernels
+from llmmem.optim.formats import Format
+from llmmem.optim.kernels import Hyper, Item
+
+_FLOAT_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
+_LLMMEM_KEYS = ("state_dtype", "block_size", "stochastic_rounding", "min_quantized_numel", "master_weights")
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support
+        return None
+    return DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a kernel works on: a DTensor's local shard, else ``t`` itself."""
+    dt = _dtensor_type()
+    return t.to_local() if dt is not None and isinstance(t, dt) else t
+
+
+def _local_grad(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient's local tensor laid out as ``p``'s: a DTensor gradient placed otherwise than its
+    parameter (e.g. a partial sum) is redistributed to the parameter's placements first."""
+    dt = _dtensor_type()
+    if dt is not None and isinstance(p, dt):
+        if not isinstance(g, dt):
+            raise TypeError("llmmem.optim: a DTensor parameter has a plain-tensor gradient; expected a DTensor")
+        if g.placements != p.placements:
+            g = g.redistribute(p.device_mesh, p.placements)
+        return g.to_local()
+    return g
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a per-parameter seed from the optimizer's seed and an index."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _number(value, name: str, *, low: float = 0.0, allow_tensor: bool = False) -> float:
+    if allow_tensor and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a number or a one-element tensor, got a tensor of {value.numel()} elements"
+            )
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (value >= low) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number >= {low:g}, got {value}")
+    return float(value)
+
+
+def _check_group_settings(group: dict) -> None:
+    """Raises ValueError/TypeError naming the first setting of ``group`` out of range."""
+    lr = _number(group["lr"], "lr", allow_tensor=True)
+    if not (lr >= 0) or not math.isfinite(lr):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+    for i, b in enumerate(betas):
+        b = _number(b, f"betas[{i}]", allow_tensor=True)
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+    _number(group["eps"], "eps")
+    _number(group["weight_decay"], "weight_decay")
+    dtype = formats.check_state_dtype(group["state_dtype"])
+    if group["block_size"] is not None:
+        formats.check_block_size(group["block_size"])
+    elif dtype in formats.QUANTIZED:
+        pass  # the format's default, chosen per parameter
+    sr = group["stochastic_rounding"]
+    if sr is not None and not isinstance(sr, bool):
+        raise TypeError(f"stochastic_rounding must be None, True or False, got {sr!r}")
+    mq = group["min_quantized_numel"]
+    if isinstance(mq, bool) or not isinstance(mq, int) or mq < 0:
+        raise ValueError(f"min_quantized_numel must be an int >= 0, got {mq!r}")
+    if not isinstance(group["master_weights"], bool):
+        raise TypeError(f"master_weights must be True or False, got {group['master_weights']!r}")
+    if group.get("amsgrad"):
+        raise ValueError("amsgrad=True is not supported by llmmem.optim (use torch.optim.AdamW for AMSGrad)")
+    if group.get("capturable"):
+        raise ValueError("capturable=True is not supported by llmmem.optim: its step keeps its counters on the host")
+    if group.get("differentiable"):
+        raise ValueError("differentiable=True is not supported by llmmem.optim")
+
+
+def _check_param(p: torch.Tensor, group: dict, where: str) -> None:
+    if p.is_complex():
+        raise TypeError(f"{where} is complex ({p.dtype}); llmmem.optim supports float32, bfloat16 and float16")
+    if p.dtype not in _FLOAT_PARAMS:
+        raise TypeError(f"{where} is {p.dtype}; llmmem.optim supports float32, bfloat16 and float16 parameters")
+    if p.dtype == torch.float16 and not group["master_weights"]:
+        raise ValueError(
+            f"{where} is float16: its updates would be lost to fp16's rounding and range without an fp32 master; "
+            "pass master_weights=True (4 bytes a parameter more), or train in bf16"
+        )
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam, or AdamW with ``decoupled_weight_decay=True``, with compact state (see the module).
+
+    :param params: parameters or parameter groups, as for any torch optimizer; each group may set
+        every argument below, ``state_dtype`` included.
+    :param lr: learning rate (a number or a one-element tensor).
+    :param betas: coefficients of the running averages of the gradient and its square.
+    :param eps: added to the denominator.
+    :param weight_decay: L2 penalty (Adam) or decoupled decay (AdamW).
+    :param decoupled_weight_decay: AdamW's decay, applied to the weights (torch's argument).
+    :param state_dtype: ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"int4"``.
+    :param block_size: elements per scale of the quantized formats, a power of two in
+        [32, 4096]; None: 256 for int8, 128 for int4.
+    :param stochastic_rounding: for bf16 parameters without a master: None or True rounds the
+        updated weights stochastically, False to nearest.
+    :param min_quantized_numel: parameters with fewer elements keep fp32 moments in the
+        quantized formats.
+    :param master_weights: keep an fp32 master of bf16/fp16 parameters in the state (needed for
+        fp16 parameters).
+    :param maximize: ascend the objective.
+    :param seed: the seed of stochastic rounding (None: drawn from torch's default generator,
+        so ``torch.manual_seed`` makes a run reproducible).
+    :param amsgrad, foreach, fused, capturable, differentiable: torch's arguments, accepted for
+        a drop-in: ``foreach`` and ``fused`` change nothing (the step is always one fused call);
+        ``amsgrad``, ``capturable`` and ``differentiable`` must be False.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        decoupled_weight_decay: bool = False,
+        state_dtype: str = "fp32",
+        block_size: Optional[int] = None,
+        stochastic_rounding: Optional[bool] = None,
+        min_quantized_numel: int = 4096,
+        master_weights: bool = False,
+        maximize: bool = False,
+        seed: Optional[int] = None,
+        amsgrad: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+            state_dtype=state_dtype,
+            block_size=block_size,
+            stochastic_rounding=stochastic_rounding,
+            min_quantized_numel=min_quantized_numel,
+            master_weights=master_weights,
+            maximize=bool(maximize),
+            amsgrad=amsgrad,
+            foreach=foreach,
+            fused=fused,
+            capturable=capturable,
+            differentiable=differentiable,
+        )
+        _check_group_settings(defaults)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self._seed = seed & 0xFFFFFFFFFFFFFFFF
+        super().__init__(params, defaults)
+
+    # ---- groups ---------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's, and each group's settings and parameters are checked (ValueError/TypeError
+        naming what is wrong) before the group is added."""
+        n_before = len(self.param_groups)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_group_settings(group)
+            for i, p in enumerate(group["params"]):
+                _check_param(p, group, f"parameter {i} of group {n_before}")
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _format(self, group: dict, numel: int) -> Format:
+        dtype = group["state_dtype"]
+        if dtype in formats.QUANTIZED:
+            if numel < group["min_quantized_numel"]:
+                return Format("fp32")
+            return Format(dtype, group["block_size"] or formats.DEFAULT_BLOCK[dtype])
+        return Format(dtype)
+
+    def _wants_master(self, group: dict, p: torch.Tensor) -> bool:
+        return group["master_weights"] and p.dtype != torch.float32
+
+    def _param_index(self, p: torch.Tensor) -> int:
+        for i, q in enumerate(chain.from_iterable(g["params"] for g in self.param_groups)):
+            if q is p:
+                return i
+        raise ValueError("the parameter is not in this optimizer's param_groups")
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        """A new parameter's state (not yet stored in self.state)."""
+        local = _local(p)
+        fmt = self._format(group, local.numel())
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        state.update(formats.new_moments(fmt, local))
+        state["state_dtype"] = fmt.dtype
+        if fmt.quantized:
+            state["block_size"] = fmt.block
+        if self._wants_master(group, p):
+            state["master"] = local.detach().to(torch.float32).clone()
+        state["seed"] = _mix64(self._seed ^ _mix64(self._param_index(p)))
+        return state
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _hyper(self, group: dict, p_dtype: torch.dtype) -> Hyper:
+        sr = group["stochastic_rounding"]
+        return Hyper(
+            lr=float(group["lr"]),
+            beta1=float(group["betas"][0]),
+            beta2=float(group["betas"][1]),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=bool(group["decoupled_weight_decay"]),
+            maximize=bool(group["maximize"]),
+            stochastic_rounding=True if sr is None else bool(sr),
+        )
+
+    def _prepare(self, p: torch.Tensor, group: dict, where: str, new_states: dict) -> Optional[Item]:
+        """Checks ``p``'s gradient and returns its work item (its state made if it has none,
+        kept in new_states until every parameter is ready); None without a gradient."""
+        grad = p.grad
+        if grad is None:
+            return None
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise TypeError(f"llmmem.optim: {where} has a sparse gradient ({grad.layout}); use torch.optim.SparseAdam")
+        if grad.is_complex():
+            raise TypeError(f"llmmem.optim: {where} has a complex gradient ({grad.dtype})")
+        if grad.dtype not in _FLOAT_PARAMS:
+            raise TypeError(
+                f"llmmem.optim: {where} has a {grad.dtype} gradient; expected float32, bfloat16 or float16"
+            )
+        if grad.shape != p.shape:
+            raise ValueError(
+                f"llmmem.optim: {where} has a gradient of shape {tuple(grad.shape)}, not {tuple(p.shape)}"
+            )
+        if grad.device != p.device:
+            raise ValueError(f"llmmem.optim: {where} is on {p.device} and its gradient on {grad.device}")
+        lp = _local(p)
+        lg = _local_grad(p, grad)
+        state = self.state.get(p)
+        if not state:
+            state = new_states[p] = self._init_state(p, group)
+        fmt = self._state_format(state, lp.numel(), where)
+        master = state.get("master")
+        return Item(
+            param=lp, grad=lg, master=_local(master) if master is not None else None, state=state, seed=state["seed"]
+        ), fmt
+
+    def _state_format(self, state: dict, numel: int, where: str) -> Format:
+        try:
+            return formats.infer_format(state, numel)
+        except ValueError as e:
+            raise ValueError(f"llmmem.optim: the state of {where} cannot be read: {e}") from None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        """One step of every parameter with a gradient (see the module for what it costs).
+
+        :param closure: re-evaluates the model and returns the loss (run with grad enabled).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_params([(g, g["params"]) for g in self.param_groups])
+        return loss
+
+    def _step_params(self, work: list) -> None:
+        """Steps the parameters of ``work`` [(group, params)], all-or-nothing: first every check
+        and every new state (which can run out of memory), then the kernels."""
+        new_states: dict = {}
+        batches: dict = {}
+        for gi, (group, params) in enumerate(work):
+            for pi, p in enumerate(params):
+                prepared = self._prepare(p, group, f"parameter {pi} of group {gi}", new_states)
+                if prepared is None:
+                    continue
+                item, fmt = prepared
+                key = (id(group), fmt, item.param.device, item.param.dtype is torch.float32)
+                batches.setdefault(key, (group, fmt, item.param.device, []))[3].append(item)
+        for p, state in new_states.items():
+            self.state[p] = state
+        for group, fmt, device, items in batches.values():
+            kernels.step(items, fmt, self._hyper(group, items[0].param.dtype), device)
+
+    # ---- state dicts ----------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state dict of this class or of ``torch.optim.Adam``/``AdamW``.
+
+        Hyper-parameters (lr, betas, eps, weight_decay, ...) come from the saved groups, as with
+        torch; the state format settings (``state_dtype``, ``block_size``, ``min_quantized_numel``,
+        ``master_weights``, ``stochastic_rounding``) stay this optimizer's own, and each saved
+        moment is converted into them (an fp32 state quantized on load, an int8 one widened...),
+        so a saved run can switch formats. Everything is checked and converted before anything
+        changes: a state dict with other groups, other sizes, or a damaged quantized state
+        raises ValueError and leaves the optimizer as it was.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(
+                "llmmem.optim: a state dict needs 'state' and 'param_groups' (from Optimizer.state_dict())"
+            )
+        saved_groups = state_dict["param_groups"]
+        groups = self.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(
+                f"llmmem.optim: the state dict has {len(saved_groups)} parameter groups, this optimizer {len(groups)}"
+            )
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    f"llmmem.optim: group {i} of the state dict has {len(sg['params'])} parameters, "
+                    f"this optimizer's {len(g['params'])}"
+                )
+        id_map, group_of = {}, {}
+        for g, sg in zip(groups, saved_groups):
+            for saved_id, p in zip(sg["params"], g["params"]):
+                id_map[saved_id] = p
+                group_of[saved_id] = g
+        new_state: dict = {}
+        for k, saved in state_dict["state"].items():
+            if k not in id_map:
+                raise ValueError(
+                    f"llmmem.optim: the state dict holds state for parameter id {k!r}, which no group lists"
+                )
+            new_state[id_map[k]] = self._converted_state(id_map[k], group_of[k], saved, f"parameter id {k}")
+        new_groups = []
+        for g, sg in zip(groups, saved_groups):
+            ng = {k: deepcopy(v) for k, v in sg.items() if k != "params"}
+            for key in _LLMMEM_KEYS:  # the format settings stay this optimizer's own
+                ng[key] = g[key]
+            for key, value in self.defaults.items():
+                ng.setdefault(key, value)
+            ng["params"] = g["params"]
+            _check_group_settings(ng)
+            new_groups.append(ng)
+        self.state = defaultdict(dict, new_state)
+        self.param_groups = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _converted_state(self, p: torch.Tensor, group: dict, saved: dict, where: str) -> dict:
+        """A parameter's saved state, checked, in this optimizer's format for it, on its device."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"llmmem.optim: the state of {where} is {type(saved).__name__}, not a dict")
+        local = _local(p)
+        n = local.numel()
+        saved = _local_tensors(saved)
+        try:
+            src = formats.infer_format(saved, n, group["block_size"])
+            formats.check_saved(saved, src, n)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"llmmem.optim: the state of {where} is not usable: {e}") from None
+        dst = self._format(group, n)
+        step = saved.get("step", 0.0)
+        step = float(step) if isinstance(step, (int, float, torch.Tensor)) else float("nan")
+        if not math.isfinite(step) or step < 0:
+            raise ValueError(f"llmmem.optim: the state of {where} has step {step}; expected a count >= 0")
+        out: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
+        if dst == src:
+            keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if src.quantized else ())
+            fresh = formats.new_moments(dst, local)
+            for key in keys:
+                fresh[key].copy_(saved[key].reshape(fresh[key].shape))
+            out.update(fresh)
+        else:
+            m, v = formats.moments_as_float(src, saved, n)
+            out.update(formats.moments_from_float(dst, m, v, local))
+        out["state_dtype"] = dst.dtype
+        if dst.quantized:
+            out["block_size"] = dst.block
+        if self._wants_master(group, p):
+            master = saved.get("master")
+            if isinstance(master, torch.Tensor):
+                out["master"] = (
+                    master.detach().to(device=local.device, dtype=torch.float32).reshape(local.shape).clone()
+                )
+            else:
+                out["master"] = local.detach().to(torch.float32).clone()
+        seed = saved.get("seed")
+        out["seed"] = (
+            seed
+            if isinstance(seed, int) and not isinstance(seed, bool)
+            else _mix64(self._seed ^ _mix64(self._param_index(p)))
+        )
+        return out
+
+    def full_precision_state_dict(self) -> dict:
+        """``state_dict()`` with every moment as float32 in torch's layout and no llmmem-only
+        keys: what ``torch.optim.AdamW.load_state_dict`` reads correctly. (Loading a quantized
+        state into torch's optimizer directly would read its codes as numbers.)"""
+        sd = self.state_dict()
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        state = {}
+        for k in sd["state"]:
+            p = params[k]
+            live, local = _local_tensors(self.state[p]), _local(p)
+            m, v = formats.moments_as_float(formats.infer_format(live, local.numel()), live, local.numel())
+            state[k] = {
+                "step": live["step"].clone(),
+                "exp_avg": m.reshape(local.shape).to(local.device),
+                "exp_avg_sq": v.reshape(local.shape).to(local.device),
+            }
+        sd["state"] = state
+        for g in sd["param_groups"]:
+            for key in _LLMMEM_KEYS:
+                g.pop(key, None)
+        return sd
+
+
+def _local_tensors(state: dict) -> dict:
+    return {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+class AdamW(Adam):
+    """AdamW: :class:`Adam` with ``decoupled_weight_decay=True`` and torch's AdamW defaults
+    (``weight_decay=1e-2``). See :class:`Adam` for the arguments."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        **kwargs,
+    ) -> None:
+        if "decoupled_weight_decay" in kwargs and not kwargs["decoupled_weight_decay"]:
+            raise ValueError("AdamW always decouples its weight decay; use llmmem.optim.Adam for L2")
+        kwargs["decoupled_weight_decay"] = True
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
