@@ -89,7 +89,7 @@ LOOP_TARGET static float LOOP_NAME(absmax)(const float *restrict x, int64_t n) {
   uint32_t mx = 0;
   for (int64_t i = 0; i < n; i++) {
     uint32_t a = llmmem_q_bits(x[i]) & 0x7fffffffu;
-    a = a < 0x7f800000u ? a : 0u; /* inf and NaN do not count */
+    a &= 0u - (uint32_t)(a < 0x7f800000u); /* inf and NaN do not count (a mask: a select here stops gcc) */
     mx = a > mx ? a : mx;
   }
   return llmmem_q_float(mx);
