@@ -137,11 +137,11 @@ llmmem_status_t _llmmem_optim_check_step(const char *fn, const llmmem_optim_tens
     LLMMEM_CHECK_ARG(t->step != NULL, "%s: tensors[%zu].step must not be NULL", fn, i);
     LLMMEM_CHECK_ARG(t->master == NULL || t->param_dtype != LLMMEM_OPTIM_F32,
                      "%s: tensors[%zu] has a master but fp32 parameters (a master is for bf16/fp16 ones)", fn, i);
-    LLMMEM_CHECK_ARG(t->param_dtype != LLMMEM_OPTIM_F16 || t->master != NULL,
-                     "%s: tensors[%zu] is fp16 without a master: fp16 weights cannot take the update directly", fn, i);
     LLMMEM_CHECK_ARG(INT64_MAX - total >= t->numel, "%s: tensors[%zu] makes the total size overflow", fn, i);
     total += t->numel;
-    if (t->numel == 0) continue;
+    if (t->numel == 0) continue; /* nothing is read or written (empty tensors may have NULL data) */
+    LLMMEM_CHECK_ARG(t->param_dtype != LLMMEM_OPTIM_F16 || t->master != NULL,
+                     "%s: tensors[%zu] is fp16 without a master: fp16 weights cannot take the update directly", fn, i);
     LLMMEM_CHECK_ARG(t->param && t->grad && t->exp_avg && t->exp_avg_sq,
                      "%s: tensors[%zu] has a NULL param, grad, exp_avg or exp_avg_sq with numel %lld", fn, i,
                      (long long)t->numel);

@@ -1,0 +1,123 @@
+"""Bad input to llmmem.optim: each a ValueError/TypeError naming the argument and what was
+expected, raised before anything changes; and a step that fails half-way through its checks or
+allocations (an out-of-memory error included) changes no parameter and no state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmmem.optim as lo
+
+
+def _p(n=10, dtype=torch.float32):
+    return torch.nn.Parameter(torch.randn(n).to(dtype))
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,words",
+    [
+        (dict(lr=-1e-3), ValueError, "lr"),
+        (dict(lr=float("nan")), ValueError, "lr"),
+        (dict(lr="fast"), TypeError, "lr"),
+        (dict(eps=-1e-8), ValueError, "eps"),
+        (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+        (dict(betas=(1.0, 0.999)), ValueError, "betas[0]"),
+        (dict(betas=(0.9, -0.1)), ValueError, "betas[1]"),
+        (dict(betas=0.9), TypeError, "betas"),
+        (dict(state_dtype="int2"), ValueError, "state_dtype"),
+        (dict(state_dtype=8), ValueError, "state_dtype"),
+        (dict(state_dtype="int8", block_size=100), ValueError, "block_size"),
+        (dict(state_dtype="int8", block_size=8192), ValueError, "block_size"),
+        (dict(block_size=64.0), TypeError, "block_size"),
+        (dict(stochastic_rounding="yes"), TypeError, "stochastic_rounding"),
+        (dict(min_quantized_numel=-1), ValueError, "min_quantized_numel"),
+        (dict(master_weights=1), TypeError, "master_weights"),
+        (dict(amsgrad=True), ValueError, "amsgrad"),
+        (dict(capturable=True), ValueError, "capturable"),
+        (dict(differentiable=True), ValueError, "differentiable"),
+        (dict(seed="x"), TypeError, "seed"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
+        lo.AdamW([_p()], **kwargs)
+
+
+def test_bad_group_settings_are_refused_and_the_group_is_not_added():
+    opt = lo.AdamW([_p()])
+    with pytest.raises(ValueError, match="state_dtype"):
+        opt.add_param_group({"params": [_p()], "state_dtype": "fp8"})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(TypeError, match="complex"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]})
+    with pytest.raises(TypeError, match="float64"):
+        opt.add_param_group({"params": [_p(dtype=torch.float64)]})
+    assert len(opt.param_groups) == 1
+
+
+def test_fp16_parameters_need_a_master():
+    with pytest.raises(ValueError, match="master_weights=True"):
+        lo.AdamW([_p(dtype=torch.float16)])
+    p = _p(100, torch.float16)
+    opt = lo.AdamW([p], master_weights=True, lr=0.1)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    opt.step()
+    assert opt.state[p]["master"].dtype == torch.float32
+    assert torch.equal(p, opt.state[p]["master"].half()) and not torch.equal(p, before)
+
+
+def test_a_bad_gradient_in_a_later_group_changes_nothing():
+    # (torch itself refuses gradients of another dtype or shape when they are assigned)
+    good, bad = _p(100), _p(3)
+    opt = lo.AdamW([{"params": [good]}, {"params": [bad], "state_dtype": "int8"}], lr=0.1)
+    good.grad = torch.ones_like(good)
+    bad.grad = torch.randn(3).to_sparse()
+    before = good.detach().clone()
+    with pytest.raises(TypeError, match="sparse"):
+        opt.step()
+    assert torch.equal(good, before) and good not in opt.state  # all-or-nothing
+
+
+def test_out_of_memory_while_making_state_changes_nothing(monkeypatch):
+    a, b = _p(5000), _p(5000)
+    opt = lo.AdamW([a, b], lr=0.1, state_dtype="int8")
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt.step()
+    c = _p(5000)
+    opt.add_param_group({"params": [c]})
+    c.grad = torch.ones_like(c)
+    state_before = {k: v.clone() for k, v in opt.state[a].items() if isinstance(v, torch.Tensor)}
+    weights_before = [t.detach().clone() for t in (a, b, c)]
+    from llmmem.optim import formats
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: no memory for the new state")
+
+    monkeypatch.setattr(formats, "new_moments", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    assert all(torch.equal(t, w) for t, w in zip((a, b, c), weights_before))
+    assert all(torch.equal(opt.state[a][k], v) for k, v in state_before.items())
+    assert c not in opt.state
+    monkeypatch.undo()
+    opt.step()  # and the next step works
+    assert float(opt.state[a]["step"]) == 2.0 and float(opt.state[c]["step"]) == 1.0
+
+
+def test_nan_and_inf_gradients_behave_as_in_torch():
+    p, q = _p(50), _p(50)
+    q.data.copy_(p.data)
+    g = torch.randn(50)
+    g[7], g[9] = float("nan"), float("inf")
+    p.grad, q.grad = g.clone(), g.clone()
+    lo.AdamW([p], lr=0.1).step()
+    torch.optim.AdamW([q], lr=0.1, foreach=False).step()
+    assert torch.equal(torch.isnan(p), torch.isnan(q))
+    torch.testing.assert_close(p[torch.isfinite(q)], q[torch.isfinite(q)])
+
+
+def test_adamw_refuses_coupled_decay():
+    with pytest.raises(ValueError, match="Adam for L2"):
+        lo.AdamW([_p()], decoupled_weight_decay=False)
