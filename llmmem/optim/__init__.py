@@ -6,5 +6,6 @@ without an fp32 master (stochastic rounding), and the step taken inside backward
 """
 
 from llmmem.optim.adamw import Adam, AdamW
+from llmmem.optim.in_backward import StepInBackward, step_in_backward
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "StepInBackward", "step_in_backward"]

@@ -1,0 +1,187 @@
+"""llmmem.optim.step_in_backward: the same update as stepping after backward (bit-identical in
+fp32, for llmmem's AdamW of every format and for torch's optimizers), a peak lower by at least
+0.9 x the gradients' bytes, schedulers, remove(); and the refusals: clipping by global norm,
+gradient accumulation over several backwards, an enabled fp16 GradScaler, DTensor parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmmem
+import llmmem.optim as lo
+from llmmem.diagnostics.live import LiveBytes
+from llmmem.errors import StateError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _model(seed=0, width=128):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 10),
+    )
+
+
+def _batches(n, seed=1, batch=16):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _bits(t):
+    return t.detach().view(torch.int32) if t.dtype == torch.float32 else t.detach().view(torch.int16)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4", "bf16"])
+def test_llmmem_adamw_in_backward_equals_stepping_after(fmt):
+    a, b = _model(), _model()
+    kw = dict(lr=1e-2, state_dtype=fmt, min_quantized_numel=64, seed=3)
+    oa, ob = lo.AdamW(a.parameters(), **kw), lo.AdamW(b.parameters(), **kw)
+    handle = lo.step_in_backward(a, oa)
+    for batch in _batches(5):
+        _loss(a, batch).backward()
+        assert all(p.grad is None for p in a.parameters())
+        oa.step()  # a loop written for a normal step still runs: nothing left to step
+        ob.zero_grad()
+        _loss(b, batch).backward()
+        ob.step()
+    handle.remove()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(_bits(pa), _bits(pb))
+
+
+@pytest.mark.parametrize(
+    "cls,kw", [(torch.optim.AdamW, dict(lr=1e-2, foreach=False)), (torch.optim.SGD, dict(lr=0.1, momentum=0.9))]
+)
+def test_torch_optimizers_one_per_parameter(cls, kw):
+    a, b = _model(), _model()
+    oa, ob = cls(a.parameters(), **kw), cls(b.parameters(), **kw)
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=2, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=2, gamma=0.5)
+    with lo.step_in_backward(a, oa, scheduler=sa):
+        for batch in _batches(5):
+            _loss(a, batch).backward()
+            ob.zero_grad()
+            _loss(b, batch).backward()
+            ob.step()
+            sb.step()
+    assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"] == kw["lr"] * 0.25
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert len(oa.state_dict()["state"]) == len(list(a.parameters()))  # the state lives in the user's optimizer
+
+
+def _peak(model, opt, in_backward: bool, steps=3):
+    handle = lo.step_in_backward(model, opt) if in_backward else None
+    with LiveBytes() as live:
+        live.track([model, opt.state])
+        for batch in _batches(steps, batch=2):  # fine-tuning-shaped: gradients dwarf activations
+            opt.zero_grad(set_to_none=True)
+            live.reset_peak()
+            base = live.allocated()
+            _loss(model, batch).backward()
+            if not in_backward:
+                opt.step()
+            peak = live.max_allocated() - base
+    if handle:
+        handle.remove()
+    return peak
+
+
+def _deep(seed=0):
+    # 16 equal layers, as a transformer's blocks are: a step in backward holds one layer's
+    # gradient at a time (the largest tensor's gradient is the least it can hold)
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(64, 256)] + [torch.nn.Linear(256, 256) for _ in range(15)] + [torch.nn.Linear(256, 10)]
+    return torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())][:-1])
+
+
+def test_peak_is_lower_by_the_gradients():
+    a, b = _deep(), _deep()
+    grad_bytes = sum(p.numel() * p.element_size() for p in a.parameters())
+    normal = _peak(a, lo.AdamW(a.parameters()), False)
+    fused = _peak(b, lo.AdamW(b.parameters()), True)
+    assert normal - fused >= 0.9 * grad_bytes, (normal, fused, grad_bytes)
+
+
+def test_clipping_by_global_norm_is_refused():
+    m = _model()
+    opt = lo.AdamW(m.parameters())
+    with lo.step_in_backward(m, opt):
+        with pytest.raises(StateError, match="clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        with pytest.raises(StateError, match="clip_grad_value_"):
+            torch.nn.utils.clip_grad_value_(m.parameters(), 1.0)
+        other = torch.nn.Linear(3, 3)  # parameters it does not step may still be clipped
+        other(torch.randn(2, 3)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+    assert not hasattr(torch.nn.utils.clip_grad_norm_, "_llmmem_guard")  # the guard is gone with the handle
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+
+
+def test_gradient_accumulation_is_refused():
+    m = _model()
+    opt = lo.AdamW(m.parameters())
+    batches = _batches(4)
+    with lo.step_in_backward(m, opt):
+        _loss(m, batches[0]).backward()
+        _loss(m, batches[1]).backward()
+        with pytest.raises(StateError, match="2 backward passes"):
+            opt.step()
+        # once the loop is known to call step(), a second backward without one is stopped before it updates
+        _loss(m, batches[2]).backward()
+        opt.step()
+        _loss(m, batches[3]).backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(StateError, match="second backward"):
+            _loss(m, batches[0]).backward()
+        assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("scaler_cls", ["torch", "llmmem"])
+def test_an_enabled_fp16_grad_scaler_is_refused(scaler_cls):
+    m = _model()
+    opt = lo.AdamW(m.parameters())
+    make = (
+        (lambda **k: torch.amp.GradScaler("cpu", **k))
+        if scaler_cls == "torch"
+        else (lambda **k: llmmem.GradScaler("cpu", **k))
+    )
+    with lo.step_in_backward(m, opt):
+        loss = _loss(m, _batches(1)[0])
+        with pytest.raises(StateError, match="bf16 autocast"):
+            make().scale(loss)
+        assert make(enabled=False).scale(loss) is loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 autocast works
+            _loss(m, _batches(1)[0]).backward()
+    make().scale(loss)  # and the scaler works again once the handle is gone
+
+
+def test_bad_input():
+    m = _model()
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        lo.step_in_backward(m, lo.AdamW(list(m.parameters())[:2]))
+    with pytest.raises(TypeError, match="optimizer"):
+        lo.step_in_backward(m, "adam")
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter requires grad"):
+        lo.step_in_backward(frozen, torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+
+
+def test_remove_restores_the_normal_step():
+    m = _model()
+    opt = lo.AdamW(m.parameters())
+    h = lo.step_in_backward(m, opt)
+    h.remove()
+    h.remove()  # twice is fine
+    _loss(m, _batches(1)[0]).backward()
+    assert all(p.grad is not None for p in m.parameters())
