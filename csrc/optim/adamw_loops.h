@@ -111,8 +111,12 @@ LOOP_TARGET static void LOOP_NAME(encode_m8)(const float *restrict x, float inv,
     c[i] = (uint8_t)llmmem_q_encode_signed(x[i], inv, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B);
 }
 
-LOOP_TARGET static void LOOP_NAME(encode_r8)(const float *restrict x, float inv, uint8_t *restrict c, int64_t n) {
-  for (int64_t i = 0; i < n; i++) c[i] = (uint8_t)llmmem_q_encode_unsigned(x[i], inv, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B);
+/* sqrt(v) rounded stochastically, element k with the bits of index first + k */
+LOOP_TARGET static void LOOP_NAME(encode_r8)(const float *restrict x, float inv, uint8_t *restrict c, int64_t n,
+                                             uint32_t key, uint32_t first) {
+  for (int64_t i = 0; i < n; i++)
+    c[i] = (uint8_t)llmmem_q_encode_unsigned_sr(x[i], inv, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B,
+                                                llmmem_sr_mix((first + (uint32_t)i) ^ key));
 }
 
 /* ---- 4-bit codes, two per byte (element 2i in the low nibble) ---------------------------- */
@@ -146,8 +150,11 @@ LOOP_TARGET static void LOOP_NAME(encode_m4)(const float *restrict x, float inv,
     u[i] = (uint8_t)llmmem_q_encode_signed(x[i], inv, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B);
 }
 
-LOOP_TARGET static void LOOP_NAME(encode_r4)(const float *restrict x, float inv, uint8_t *restrict u, int64_t n) {
-  for (int64_t i = 0; i < n; i++) u[i] = (uint8_t)llmmem_q_encode_unsigned(x[i], inv, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B);
+LOOP_TARGET static void LOOP_NAME(encode_r4)(const float *restrict x, float inv, uint8_t *restrict u, int64_t n,
+                                             uint32_t key, uint32_t first) {
+  for (int64_t i = 0; i < n; i++)
+    u[i] = (uint8_t)llmmem_q_encode_unsigned_sr(x[i], inv, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B,
+                                                llmmem_sr_mix((first + (uint32_t)i) ^ key));
 }
 
 /* ---- one piece of one tensor ------------------------------------------------------------- */
@@ -217,15 +224,16 @@ LOOP_TARGET static void LOOP_NAME(run_piece)(const piece_job_t *job, size_t ti, 
       const int32_t cm = q8 ? LLMMEM_OPTIM_CODE_M8 : LLMMEM_OPTIM_CODE_M4;
       const int32_t cr = q8 ? LLMMEM_OPTIM_CODE_R8 : LLMMEM_OPTIM_CODE_R4;
       float inv_m, inv_r;
+      const uint32_t rkey = llmmem_sr_key(t->seed, step, LLMMEM_SR_MOMENTS, hi32);
       llmmem_q_block_scale(LOOP_NAME(absmax)(mbuf, n), llmmem_q_max_value(cm), &t->exp_avg_scale[block], &inv_m);
       llmmem_q_block_scale(LOOP_NAME(absmax)(vbuf, n), llmmem_q_max_value(cr), &t->exp_avg_sq_scale[block], &inv_r);
       if (q8) {
         LOOP_NAME(encode_m8)(mbuf, inv_m, (uint8_t *)t->exp_avg + a, n);
-        LOOP_NAME(encode_r8)(vbuf, inv_r, (uint8_t *)t->exp_avg_sq + a, n);
+        LOOP_NAME(encode_r8)(vbuf, inv_r, (uint8_t *)t->exp_avg_sq + a, n, rkey, first);
       } else {
         LOOP_NAME(encode_m4)(mbuf, inv_m, codes, n);
         LOOP_NAME(pack4)(codes, (uint8_t *)t->exp_avg + a / 2, n);
-        LOOP_NAME(encode_r4)(vbuf, inv_r, codes, n);
+        LOOP_NAME(encode_r4)(vbuf, inv_r, codes, n, rkey, first);
         LOOP_NAME(pack4)(codes, (uint8_t *)t->exp_avg_sq + a / 2, n);
       }
     }

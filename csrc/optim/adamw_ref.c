@@ -84,8 +84,10 @@ static void step_block(const llmmem_optim_tensor_t *t, const llmmem_optim_adamw_
     m_new[k] = m;
     store_weight(t, cfg, step, i, w);
   }
-  _llmmem_optim_quantize_block_ref(m_new, n, cm, t->exp_avg, first, &t->exp_avg_scale[block]);
-  _llmmem_optim_quantize_block_ref(r_new, n, cr, t->exp_avg_sq, first, &t->exp_avg_sq_scale[block]);
+  /* sqrt(v) rounded stochastically (see codes.h), with the moments' stream of random bits */
+  const uint32_t key = llmmem_sr_key(t->seed, step, LLMMEM_SR_MOMENTS, (uint32_t)((uint64_t)first >> 32));
+  _llmmem_optim_quantize_block_ref(m_new, n, cm, t->exp_avg, first, &t->exp_avg_scale[block], NULL);
+  _llmmem_optim_quantize_block_ref(r_new, n, cr, t->exp_avg_sq, first, &t->exp_avg_sq_scale[block], &key);
 }
 
 LLMMEM_API llmmem_status_t llmmem_optim_adamw_step_ref(const llmmem_optim_tensor_t *tensors, size_t count,

@@ -29,9 +29,10 @@ int _llmmem_optim_code_bits(int32_t code);
 
 /* quantize.c: elements [0, n) of one block (n <= block size), read from x (fp32), quantized into
  * `codes` starting at element `first` of the tensor (even for 4-bit codes) and its scale in
- * *scale; the plain form the reference uses. */
+ * *scale; the plain form the reference uses. `key` NULL: to nearest; else (R codes only) rounded
+ * stochastically, element i with the bits llmmem_sr_mix((uint32_t)i ^ *key). */
 void _llmmem_optim_quantize_block_ref(const float *x, int64_t n, int32_t code, void *codes, int64_t first,
-                                      float *scale);
+                                      float *scale, const uint32_t *key);
 /* quantize.c: the value of element `i` of a quantized tensor whose block scale is `scale`. */
 float _llmmem_optim_dequantize_one(const void *codes, int64_t i, int32_t code, float scale);
 

@@ -56,8 +56,13 @@ static void set_code(void *codes, int64_t i, int bits, uint32_t c) {
   }
 }
 
+static uint32_t encode_sr(int32_t code, float x, float inv, uint32_t rnd) {
+  return code == LLMMEM_OPTIM_CODE_R8 ? llmmem_q_encode_unsigned_sr(x, inv, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B, rnd)
+                                      : llmmem_q_encode_unsigned_sr(x, inv, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B, rnd);
+}
+
 void _llmmem_optim_quantize_block_ref(const float *x, int64_t n, int32_t code, void *codes, int64_t first,
-                                      float *scale) {
+                                      float *scale, const uint32_t *key) {
   float absmax = 0.0f;
   for (int64_t i = 0; i < n; i++) {
     float a = fabsf(x[i]);
@@ -66,7 +71,11 @@ void _llmmem_optim_quantize_block_ref(const float *x, int64_t n, int32_t code, v
   float inv;
   llmmem_q_block_scale(absmax, llmmem_q_max_value(code), scale, &inv);
   const int bits = _llmmem_optim_code_bits(code);
-  for (int64_t i = 0; i < n; i++) set_code(codes, first + i, bits, encode(code, x[i], inv));
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t c =
+        key ? encode_sr(code, x[i], inv, llmmem_sr_mix((uint32_t)(first + i) ^ *key)) : encode(code, x[i], inv);
+    set_code(codes, first + i, bits, c);
+  }
 }
 
 float _llmmem_optim_dequantize_one(const void *codes, int64_t i, int32_t code, float scale) {
@@ -107,7 +116,7 @@ LLMMEM_API llmmem_status_t llmmem_optim_quantize(const float *x, int64_t n, int3
   }
   for (int64_t b = 0; b * block_size < n; b++) {
     int64_t first = b * block_size, len = n - first < block_size ? n - first : block_size;
-    _llmmem_optim_quantize_block_ref(x + first, len, code, codes, first, &scales[b]);
+    _llmmem_optim_quantize_block_ref(x + first, len, code, codes, first, &scales[b], NULL);
   }
   return LLMMEM_OK;
 }

@@ -50,6 +50,15 @@ def _encode_mag(y: torch.Tensor, m_bits: int, bias: int, max_mag: int) -> torch.
     return c.clamp(max=max_mag)
 
 
+def _encode_mag_sr(y: torch.Tensor, m_bits: int, bias: int, max_mag: int, rnd: torch.Tensor) -> torch.Tensor:
+    frac = (rnd >> 8).to(torch.float32) * _pow2(-24)
+    sub = (y * _pow2(bias - 1 + m_bits) + frac).to(torch.int64)  # truncation: the values are >= 0
+    t = _bits(y) - ((127 - bias) << 23)
+    norm = (t + (rnd >> (9 + m_bits))) >> (23 - m_bits)
+    c = torch.where(y < _pow2(1 - bias), sub, norm)
+    return c.clamp(max=max_mag)
+
+
 def _decode_mag(c: torch.Tensor, m_bits: int, bias: int) -> torch.Tensor:
     e, f = c >> m_bits, c & ((1 << m_bits) - 1)
     sub = f.to(torch.float32) * _pow2(1 - bias - m_bits)
@@ -63,8 +72,9 @@ def max_value(code: int) -> float:
     return float(_decode_mag(torch.tensor([top]), m_bits, bias)[0])
 
 
-def encode(x: torch.Tensor, inv: torch.Tensor, code: int) -> torch.Tensor:
-    """int64 codes of float32 x with the per-element multiplier inv (a block's)."""
+def encode(x: torch.Tensor, inv: torch.Tensor, code: int, rnd=None) -> torch.Tensor:
+    """int64 codes of float32 x with the per-element multiplier inv (a block's); R codes with
+    ``rnd`` (random bits, int64) rounded stochastically, else to nearest."""
     mag, m_bits, bias, signed = _CODES[code]
     u = _bits(x)
     bad = (u & 0x7F800000) == 0x7F800000
@@ -75,8 +85,11 @@ def encode(x: torch.Tensor, inv: torch.Tensor, code: int) -> torch.Tensor:
         code_v = torch.where(m == 0, torch.zeros_like(m), ((u >> 31) << mag) | m)
     else:
         nan_code = (1 << mag) - 1
-        y = x * inv
-        m = _encode_mag(torch.where(bad, torch.zeros_like(y), y), m_bits, bias, nan_code - 1)
+        y = torch.where(bad, torch.zeros_like(x), x * inv)
+        if rnd is None:
+            m = _encode_mag(y, m_bits, bias, nan_code - 1)
+        else:
+            m = _encode_mag_sr(y, m_bits, bias, nan_code - 1, rnd)
         positive = (u - 1 >= 0) & (u - 1 < 0x7F7FFFFF)
         code_v = torch.maximum(m, positive.to(torch.int64))
     return torch.where(bad, torch.full_like(code_v, nan_code), code_v)
@@ -101,8 +114,9 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(x.reshape(1, -1), (0, pad)).reshape(-1, block)
 
 
-def quantize_blocks(x: torch.Tensor, code: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 codes [n], float32 scales [blocks]) of flat float32 x: csrc/optim/quantize.c."""
+def quantize_blocks(x: torch.Tensor, code: int, block: int, rnd=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 codes [n], float32 scales [blocks]) of flat float32 x: csrc/optim/quantize.c; with
+    ``rnd`` (the random bits of each element) an R code is rounded stochastically."""
     n = x.numel()
     xb = _blocks(x, block)
     a = _bits(xb) & 0x7FFFFFFF
@@ -111,7 +125,8 @@ def quantize_blocks(x: torch.Tensor, code: int, block: int) -> tuple[torch.Tenso
     top = torch.tensor(max_value(code), dtype=torch.float32)
     scale = torch.where(ok, absmax / top, torch.zeros_like(absmax))
     inv = torch.where(ok, top / absmax, torch.zeros_like(absmax))
-    codes = encode(xb, inv[:, None].expand_as(xb), code).reshape(-1)[:n]
+    rb = None if rnd is None else _blocks(rnd, block)
+    codes = encode(xb, inv[:, None].expand_as(xb), code, rb).reshape(-1)[:n]
     return codes, scale
 
 
@@ -290,7 +305,8 @@ def adamw_step(tensor: dict, fmt: Format, cfg: dict) -> None:
     else:
         cm, cr = fmt.codes()
         mcodes, ms = quantize_blocks(m, cm, fmt.block)
-        rcodes, rs = quantize_blocks(r, cr, fmt.block)
+        # sqrt(v) rounded stochastically, with the moments' stream (csrc/optim/codes.h says why)
+        rcodes, rs = quantize_blocks(r, cr, fmt.block, random_bits(seed, step, 1, n, w.device))
         tensor["exp_avg_scale"].copy_(ms)
         tensor["exp_avg_sq_scale"].copy_(rs)
         if fmt.dtype == "int4":
