@@ -38,10 +38,6 @@ def test_estimate_sweep_runs_and_never_grows():
 # examples/train_gpt.py
 
 
-def _train_module():
-    return load_example()
-
-
 def _train(*args, timeout=300, env=None):
     return subprocess.run(
         [sys.executable, str(TRAIN), *SMALL, "--no-progress", *args],
@@ -77,7 +73,7 @@ def _train(*args, timeout=300, env=None):
 )
 def test_train_gpt_bad_flags_are_usage_errors(args, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    train = _train_module()
+    train = load_example()
     with pytest.raises(SystemExit) as exc:
         train.parse_args(args)
     assert exc.value.code == 2
@@ -91,7 +87,7 @@ def test_train_gpt_pool_needs_cuda(capsys, monkeypatch):
         pytest.skip("a CUDA device is present: --pool is valid here")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit):
-        _train_module().parse_args(["--pool"])
+        load_example().parse_args(["--pool"])
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
@@ -107,7 +103,7 @@ def test_train_gpt_sequence_longer_than_the_data_is_a_usage_error(tmp_path, caps
     data = tmp_path / "tiny.txt"
     data.write_text("a short corpus")
     with pytest.raises(SystemExit) as exc:
-        _train_module().parse_args(["--data", str(data), "--seq-len", "64"])
+        load_example().parse_args(["--data", str(data), "--seq-len", "64"])
     assert exc.value.code == 2 and "fewer than --seq-len" in capsys.readouterr().err
 
 
@@ -190,7 +186,7 @@ def _train_ranks(rank, world, folder):
     import os
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    train = _train_module()
+    train = load_example()
     common = SMALL + ["--no-progress", "--tp", "2", "--sequence-parallel", "--amp", "fp16", "--checkpoint", "every"]
     assert train.main(common + ["--steps", "6", "--log-json", f"{folder}/full.json"]) == 0
     assert train.main(common + ["--steps", "3", "--save", f"{folder}/ckpt"]) == 0

@@ -213,22 +213,28 @@ def test_every_damaged_file_is_named_in_one_line_and_never_resumed(tmp_path):
                 assert "resumed" not in r["stdout"], (kind, r["stdout"])
 
 
-def test_resume_takes_a_set_named_directly_and_refuses_a_folder_without_sets(tmp_path):
-    base = tmp_path / "base"
-    (tmp_path / "empty").mkdir()
+def test_resume_from_a_named_set_supersedes_the_sets_ahead_and_keeps_the_newest(tmp_path):
+    base, empty, legacy = tmp_path / "base", tmp_path / "empty", tmp_path / "legacy"
+    empty.mkdir()
+    legacy.mkdir()
+    (legacy / "rank0.pt").write_bytes(b"")
     results = captured_runs(
         [
-            ONE + ["--steps", "2", "--save-every", "1", "--save", str(base)],
-            ONE + ["--steps", "3", "--resume", str(base / "step-00000001")],
-            ONE + ["--steps", "3", "--resume", str(tmp_path / "empty")],
+            ONE + ["--steps", "4", "--save-every", "1", "--save", str(base), "--keep", "3"],
+            ONE + ["--steps", "3", "--resume", str(base / "step-00000002"), "--save", str(base), "--keep", "3"],
+            ONE + ["--steps", "3", "--resume", str(empty)],
+            ONE + ["--steps", "3", "--resume", str(legacy)],
         ]
     )
-    assert [r["code"] for r in results] == [0, 0, 1], results
-    assert "resumed at step 1 from" in results[1]["stdout"]
-    assert results[2]["stderr"].strip().splitlines() == [
-        f"error: --resume {tmp_path / 'empty'}: no checkpoint set (a step-NNNNNNNN folder with a MANIFEST.json) "
-        f"in {tmp_path / 'empty'}"
-    ]
+    assert [r["code"] for r in results] == [0, 0, 1, 1], results
+    assert f"resumed at step 2 from {base / 'step-00000002'}" in results[1]["stdout"]
+    assert f"removed {base / 'step-00000004'}: ahead of step 3" in results[1]["stderr"]
+    assert sorted(p.name for p in base.iterdir()) == ["step-00000002", "step-00000003"]  # no .partial, no .stale
+    assert json.loads((base / "step-00000003" / "MANIFEST.json").read_text())["args"]["steps"] == "3"  # the new run's
+    message = f"no checkpoint set (a step-NNNNNNNN folder with a MANIFEST.json) in {empty}"
+    assert results[2]["stderr"].strip().splitlines() == [f"error: --resume {empty}: {message}"]
+    [line] = results[3]["stderr"].strip().splitlines()
+    assert "earlier train_gpt.py's format, which has no digests" in line
 
 
 # ------------------------------------------------------------------------------------------------
