@@ -17,7 +17,9 @@ One flag per technique; they combine. CPU by default, CUDA when present.
 ``--batch`` is the global batch of one optimizer step: it is split over the data-parallel ranks and
 then into ``--grad-accum`` micro-batches, so the losses do not depend on how many ranks train.
 The model is the GPT of ``llmmem/models/gpt.py`` trained on bytes (a vocabulary of 256) of a text
-file, by default ``examples/data/corpus.txt`` (generated prose; any UTF-8 file works).
+file, by default ``examples/data/corpus.txt`` (generated prose; any UTF-8 file works). Checkpoints
+are sets, one step on every rank or none, checked by digest on resume: ``train_gpt_checkpoints.py``
+beside this file (copy both).
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ import llmmem
 from llmmem.compare.corpus import VOCAB_SIZE, BatchSampler, encode
 from llmmem.models.gpt import GPT, GPTConfig
 
-DEFAULT_DATA = pathlib.Path(__file__).resolve().parent / "data" / "corpus.txt"
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # run as a script it is there already; imported by path, not
+    sys.path.append(str(HERE))
+import train_gpt_checkpoints as checkpoints  # noqa: E402  (the checkpoint sets, a file beside this one)
+
+DEFAULT_DATA = HERE / "data" / "corpus.txt"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,10 +104,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     io = p.add_argument_group("checkpoints and output")
     io.add_argument("--save", type=pathlib.Path, default=None, help="folder to save the training state in")
     io.add_argument("--save-every", type=_positive, default=None, help="save every N steps (and at the end)")
-    io.add_argument("--resume", type=pathlib.Path, default=None, help="folder of a saved training state")
+    io.add_argument("--keep", type=_positive, default=2, help="complete checkpoint sets kept (default 2)")
+    io.add_argument(
+        "--resume",
+        type=pathlib.Path,
+        default=None,
+        help="a --save folder (its newest complete set) or one step-N set in it; flags given with it apply",
+    )
     io.add_argument("--log-json", type=pathlib.Path, default=None, help="write the losses of every step (rank 0)")
     io.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    # the flags on the command line, told from defaults: a resume applies these over the saved state
+    unset = object()
+    given = p.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    args.given = sorted(k for k, v in vars(given).items() if v is not unset)
     _check(p, args)
     return args
 
@@ -229,6 +246,16 @@ class Dist:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
 
     def mean_over_dp(self, value: float) -> float:
         if self.dp == 1:
@@ -379,9 +406,10 @@ def set_rng_state(state: dict, device) -> None:
 
 
 def save(folder: pathlib.Path, step: int, model, optimizer, scaler, sampler, device, d: Dist, args) -> None:
-    """``rank{r}.pt`` for every rank. ZeRO's optimizer state is consolidated on data-parallel rank 0 of
-    each tensor-parallel rank (a collective: every rank calls this) and saved in its file only."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """The checkpoint set of ``step`` in ``folder`` (``train_gpt_checkpoints.py``): ``rank{r}.pt`` for
+    every rank and a manifest of their digests, current only once every file is written. ZeRO's
+    optimizer state is consolidated on data-parallel rank 0 of each tensor-parallel rank (a
+    collective: every rank calls this) and saved in its file only."""
     zero = hasattr(optimizer, "consolidate_state_dict")
     if zero:
         optimizer.consolidate_state_dict(to=0)
@@ -392,48 +420,107 @@ def save(folder: pathlib.Path, step: int, model, optimizer, scaler, sampler, dev
         "scaler": scaler.state_dict() if scaler is not None else None,
         "sampler": sampler.state_dict(),
         "rng": rng_state(device),
-        "layout": {"world": d.world, "tp": d.tp},
-        "args": {k: str(v) for k, v in vars(args).items()},
     }
-    tmp = folder / f"rank{d.rank}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / f"rank{d.rank}.pt")
-    d.barrier()
+    args_text = {k: str(v) for k, v in vars(args).items() if k not in ("given", "device_obj")}
+    meta = {"world": d.world, "tp": d.tp, "dp": d.dp, "args": args_text}
+    try:
+        ahead = checkpoints.save_set(folder, step, state, rank=d.rank, gather=d.all_gather, meta=meta, keep=args.keep)
+    except checkpoints.CheckpointError as exc:
+        raise SystemExit(f"error: --save {folder}: {exc}") from None
+    if ahead:
+        print(
+            f"note: --save {folder}: removed {', '.join(ahead)}: ahead of step {step}, an earlier run's",
+            file=sys.stderr,
+        )
 
 
 # Flags that change the model's parameters: a saved state loads only into the same ones.
 MODEL_FLAGS = ("model", "layers", "hidden", "heads", "seq_len")
+# Flags that say how long the run goes and where it writes, not how it trains: not reported on resume.
+RUN_FLAGS = ("steps", "resume", "save", "save_every", "keep", "log_json", "no_progress")
 
 
-def resume(folder: pathlib.Path, model, optimizer, scaler, sampler, device, d: Dist, args) -> int:
-    path = folder / f"rank{d.rank}.pt"
-    if not path.is_file():
-        raise SystemExit(f"error: --resume {folder}: no {path.name} (saved with a different number of processes?)")
-    state = torch.load(path, map_location=device, weights_only=False)
-    if state["layout"] != {"world": d.world, "tp": d.tp}:
-        raise SystemExit(
-            f"error: --resume {folder}: saved with {state['layout']}, running with world={d.world} tp={d.tp}"
-        )
-    saved = state.get("args", {})
+def resume(source: pathlib.Path, model, optimizer, scaler, sampler, device, d: Dist, args):
+    """Load the newest checkpoint set in ``source`` that every rank finds whole (a collective; damaged
+    sets are skipped, on every rank alike), then apply the flags given on the command line over it.
+    Returns ``(step, the set chosen, the flags that differ from the saved run's)``; a set that
+    cannot be resumed is an ``error:`` line naming the file and what is wrong with it."""
+    expected = model.state_dict()
+
+    def check(folder, manifest):  # on every rank, before anything is loaded into the run
+        refuse_another_run(folder, manifest, d, args)
+        own_path = checkpoints.verified_file(folder, manifest, f"rank{d.rank}.pt")
+        own = checkpoints.load_rank_state(own_path, manifest, expected, device)
+        opt_path, opt_state = own_path, own["optimizer"]
+        # saved with ZeRO: the consolidated optimizer state is in data-parallel rank 0's file (its
+        # global rank is the tp rank), whether this run uses ZeRO or not
+        if opt_state is None and d.rank != d.tp_rank:
+            opt_path = checkpoints.verified_file(folder, manifest, f"rank{d.tp_rank}.pt")
+            opt_state = checkpoints.load_rank_state(opt_path, manifest, expected, device)["optimizer"]
+        checkpoints.check_optimizer_state(opt_path, opt_state, optimizer)
+        return own, opt_state
+
+    try:
+        chosen = checkpoints.choose_set(source, gather=d.all_gather, check=check)
+    except checkpoints.CheckpointError as exc:
+        raise SystemExit(f"error: --resume {source}: {exc}" if d.rank == 0 else 1) from None
+    state, opt_state = chosen.value
+    error = None
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(opt_state)
+        if scaler is not None and state["scaler"] is not None:  # saved without --amp fp16: a fresh scaler
+            scaler.load_state_dict(state["scaler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"], device)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        error = f"{chosen.path / f'rank{d.rank}.pt'}: does not load: {checkpoints.first_line(exc)}"
+    errors = [e for e in d.all_gather(error) if e]  # every rank trains, or none
+    if errors:
+        raise SystemExit(f"error: --resume {source}: {errors[0]}" if d.rank == 0 else 1)
+    return int(chosen.manifest["step"]), chosen, apply_flags(args, chosen.manifest["args"], optimizer)
+
+
+def refuse_another_run(folder, manifest: dict, d: Dist, args) -> None:
+    """A whole set that this run must not continue: another layout or model, a new --seed, no steps left."""
+    Refused = checkpoints.Refused
+    layout = (manifest.get("world"), manifest.get("tp"))
+    if layout != (d.world, d.tp):
+        raise Refused(f"{folder}: saved with world={layout[0]} tp={layout[1]}, running with world={d.world} tp={d.tp}")
+    saved = manifest.get("args")
+    if not isinstance(saved, dict):
+        raise checkpoints.Damaged(f"{folder / checkpoints.MANIFEST}: holds no flags of the saved run")
     changed = [
         f"--{k.replace('_', '-')} {saved[k]} (now {getattr(args, k)})"
         for k in MODEL_FLAGS
         if k in saved and saved[k] != str(getattr(args, k))
     ]
     if changed:
-        raise SystemExit(f"error: --resume {folder}: saved with another model: {', '.join(changed)}")
-    if int(state["step"]) >= args.steps:
-        raise SystemExit(f"error: --resume {folder}: already at step {state['step']}; --steps {args.steps} adds none")
-    model.load_state_dict(state["model"])
-    opt_state = state["optimizer"]
-    if opt_state is None:  # ZeRO: the consolidated state is in data-parallel rank 0's file (global rank = tp rank)
-        opt_state = torch.load(folder / f"rank{d.tp_rank}.pt", map_location=device, weights_only=False)["optimizer"]
-    optimizer.load_state_dict(opt_state)
-    if scaler is not None and state["scaler"] is not None:  # saved without --amp fp16: a fresh scaler
-        scaler.load_state_dict(state["scaler"])
-    sampler.load_state_dict(state["sampler"])
-    set_rng_state(state["rng"], device)
-    return int(state["step"])
+        raise Refused(f"{folder}: saved with another model: {', '.join(changed)}")
+    if "seed" in args.given and saved.get("seed") != str(args.seed):
+        raise Refused(
+            f"--seed {args.seed}: the saved run (seed {saved.get('seed')}) continues with its own random "
+            "streams and data order; drop --seed, or start a new run without --resume"
+        )
+    if manifest["step"] >= args.steps:
+        raise Refused(f"{folder}: already at step {manifest['step']}; --steps {args.steps} adds none")
+
+
+def apply_flags(args, saved: dict, optimizer) -> list[str]:
+    """The flags given on the command line that differ from the saved run's. The model's were refused
+    before; the learning rate is set over the loaded optimizer state (which restored the saved
+    one); the others are in effect already (the model, its memory techniques and the data are
+    built from them). Without --lr the saved rate stays, and ``args`` says so for the next save."""
+    if "lr" in args.given:
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr
+    else:
+        args.lr = optimizer.param_groups[0]["lr"]
+    return [
+        f"--{k.replace('_', '-')} {getattr(args, k)} (saved {saved[k]})"
+        for k in args.given
+        if k not in RUN_FLAGS and k in saved and saved[k] != str(getattr(args, k))
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -519,9 +606,14 @@ def main(argv=None) -> int:
         optimizer = torch.optim.AdamW(inner.parameters(), **opt_kwargs)
     scaler = llmmem.GradScaler(device.type) if args.amp == "fp16" else None
 
-    start = 0
+    start, chosen, applied = 0, None, []
     if args.resume is not None:
-        start = resume(args.resume, inner, optimizer, scaler, sampler, device, d, args)
+        start, chosen, applied = resume(args.resume, inner, optimizer, scaler, sampler, device, d, args)
+    if d.rank == 0 and chosen is not None:
+        for reason in chosen.skipped:
+            print(f"warning: --resume {args.resume}: skipped a damaged set: {reason}", file=sys.stderr, flush=True)
+        for name in chosen.unfinished:
+            print(f"note: --resume {args.resume}: {name} is a save that never finished, ignored", file=sys.stderr)
     if d.rank == 0:
         where = f"{device}" + (f", {d.world} ranks: TP {d.tp} x DP {d.dp}" if d.world > 1 else "")
         print(
@@ -529,9 +621,11 @@ def main(argv=None) -> int:
             f"checkpoint={args.checkpoint} amp={args.amp}"
             + (" offload" if args.offload else "")
             + (" pool" if args.pool else "")
-            + (f"; resumed at step {start}" if start else ""),
+            + (f"; resumed at step {start} from {chosen.path}" if chosen is not None else ""),
             flush=True,
         )
+        if applied:
+            print(f"flags applied over the saved state: {', '.join(applied)}", flush=True)
         if plan_text:
             print(plan_text, flush=True)
 

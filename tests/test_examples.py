@@ -8,9 +8,9 @@ import pathlib
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
+from support.train_gpt import SMALL, TRAIN, load_example, main_runs, run_code, run_ranks_here
 
 from llmmem.units import parse_bytes
 
@@ -36,18 +36,6 @@ def test_estimate_sweep_runs_and_never_grows():
 
 # ------------------------------------------------------------------------------------------------
 # examples/train_gpt.py
-
-TRAIN = ROOT / "examples" / "train_gpt.py"
-SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--batch", "4", "--threads", "1"]
-
-
-def _train_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_gpt_example", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _train(*args, timeout=300, env=None):
@@ -85,7 +73,7 @@ def _train(*args, timeout=300, env=None):
 )
 def test_train_gpt_bad_flags_are_usage_errors(args, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    train = _train_module()
+    train = load_example()
     with pytest.raises(SystemExit) as exc:
         train.parse_args(args)
     assert exc.value.code == 2
@@ -99,7 +87,7 @@ def test_train_gpt_pool_needs_cuda(capsys, monkeypatch):
         pytest.skip("a CUDA device is present: --pool is valid here")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit):
-        _train_module().parse_args(["--pool"])
+        load_example().parse_args(["--pool"])
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
@@ -115,32 +103,8 @@ def test_train_gpt_sequence_longer_than_the_data_is_a_usage_error(tmp_path, caps
     data = tmp_path / "tiny.txt"
     data.write_text("a short corpus")
     with pytest.raises(SystemExit) as exc:
-        _train_module().parse_args(["--data", str(data), "--seq-len", "64"])
+        load_example().parse_args(["--data", str(data), "--seq-len", "64"])
     assert exc.value.code == 2 and "fewer than --seq-len" in capsys.readouterr().err
-
-
-def _run_code(code: str, timeout: float) -> subprocess.CompletedProcess:
-    # away from the checkout: `-c` puts the working directory first on sys.path, and a source tree
-    # need not hold a built core (CI installs llmmem with pip and runs tests from a clean clone)
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir()
-    )
-
-
-def _main_runs(runs: list[list[str]], timeout=300) -> subprocess.CompletedProcess:
-    """``main(argv)`` of the script for each argv, in one fresh process (a torch import per run would
-    cost seconds); a SystemExit is printed as ``exit CODE: message`` and the next run goes on."""
-    code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('train_gpt_example', {str(TRAIN)!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        f"for argv in {runs!r}:\n"
-        "    try:\n"
-        "        print('exit', m.main(argv), flush=True)\n"
-        "    except SystemExit as e:\n"
-        "        print('exit', e.code if isinstance(e.code, int) else 1, e.code, flush=True)\n"
-    )
-    return _run_code(code, timeout)
 
 
 def test_train_gpt_every_technique_flag_trains(tmp_path):
@@ -161,7 +125,7 @@ def test_train_gpt_every_technique_flag_trains(tmp_path):
         "fp16": ["--amp", "fp16", "--checkpoint", "every"],
     }
     runs = [common + f + ["--log-json", str(tmp_path / f"{k}.json")] for k, f in flags.items()]
-    proc = _main_runs(runs)
+    proc = main_runs(runs)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.count("exit 0") == len(flags), proc.stdout
     losses = {k: [v for _, v in json.loads((tmp_path / f"{k}.json").read_text())["losses"]] for k in flags}
@@ -176,7 +140,7 @@ def test_train_gpt_every_technique_flag_trains(tmp_path):
 def test_train_gpt_resume_refuses_another_model_and_a_finished_run(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     common = SMALL + ["--no-progress", "--dropout", "0"]
-    proc = _main_runs(
+    proc = main_runs(
         [
             common + ["--steps", "2", "--save", ckpt],
             common + ["--steps", "4", "--resume", ckpt, "--layers", "3"],
@@ -208,7 +172,7 @@ def test_train_gpt_resumed_run_gives_the_same_losses(tmp_path):
         f"for argv in {runs!r}:\n"
         "    assert m.main(argv) == 0\n"
     )
-    proc = _run_code(code, timeout=300)
+    proc = run_code(code, timeout=300)
     assert proc.returncode == 0, proc.stderr
     uninterrupted = json.loads((tmp_path / "full.json").read_text())["losses"]
     resumed = json.loads((tmp_path / "resumed.json").read_text())["losses"]
@@ -222,7 +186,7 @@ def _train_ranks(rank, world, folder):
     import os
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    train = _train_module()
+    train = load_example()
     common = SMALL + ["--no-progress", "--tp", "2", "--sequence-parallel", "--amp", "fp16", "--checkpoint", "every"]
     assert train.main(common + ["--steps", "6", "--log-json", f"{folder}/full.json"]) == 0
     assert train.main(common + ["--steps", "3", "--save", f"{folder}/ckpt"]) == 0
@@ -235,10 +199,10 @@ def _train_ranks(rank, world, folder):
 
 @pytest.mark.distributed
 def test_train_gpt_tp2_x_dp2_zero1_resumes_exactly(tmp_path):
-    from llmmem.parallel.ranks import run_ranks
-
-    run_ranks(__file__, "_train_ranks", 4, args=(str(tmp_path),), timeout=240)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"rank{r}.pt" for r in range(4)]
+    run_ranks_here(__file__, "_train_ranks", 4, args=(str(tmp_path),), timeout=240)
+    sets = list((tmp_path / "ckpt").iterdir())
+    assert [p.name for p in sets] == ["step-00000003"]
+    assert sorted(p.name for p in sets[0].iterdir()) == ["MANIFEST.json"] + [f"rank{r}.pt" for r in range(4)]
 
 
 @pytest.mark.distributed
