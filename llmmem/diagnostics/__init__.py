@@ -1,7 +1,7 @@
 """Seeing where memory goes: ``python -m llmmem info`` (what llmmem and the process have),
 :class:`MemoryTracker` (bytes per module x phase x category over a step, with a timeline picture),
 :func:`oom_report` (an out-of-memory error turned into what was live and what to change),
-:func:`find_batch_size` (the largest batch that fits, predicted and verified) and :func:`monitor`
+:func:`find_batch_size` (the largest batch that fits, tried under a cap and checked both ways) and :func:`monitor`
 (a background memory sampler). Only ``info`` is imported eagerly: it must work where torch is
 broken; the others load torch when first used."""
 

@@ -1,33 +1,44 @@
-"""``llmmem.find_batch_size``: the largest batch that fits, predicted and verified, no crash loop.
+"""``llmmem.find_batch_size``: the largest batch that fits, found by trials that never go past the
+budget, and checked both ways (it fits, one more does not).
 
 Out-of-memory-and-retry finders (accelerate's ``find_executable_batch_size``, Lightning's
-``BatchSizeFinder``) run the step until it fails, ~2·log2(N) trials, each near the limit, and
-leave the allocator fragmented. Peak memory grows with the batch as a straight line (every
-activation is proportional to it; parameters, gradients and optimizer state are not), so two
-small trials give the line, the line gives the answer, and one trial at the answer checks it;
-if the check fails, the line through the two nearest points gives a smaller answer, checked once
-more. At most four trials; an out-of-memory error in one is caught and its memory released.
+``BatchSizeFinder``) run the step until it fails, each failure a full-size allocation that the
+device refuses late and that leaves the allocator fragmented. Here every trial runs under a cap of
+the budget that is checked *before* each allocation (:mod:`llmmem.diagnostics.cap`): a trial that
+would not fit stops at its first operator that would cross the budget. The trials that fit give a
+model of the peak (a line, or a parabola for memory that grows faster: attention over a sequence
+that grows with the "batch"), the model gives the next trial, and once a trial has failed the
+answer is looked for between the largest fit and the smallest failure (:mod:`~llmmem.diagnostics.batch_search`).
+The search ends when the answer ``b`` has run and fit and ``b + 1`` has run and not fit: a few
+trials on linear and quadratic memory (4 to 8 measured), more when it is step-shaped.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from llmmem.diagnostics.batch_search import BatchSearch
+from llmmem.diagnostics.cap import AllocationCap, cuda_cap
+from llmmem.diagnostics.live import LiveBytes
 from llmmem.diagnostics.oom import cuda_capacity
-from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory
-from llmmem.errors import InfeasibleError
+from llmmem.diagnostics.tracker import is_out_of_memory
+from llmmem.errors import InfeasibleError, user_stacklevel
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["find_batch_size", "BatchSizeSearch", "MAX_TRIALS"]
 
-MAX_TRIALS = 4
+# A ceiling that only memory which hardly depends on the batch comes near; typical searches take 4-8.
+MAX_TRIALS = 32
+# The peak staying flat from batch b to this many times b: the step's memory does not grow with the
+# batch (a step-shaped peak, e.g. CUDA's segment rounding, is flat over a few doublings at most).
+_FLAT_RATIO = 1024
 _log = logging.getLogger(__name__)
 # Kept free when the budget is the device's own memory (fraction): allocator rounding and
 # fragmentation on CUDA, other allocations of the process on the host.
@@ -37,23 +48,27 @@ _DEVICE_MARGIN = {"cuda": 0.05, "cpu": 0.10}
 @dataclass
 class BatchSizeSearch:
     """The search: ``batch`` (the answer), ``budget`` (bytes), ``device``, ``measure`` (what a
-    trial's peak is), ``trials`` (dicts: ``batch``, ``peak`` bytes or None, ``fits``, ``error``,
-    ``grew`` bytes left allocated after it), ``slope`` (bytes per sample) and ``intercept`` (bytes)
-    of the fitted line."""
+    trial's peak is), ``trials`` (dicts: ``batch``, ``peak`` bytes or None when it stopped at the
+    cap, ``fits``, ``error``, ``grew`` bytes left allocated after it), ``exact`` (``batch`` fit and
+    ``batch + 1`` did not, or ``batch`` is ``high``), ``slope`` (bytes per sample) and ``intercept``
+    (bytes) of the line through the two largest fitting trials (None with fewer)."""
 
     batch: int
     budget: int
     device: str
     measure: str
     trials: list = field(default_factory=list)
+    exact: bool = False
     slope: float | None = None
     intercept: float | None = None
 
     def describe(self) -> str:
         rows = [f"largest batch that fits {format_bytes(self.budget)} on {self.device}: {self.batch}"]
+        if not self.exact:
+            rows[0] += f" (not checked against {self.batch + 1}: the search stopped after {len(self.trials)} trials)"
         for t in self.trials:
             what = "fits" if t["fits"] else "does not fit"
-            peak = "peak unknown" if t["peak"] is None else f"peak {format_bytes(t['peak'])}"
+            peak = "stopped at the cap" if t["peak"] is None else f"peak {format_bytes(t['peak'])}"
             rows.append(f"  batch {t['batch']:>6}: {peak}, {what}" + (f" ({t['error']})" if t["error"] else ""))
         if self.slope is not None:
             rows.append(
@@ -83,17 +98,14 @@ def _host_capacity() -> int | None:
 
 
 class _Trials:
-    def __init__(self, step, device: str, budget: int, cap: int | None) -> None:
-        self.step, self.device, self.budget, self.cap = step, device, budget, cap
+    def __init__(self, step, device: str, budget: int) -> None:
+        self.step, self.device, self.budget = step, device, budget
         self.done: list[dict] = []
 
     def run(self, batch: int) -> dict:
-        if len(self.done) >= MAX_TRIALS:
-            raise RuntimeError("find_batch_size: internal error, more than four trials")
         peak = grew = error = None
-        fixed = 0
         try:
-            peak, grew, fixed = self._measure(batch)
+            peak, grew = self._measure(batch)
         except BaseException as exc:  # only out-of-memory errors are kept, after the except block
             if not is_out_of_memory(exc):
                 raise
@@ -111,7 +123,6 @@ class _Trials:
             "fits": error is None and peak <= self.budget,
             "error": error,
             "grew": grew,
-            "fixed": fixed,
         }
         self.done.append(trial)
         _log.info(
@@ -123,53 +134,69 @@ class _Trials:
         return trial
 
     def _measure(self, batch: int):
-        """(peak bytes, bytes left allocated after the step, batch-independent bytes at the peak)."""
+        """(peak bytes, bytes left allocated after the step), under a cap of the budget."""
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-            self.step(batch)
-            torch.cuda.synchronize(self.device)
+            with cuda_cap(self.device, self.budget):
+                self.step(batch)
+                torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_reserved(self.device)
-            return peak, torch.cuda.memory_allocated(self.device) - before, 0
-        # The process's live tensor bytes; a runaway trial is stopped at twice the budget (cap).
-        with MemoryTracker(device="cpu", budget=self.cap, timeline=False, stacks=False, existing="gc") as tr:
-            before = sum(tr.current().values())
+            return peak, torch.cuda.memory_allocated(self.device) - before
+        # The process's live tensor bytes. The cap is entered first so that it sits below the
+        # counter on the mode stack: it sizes each operator before it runs, the counter after.
+        live = LiveBytes(existing="gc")
+        with AllocationCap(self.budget, lambda: live.allocated("cpu")), live:
+            before = live.allocated("cpu")
             self.step(batch)
-            after = sum(tr.current().values())
-        at_peak = tr.peak()["categories"]
-        fixed = sum(at_peak[c] for c in ("parameters", "buffers", "gradients", "optimizer_state", "other"))
-        return tr.peak_bytes(), after - before, fixed
+            after = live.allocated("cpu")
+        return live.max_allocated("cpu"), after - before
 
 
 def find_batch_size(step, *, low: int = 1, high: int | None = None, budget=None, device=None, details: bool = False):
-    """The largest batch size whose training step fits in memory, found in at most four trials.
+    """The largest batch size whose training step fits in memory: tried, never past the budget, and
+    checked both ways (the answer fits, one more does not).
 
     :param step: ``step(batch_size)`` runs one training step (forward, backward, optimizer) at that
-        batch size. It is called at most four times, so it should not build persistent state
-        that changes its memory each call (state made on the first call, such as the optimizer's,
-        is counted as present in every later step).
+        batch size. It is called once per trial (typically 4 to 8 times; at most
+        :data:`MAX_TRIALS`), so it should not build persistent state that changes its memory each
+        call. State made on the first call (the optimizer's moments, the gradients that a step
+        beginning with ``zero_grad(set_to_none=True)`` frees and re-creates) is taken as present
+        in every later step: the first trial only tells whether ``low`` fits, and if the answer
+        rests on it alone, ``low`` is run again once that state exists.
     :param low: the smallest batch to consider (the first trial); :param high: the largest
         (default: no limit).
     :param budget: bytes (or ``"20GB"``) the step may use at its peak: live tensor bytes of the
         whole process on the CPU, ``torch.cuda.max_memory_reserved`` on CUDA. Default: the
-        device's memory (CUDA: free + reserved by torch, or the per-process fraction's cap, less 5%; CPU: available host memory plus
-        live tensors, less 10%).
+        device's memory (CUDA: free + reserved by torch, or the per-process fraction's cap, less
+        5%; CPU: available host memory plus live tensors, less 10%).
     :param device: ``"cpu"`` or ``"cuda[:N]"``; default: the current CUDA device if CUDA is in use,
         else the CPU.
     :param details: return a :class:`BatchSizeSearch` instead of the int.
     :raises llmmem.InfeasibleError: (a ``ValueError``) when ``low`` itself does not fit.
+    :raises ValueError: when the peak does not grow with the batch (and no ``high`` bounds it).
 
-    Memory: each trial's own; between trials the garbage collector runs and (CUDA) the allocator's
-    cache is emptied. Time: at most four steps, plus a walk of the garbage collector's objects
-    per trial on the CPU. Synchronises the GPU around each trial.
+    **The cap.** No trial takes more than the budget: on the CPU each operator's new storages are
+    sized before it runs (:class:`llmmem.diagnostics.cap.AllocationCap`) and one that would take
+    the live bytes past the budget raises :class:`llmmem.OutOfMemoryError` instead of allocating;
+    on CUDA ``torch.cuda.set_per_process_memory_fraction`` is lowered to the budget for the trial
+    (and restored), so the caching allocator refuses before asking the driver. An out-of-memory
+    error in a trial (the cap's or the device's) is caught, its memory released, and the trial
+    counts as not fitting.
+
+    Memory: each trial's own, at most the budget; between trials the garbage collector runs and
+    (CUDA) the allocator's cache is emptied. Time: one step per trial (a failed one stops at the
+    cap), plus on the CPU a walk of the garbage collector's objects and an extra run on meta tensors
+    for each operator that is not a view or in-place. Synchronises the GPU around each trial.
 
     Example::
 
         def step(b):
+            opt.zero_grad(set_to_none=True)
             idx = torch.randint(0, vocab, (b, seq))
             logits, loss = model(idx, targets=idx)
-            loss.backward(); opt.zero_grad(set_to_none=True)
+            loss.backward(); opt.step()
 
         batch = llmmem.find_batch_size(step, budget="20GB")
     """
@@ -201,7 +228,7 @@ def find_batch_size(step, *, low: int = 1, high: int | None = None, budget=None,
         measure = "torch.cuda.max_memory_reserved"
     else:
         dev_key = "cpu"
-        measure = "live tensor bytes of the process (MemoryTracker)"
+        measure = "live tensor bytes of the process"
     if budget is not None:
         budget_bytes = parse_bytes(budget, "find_batch_size: budget")
         if budget_bytes == 0:
@@ -212,73 +239,62 @@ def find_batch_size(step, *, low: int = 1, high: int | None = None, budget=None,
         avail = _host_capacity()
         if avail is None:
             raise ValueError("find_batch_size: cannot read the host's available memory; pass budget=")
-        live = MemoryTracker(existing="gc", timeline=False, stacks=False)
-        with live:
-            held = sum(live.current().values())
+        with LiveBytes(existing="gc") as live:
+            held = live.allocated("cpu")
         budget_bytes = int((avail + held) * (1 - _DEVICE_MARGIN["cpu"]))
-    trials = _Trials(step, dev_key, budget_bytes, 2 * budget_bytes if dev.type == "cpu" else None)
+    trials = _Trials(step, dev_key, budget_bytes)
     search = BatchSizeSearch(batch=low, budget=budget_bytes, device=dev_key, measure=measure, trials=trials.done)
 
-    def done(batch: int):
-        search.batch = batch
-        return search if details else batch
-
-    t1 = trials.run(low)
-    if not t1["fits"]:
+    first = trials.run(low)
+    if not first["fits"]:
         raise InfeasibleError(
             f"find_batch_size: even batch {low} does not fit the budget of {format_bytes(budget_bytes)} "
             f"({budget_bytes:,} bytes) on {dev_key}: "
-            + (t1["error"] if t1["error"] else f"its peak is {format_bytes(t1['peak'])} ({t1['peak']:,} bytes)")
-        )
-    if high == low:
-        return done(low)
-    # State the first step made (optimizer moments...) stays for every later step: count it in.
-    p1 = t1["peak"] + max(0, t1["grew"] or 0)
-    b2 = 2 * low if high is None else min(high, 2 * low)
-    t2 = trials.run(b2)
-    best = b2 if t2["fits"] else low
-    if t2["peak"] is not None and b2 > low:
-        slope = (t2["peak"] - p1) / (b2 - low)
-        x0, p0 = b2, t2["peak"]
-    else:  # b2 failed before its peak: the line through batch 0 at the batch-independent bytes
-        slope = (t1["peak"] - t1["fixed"]) / low if t1["fixed"] else t1["peak"] / low
-        x0, p0 = low, p1
-    search.slope, search.intercept = slope, p0 - slope * x0
-    if slope <= 0:
-        if high is None:
-            raise ValueError(
-                f"find_batch_size: the peak did not grow from batch {low} to {b2} "
-                f"({format_bytes(p1)} -> {format_bytes(t2['peak'] or 0)}); pass high= to bound the search"
+            + (
+                first["error"]
+                if first["error"]
+                else f"its peak is {format_bytes(first['peak'])} ({first['peak']:,} bytes)"
             )
-        guess = high
-    else:
-        guess = x0 + math.floor((budget_bytes - p0) / slope)
-    if high is not None:
-        guess = min(guess, high)
-    if not t2["fits"]:
-        guess = min(guess, b2 - 1)
-    if guess <= best:
-        return done(best)
-    t3 = trials.run(guess)
-    if t3["fits"]:
-        best = guess
-        if (high is None or guess < high) and t3["peak"] is not None and slope > 0:
-            up = guess + math.floor((budget_bytes - t3["peak"]) / slope)
-            if high is not None:
-                up = min(up, high)
-            if up > guess:  # the line was low: more room than it said
-                t4 = trials.run(up)
-                return done(up if t4["fits"] else guess)
-        return done(best)
-    # The prediction was high: the line through the largest fitting trial and this one.
-    xa, pa = (b2, t2["peak"]) if t2["fits"] else (low, p1)
-    if t3["peak"] is not None and guess > xa:
-        local = (t3["peak"] - pa) / (guess - xa)
-        down = xa + math.floor((budget_bytes - pa) / local) if local > 0 else guess - 1
-    else:  # out of memory before its peak: back off by what the line says was missing, at least 1
-        down = guess - 1
-    down = min(down, guess - 1)
-    if down <= best:
-        return done(best)
-    t4 = trials.run(down)
-    return done(down if t4["fits"] else best)
+        )
+    # The first trial's peak is a steady one only if it left nothing behind: otherwise (optimizer
+    # state made, gradients kept) later steps carry what it did not, and it is not used for the model.
+    bracket = BatchSearch(low, high, budget_bytes)
+    bracket.record(low, True, first["peak"], steady=first["grew"] == 0)
+    while not bracket.done:
+        if len(trials.done) >= MAX_TRIALS:
+            warnings.warn(
+                f"find_batch_size: stopped after {MAX_TRIALS} trials with batch {bracket.lo} fitting and "
+                + (f"{bracket.hi} not" if bracket.hi is not None else "no batch found that does not fit")
+                + "; the answer may be short of the largest",
+                stacklevel=user_stacklevel(),
+            )
+            break
+        if bracket.hi is None and len(bracket.fits) >= 2:
+            (b0, p0), (b1, p1) = min(bracket.fits.items()), max(bracket.fits.items())
+            if p1 <= p0 and b1 >= _FLAT_RATIO * b0:
+                raise ValueError(
+                    f"find_batch_size: the peak did not grow from batch {b0} to {b1} "
+                    f"({format_bytes(p0)} -> {format_bytes(p1)}): the step's memory does not depend on "
+                    "the batch; pass high= to bound the search"
+                )
+        trial = trials.run(bracket.propose())
+        bracket.record(trial["batch"], trial["fits"], trial["peak"])
+    lo = bracket.lo
+    if lo == low and low not in bracket.fits and len(trials.done) > 1:
+        # the answer rests on the first trial, made before the state that later steps carry
+        again = trials.run(low)
+        if not again["fits"]:
+            raise InfeasibleError(
+                f"find_batch_size: batch {low} fit the budget of {format_bytes(budget_bytes)} only on the first "
+                f"call, before the state that step made (optimizer state, gradients) existed: "
+                + (again["error"] or f"its peak is now {format_bytes(again['peak'])}")
+            )
+        bracket.record(low, True, again["peak"])
+    search.batch = lo
+    search.exact = bracket.done
+    points = sorted(bracket.fits.items())[-2:]
+    if len(points) == 2:
+        (b1, p1), (b2, p2) = points
+        search.slope = (p2 - p1) / (b2 - b1)
+        search.intercept = p2 - search.slope * b2
+    return search if details else lo

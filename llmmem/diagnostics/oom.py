@@ -9,9 +9,16 @@ catch it), chained to the original (``__cause__``), whose message is the report 
 
 Before the report is made, the memory of the failed attempt is released: the frames of the
 traceback that finished are cleared (their locals held the step's activations), gradients that
-did not exist when the step began are dropped, and on CUDA the allocator's cache is emptied. The
-parameters and the optimizer state are not touched, so the caller can retry with a smaller batch
-or with one of the suggested changes.
+did not exist when the step began are dropped, and on CUDA the allocator's cache is emptied.
+
+The report says what the failed attempt changed (its "training state" line, and ``.changes``;
+see :mod:`llmmem.diagnostics.step_changes`). A failure in the forward or backward writes no
+parameter: the caller can retry with a smaller batch or one of the suggested changes. A failure
+inside ``optimizer.step()`` (any ``torch.optim.Optimizer``) after it has written some parameters
+or their state leaves the model half-updated: the report names the parameters it updated, says
+the state is inconsistent, and that the step must be restored from a checkpoint, not retried.
+"Untouched" is said only when the version counters of every known parameter and state tensor
+show no write.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import traceback
 import torch
 
 from llmmem.diagnostics.advice import estimate_settings, find_blocks, suggest
+from llmmem.diagnostics.step_changes import StepWatch
 from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory, step_text
 from llmmem.units import format_bytes, parse_bytes
 
@@ -56,9 +64,12 @@ class OutOfMemoryReport:
     phase, module, live bytes by category and by module, largest tensors, tensors that outlived
     the previous step, CUDA and pool figures), ``capacity`` (bytes), ``suggestions`` (a list of
     :class:`llmmem.diagnostics.advice.Suggestion`, best first), ``basis`` (the prediction they rest
-    on), ``state`` (what was done to the training state); ``str(report)`` is the text."""
+    on), ``state`` (what was done to the training state and what the failed attempt changed, in
+    words), ``changes`` (the latter as a dict: ``consistent`` False when an optimizer step failed
+    part-way, ``failed_steps`` with the names of the parameters it updated, ...; see
+    :meth:`llmmem.diagnostics.step_changes.StepWatch.changes`); ``str(report)`` is the text."""
 
-    def __init__(self, original, failure, capacity, capacity_source, suggestions, basis, state) -> None:
+    def __init__(self, original, failure, capacity, capacity_source, suggestions, basis, state, changes=None) -> None:
         self.original = original
         self.failure = failure
         self.capacity = capacity
@@ -66,6 +77,7 @@ class OutOfMemoryReport:
         self.suggestions = suggestions
         self.basis = basis
         self.state = state
+        self.changes = changes
 
     def to_dict(self) -> dict:
         return {
@@ -76,6 +88,7 @@ class OutOfMemoryReport:
             "suggestions": [s.to_dict() for s in self.suggestions],
             "basis": self.basis,
             "state": self.state,
+            "changes": self.changes,
         }
 
     def __str__(self) -> str:
@@ -85,6 +98,12 @@ class OutOfMemoryReport:
         op = f", in {f['op']}" if f.get("op") else ""
         step = step_text(f["step"]) if isinstance(f.get("step"), int) else "step ?"
         lines = [f"out of memory in {where} ({step}{op}): {first}"]
+        inconsistent = (self.changes or {}).get("consistent") is False
+        if inconsistent:
+            lines.append(
+                "training state INCONSISTENT: an optimizer step failed part-way (see 'training state' below); "
+                "restore the step from a checkpoint, do not retry it"
+            )
         device = f.get("device", "cpu")
         live = f.get("live", {}).get(device, {})
         total = sum(live.values())
@@ -149,7 +168,9 @@ class OutOfMemoryReport:
                 + (f", {format_bytes(over)} over capacity" if self.capacity and over > 0 else "")
             )
         if self.suggestions:
-            lines.append("what would make it fit, best first:")
+            lines.append(
+                "what would make it fit, best first" + (" (once the step is restored)" if inconsistent else "") + ":"
+            )
             for i, s in enumerate(self.suggestions, 1):
                 lines.append(f"  {i}. {s.describe()}")
         for note in self.basis.get("notes", []):
@@ -225,8 +246,16 @@ class oom_report(contextlib.ContextDecorator):
     :param track: keep a tracker on inside (``False``: no per-module or per-category figures, no
         overhead; the report then rests on the estimator and allocator figures only).
 
+    What the failed attempt changed: ``exc.report.state`` (also the report's last line) and
+    ``exc.report.changes``. An error inside ``optimizer.step()`` after it wrote some parameters
+    or their state is reported as "k of n parameters updated (names), optimizer state
+    inconsistent: restore the step from a checkpoint; do not retry" (and a line under the
+    header); "untouched" only when no optimizer step began and no parameter was written in place.
+
     Cost: with ``track=True``, the tracker's (a Python call per operator, a record per live
-    storage); nothing more until an out-of-memory error. Any other exception passes unchanged.
+    storage); with either, a few attribute reads per parameter and state tensor when the block
+    begins and when each optimizer step begins; nothing more until an out-of-memory error. Any
+    other exception passes unchanged.
 
     Example::
 
@@ -270,6 +299,7 @@ class oom_report(contextlib.ContextDecorator):
         self.batch, self.seq, self.plan, self.track = batch, seq, plan, track
         self.report: OutOfMemoryReport | None = None
         self._grads_none: set | None = None
+        self._watch: StepWatch | None = None
         self._depth = 0
 
     def __enter__(self):
@@ -278,6 +308,7 @@ class oom_report(contextlib.ContextDecorator):
             return self  # nested use of the same report (a decorated function calling itself)
         model = self.model or (self.tracker.roots()[0] if self.tracker.roots() else None)
         self._grads_none = None if model is None else {id(p) for p in model.parameters() if p.grad is None}
+        self._watch = StepWatch(model, self.optimizer).__enter__()
         if self.track:
             self.tracker.failure = self.tracker._failure_exc = None
             self.tracker.__enter__()
@@ -287,6 +318,8 @@ class oom_report(contextlib.ContextDecorator):
         self._depth -= 1
         if self._depth > 0:
             return False
+        if self._watch is not None:
+            self._watch.__exit__(exc_type, exc, tb)
         if self.track:
             self.tracker.__exit__(exc_type, exc, tb)
         if exc is None or not is_out_of_memory(exc) or isinstance(exc, OutOfMemoryReportError):
@@ -330,7 +363,7 @@ class oom_report(contextlib.ContextDecorator):
                 "requested": None,
             }
         model = self.model or (tracker.roots()[0] if tracker.roots() else None)
-        state = self._release(exc, model)
+        state, changes = self._release(exc, model)
         capacity, source = _capacity(tracker, self.capacity)
         suggestions, basis = [], {"notes": []}
         settings = None
@@ -370,10 +403,12 @@ class oom_report(contextlib.ContextDecorator):
                 basis["notes"] = notes + basis["notes"]
         else:
             basis["notes"].append("no model seen: pass model= for per-model suggestions")
-        return OutOfMemoryReport(exc, failure, capacity, source, suggestions, basis, state)
+        return OutOfMemoryReport(exc, failure, capacity, source, suggestions, basis, state, changes)
 
-    def _release(self, exc, model) -> str:
-        """Frees what the failed attempt left: finished frames' locals, gradients made in the step."""
+    def _release(self, exc, model) -> tuple[str, dict | None]:
+        """Frees what the failed attempt left (finished frames' locals, gradients made in the step);
+        returns what was done and what the attempt changed, in words, and the latter as a dict."""
+        changes = self._watch.changes(model) if self._watch is not None else None
         tb = exc.__traceback__
         if tb is not None:
             traceback.clear_frames(tb)
@@ -399,5 +434,6 @@ class oom_report(contextlib.ContextDecorator):
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        done.append("parameters and optimizer state untouched")
-        return "; ".join(done)
+        if changes is not None:
+            done.append(changes["text"])
+        return "; ".join(done), changes
