@@ -2,9 +2,9 @@
 from a config, random weights) under the :class:`~llmmem.diagnostics.tracker.MemoryTracker`; prints
 the tracker's table beside the estimator's prediction and writes the timeline picture.
 
-Before any memory is taken the model is built on the meta device and ``llmmem.estimate`` predicts
-the step's peak: a run predicted to need more than the device (or the host) can still give is
-refused with that figure (``--force`` runs it anyway), instead of being killed by the kernel.
+Before any memory is taken ``llmmem.estimate`` predicts the step's peak from the model's config: a
+run predicted to need more than the device (or the host) can still give is refused with that figure
+(``--force`` runs it anyway), instead of being killed by the kernel.
 
     python -m llmmem profile --model gpt2-small --batch 8 --seq 1024
     python -m llmmem profile --model gpt-tiny --hf llama --png llama.png --json llama.json
@@ -18,7 +18,7 @@ import sys
 from llmmem.estimation import model_configs
 from llmmem.paths import check_output_file
 
-__all__ = ["register_cli", "SMALL_MODELS", "build_model"]
+__all__ = ["register_cli", "SMALL_MODELS", "build_model", "build_config", "model_from_config"]
 
 # Small configurations for trying the command (and for tests); the estimator's named models
 # (gpt2, gpt2-medium, ..., llama-7b, ...) are also accepted, with "gpt2-small" meaning "gpt2".
@@ -129,14 +129,33 @@ def _dims(args) -> dict:
 def build_model(d: dict, hf: str | None, attention: str):
     """The model for dimensions ``d`` (see :data:`SMALL_MODELS`): llmmem's GPT, or a Hugging Face
     GPT-2 / Llama with random weights (never downloads)."""
+    return model_from_config(build_config(d, hf, attention))
+
+
+def model_from_config(config):
+    """The model of a :func:`build_config` result, on torch's default device (``with torch.device``)."""
+    from llmmem.models.gpt import GPT, GPTConfig
+
+    if isinstance(config, GPTConfig):
+        return GPT(config)
+    import transformers
+
+    if isinstance(config, transformers.GPT2Config):
+        return transformers.GPT2LMHeadModel(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def build_config(d: dict, hf: str | None, attention: str):
+    """The config of :func:`build_model`'s model (llmmem's ``GPTConfig``, a Hugging Face config):
+    enough for ``llmmem.estimate`` to size the run before any memory is taken."""
     if hf is None:
         if d.get("mlp", "gelu") != "gelu":
             raise ValueError(
                 f"--model {d['name']}: llmmem's GPT has a GELU MLP; use --hf llama for {d.get('mlp')} models"
             )
-        from llmmem.models.gpt import GPT, GPTConfig
+        from llmmem.models.gpt import GPTConfig
 
-        cfg = GPTConfig(
+        return GPTConfig(
             layers=d["layers"],
             hidden=d["hidden"],
             heads=d["heads"],
@@ -146,7 +165,6 @@ def build_model(d: dict, hf: str | None, attention: str):
             dropout=d["dropout"],
             attention=attention,
         )
-        return GPT(cfg)
     try:
         import transformers
     except ImportError as exc:
@@ -167,7 +185,7 @@ def build_model(d: dict, hf: str | None, attention: str):
             attn_implementation=impl,
             **special,
         )
-        return transformers.GPT2LMHeadModel(config)
+        return config
     ffn = d.get("ffn")
     if ffn is None or d.get("mlp", "swiglu") == "gelu":
         ffn = 256 * -(-(8 * d["hidden"] // 3) // 256)  # LLaMA's rule
@@ -183,7 +201,7 @@ def build_model(d: dict, hf: str | None, attention: str):
         attn_implementation=impl,
         **special,
     )
-    return transformers.LlamaForCausalLM(config)
+    return config
 
 
 def _device(torch, text: str):
@@ -219,11 +237,6 @@ def _check_outputs(args) -> None:
         check_output_file(args.json, "--json")
 
 
-def _buffer_bytes(model) -> int:
-    """Bytes of the model's buffers (rotary tables, masks): memory the estimator does not count."""
-    return sum(b.numel() * b.element_size() for b in model.buffers())
-
-
 def _capacity(device) -> tuple[int | None, str]:
     """(bytes this process can still allocate on ``device`` or None when unknown, where from)."""
     if device.type == "cuda":
@@ -239,22 +252,21 @@ def _capacity(device) -> tuple[int | None, str]:
     return host["available"], f"host memory this process can still get ({host['bound']})"
 
 
-def _check_fits(est, buffers: int, device, args, format_bytes) -> int:
+def _check_fits(est, device, args, format_bytes) -> int:
     """Prints the predicted peak; refuses (ValueError) when it exceeds what ``device`` can still
     give, unless ``--force``. Returns the prediction (bytes)."""
-    predicted = est.total + buffers
+    predicted = est.total
     state = est.parameters + est.master_weights + est.gradients + est.optimizer_state
-    extra = f", buffers {format_bytes(buffers)}" if buffers else ""
     print(
         f"llmmem.estimate predicts a peak of {format_bytes(predicted)} on {device} (model state "
         f"{format_bytes(state)}, activations {format_bytes(est.activations)}, largest temporary "
-        f"{format_bytes(est.temporary)}{extra})"
+        f"{format_bytes(est.temporary)})"
     )
     capacity, source = _capacity(device)
     if capacity is None:
         print(f"  (not checked against the memory available: {source})")
     elif predicted > capacity:
-        if state + buffers > capacity:
+        if state > capacity:
             hint = "the model's state alone does not fit: pick a smaller --model or fewer --layers"
         else:
             hint = "lower --batch or --seq" + (", use --attention sdpa" if args.attention == "explicit" else "")
@@ -285,29 +297,28 @@ def _run_cli(args) -> int:
     opt_cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[args.optimizer]
     batch, seq, vocab = args.batch, d["seq"], d["vocab"]
     autocast_dtype = torch.bfloat16 if args.precision == "bf16-mixed" else None
-    # The prediction comes before any memory is taken: the model is built on the meta device (shapes,
-    # no storage), so a setting that cannot fit is refused instead of killed by the OOM killer.
-    with torch.device("meta"):
-        shape = build_model(d, args.hf, args.attention)
+    # The prediction comes before any memory is taken, from the config alone (building even a
+    # meta-device model of a huge config takes minutes and gigabytes of Python objects), so a setting
+    # that cannot fit is refused instead of killed by the OOM killer.
+    config = build_config(d, args.hf, args.attention)
     settings = estimate_settings(
-        shape,
+        config,
         batch=batch,
         seq=seq,
-        optimizer=opt_cls(shape.parameters(), lr=1e-4),
+        optimizer=opt_cls([torch.nn.Parameter(torch.empty(0, device="meta"))], lr=1e-4),  # its kind only
         autocast_dtype=autocast_dtype,
         device=str(device),
     )
     est, predicted = None, None
     try:
-        est = estimate(shape, **settings)
+        est = estimate(config, **settings)
     except ValueError as exc:
         print(f"no estimate for this model: {exc}")
     if est is not None:
-        predicted = _check_fits(est, _buffer_bytes(shape), device, args, format_bytes)
-    del shape
+        predicted = _check_fits(est, device, args, format_bytes)
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = build_model(d, args.hf, args.attention)
+        model = model_from_config(config)
     model.train()
     opt = opt_cls(model.parameters(), lr=1e-4)
 

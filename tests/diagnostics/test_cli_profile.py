@@ -110,6 +110,7 @@ _LIMITED = {
     "seq-sdpa": ["--seq", "100000", "--attention", "sdpa"],
     "batch": ["--batch", "100000"],
     "force": ["--seq", "100000", "--batch", "1", "--force"],
+    "layers": ["--layers", "200000"],  # sized from the config: even a meta-device model takes minutes
 }
 
 
@@ -147,6 +148,12 @@ def test_a_run_that_cannot_fit_is_refused_with_the_prediction(case, limited_runs
     assert "(RLIMIT_DATA)" in err and "--force" in err
 
 
+def test_a_model_whose_state_cannot_fit_is_refused_before_it_is_built(limited_runs):
+    run = limited_runs["layers"]
+    assert run["code"] == 2 and "Traceback" not in run["err"], run
+    assert "the model's state alone does not fit" in run["err"]
+
+
 def test_force_runs_anyway_and_an_out_of_memory_is_one_line(limited_runs):
     run = limited_runs["force"]
     assert run["code"] == 1, run
@@ -160,3 +167,28 @@ def test_a_cuda_device_that_is_not_there_is_one_line(capsys):
 
     assert main(["profile", "--no-png", "--device", f"cuda:{torch.cuda.device_count()}"]) == 2
     assert "CUDA device(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hf", [None, "llama", "gpt2"])
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_the_run_is_sized_from_its_config_as_from_its_model(hf, attention):
+    # profile estimates from the config, before anything is built: the same settings and figures
+    # as from the model built from it
+    import torch
+
+    import llmmem
+    from llmmem.diagnostics.advice import estimate_settings
+    from llmmem.diagnostics.profile_cli import SMALL_MODELS, build_config, model_from_config
+
+    if hf is not None:
+        pytest.importorskip("transformers", reason="transformers is not installed")
+    config = build_config(dict(SMALL_MODELS["gpt-tiny"], name="gpt-tiny"), hf, attention)
+    with torch.device("meta"):
+        model = model_from_config(config)
+    opt = torch.optim.AdamW(model.parameters())
+    kw = dict(batch=2, seq=64, optimizer=opt, autocast_dtype=torch.bfloat16)
+    settings = estimate_settings(config, **kw)
+    assert settings == estimate_settings(model, **kw) and settings["attention"] == attention
+    a, b = (llmmem.estimate(x, **settings).to_dict() for x in (config, model))
+    a["model"].pop("name"), b["model"].pop("name")  # the class's name: GPTConfig vs GPT
+    assert a == b
