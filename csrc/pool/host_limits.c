@@ -238,3 +238,12 @@ void _llmmem_pool_host_limits(pool_host_limits_t *out) {
     out->va_used = clamp((uint64_t)pages * page);
   }
 }
+
+LLMMEM_API llmmem_status_t llmmem_pool_host_memory(size_t *available, size_t *total, const char **bound) {
+  pool_host_limits_t lim;
+  _llmmem_pool_host_probe(&lim);
+  if (available) *available = lim.available;
+  if (total) *total = lim.total;
+  if (bound) *bound = lim.bound;
+  return LLMMEM_OK;
+}

@@ -411,6 +411,17 @@ static PyObject *py_pool_info(PyObject *self, PyObject *capsule) {
   return Py_BuildValue("(si)", kind, device);
 }
 
+static PyObject *py_pool_host_memory(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  size_t available = 0, total = 0;
+  const char *bound = NULL;
+  llmmem_status_t st = llmmem_pool_host_memory(&available, &total, &bound);
+  if (st != LLMMEM_OK) return raise_status(st);
+  return Py_BuildValue("(nns)", (Py_ssize_t)(available > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : available),
+                       (Py_ssize_t)(total > PY_SSIZE_T_MAX ? PY_SSIZE_T_MAX : total), bound);
+}
+
 PyMethodDef llmmem_py_pool_methods[] = {
     {"pool_create", py_pool_create, METH_VARARGS,
      "pool_create(kind, device, initial_size, max_size, growth_size[, fixed_segments]) -> pool capsule. "
@@ -424,6 +435,9 @@ PyMethodDef llmmem_py_pool_methods[] = {
     {"pool_empty_cache", py_pool_empty_cache, METH_O, "pool_empty_cache(pool) -> bytes released."},
     {"pool_reset_peak_stats", py_pool_reset_peak_stats, METH_O, "pool_reset_peak_stats(pool)."},
     {"pool_info", py_pool_info, METH_O, "pool_info(pool) -> (backend name, device)."},
+    {"pool_host_memory", py_pool_host_memory, METH_NOARGS,
+     "pool_host_memory() -> (available, total, bound): host bytes this process can still commit (capped at "
+     "sys.maxsize: no limit known), the most it could ever have, what sets the first."},
     {"pool_bind_slot", py_pool_bind_slot, METH_O, "pool_bind_slot(pool) -> slot of llmmem_pool_alloc_<k>."},
     {"pool_unbind_slot", py_pool_unbind_slot, METH_O, "pool_unbind_slot(slot)."},
     {"pool_slot_alloc", py_pool_slot_alloc, METH_VARARGS, "pool_slot_alloc(slot, size, device) -> address or 0."},

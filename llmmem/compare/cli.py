@@ -16,9 +16,12 @@ import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-__all__ = ["register_cli", "run", "run_strategy"]
+from llmmem.compare.interrupts import Interrupted, Interrupts
+
+__all__ = ["register_cli", "run", "run_strategy", "WorkerServer", "end_process_group"]
 
 DESCRIPTION = """\
 Train the same GPT with each memory technique of llmmem (and torch's own), every strategy in a
@@ -67,6 +70,12 @@ def register_cli(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run whose results.json is in --out (one cut short by Ctrl-C or SIGTERM): keep its "
+        "measured rows and run the others; refused when its settings differ from this command's",
+    )
     p.set_defaults(func=run)
 
 
@@ -132,29 +141,39 @@ class WorkerServer:
     overlaps whatever runs meanwhile. A request that times out kills the server and its child; the
     next request starts a new one."""
 
-    def __init__(self, threads: int, tmp: str) -> None:
+    def __init__(self, threads: int, tmp: str, interrupts: Interrupts | None = None) -> None:
         self.threads, self.tmp = threads, tmp
         self.proc = self._stderr = None
         self._pending = b""
         self._ready = False
+        # start, kill and terminate may run on a row's thread and the main thread at once
+        self._lock = threading.RLock()
+        self._stopped = False
+        self._interrupts = interrupts
         self.start()
 
     def start(self) -> None:
         root = _llmmem_root()
-        if self._stderr is not None:
-            self._stderr.close()
-        self._stderr = open(os.path.join(self.tmp, f"server-{id(self)}-{time.monotonic_ns()}.log"), "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmmem.compare.worker", "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=_worker_env(self.threads),
-            cwd=root,  # `-m` puts the working directory first on sys.path: import this llmmem
-            start_new_session=True,  # its own process group: a timeout kills the server and its child
-            bufsize=0,
-        )
-        self._pending, self._ready = b"", False
+        held = self._interrupts.held() if self._interrupts is not None else contextlib.nullcontext()
+        # held: a signal between the fork and `self.proc = ...` would leave a server nobody ends
+        with self._lock, held:
+            if self._stopped:
+                raise RuntimeError("WorkerServer: terminated; it starts no new server")
+            if self._stderr is not None:
+                self._stderr.close()
+            self._stderr = open(os.path.join(self.tmp, f"server-{id(self)}-{time.monotonic_ns()}.log"), "w+")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llmmem.compare.worker", "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=_worker_env(self.threads),
+                cwd=root,  # `-m` puts the working directory first on sys.path: import this llmmem
+                # its own process group, holding its children and their ranks: one signal ends them all
+                start_new_session=True,
+                bufsize=0,
+            )
+            self._pending, self._ready = b"", False
 
     def _readline(self, deadline: float) -> dict | None:
         """The next JSON line from the server; None at the deadline or when the server died."""
@@ -174,9 +193,15 @@ class WorkerServer:
 
     def request(self, job: dict, timeout: float) -> int | None:
         """Run ``job`` (see :func:`llmmem.compare.worker.serve`); the child's exit status, or None
-        when it did not answer within ``timeout`` seconds (the server is then killed) or died."""
+        when it did not answer within ``timeout`` seconds (the server is then killed) or died, or
+        when the server was terminated (:meth:`terminate`)."""
+        if self._stopped:
+            return None
         if self.proc is None or self.proc.poll() is not None:
-            self.start()
+            try:
+                self.start()
+            except RuntimeError:  # terminated meanwhile
+                return None
         deadline = time.monotonic() + timeout
         if not self._ready:
             if self._readline(deadline) is None:
@@ -199,25 +224,63 @@ class WorkerServer:
         return self._stderr.read()
 
     def kill(self) -> None:
-        import signal
+        with self._lock:
+            if self.proc is not None:
+                end_process_group(self.proc, grace=0.0)
+                self.proc = None
 
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-            self.proc = None
+    def terminate(self, grace: float = 5.0) -> None:
+        """End the server, its child and the child's ranks now (SIGTERM to its process group, up to
+        ``grace`` seconds, then SIGKILL) and start none again: what an interrupted run does."""
+        with self._lock:
+            self._stopped = True
+            if self.proc is not None:
+                end_process_group(self.proc, grace=grace)
+                self.proc = None
+            if self._stderr is not None:
+                self._stderr.close()
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.proc.stdin.close()  # the server ends at the end of its input
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-            self.proc = None
-        self._stderr.close()
+        with self._lock:
+            if self.proc is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()  # the server ends at the end of its input
+                end_process_group(self.proc, grace=10.0, term=False)
+                self.proc = None
+            if self._stderr is not None:
+                self._stderr.close()
+
+
+def end_process_group(proc: subprocess.Popen, grace: float, *, term: bool = True) -> None:
+    """End every process of the group that ``proc`` leads (started with ``start_new_session``):
+    SIGTERM (unless ``term`` is false: ``proc`` was asked to end otherwise), up to ``grace`` seconds
+    for ``proc`` to exit, then SIGKILL to the group, and reap ``proc``. While ``proc`` is not reaped
+    its id, and so the group's, cannot be taken by another process."""
+    import signal
+
+    pgid = proc.pid
+    if term:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while proc.returncode is None and time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break  # exited, not reaped
+        except ChildProcessError:
+            break
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)  # whatever of the group is left: a child, its ranks
+    proc.wait()
+    # the others are reparented to init as they die: wait a little for them to be gone (bounded)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.01)
 
 
 def run_strategy(spec: dict, tmp: str, timeout: float, server: WorkerServer | None = None) -> dict:
@@ -292,31 +355,111 @@ def _failed(spec: dict, text: str) -> dict:
     }
 
 
-def run(args) -> int:
-    from llmmem.compare import report
-    from llmmem.compare.strategies import PRESETS, STRATEGIES, by_key
+def _command(argv=None) -> str:
+    """This command as typed (sys.argv of ``python -m llmmem compare ...``)."""
+    argv = sys.argv if argv is None else argv
+    return "python -m llmmem compare " + " ".join(argv[2:] if argv[1:2] == ["compare"] else argv[1:])
 
-    t_start = time.perf_counter()
+
+def run(args) -> int:
+    """The command: checks its flags and its folder before any work, then :func:`_run` under the
+    signal handlers; an interrupted run keeps the rows it has written and says how to continue."""
+    from llmmem.compare import results
+    from llmmem.compare.strategies import PRESETS, STRATEGIES, by_key
+    from llmmem.paths import check_output_folder
+
     preset = PRESETS["quick" if args.quick else "full"]
     if args.steps is not None:
         preset = dataclasses.replace(preset, steps=args.steps)
     if args.batch is not None:
         preset = dataclasses.replace(preset, batch=args.batch)
     strategies = by_key(args.only) if args.only else list(STRATEGIES)
-    seconds = {}  # where the orchestrator's own time goes (the workers report theirs in each row)
-    os.makedirs(args.out, exist_ok=True)
-    timeout = 300.0 if args.quick else 900.0
+    for s in strategies:
+        if s.parallel and preset.batch % s.dp:
+            raise ValueError(f"--batch {preset.batch} must be divisible by {s.key}'s data-parallel size {s.dp}")
+    check_output_folder(args.out, "--out")
     # One worker at a time: two at once on two cores slow each other (shared caches, memory bandwidth,
     # or hyperthreads of one core), CPU time included. The quick run trades that for speed.
     jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if args.quick else 1)
+    # what the rows' figures depend on: rows measured in two runs must share them (--resume)
+    settings = dict(
+        preset="quick" if args.quick else "full",
+        config=dataclasses.asdict(preset),
+        strategies=[s.key for s in strategies],
+        device=args.device,
+        threads=args.threads,
+        timer=args.timer,
+        jobs=jobs,
+        seed=args.seed,
+    )
+    previous = None
+    if getattr(args, "resume", False):
+        previous = results.load_for_resume(args.out, settings)
+    else:  # a fresh run replaces the folder's results: none of an older run stays beside its rows
+        old = results.partial_rows(args.out)
+        if old:
+            print(
+                f"note: {args.out} held an interrupted run ({old} row(s)); starting over (--resume continues one)",
+                file=sys.stderr,
+            )
+        for name in results.OUTPUTS:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.out, name))
+    interrupts = Interrupts()
+    state = {"rows": {}, "planned": len(strategies)}
+    with interrupts.installed():
+        try:
+            return _run(args, preset, strategies, jobs, settings, previous, interrupts, state)
+        except Interrupted as exc:
+            done = len(state["rows"])
+            if done:
+                where = (
+                    f"{os.path.join(args.out, results.RESULTS)} holds them (partial); continue with: "
+                    + _command()
+                    + ("" if getattr(args, "resume", False) else " --resume")
+                )
+            else:
+                where = "no row was finished, nothing was written"
+            print(
+                f"\ninterrupted by {exc.name} with {done} of {state['planned']} rows measured: {where}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 + exc.signum
+
+
+def _run(args, preset, strategies, jobs, settings, previous, interrupts, state) -> int:
+    from llmmem.compare import report, results
+
+    t_start = time.perf_counter()
+    seconds = {}  # where the orchestrator's own time goes (the workers report theirs in each row)
+    timeout = 300.0 if args.quick else 900.0
+    kept = results.kept_rows(previous, settings["strategies"]) if previous is not None else {}
+    rows_by_key = state["rows"]
+    rows_by_key.update(kept)
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="llmmem-compare-"))
+        # Unwound in reverse: the servers end first (so that no row's thread waits on one), then the
+        # rows' threads are joined, then the temporary folder goes.
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+        stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+        servers: list[WorkerServer] = []
+
+        def end_servers(exc_type, exc, tb):
+            for server in servers:
+                if exc_type is None:
+                    server.close()
+                else:  # interrupted or failed: end their rows now
+                    server.terminate()
+            return False
+
+        stack.push(end_servers)
         # Every row runs in a child forked from a server that imported torch once (a parallel row: its
         # ranks forked from that child); the servers start now, so their imports overlap each other
         # and the device check.
-        servers = [WorkerServer(args.threads, tmp) for _ in range(jobs)]
-        for server in servers:
-            stack.callback(server.close)
+        with interrupts.held():  # each server is in `servers` (so ended) before a signal is raised
+            for _ in range(jobs):
+                servers.append(WorkerServer(args.threads, tmp, interrupts))
         idle = queue.SimpleQueue()
         for server in servers:
             idle.put(server)
@@ -329,6 +472,11 @@ def run(args) -> int:
             elif not cuda:
                 raise ValueError("--device cuda: torch sees no CUDA device here (use --device cpu)")
         seconds["device_check"] = round(time.perf_counter() - t0, 3)
+        if previous is not None and previous.get("device") != device:
+            raise ValueError(
+                f"--resume: the rows in {args.out} were measured on {previous.get('device')}, this run would be "
+                f"on {device} (pass --device {previous.get('device')})"
+            )
         skipped = []
         if device == "cuda":
             # the parallel rows run over gloo on the CPU only; on GPUs use examples/train_gpt.py under torchrun
@@ -336,9 +484,7 @@ def run(args) -> int:
             strategies = [s for s in strategies if not s.parallel]
         if strategies[0].key != "baseline":
             raise AssertionError("the baseline must come first")
-        for s in strategies:
-            if s.parallel and preset.batch % s.dp:
-                raise ValueError(f"--batch {preset.batch} must be divisible by {s.key}'s data-parallel size {s.dp}")
+        state["planned"] = len(strategies)
         common = dict(
             model=preset.model_config(),
             batch=preset.batch,
@@ -356,11 +502,69 @@ def run(args) -> int:
             f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
             flush=True,
         )
+        if kept:
+            print(
+                f"  resuming: {len(kept)} row(s) from {os.path.join(args.out, results.RESULTS)} "
+                f"({', '.join(k for k in settings['strategies'] if k in kept)})",
+                flush=True,
+            )
         timer = args.timer
         if timer == "auto":
             timer = "cpu" if device == "cpu" and args.threads == 1 else "wall"
         t_strategies = time.perf_counter()
-        done = [0]
+        previous_wall = float(previous.get("wall_seconds") or 0.0) if kept else 0.0
+        runs = list(previous.get("runs") or []) if kept else []
+        this_run = {"command": _command(), "rows": []}
+
+        def header(partial: bool, machine: str) -> dict:
+            return {
+                "command": this_run["command"] if not runs else runs[0]["command"],
+                "preset": settings["preset"],
+                "config": settings["config"],
+                "device": device,
+                "machine": machine,
+                "threads_per_process": args.threads,
+                "timer": timer,
+                "partial": partial,
+                "planned": [s.key for s in strategies],
+                "settings": settings,
+                "runs": runs + [this_run],
+                "skipped": skipped,
+            }
+
+        def save(partial: bool, extra: dict | None = None) -> None:
+            """results.json and results.md as they stand: after every row, and at the end."""
+            rows = [rows_by_key[s.key] for s in strategies if s.key in rows_by_key]
+            report.derive(rows, timer)
+            machine = _machine(device, rows_by_key["baseline"])
+            this_run["wall_seconds"] = round(time.perf_counter() - t_start, 3)
+            data = dict(header(partial, machine), wall_seconds=previous_wall + this_run["wall_seconds"])
+            data.update(rows=rows, **(extra or {}))
+            missing = [s.key for s in strategies if s.key not in rows_by_key]
+            note = (
+                f"Partial: {len(rows)} of {len(strategies)} rows (not yet measured: {', '.join(missing)}); "
+                "`--resume` with the same flags continues it.\n\n"
+                if partial
+                else ""
+            )
+            md = (
+                f"Machine: {machine}; {args.threads} torch thread(s) per process; step time: {timer}.\n\n"
+                + note
+                + report.markdown(rows)
+                + "\n"
+            )
+            with interrupts.held():  # both files whole, in step with each other
+                results.write_atomic(os.path.join(args.out, results.RESULTS), json.dumps(data, indent=1))
+                results.write_atomic(os.path.join(args.out, results.TABLE), md)
+
+        def record(row: dict) -> None:
+            if interrupts.stopping:
+                return  # a row cut short by the interrupt is not a result
+            rows_by_key[row["key"]] = row
+            this_run["rows"].append(row["key"])
+            save(partial=len(rows_by_key) < len(strategies))
+
+        done = [len(kept)]
 
         def run_one(s, extra):
             t0 = time.perf_counter()
@@ -371,64 +575,54 @@ def run(args) -> int:
                 if server is not None:
                     idle.put(server)
             row["wall_seconds"] = time.perf_counter() - t0
+            if interrupts.stopping:
+                return row
             done[0] += 1
             status = ("" if row.get("infeasible") else "error: ") + row["error"][:100] if row.get("error") else "ok"
             print(f"  [{done[0]:>2}/{len(strategies)}] {s.key:<15} {row['wall_seconds']:6.1f} s  {status}", flush=True)
             return row
 
         # The baseline first and alone: the others are measured against its peak and activation memory.
-        baseline = run_one(strategies[0], {})
-        if baseline.get("error"):
-            print(baseline.get("log", ""), file=sys.stderr)
-            raise RuntimeError("the baseline failed; nothing to compare against")
+        if "baseline" in rows_by_key:
+            baseline = rows_by_key["baseline"]
+        else:
+            baseline = run_one(strategies[0], {})
+            if baseline.get("error"):
+                print(baseline.get("log", ""), file=sys.stderr)
+                print("error: the baseline failed; nothing to compare against", file=sys.stderr)
+                return 1
+            record(baseline)
         extra = dict(cap_bytes=baseline["peak_bytes"], baseline_activation_bytes=baseline["activation_bytes"])
-        singles = [s for s in strategies[1:] if not s.parallel]
-        by_key_row = {"baseline": baseline}
+        todo = [s for s in strategies[1:] if s.key not in rows_by_key]
         # Single-process rows use one core each (--threads 1): --jobs 2 runs two at a time on two cores.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            for s, row in zip(singles, pool.map(lambda s: run_one(s, extra), singles)):
-                by_key_row[s.key] = row
+        futures = [pool.submit(run_one, s, extra) for s in todo if not s.parallel]
+        for future in concurrent.futures.as_completed(futures):
+            record(future.result())
         while not idle.empty():  # the parallel rows run one at a time, on the first server
             idle.get()
         idle.put(servers[0])
         for server in servers[1:]:
             server.close()
-        for s in strategies[1:]:
+        for s in todo:
             if s.parallel:  # alone: their ranks share the machine's cores
-                by_key_row[s.key] = run_one(s, extra)
-        rows = [by_key_row[s.key] for s in strategies]
-    seconds["strategies"] = round(time.perf_counter() - t_strategies, 3)
-    report.derive(rows, timer)
-    machine = _machine(device, baseline)
-    if not args.no_charts:
-        t0 = time.perf_counter()
-        title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
-        report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
-        report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
-        seconds["charts"] = round(time.perf_counter() - t0, 3)
-    wall = time.perf_counter() - t_start  # the whole command but the interpreter's start and the table
-    targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
-    results = {
-        "command": "python -m llmmem " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["compare"] else sys.argv[1:]),
-        "preset": "quick" if args.quick else "full",
-        "config": dataclasses.asdict(preset),
-        "device": device,
-        "machine": machine,
-        "threads_per_process": args.threads,
-        "timer": timer,
-        "wall_seconds": wall,
-        "seconds": seconds,
-        "skipped": skipped,
-        "rows": rows,
-        "targets": targets,
-    }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+                record(run_one(s, extra))
+        rows = [rows_by_key[s.key] for s in strategies]
+        seconds["strategies"] = round(time.perf_counter() - t_strategies, 3)
+        report.derive(rows, timer)
+        machine = _machine(device, baseline)
+        if not args.no_charts:
+            t0 = time.perf_counter()
+            title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
+            report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
+            report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
+            seconds["charts"] = round(time.perf_counter() - t0, 3)
+        # the whole command but the interpreter's start and the table, over every run of these rows
+        this_run["wall_seconds"] = round(time.perf_counter() - t_start, 3)
+        this_run["seconds"] = seconds
+        wall = previous_wall + this_run["wall_seconds"]
+        targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
+        save(partial=False, extra=dict(wall_seconds=wall, seconds=seconds, targets=targets))
     text = report.table(rows)
-    md = report.markdown(rows)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(f"Machine: {machine}; {args.threads} torch thread(s) per process; step time: {timer}.\n\n")
-        f.write(md + "\n")
     print()
     print(text)
     timer_text = "process CPU time" if timer == "cpu" else "wall clock"

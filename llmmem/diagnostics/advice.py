@@ -97,7 +97,8 @@ def find_blocks(model) -> tuple[str, torch.nn.Module] | None:
 
 
 def _precision(model, autocast_dtype) -> str:
-    first = next(iter(model.parameters()), None)
+    parameters = getattr(model, "parameters", None)  # a config has none: built in the default fp32
+    first = next(iter(parameters()), None) if callable(parameters) else None
     dtype = first.dtype if first is not None else torch.float32
     if dtype == torch.bfloat16:
         return "bf16"
@@ -121,17 +122,21 @@ def _optimizer_kind(optimizer) -> str:
 
 
 def _attention(model) -> str | None:
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and getattr(cfg, "attention", None) in ("explicit", "sdpa"):
-        return cfg.attention
-    hf = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if hf is not None:
-        return "explicit" if hf == "eager" else "sdpa"
+    for cfg in (getattr(model, "cfg", None), model):  # llmmem's GPT, or its GPTConfig
+        if getattr(cfg, "attention", None) in ("explicit", "sdpa"):
+            return cfg.attention
+    for config in (getattr(model, "config", None), model):  # a Hugging Face model, or its config
+        hf = getattr(config, "_attn_implementation", None)
+        if isinstance(hf, str):
+            return "explicit" if hf == "eager" else "sdpa"
     return None
 
 
 def estimate_settings(model, *, batch, seq, optimizer=None, autocast_dtype=None, device="cpu") -> dict:
-    """The keyword arguments of ``llmmem.estimate`` describing how ``model`` is being trained."""
+    """The keyword arguments of ``llmmem.estimate`` describing how ``model`` is being trained.
+
+    :param model: the ``nn.Module``, or the config it is built from (llmmem's ``GPTConfig``, a
+        Hugging Face config: parameters in the default fp32), to size a run before building it."""
     kwargs = dict(
         batch=int(batch),
         seq=int(seq),

@@ -49,6 +49,17 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: attention must be 'explicit' or 'sdpa', got {self.attention!r}")
 
 
+def future_mask(s: int, device=None) -> torch.Tensor:
+    """The ``(s, s)`` bool mask of what causal attention hides from position ``i``: every ``j > i``.
+
+    Made per call, not kept as a ``seq_len x seq_len`` buffer per layer: ``masked_fill`` keeps its
+    mask for backward either way (``s²`` bytes a layer, beside the ``4·a·s²·b`` of the scores it
+    masks), and the fused kernel (``is_causal``) needs none.
+    """
+    i = torch.arange(s, device=device)
+    return i[None, :] > i[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -60,8 +71,6 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout_p = cfg.dropout
         self.use_sdpa = cfg.attention == "sdpa"
-        mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
-        self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -72,7 +81,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (b, heads, s, s)
-            scores = scores.masked_fill(~self.causal_mask[:s, :s], float("-inf"))
+            scores = scores.masked_fill(future_mask(s, x.device), float("-inf"))
             probs = self.attn_dropout(torch.softmax(scores, dim=-1))
             y = probs @ v
         y = y.transpose(1, 2).reshape(b, s, h)

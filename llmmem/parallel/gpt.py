@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmmem.models.gpt import GPT, GPTConfig
+from llmmem.models.gpt import GPT, GPTConfig, future_mask
 from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llmmem.parallel.groups import get_tensor_parallel_group
 from llmmem.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -64,7 +64,6 @@ class _TPAttention(nn.Module):
         self.proj = RowParallelLinear.from_linear(ref.proj, process_group=group, input_is_parallel=True)
         self.attn_dropout, self.resid_dropout = nn.Dropout(cfg.dropout), nn.Dropout(cfg.dropout)
         self.dropout_p, self.use_sdpa = cfg.dropout, cfg.attention == "sdpa"
-        self.register_buffer("causal_mask", ref.causal_mask.clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -78,7 +77,7 @@ class _TPAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            scores = scores.masked_fill(~self.causal_mask[:s, :s], float("-inf"))
+            scores = scores.masked_fill(future_mask(s, x.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             with split_rng:
                 probs = self.attn_dropout(probs)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmmem.models.gpt import future_mask
 from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llmmem.parallel.gpt import TensorParallelGPT
 from llmmem.parallel.random import get_rng_tracker
@@ -51,7 +52,6 @@ class _SPAttention(nn.Module):
         self.attn_dropout, self.resid_dropout = ref.attn_dropout, ref.resid_dropout
         self.heads_local, self.head_dim = ref.heads_local, ref.head_dim
         self.dropout_p, self.use_sdpa = ref.dropout_p, ref.use_sdpa
-        self.register_buffer("causal_mask", ref.causal_mask, persistent=False)
         for layer in (self.qkv, self.proj):
             layer.sequence_parallel, layer.sequence_dim = True, 1
         if self.proj.bias is not None:
@@ -68,7 +68,7 @@ class _SPAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            scores = scores.masked_fill(~self.causal_mask[:s, :s], float("-inf"))
+            scores = scores.masked_fill(future_mask(s, x.device), float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             with heads_rng:
                 probs = self.attn_dropout(probs)

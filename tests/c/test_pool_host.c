@@ -203,5 +203,22 @@ int main(void) {
     CHECK_STATUS(llmmem_pool_create(&b, &o, &p), LLMMEM_ERR_NOMEM); /* twice the machine: never */
   }
 
+  TEST("llmmem_pool_host_memory reports what the backend checks; NULL out-parameters are skipped") {
+    fake.available = 12345 * 4096;
+    fake.total = 99999 * 4096;
+    fake.bound = "RLIMIT_DATA";
+    _llmmem_pool_host_probe = fake_probe;
+    size_t available = 0, total = 0;
+    const char *bound = NULL;
+    CHECK_OK(llmmem_pool_host_memory(&available, &total, &bound));
+    CHECK(available == fake.available && total == fake.total && strcmp(bound, "RLIMIT_DATA") == 0);
+    CHECK_OK(llmmem_pool_host_memory(NULL, NULL, NULL));
+    _llmmem_pool_host_probe = _llmmem_pool_host_limits;
+    pool_host_limits_t l;
+    _llmmem_pool_host_limits(&l);
+    CHECK_OK(llmmem_pool_host_memory(NULL, &total, &bound));
+    CHECK(total == l.total && bound != NULL);
+  }
+
   return TEST_SUMMARY();
 }

@@ -60,3 +60,43 @@ def test_bad_input():
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="batch, seq"):
         model(torch.zeros(9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_no_seq_by_seq_buffer(attention):
+    # The report: a seq x seq causal mask per layer (10 GB at seq 100000) was built at construction,
+    # even for sdpa, which masks with is_causal. Here seq 2048: 4 MiB a layer before.
+    cfg = GPTConfig(layers=2, hidden=32, heads=2, seq_len=2048, vocab_size=50, dropout=0.0, attention=attention)
+    model = GPT(cfg)
+    assert sum(b.numel() for b in model.buffers()) < cfg.seq_len
+    logits, _ = model(torch.randint(0, 50, (1, 16)))
+    assert logits.shape == (1, 16, 50)
+
+
+@pytest.mark.parametrize("s", [16, 11])
+def test_the_causal_mask_made_per_call_changes_nothing(s, monkeypatch):
+    """Bit for bit the outputs, loss and gradients of the former mask (a seq_len x seq_len lower
+    triangle, sliced to s and inverted), with dropout on: the mask draws no random numbers."""
+    import llmmem.models.gpt as gpt
+
+    cfg = GPTConfig(layers=2, hidden=32, heads=2, seq_len=16, vocab_size=50, dropout=0.1)
+    idx = torch.randint(0, 50, (3, s))
+
+    def run():
+        torch.manual_seed(7)
+        model = GPT(cfg)
+        logits, loss = model(idx, idx)
+        loss.backward()
+        return logits.detach(), loss.detach(), [p.grad for p in model.parameters()]
+
+    got = run()
+    former = ~torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
+    assert torch.equal(gpt.future_mask(s), former[:s, :s])
+    monkeypatch.setattr(
+        gpt,
+        "future_mask",
+        lambda n, device=None: ~torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool, device=device).tril()[:n, :n],
+    )
+    want = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))

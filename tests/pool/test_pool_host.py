@@ -158,3 +158,23 @@ def test_a_shape_beyond_any_address_space_names_itself():
         with pytest.raises(llmmem.OutOfMemoryError, match=r"MemoryPool\.empty: shape .* bytes") as info:
             pool.empty(shape, dtype=torch.float32)
         assert not isinstance(info.value, OverflowError)
+
+
+def test_host_memory_is_what_the_pool_checks():
+    # llmmem.pool.host_memory() reads the C core's figures (the ones a host pool refuses memory by),
+    # so a command can refuse work before it starts: under RLIMIT_DATA that limit bounds them.
+    out = _isolated(
+        """
+        import resource
+        from llmmem.pool import host_memory
+
+        free = host_memory()
+        assert free["available"] > 0 and free["total"] >= free["available"], free
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+        resource.setrlimit(resource.RLIMIT_DATA, (used + (256 << 20), resource.RLIM_INFINITY))
+        limited = host_memory()
+        print(limited["bound"], limited["available"] <= 256 << 20, limited["total"] == used + (256 << 20))
+        """
+    )
+    assert "RLIMIT_DATA True True" in out, out

@@ -210,6 +210,14 @@ LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda(int device, llmmem_pool_back
  * then. LLMMEM_ERR_NOT_BUILT in a CPU-only build. Not yet validated on a GPU. */
 LLMMEM_API llmmem_status_t llmmem_pool_backend_cuda_vmm(int device, llmmem_pool_backend_t *out);
 
+/* How much host memory this process can still commit, as the host backend sees it before it
+ * commits: `available` (bytes; SIZE_MAX when nothing known bounds it), `bound` (what sets it, a
+ * static string: "MemAvailable + SwapFree", "the cgroup's memory limit", "RLIMIT_DATA" or "no limit
+ * known") and `total` (the most the process could ever have: RAM + swap, the cgroup's limit,
+ * RLIMIT_DATA, RLIMIT_AS). Reads a few small files under /proc and /sys (tens of microseconds).
+ * Any out-parameter may be NULL. Always LLMMEM_OK. */
+LLMMEM_API llmmem_status_t llmmem_pool_host_memory(size_t *available, size_t *total, const char **bound);
+
 /* ---- PyTorch's pluggable-allocator entry points ------------------------------------------ */
 
 /* torch.cuda.memory.CUDAPluggableAllocator takes two exported C functions by name and no user
