@@ -15,7 +15,7 @@ from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpoint
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
+from llmmem.checkpointing.profile import ChainProfile, as_block_list, check_distinct, profile_model, run_mode
 from llmmem.units import format_bytes
 
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
@@ -105,6 +105,12 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
     are all of one class, the first found (outermost) on a tie (a transformer's layers). Or name it:
     a dotted path (``"model.layers"``), the container itself, or a list of ``model``'s submodules.
     """
+    name, found = _find_blocks(model, blocks)
+    check_distinct(found, f"auto_checkpoint: {name!r}")
+    return name, found
+
+
+def _find_blocks(model: nn.Module, blocks) -> tuple[str, list]:
     if blocks is None:
         best = None
         for name, m in model.named_modules():

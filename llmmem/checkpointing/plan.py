@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmmem._native import native
-from llmmem.checkpointing.profile import INPUT_ONLY, ChainProfile, median_time, profile_blocks
+from llmmem.checkpointing.profile import INPUT_ONLY, ChainProfile, as_block_list, median_time, profile_blocks
 from llmmem.errors import InfeasibleError, user_stacklevel
 from llmmem.units import format_bytes, parse_bytes
 
@@ -399,7 +399,7 @@ def plan_checkpoints(
     if profile is None:
         if blocks is None or sample_input is None:
             raise ValueError("plan_checkpoints: give blocks and sample_input, or profile=")
-        profile = profile_blocks(blocks, sample_input, **profile_options)
+        profile = profile_blocks(as_block_list(blocks, "plan_checkpoints"), sample_input, **profile_options)
     elif profile_options:
         raise ValueError(f"plan_checkpoints: {sorted(profile_options)} only apply when profiling (profile=None)")
     if slots is None:

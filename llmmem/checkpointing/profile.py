@@ -60,6 +60,7 @@ __all__ = [
     "run_mode",
     "run_call",
     "as_block_list",
+    "check_distinct",
     "median_time",
     "hidden_of",
     "without_cache",
@@ -1036,7 +1037,38 @@ def as_block_list(blocks, who: str) -> list:
     for i, b in enumerate(blocks):
         if not isinstance(b, nn.Module):
             raise TypeError(f"{who}: blocks[{i}] must be an nn.Module, got {type(b).__name__}")
+    check_distinct(blocks, who)
     return list(blocks)
+
+
+def check_distinct(blocks: Sequence[nn.Module], who: str) -> None:
+    """Raise ``ValueError`` when a module is twice in the chain, or two blocks share a parameter that
+    trains. The planner's model is a chain of distinct blocks: a parameter used by two blocks of
+    one step has its first gradient held by autograd (which sums the two before accumulating) from
+    the later block's backward until the earlier one's, memory the plan does not count; and a plan
+    runs in place per module, so a module cannot be two blocks."""
+    first: dict = {}
+    for j, b in enumerate(blocks):
+        i = first.setdefault(id(b), j)
+        if i != j:
+            raise ValueError(
+                f"{who}: blocks[{j}] is blocks[{i}], the same {type(b).__name__} module: each block of the chain must "
+                "be a module of its own (a module run several times in a step, sharing its weights, is not a chain "
+                "the planner can budget: its parameters' gradients are held between its uses)"
+            )
+    owner: dict = {}
+    for j, b in enumerate(blocks):
+        for name, p in b.named_parameters():
+            if not p.requires_grad:
+                continue
+            i, other = owner.setdefault(id(p), (j, name))
+            if i != j:
+                raise ValueError(
+                    f"{who}: blocks[{i}] and blocks[{j}] share a parameter that trains ({other!r} of blocks[{i}] is "
+                    f"{name!r} of blocks[{j}], shape {list(p.shape)}): the planner needs blocks that share no trained "
+                    "weights (autograd holds a shared weight's gradient from the later block's backward until the "
+                    "earlier one's, memory the plan does not count)"
+                )
 
 
 # --------------------------------------------------------------------------------------------
