@@ -294,6 +294,9 @@ def auto_checkpoint(
     :param options: for a model: ``preserve_rng_state``, ``determinism_check``, ``early_stop`` (as in
         :func:`llmmem.checkpoint`); for a bare chain, any :func:`llmmem.checkpoint` option.
     :raises llmmem.InfeasibleError: (a ``ValueError``) stating the smallest feasible budget.
+    :raises ValueError: when blocks of the chain have no backward (nothing in them trains: a frozen
+        model, or a frozen prefix; a model whose base is frozen but whose blocks hold trainable
+        adapters is planned), or the chain holds a module twice or blocks that share a trained weight.
 
     Cost: one step of the model (every block checkpointed) under a memory meter, then per distinct
     block a few forward and backward passes; the solver takes milliseconds for identical blocks.

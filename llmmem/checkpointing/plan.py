@@ -357,7 +357,9 @@ def plan_checkpoints(
     host_bandwidth: float | None = None,
     **profile_options,
 ) -> CheckpointPlan:
-    """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``.
+    """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``: never
+    slower, in the planner's model, than a uniform plan that fits (every block in one mode, every
+    k-th block checkpointed, segments of k blocks), whatever the rounding of ``slots``.
 
     :param blocks: the chain (as for :func:`profile_blocks`); may be ``None`` with ``profile=``.
     :param sample_input: input of the first block (not needed with ``profile=``).
