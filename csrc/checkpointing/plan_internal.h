@@ -44,6 +44,15 @@ llmmem_status_t plan_costs_min_budget(const plan_costs_t *c, uint64_t *out, int3
 size_t plan_rows_R(const plan_costs_t *c);
 size_t plan_row_R(const plan_costs_t *c, int32_t s, int32_t e);
 
+/* The uniform plans (uniform.c): replaces *plan and *pred (the DP's, or none when !*found) by the
+ * fastest uniform plan whose simulated peak fits budget, when it is faster; sets *found then. */
+llmmem_status_t plan_best_uniform(const plan_costs_t *c, uint64_t budget, llmmem_plan_t *plan,
+                                  llmmem_plan_prediction_t *pred, int *found);
+
+/* The simulated peak of a flat plan (regions in order, at the top level, none offloaded), as
+ * plan_simulate_costs counts it (uniform.c). */
+int64_t plan_flat_peak(const plan_costs_t *c, const int32_t *mode, const llmmem_plan_region_t *reg, int32_t R);
+
 /* Simulates a validated plan given as a mode per block and regions in pre-order. */
 llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *plan, llmmem_plan_prediction_t *pred);
 

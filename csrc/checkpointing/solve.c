@@ -406,6 +406,7 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
     if (status != LLMMEM_OK) goto done;
     found = all.peak_bytes <= budget_bytes;
   }
+  const int nothing_recomputed = found; /* the fastest plan there is: no uniform one beats it */
   if (!found) status = solve_slots(&c, budget_bytes, slots, plan, &found);
   if (status != LLMMEM_OK) goto done;
   if (!found) { /* rounding sizes up to slots lost every plan: the least-memory plan still fits */
@@ -417,6 +418,11 @@ LLMMEM_API llmmem_status_t llmmem_plan_solve(const llmmem_plan_chain_t *chain, u
   llmmem_plan_prediction_t p;
   status = plan_simulate_costs(&c, plan, &p);
   if (status != LLMMEM_OK) goto done;
+  if (!nothing_recomputed) {
+    int have = 1;
+    status = plan_best_uniform(&c, budget_bytes, plan, &p, &have);
+    if (status != LLMMEM_OK) goto done;
+  }
   if (p.peak_bytes > budget_bytes) {
     status = LLMMEM_FAIL(LLMMEM_ERR_INTERNAL, "the plan's simulated peak %llu exceeds the budget %llu (please report)",
                          (unsigned long long)p.peak_bytes, (unsigned long long)budget_bytes);

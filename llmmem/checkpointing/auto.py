@@ -15,7 +15,7 @@ from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpoint
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
+from llmmem.checkpointing.profile import ChainProfile, as_block_list, check_distinct, profile_model, run_mode
 from llmmem.units import format_bytes
 
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
@@ -105,6 +105,12 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
     are all of one class, the first found (outermost) on a tie (a transformer's layers). Or name it:
     a dotted path (``"model.layers"``), the container itself, or a list of ``model``'s submodules.
     """
+    name, found = _find_blocks(model, blocks)
+    check_distinct(found, f"auto_checkpoint: {name!r}")
+    return name, found
+
+
+def _find_blocks(model: nn.Module, blocks) -> tuple[str, list]:
     if blocks is None:
         best = None
         for name, m in model.named_modules():
@@ -288,6 +294,9 @@ def auto_checkpoint(
     :param options: for a model: ``preserve_rng_state``, ``determinism_check``, ``early_stop`` (as in
         :func:`llmmem.checkpoint`); for a bare chain, any :func:`llmmem.checkpoint` option.
     :raises llmmem.InfeasibleError: (a ``ValueError``) stating the smallest feasible budget.
+    :raises ValueError: when blocks of the chain have no backward (nothing in them trains: a frozen
+        model, or a frozen prefix; a model whose base is frozen but whose blocks hold trainable
+        adapters is planned), or the chain holds a module twice or blocks that share a trained weight.
 
     Cost: one step of the model (every block checkpointed) under a memory meter, then per distinct
     block a few forward and backward passes; the solver takes milliseconds for identical blocks.

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmmem._native import native
-from llmmem.checkpointing.profile import INPUT_ONLY, ChainProfile, median_time, profile_blocks
+from llmmem.checkpointing.profile import INPUT_ONLY, ChainProfile, as_block_list, median_time, profile_blocks
 from llmmem.errors import InfeasibleError, user_stacklevel
 from llmmem.units import format_bytes, parse_bytes
 
@@ -357,7 +357,9 @@ def plan_checkpoints(
     host_bandwidth: float | None = None,
     **profile_options,
 ) -> CheckpointPlan:
-    """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``.
+    """The fastest checkpointing plan for ``blocks`` whose predicted peak fits ``budget``: never
+    slower, in the planner's model, than a uniform plan that fits (every block in one mode, every
+    k-th block checkpointed, segments of k blocks), whatever the rounding of ``slots``.
 
     :param blocks: the chain (as for :func:`profile_blocks`); may be ``None`` with ``profile=``.
     :param sample_input: input of the first block (not needed with ``profile=``).
@@ -399,7 +401,7 @@ def plan_checkpoints(
     if profile is None:
         if blocks is None or sample_input is None:
             raise ValueError("plan_checkpoints: give blocks and sample_input, or profile=")
-        profile = profile_blocks(blocks, sample_input, **profile_options)
+        profile = profile_blocks(as_block_list(blocks, "plan_checkpoints"), sample_input, **profile_options)
     elif profile_options:
         raise ValueError(f"plan_checkpoints: {sorted(profile_options)} only apply when profiling (profile=None)")
     if slots is None:

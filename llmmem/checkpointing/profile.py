@@ -60,6 +60,7 @@ __all__ = [
     "run_mode",
     "run_call",
     "as_block_list",
+    "check_distinct",
     "median_time",
     "hidden_of",
     "without_cache",
@@ -429,6 +430,9 @@ class BlockCall:
     args: tuple
     kwargs: dict = field(default_factory=dict)
     hidden: int | str = 0
+    # whether the step differentiates the chain activation: not the first block's input when what
+    # comes before the chain is frozen (a LoRA model's embeddings), so no gradient of it is made
+    input_grad: bool = True
 
     @property
     def hidden_tensor(self) -> torch.Tensor:
@@ -458,7 +462,12 @@ class BlockCall:
             return type(v).__name__
 
         leaves, spec = pytree.tree_flatten((self.args, self.kwargs))
-        return (self.hidden, str(spec), tuple(describe(v) for v in leaves))
+        return (self.hidden, self.input_grad, str(spec), tuple(describe(v) for v in leaves))
+
+    def fresh_input(self) -> torch.Tensor:
+        """A new leaf with the chain activation's value, needing a gradient as the step's does."""
+        h = self.hidden_tensor
+        return h.detach().clone().requires_grad_(self.input_grad and h.is_floating_point())
 
 
 def find_hidden(args: tuple, kwargs: dict, previous=None) -> tuple[int | str | None, bool]:
@@ -632,7 +641,11 @@ def run_mode(block, x, mode: str, **checkpoint_options):
 def _grad_tensor(out) -> torch.Tensor:
     t = hidden_of(out)
     if not t.requires_grad:
-        raise ValueError("profile: a block returned no tensor that requires grad")
+        raise ValueError(
+            "profile: a block returned no tensor that requires grad: nothing in it is differentiated (its "
+            "parameters are frozen and its input needs no gradient, or it detaches its output), so checkpointing "
+            "it saves nothing"
+        )
     return t
 
 
@@ -671,7 +684,7 @@ def _memory_and_work(run, block, call: BlockCall, mode: str, device: torch.devic
     """One forward + backward of the block in ``mode`` under the meters: bytes kept, transients,
     work units. The block input is a fresh leaf made outside the meters (the planner counts it)."""
     params = _module_tensors(block)
-    x = call.hidden_tensor.detach().clone().requires_grad_(call.hidden_tensor.is_floating_point())
+    x = call.fresh_input()
     args, kwargs = call.with_hidden(x)
     key = device_key(device)
     work = WorkCounter(device.type)
@@ -715,7 +728,7 @@ def _allocator_transients(run, block, call: BlockCall, mode: str, device: torch.
     params = [p for p in _module_tensors(block) if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    x = call.hidden_tensor.detach().clone().requires_grad_(call.hidden_tensor.is_floating_point())
+    x = call.fresh_input()
     args, kwargs = call.with_hidden(x)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -743,7 +756,7 @@ def _timed_steps(run, block, call: BlockCall, modes, repeats: int, warmup: int, 
     Round-robin over the modes; each mode's time is the store-all time (median) times the median of
     its ratio to store-all within a round: a shared machine's load drifts between rounds and slows a
     whole round alike, so ratios taken within a round are steady where times taken apart are not."""
-    x = call.hidden_tensor.detach().clone().requires_grad_(call.hidden_tensor.is_floating_point())
+    x = call.fresh_input()
     args, kwargs = call.with_hidden(x)
 
     def step(mode):
@@ -1024,7 +1037,38 @@ def as_block_list(blocks, who: str) -> list:
     for i, b in enumerate(blocks):
         if not isinstance(b, nn.Module):
             raise TypeError(f"{who}: blocks[{i}] must be an nn.Module, got {type(b).__name__}")
+    check_distinct(blocks, who)
     return list(blocks)
+
+
+def check_distinct(blocks: Sequence[nn.Module], who: str) -> None:
+    """Raise ``ValueError`` when a module is twice in the chain, or two blocks share a parameter that
+    trains. The planner's model is a chain of distinct blocks: a parameter used by two blocks of
+    one step has its first gradient held by autograd (which sums the two before accumulating) from
+    the later block's backward until the earlier one's, memory the plan does not count; and a plan
+    runs in place per module, so a module cannot be two blocks."""
+    first: dict = {}
+    for j, b in enumerate(blocks):
+        i = first.setdefault(id(b), j)
+        if i != j:
+            raise ValueError(
+                f"{who}: blocks[{j}] is blocks[{i}], the same {type(b).__name__} module: each block of the chain must "
+                "be a module of its own (a module run several times in a step, sharing its weights, is not a chain "
+                "the planner can budget: its parameters' gradients are held between its uses)"
+            )
+    owner: dict = {}
+    for j, b in enumerate(blocks):
+        for name, p in b.named_parameters():
+            if not p.requires_grad:
+                continue
+            i, other = owner.setdefault(id(p), (j, name))
+            if i != j:
+                raise ValueError(
+                    f"{who}: blocks[{i}] and blocks[{j}] share a parameter that trains ({other!r} of blocks[{i}] is "
+                    f"{name!r} of blocks[{j}], shape {list(p.shape)}): the planner needs blocks that share no trained "
+                    "weights (autograd holds a shared weight's gradient from the later block's backward until the "
+                    "earlier one's, memory the plan does not count)"
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1131,7 +1175,9 @@ class _PassThrough(torch.autograd.Function):
     """The recording step's stand-in for a block's graph: the block's output, computed without a
     graph, and in backward the output's gradient handed to the input (zeros where the shapes
     differ). The head, the loss and what comes before the chain run as they would; the blocks cost
-    one forward without a graph and nothing in backward."""
+    one forward without a graph and nothing in backward. A block whose input needs no gradient but
+    whose parameters train (a LoRA layer after frozen embeddings) passes an empty leaf as ``x``,
+    so that its output needs a gradient as the real block's does."""
 
     @staticmethod
     def forward(ctx, x, y):
@@ -1169,6 +1215,27 @@ class StepRecord:
     outside_backward_work: float  # the part of it that ran in the backward
 
 
+def _no_backward_error(model, blocks: list, differentiated: list) -> ValueError:
+    """What to say when blocks of the chain have no backward in the step (nothing in them trains)."""
+    name = type(model).__name__
+    if not any(differentiated):
+        if not any(p.requires_grad for p in model.parameters()):
+            why = f"no parameter of {name} requires grad (the model is frozen) and no block's input needs a gradient"
+        else:
+            why = "every parameter of the blocks is frozen and no block's input needs a gradient"
+        return ValueError(
+            f"auto_checkpoint: the chain of {len(blocks)} blocks has no backward: {why}. Activation checkpointing "
+            "trades recompute for the memory a backward needs; with nothing in the blocks to train there is none to "
+            "save (unfreeze the parameters to train, e.g. adapters, or run the model under torch.no_grad())"
+        )
+    frozen = [i for i, d in enumerate(differentiated) if not d]
+    return ValueError(
+        f"auto_checkpoint: block(s) {frozen[:8]} of the {len(blocks)} blocks have no backward (their parameters are "
+        "frozen and their input needs no gradient): they keep nothing for backward, so there is nothing to plan "
+        "there; give the blocks that train as blocks= (a list of the model's submodules)"
+    )
+
+
 def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRecord:
     """Run ``step`` once with hooks on ``blocks``: each block's first call (copied), whether each
     block's input is the previous block's output (identity), and the activation bytes of the step
@@ -1185,6 +1252,9 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
     groups: dict = {}
     sizes: dict = {}
     work = WorkCounter(device.type)  # the blocks run outside it (_disable_current_modes)
+    # the real block's output needs a gradient when its input does or any of its parameters trains
+    trains = [any(p.requires_grad for p in b.parameters()) for b in blocks]
+    differentiated = [False] * L
     meter = ActivationMeter(list(model.parameters()), device=device, work=work)
     done: dict = {}
 
@@ -1220,18 +1290,20 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
             for t in pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and meter.counted_bytes(t):
                     held[id(t)] = t
-            call = BlockCall(tuple(args), dict(kwargs), where)
+            h = args[where] if isinstance(where, int) else kwargs[where]
+            call = BlockCall(tuple(args), dict(kwargs), where, input_grad=h.requires_grad)
             if i == 0:
                 meter.mark("chain_start")
                 h = call.hidden_tensor
                 sizes["x0"] = meter.counted_bytes(h)
                 if h.requires_grad:
                     h.register_hook(on_chain_grad)
+                    done["chain_hooked"] = True
             # one copy per distinct call: the blocks that share it are profiled as one
             key = _block_signature(module, call)
             if key not in groups:
                 c_args, c_kwargs = _copy_call(meter, args, kwargs, memo)
-                groups[key] = BlockCall(c_args, c_kwargs, where)
+                groups[key] = BlockCall(c_args, c_kwargs, where, input_grad=call.input_grad)
             calls[i] = groups[key]
 
         return hook
@@ -1259,8 +1331,16 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
         with torch.no_grad(), _disable_current_modes():
             out = forward(*args, **kwargs)
         y = hidden_of(out)
+        others = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t is not h]
         if isinstance(h, torch.Tensor) and h.requires_grad:
             out = _replace_hidden(out, _PassThrough.apply(h, y))
+        elif trains[i] or any(t.requires_grad for t in others):
+            anchor = torch.empty(0, device=y.device, requires_grad=True)
+            if "chain_hooked" not in done:  # the chain's backward ends at the first block it reaches
+                anchor.register_hook(on_chain_grad)
+                done["chain_hooked"] = True
+            out = _replace_hidden(out, _PassThrough.apply(anchor, y))
+        differentiated[i] = hidden_of(out).requires_grad
         return out
 
     handles, own_forwards = [], []
@@ -1275,6 +1355,9 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
                 step()
         except Exception as e:
             called_as = getattr(step, "called_as", None)
+            if "block_started" in done and not any(differentiated):
+                # torch's "element 0 of tensors does not require grad", or no loss found: say why
+                raise _no_backward_error(model, blocks, differentiated) from e
             if called_as is None or "block_started" in done:
                 raise  # the user's own step, or the model's own error once its blocks ran
             text = (
@@ -1304,6 +1387,8 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
             f"auto_checkpoint: the sample step did not call block(s) {missing[:8]} of the {L} blocks; give the "
             "blocks the step runs (blocks=...)"
         )
+    if not all(differentiated):
+        raise _no_backward_error(model, blocks, differentiated)
     marks = meter.marks
     for name in ("chain_start", "chain_end", "backward"):
         if name not in marks:
@@ -1364,7 +1449,7 @@ def profile_model(
         stripped = []
         for c in rec.calls:
             args, kwargs, _ = without_cache(c.args, c.kwargs)
-            stripped.append(BlockCall(args, kwargs, c.hidden))
+            stripped.append(BlockCall(args, kwargs, c.hidden, input_grad=c.input_grad))
         prof = profile_calls(
             blocks,
             stripped,

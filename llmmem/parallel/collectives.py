@@ -36,13 +36,14 @@ Thresholds (bytes of the message one rank contributes) can be set with
 from __future__ import annotations
 
 import os
+import re
 import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from llmmem.errors import InvalidArgumentError
+from llmmem.errors import InvalidArgumentError, StateError
 from llmmem.parallel.exchange import all_gather_json
 
 _SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
@@ -340,13 +341,57 @@ def _disagreement(op: str, views: list) -> InvalidArgumentError:
     )
 
 
+# what the C engine says of a call on a communicator that an earlier failure broke
+_BROKEN = "is broken by an earlier failure"
+_C_PREFIX = re.compile(r"^llmmem: [^:]*: \w+\.c:\d+: ")
+
+
+def _broken_engine(comm, op: str, exc: BaseException) -> BaseException:
+    """A peer that exited, a timeout or an interrupt breaks the engine for good (the ranks are no
+    longer at the same collective). The first failure is kept; a later call on the engine raises
+    a StateError that names it and says how to go on, instead of the engine's bare refusal."""
+    if not isinstance(exc, StateError):
+        return exc
+    if _BROKEN not in str(exc):
+        if comm.failure is None:
+            comm.failure = _C_PREFIX.sub("", str(exc))
+        return exc
+    return StateError(
+        f"llmmem.parallel.{op}: the group's shared-memory engine is broken by an earlier failure "
+        f"({comm.failure or 'not recorded'}); no collective can run on it. Once every rank is back, call "
+        "llmmem.parallel.collectives.close_group(group) (or llmmem.parallel.destroy()) on every rank: the next "
+        "collective sets up a new engine"
+    )
+
+
+def _group_gone(op: str, group, exc: BaseException) -> None:
+    """Raise a StateError naming the cause when ``exc`` came from a call on a process group that no
+    longer exists (destroyed, or torch.distributed shut down); return when the group is alive.
+    Checked only once a call has failed: the check costs microseconds, a collective's own time."""
+    if not dist.is_available() or not dist.is_initialized():
+        why = (
+            "torch.distributed is not initialized (init_process_group was not called, or destroy_process_group() "
+            "destroyed every group)"
+        )
+    elif group is not None and not _registered(group):
+        why = (
+            "its process group was destroyed (torch.distributed.destroy_process_group) or is not a group of "
+            "torch.distributed; create one with torch.distributed.new_group on every rank"
+        )
+    else:
+        return
+    raise StateError(f"llmmem.parallel.{op}: {why}") from exc
+
+
 def _engine_failed(comm, key, op: str, view: str, exc: BaseException) -> BaseException:
     """The exception to raise for an engine call that failed with ``exc``. A disagreement between
     ranks was seen by every rank at the same barrier, so all of them exchange their views here
     (bounded by the engine's timeout) and raise the same message; the broken engine is dropped, so
     the next CPU collective sets up a fresh one on every rank."""
     if not (isinstance(exc, InvalidArgumentError) and "ranks disagree" in str(exc)):
-        return exc  # a local argument error, or a peer that failed or timed out: as the engine said
+        # a local argument error, or a peer that failed or timed out: as the engine said, the
+        # first time; later calls on the broken engine name that first failure
+        return _broken_engine(comm, op, exc)
     comm.close()
     _shm_comms.pop(id(key), None)
     try:
@@ -402,37 +447,43 @@ def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
     Every rank must pass a tensor of the same dtype and number of elements; a CPU call that breaks
     this raises :class:`llmmem.errors.InvalidArgumentError` on every rank, naming each rank's call.
     """
-    if _size_of(group) == 1:
-        return tensor
-    if tensor.is_cpu:
-        key = group if group is not None else dist.group.WORLD
-        comm = _shm_comms.get(id(key), _MISSING)
-        if comm is _MISSING:
-            comm = _shm_engine(key)
-        if comm is not None:
-            # Each tensor accessor is read once, and the engine is not asked to check again: checking
-            # twice costs microseconds on every collective of every layer.
-            dtype = tensor.dtype
-            nbytes = tensor.nbytes
-            if dtype in _SUPPORTED and nbytes <= _thresholds["cpu_shm_max_bytes"]:
-                contiguous = tensor.is_contiguous()
-                buf = tensor if contiguous else tensor.contiguous()  # the route must not depend on layout
-                try:
-                    comm.all_reduce_checked_(buf, dtype)
-                except Exception as exc:
-                    raise _engine_failed(comm, key, "all_reduce_", _view("all_reduce_", tensor, nbytes), exc) from None
-                if not contiguous:
-                    with torch.no_grad():
-                        tensor.copy_(buf)
-                return tensor
-            _agree_on_fallback(comm, key, "all_reduce_", tensor, nbytes)
-    elif tensor.is_contiguous():
-        comm = _cuda_for(tensor, group)
-        if comm is not None:
-            comm.all_reduce_(tensor)
+    try:
+        if _size_of(group) == 1:
             return tensor
-    dist.all_reduce(tensor, group=group)
-    return tensor
+        if tensor.is_cpu:
+            key = group if group is not None else dist.group.WORLD
+            comm = _shm_comms.get(id(key), _MISSING)
+            if comm is _MISSING:
+                comm = _shm_engine(key)
+            if comm is not None:
+                # Each tensor accessor is read once, and the engine is not asked to check again: checking
+                # twice costs microseconds on every collective of every layer.
+                dtype = tensor.dtype
+                nbytes = tensor.nbytes
+                if dtype in _SUPPORTED and nbytes <= _thresholds["cpu_shm_max_bytes"]:
+                    contiguous = tensor.is_contiguous()
+                    buf = tensor if contiguous else tensor.contiguous()  # the route must not depend on layout
+                    try:
+                        comm.all_reduce_checked_(buf, dtype)
+                    except Exception as exc:
+                        raise _engine_failed(
+                            comm, key, "all_reduce_", _view("all_reduce_", tensor, nbytes), exc
+                        ) from None
+                    if not contiguous:
+                        with torch.no_grad():
+                            tensor.copy_(buf)
+                    return tensor
+                _agree_on_fallback(comm, key, "all_reduce_", tensor, nbytes)
+        elif tensor.is_contiguous():
+            comm = _cuda_for(tensor, group)
+            if comm is not None:
+                comm.all_reduce_(tensor)
+                return tensor
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    except (ValueError, RuntimeError) as exc:
+        _group_gone("all_reduce_", group, exc)  # a destroyed group: say so, not torch's "not registered"
+        raise
 
 
 def _check_dim(tensor: torch.Tensor, dim: int) -> int:
@@ -485,40 +536,50 @@ def _scatter_route(out: torch.Tensor, src: torch.Tensor, group) -> bool:
 
 def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
-    w = _size_of(group)
-    if w == 1:
-        return tensor
-    dim = _check_dim(tensor, dim)
-    tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
-    tensor = tensor.contiguous()
-    stacked = torch.empty((w * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    if not _gather_route(stacked, tensor, group):
-        dist.all_gather_into_tensor(stacked, tensor, group=group)
-    if dim == 0:
-        return stacked
-    # rank-major blocks of dim 0 -> concatenation along `dim`
-    return torch.cat(stacked.chunk(w, dim=0), dim=dim)
+    try:
+        w = _size_of(group)
+        if w == 1:
+            return tensor
+        dim = _check_dim(tensor, dim)
+        tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
+        tensor = tensor.contiguous()
+        stacked = torch.empty(
+            (w * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+        )
+        if not _gather_route(stacked, tensor, group):
+            dist.all_gather_into_tensor(stacked, tensor, group=group)
+        if dim == 0:
+            return stacked
+        # rank-major blocks of dim 0 -> concatenation along `dim`
+        return torch.cat(stacked.chunk(w, dim=0), dim=dim)
+    except (ValueError, RuntimeError) as exc:
+        _group_gone("all_gather", group, exc)  # a destroyed group: say so, not torch's "not registered"
+        raise
 
 
 def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
-    w = _size_of(group)
-    if w == 1:
-        return tensor
-    dim = _check_dim(tensor, dim)
-    tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
-    if tensor.shape[dim] % w != 0:
-        raise ValueError(
-            f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible by the group size {w}"
-        )
-    if dim == 0:
-        src = tensor.contiguous()
-    else:
-        src = torch.cat([c.contiguous() for c in tensor.chunk(w, dim=dim)], dim=0)
-    rows = src.shape[0] // w
-    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    if not _scatter_route(out, src, group):
-        dist.reduce_scatter_tensor(out, src, group=group)
-    # src stacks the chunks along dim 0, each chunk keeping its shape, so `out` is already this
-    # rank's chunk of `tensor` along `dim`.
-    return out
+    try:
+        w = _size_of(group)
+        if w == 1:
+            return tensor
+        dim = _check_dim(tensor, dim)
+        tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
+        if tensor.shape[dim] % w != 0:
+            raise ValueError(
+                f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible by the group size {w}"
+            )
+        if dim == 0:
+            src = tensor.contiguous()
+        else:
+            src = torch.cat([c.contiguous() for c in tensor.chunk(w, dim=dim)], dim=0)
+        rows = src.shape[0] // w
+        out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        if not _scatter_route(out, src, group):
+            dist.reduce_scatter_tensor(out, src, group=group)
+        # src stacks the chunks along dim 0, each chunk keeping its shape, so `out` is already this
+        # rank's chunk of `tensor` along `dim`.
+        return out
+    except (ValueError, RuntimeError) as exc:
+        _group_gone("reduce_scatter", group, exc)  # a destroyed group: say so, not torch's "not registered"
+        raise

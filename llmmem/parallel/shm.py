@@ -74,6 +74,10 @@ class ShmCommunicator:
     def __init__(self, handle, rank: int, world_size: int) -> None:
         self._handle = handle
         self.rank, self.world_size = rank, world_size
+        # the first failure of a collective (a peer that exited, a timeout, an interrupt): the
+        # engine refuses every later call, and collectives.py names this cause when it does
+        self.failure: str | None = None
+        self.closed = False
 
     @classmethod
     def setup(cls, group, *, timeout: float) -> ShmCommunicator:
@@ -103,9 +107,10 @@ class ShmCommunicator:
         native.shm_comm_set_timeout(self._handle, float(seconds))
 
     def close(self) -> None:
-        if self._handle is not None:
-            native.shm_comm_close(self._handle)
-            self._handle = None
+        """Unmap the segment (local; idempotent). The handle is kept, closed, so that a later call
+        says "the communicator is closed" rather than failing on a missing handle."""
+        native.shm_comm_close(self._handle)
+        self.closed = True
 
     @staticmethod
     def _check(t: torch.Tensor, what: str) -> int:

@@ -10,7 +10,8 @@
 #include <llmmem/checkpointing.h>
 
 #include "testhelper.h"
-#include "../../csrc/checkpointing/relax.h" /* the DP's inner loop (internal) */
+#include "../../csrc/checkpointing/plan_internal.h" /* the uniform plans' flat simulation (internal) */
+#include "../../csrc/checkpointing/relax.h"         /* the DP's inner loop (internal) */
 
 #define MAXL 8
 #define MAXK 3
@@ -328,6 +329,77 @@ int main(void) {
         CHECK_OK(solve(&cb.chain, least * 2, slots, 0, &p, NULL));
         CHECK(p.peak_bytes <= least * 2);
       }
+    }
+  }
+
+  TEST("whatever the slots, the plan is never slower than a uniform plan that fits (at its own peak)") {
+    long checked = 0;
+    for (int32_t trial = 0; trial < 40; trial++) {
+      const int32_t L = 2 + (int32_t)(th_rand(&rng) % 7), K = 1 + (int32_t)(th_rand(&rng) % 3);
+      chain_buf_t cb;
+      random_chain(&cb, L, K, &rng, trial % 3 == 0);
+      uint64_t least = 0;
+      CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
+      /* every block in mode `base`, but (family 1) every k-th from `off` (0 or k - 1) or (family 2)
+       * segments of k checkpointed: regions over blocks 0..L-2, as the planner's list (uniform.c);
+       * the last block in `last` */
+      for (int family = 0; family < 3; family++)
+        for (int32_t k = 1; k <= (family ? L - 1 : 1); k++)
+          for (int32_t off = 0; off<(family == 1 ? k : 1); off += k> 1 ? k - 1 : 1) /* 0 and k - 1 */
+            for (int32_t base = 0; base < K; base++)
+              for (int32_t last = 0; last < K; last++) {
+                int32_t mode[MAXL];
+                llmmem_plan_region_t reg[MAXL];
+                llmmem_plan_t u = {mode, reg, MAXL, 0};
+                for (int32_t i = 0; i < L; i++) mode[i] = i == L - 1 ? last : base;
+                for (int32_t i = 0; family == 1 && i < L - 1; i++)
+                  if (i % k == off) reg[u.n_regions++] = (llmmem_plan_region_t){i, i + 1, 0}, mode[i] = 0;
+                for (int32_t i = 0; family == 2 && i < L - 1; i++) {
+                  if (i % k == 0) reg[u.n_regions++] = (llmmem_plan_region_t){i, i + k < L - 1 ? i + k : L - 1, 0};
+                  mode[i] = 0;
+                }
+                llmmem_plan_prediction_t pu, p;
+                CHECK_OK(llmmem_plan_simulate(&cb.chain, &u, &pu));
+                if (pu.peak_bytes < least) continue;
+                for (int32_t slots = 2; slots <= 32; slots *= 4) {
+                  CHECK_OK(solve(&cb.chain, pu.peak_bytes, slots, 0, &p, NULL));
+                  CHECK(p.peak_bytes <= pu.peak_bytes);
+                  if (p.time > pu.time + 1e-9 * pu.time)
+                    printf("  L=%d K=%d family %d k=%d off=%d base %d last %d slots %d: plan %.4f, uniform %.4f\n", L,
+                           K, family, k, off, base, last, slots, p.time, pu.time);
+                  CHECK(p.time <= pu.time + 1e-9 * pu.time);
+                  checked++;
+                }
+              }
+    }
+    CHECK(checked > 1000);
+  }
+
+  TEST("the uniform plans' flat simulation counts the peak as the simulator does") {
+    for (int32_t trial = 0; trial < 400; trial++) {
+      const int32_t L = 1 + (int32_t)(th_rand(&rng) % MAXL), K = 1 + (int32_t)(th_rand(&rng) % MAXK);
+      chain_buf_t cb;
+      random_chain(&cb, L, K, &rng, trial % 4 == 0);
+      if (trial % 2) with_forward_tmps(&cb, &rng, trial % 4 == 0);
+      int32_t mode[MAXL];
+      llmmem_plan_region_t reg[MAXL];
+      llmmem_plan_t plan = {mode, reg, MAXL, 0};
+      for (int32_t i = 0; i < L;) { /* a random flat plan: tapes in any mode, regions of 1..3 blocks in mode 0 */
+        const int32_t len = 1 + (int32_t)(th_rand(&rng) % 3);
+        if (th_rand(&rng) % 2 && i + len <= L) {
+          reg[plan.n_regions++] = (llmmem_plan_region_t){i, i + len, 0};
+          for (int32_t j = i; j < i + len; j++) mode[j] = 0;
+          i += len;
+        } else {
+          mode[i++] = (int32_t)(th_rand(&rng) % (uint64_t)K);
+        }
+      }
+      llmmem_plan_prediction_t p;
+      CHECK_OK(llmmem_plan_simulate(&cb.chain, &plan, &p));
+      plan_costs_t c;
+      CHECK_OK(plan_costs_load(&cb.chain, &c));
+      CHECK((uint64_t)plan_flat_peak(&c, mode, reg, plan.n_regions) == p.peak_bytes);
+      plan_costs_free(&c);
     }
   }
 

@@ -1,6 +1,7 @@
 """The planner's inputs and side effects (issue 15, leftovers): profiling leaves the random state
 and the gradients as they were (also when it raises), a sample the model cannot be called with is
-a clear error naming ``sample``, and budgets as percent strings."""
+a clear error naming ``sample``, budgets as percent strings, and a chain that holds a module twice
+or blocks sharing a trained weight are refused, naming them."""
 
 from __future__ import annotations
 
@@ -173,3 +174,56 @@ def test_parse_budget_is_the_one_reading_of_a_budget():
         with pytest.raises(ValueError, match="expected bytes") as info:
             parse_budget(bad, "--budget")
         assert str(info.value).startswith("--budget: budget")
+
+
+def _mlp(d=16):
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+def test_the_same_module_twice_in_a_chain_is_a_clear_error():
+    """Was: profiled and planned as distinct blocks, and the plan's peak then ran 37-55% over its budget
+    (the shared weights' gradients held between their uses); or, on a whole model, a plan installed
+    on the module twice, whose first step died in a RecursionError."""
+    torch.manual_seed(0)
+    a, b = _mlp(), _mlp()
+    x = torch.randn(4, 16)
+    same = r"blocks\[2\] is blocks\[0\], the same Sequential module"
+    with pytest.raises(ValueError, match=rf"^profile_blocks: {same}"):
+        llmmem.profile_blocks([a, b, a], x, repeats=0)
+    with pytest.raises(ValueError, match=rf"^plan_checkpoints: {same}"):
+        llmmem.plan_checkpoints([a, b, a], x, budget=0.5, repeats=0)
+    with pytest.raises(ValueError, match=rf"^auto_checkpoint: {same}"):
+        llmmem.auto_checkpoint(nn.ModuleList([a, b, a]), x, budget=0.5)
+
+    model, idx = _gpt()
+    twice = [model.blocks[0], model.blocks[1], model.blocks[1], model.blocks[2]]
+    with pytest.raises(ValueError, match=r"^auto_checkpoint: '4 blocks': blocks\[2\] is blocks\[1\]"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=(idx, idx), blocks=twice, repeats=0)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # nothing installed
+    model(idx, idx)[1].backward()
+
+    class Looped(nn.Module):  # one block run three times (shared weights), found as the chain
+        def __init__(self):
+            super().__init__()
+            self.block = _mlp()
+            self.layers = nn.ModuleList([self.block] * 3)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum()
+
+    with pytest.raises(ValueError, match=r"^auto_checkpoint: 'layers': blocks\[1\] is blocks\[0\]"):
+        llmmem.auto_checkpoint(Looped(), budget=0.5, sample=x, repeats=0)
+
+
+def test_blocks_sharing_a_trained_weight_are_named_and_frozen_ones_are_fine():
+    torch.manual_seed(0)
+    blocks = [_mlp() for _ in range(3)]
+    blocks[2][0].weight = blocks[0][0].weight
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match=r"blocks\[0\] and blocks\[2\] share a parameter that trains \('0.weight'"):
+        llmmem.plan_checkpoints(blocks, x, budget=0.5, repeats=0)
+    blocks[0][0].weight.requires_grad_(False)  # a frozen shared weight gets no gradient to hold
+    plan = llmmem.plan_checkpoints(blocks, x, budget=0.7, repeats=0)
+    assert plan.n_blocks == 3

@@ -176,3 +176,46 @@ def test_faults_raise_and_leave_nothing_behind():
     assert "rank 0 (late)" in out0 and "timed out" in out0 and "rank 1 (late)" in out1
     assert "rank 0 (kill)" in out0 and "exited" in out0 and "faults handled" in out0
     assert _segments() <= before
+
+
+def _after_a_failure(rank, world):
+    """Rank 1 misses a collective: rank 0 times out, rank 1 is told. Every later collective on the
+    group, whatever its route, raises at once on both ranks, naming that first failure and what to
+    do (was: "the communicator is broken by an earlier failure; set up a new one", naming neither,
+    and for a float64 all-reduce an "all_gather" the caller never made); after close_group on every
+    rank the next collective works on a new engine."""
+    from llmmem.errors import StateError
+    from llmmem.parallel import collectives
+
+    collectives.set_timeout(1.0)
+    assert collectives.all_reduce_(torch.ones(8))[0].item() == world
+    if rank == 1:
+        time.sleep(1.5)
+    with pytest.raises(StateError, match="timed out" if rank == 0 else "rank 0 failed"):
+        collectives.all_reduce_(torch.ones(8))
+    dist.barrier()
+    calls = {
+        "all_reduce_": lambda: collectives.all_reduce_(torch.ones(8)),
+        "all_gather": lambda: collectives.all_gather(torch.ones(8), 0),
+        "reduce_scatter": lambda: collectives.reduce_scatter(torch.ones(8), 0),
+        "all_reduce_ ": lambda: collectives.all_reduce_(torch.ones(8, dtype=torch.float64)),  # the fallback route
+    }
+    for op, call in calls.items():
+        t0 = time.monotonic()
+        with pytest.raises(StateError) as caught:
+            call()
+        msg = str(caught.value)
+        assert time.monotonic() - t0 < 0.5, "a broken engine refuses at once"
+        assert msg.startswith(f"llmmem.parallel.{op.strip()}: the group's shared-memory engine is broken"), msg
+        assert "timed out after 1 s on rank 0 waiting for rank 1" in msg and "close_group(group)" in msg, msg
+    collectives.close_group(None)
+    assert collectives.all_reduce_(torch.ones(8))[0].item() == world
+    collectives.close_all()
+    print(f"rank {rank}: after a failure passed", flush=True)
+
+
+def test_collectives_after_a_failure_name_it_and_close_group_recovers():
+    from llmmem.parallel.ranks import run_ranks
+
+    results = run_ranks(__file__, "_after_a_failure", 2, timeout=60)
+    assert all("after a failure passed" in r.output for r in results), [r.output for r in results]

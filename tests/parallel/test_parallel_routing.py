@@ -209,7 +209,7 @@ def _destroyed_groups(rank, world):
     dist.destroy_process_group(g)
     del g
     gc.collect()
-    assert comm._handle is None and _mapped_segments() == 0, _mapped_segments()
+    assert comm.closed and _mapped_segments() == 0, _mapped_segments()
     assert not collectives._shm_comms and not collectives._group_sizes
 
     held = dist.new_group(ranks)
@@ -219,6 +219,16 @@ def _destroyed_groups(rank, world):
     x = collectives.all_reduce_(torch.ones(4), other)  # sets up other's engine, releases held's
     assert x.tolist() == [world] * 4
     assert id(held) not in collectives._shm_comms and _mapped_segments() == one, _mapped_segments()
+    from llmmem.errors import StateError
+
+    # calls on the destroyed group name the cause (was torch's "Group ... is not registered")
+    for call in (
+        lambda: collectives.all_reduce_(torch.ones(4), held),
+        lambda: collectives.all_gather(torch.ones(4), 0, held),
+        lambda: collectives.reduce_scatter(torch.ones(4), 0, held),
+    ):
+        with pytest.raises(StateError, match=r"llmmem.parallel.\w+: its process group was destroyed"):
+            call()
 
     collectives.all_reduce_(torch.ones(4))  # the world group's engine
     assert _mapped_segments() == 2 * one
@@ -227,6 +237,9 @@ def _destroyed_groups(rank, world):
     assert _mapped_segments() == one, _mapped_segments()
     assert collectives.release_destroyed_groups() == 1  # other: destroyed, still referenced here
     assert _mapped_segments() == 0 and not collectives._shm_comms
+    for group in (None, other):  # was torch's "Default process group has not been initialized"
+        with pytest.raises(StateError, match=r"llmmem.parallel.all_reduce_: torch.distributed is not initialized"):
+            collectives.all_reduce_(torch.ones(4), group)
     print(f"rank {rank}: destroyed groups passed", flush=True)
 
 

@@ -107,7 +107,9 @@ typedef struct llmmem_plan_prediction_s {
 } llmmem_plan_prediction_t;
 
 /* Solve for the fastest plan whose simulated peak is <= budget_bytes, with the budget cut into
- * `slots` slots (1..LLMMEM_PLAN_MAX_SLOTS; more slots: closer to optimal, slower).
+ * `slots` slots (1..LLMMEM_PLAN_MAX_SLOTS; more slots: closer to optimal, slower). Whatever the
+ * rounding to slots, the plan is never slower than a uniform plan that fits the budget (every block
+ * in one mode; every k-th block, or segments of k blocks, checkpointed: csrc/checkpointing/uniform.c).
  * flags: LLMMEM_PLAN_NO_FAST_PATH forces the general DP even for identical blocks.
  * On success fills plan and pred (pred may be NULL). When no plan fits, returns
  * LLMMEM_ERR_INFEASIBLE. In both cases *min_budget_bytes (may be NULL) receives the smallest
