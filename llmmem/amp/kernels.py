@@ -25,42 +25,22 @@ from typing import Optional, Sequence
 
 import torch
 
+from llmmem import _cuda_build
 from llmmem._devices import cuda_index as _cuda_index
-from llmmem._native import available, native
+from llmmem._native import available
 from llmmem.amp import launch as _launch
 from llmmem.amp.launch import DTYPE_CODES
 from llmmem.amp.selfcheck import self_check
 
-_cuda_built: Optional[bool] = None
 _warned_fallback: set = set()
 
 
 def cuda_kernels_built() -> bool:
     """True when this llmmem was compiled with its CUDA kernels (no GPU needed to answer)."""
-    global _cuda_built
-    if _cuda_built is None:
-        _cuda_built = bool(available() and native.build_info()["cuda_built"])
-    return _cuda_built
+    return _cuda_build.cuda_kernels_built()
 
 
-def _archs_cover(cuda_archs: str, capability: tuple[int, int]) -> bool:
-    """Whether a build for ``cuda_archs`` (build_info()'s "sm_80,sm_90,compute_90") runs on a GPU of
-    compute ``capability``: SASS for the same major version and a minor one not above it (sm_80
-    code runs on sm_86/sm_89; SASS never crosses majors), or PTX for an arch not above it, which
-    the driver compiles at load time."""
-    cc = capability[0] * 10 + capability[1]
-    for name in (a.strip() for a in cuda_archs.split(",")):
-        kind, _, num = name.partition("_")
-        if not num.isdigit():  # e.g. sm_90a: arch-specific code runs on that exact GPU only
-            if kind == "sm" and num.rstrip("af").isdigit() and int(num.rstrip("af")) == cc:
-                return True
-            continue
-        arch = int(num)
-        if kind == "sm" and arch // 10 == cc // 10 and arch <= cc:
-            return True
-        if kind == "compute" and arch <= cc:
-            return True
-    return False
+_archs_cover = _cuda_build.archs_cover
 
 
 _cuda_support: dict = {}  # device index -> None (usable) or why not, probed once per device
@@ -75,31 +55,14 @@ def _cuda_unsupported_reason(index: int) -> Optional[str]:
     they have never been run on fall back to torch's ops instead of corrupting gradients."""
     if index in _cuda_support:
         return _cuda_support[index]
-    why = None
-    try:
-        count = native.cuda_device_count()
-    except Exception as e:
-        why = f"llmmem's CUDA runtime cannot use the GPUs ({type(e).__name__}: {e})"
-    else:
-        if index >= count:
-            why = f"llmmem's CUDA runtime sees {count} GPU(s), not cuda:{index}"
-        else:
-            archs = str(native.build_info().get("cuda_archs") or "")
-            major, minor = torch.cuda.get_device_capability(index)
-            if not _archs_cover(archs, (major, minor)):
-                why = (
-                    f"llmmem's CUDA kernels were built for {archs or 'no architecture'}, which does not "
-                    f"cover cuda:{index} (sm_{major}{minor}); rebuild with LLMMEM_CUDA_ARCHS including {major}{minor}"
-                )
-            elif _capturing():
-                # The self-check must read its results on the host, which a stream capture forbids;
-                # this call (captured into the graph) uses torch's ops, and the verdict stays open
-                # (not cached) for the first call outside a capture.
-                return (
-                    "llmmem's CUDA kernels are not self-checked yet and the first use is inside a CUDA graph capture"
-                )
-            else:
-                why = _self_check(torch.device("cuda", index))
+    why = _cuda_build.build_problem(index)
+    if why is None:
+        if _capturing():
+            # The self-check must read its results on the host, which a stream capture forbids;
+            # this call (captured into the graph) uses torch's ops, and the verdict stays open
+            # (not cached) for the first call outside a capture.
+            return "llmmem's CUDA kernels are not self-checked yet and the first use is inside a CUDA graph capture"
+        why = _self_check(torch.device("cuda", index))
     _cuda_support[index] = why
     return why
 

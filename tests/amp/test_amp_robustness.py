@@ -12,6 +12,7 @@ import torch
 from support.amp import FakeCudaNative
 
 import llmmem
+from llmmem import _cuda_build
 from llmmem.amp import kernels as K
 
 # ------------------------------------------------------------------ DTensor gradients
@@ -114,8 +115,8 @@ def test_archs_cover(archs, cc, covered):
     ],
 )
 def test_cuda_kernels_are_probed_once_per_device(monkeypatch, fake, cc, usable, why):
-    monkeypatch.setattr(K, "native", fake)
-    monkeypatch.setattr(K, "_cuda_built", True)
+    monkeypatch.setattr(_cuda_build, "native", fake)
+    monkeypatch.setattr(_cuda_build, "_built", True)
     monkeypatch.setattr(K, "_cuda_support", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: cc)
     monkeypatch.setattr(K, "_capturing", lambda: False)

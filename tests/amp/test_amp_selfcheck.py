@@ -11,6 +11,7 @@ import pytest
 import torch
 from support.amp import FakeCudaNative
 
+from llmmem import _cuda_build
 from llmmem.amp import kernels as K
 from llmmem.amp import launch as L
 from llmmem.amp import selfcheck as S
@@ -159,8 +160,8 @@ def test_broken_update_kernels_are_caught(broken, expect):
 def fake_gpu(monkeypatch):
     """cuda:0 probed as usable up to the self-check, which runs on the CPU with the kernel under
     test; CPU tensors then stand in for that GPU's gradients (their device is routed to the probe)."""
-    monkeypatch.setattr(K, "native", FakeCudaNative("sm_90", real=K.native))
-    monkeypatch.setattr(K, "_cuda_built", True)
+    monkeypatch.setattr(_cuda_build, "native", FakeCudaNative("sm_90", real=_cuda_build.native))
+    monkeypatch.setattr(_cuda_build, "_built", True)
     monkeypatch.setattr(K, "_cuda_support", {})
     monkeypatch.setattr(K, "_warned_fallback", set())
     monkeypatch.setattr(K, "_capturing", lambda: False)
