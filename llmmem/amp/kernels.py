@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from llmmem import _cuda_build
+from llmmem._cuda_build import archs_cover, build_problem
+from llmmem._cuda_build import cuda_kernels_built as _built
 from llmmem._devices import cuda_index as _cuda_index
 from llmmem._native import available
 from llmmem.amp import launch as _launch
@@ -37,10 +38,10 @@ _warned_fallback: set = set()
 
 def cuda_kernels_built() -> bool:
     """True when this llmmem was compiled with its CUDA kernels (no GPU needed to answer)."""
-    return _cuda_build.cuda_kernels_built()
+    return _built()
 
 
-_archs_cover = _cuda_build.archs_cover
+_archs_cover = archs_cover
 
 
 _cuda_support: dict = {}  # device index -> None (usable) or why not, probed once per device
@@ -55,7 +56,7 @@ def _cuda_unsupported_reason(index: int) -> Optional[str]:
     they have never been run on fall back to torch's ops instead of corrupting gradients."""
     if index in _cuda_support:
         return _cuda_support[index]
-    why = _cuda_build.build_problem(index)
+    why = build_problem(index)
     if why is None:
         if _capturing():
             # The self-check must read its results on the host, which a stream capture forbids;
