@@ -18,6 +18,9 @@ hear every change of a counted storage; ``tensor_listeners`` hear, once per new 
 that revealed it (its shape and dtype, where it is being made); ``error_listeners`` hear an operator
 that raised inside the mode (an out-of-memory error, before the stack unwinds).
 
+A counter counts the thread it is entered on and must be left there; counters nested on one thread
+may be left in any order (see :mod:`llmmem.diagnostics.mode_stacks`).
+
 Cost: a Python call per operator and a weak reference per new storage, so it is a diagnostic,
 not something to leave on in production; it never changes what the operators compute.
 """
@@ -33,6 +36,8 @@ from typing import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from llmmem.diagnostics.mode_stacks import enter_mode, exit_mode
 
 __all__ = ["LiveBytes", "device_key", "storage_key"]
 
@@ -81,6 +86,7 @@ class LiveBytes(TorchDispatchMode):
         # change holds a re-entrant lock.
         self._entries: dict[int, list] = {}
         self._lock = threading.RLock()
+        self._thread: int | None = None  # the thread it is entered on
         self._current: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
         self.listeners: list[Listener] = []
@@ -186,11 +192,30 @@ class LiveBytes(TorchDispatchMode):
         return False
 
     def __enter__(self):
-        out = super().__enter__()
+        if self._thread is not None:
+            raise RuntimeError("LiveBytes: already active (a counter cannot be entered twice at once)")
+        enter_mode(self)
+        self._thread = threading.get_ident()
         if self._existing == "gc":
             # type(), not isinstance(): a deprecated module attribute warns when its __class__ is read
             self.track(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-        return out
+        return self
+
+    def __exit__(self, exc_type=None, exc_value=None, traceback=None):
+        """Leaves the counter (it goes on counting frees of what it counted, not new storages).
+
+        Raises ``RuntimeError``, leaving it active, when called on another thread than the one it was
+        entered on (its mode is on that thread's stack). Counters nested on one thread may be left
+        in any order."""
+        if self._thread is None:
+            return
+        if self._thread != threading.get_ident():
+            raise RuntimeError(
+                f"LiveBytes: left on thread {threading.get_ident()} but entered on thread {self._thread}; "
+                "leave it on the thread that entered it (a with block does)"
+            )
+        exit_mode(self)
+        self._thread = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:

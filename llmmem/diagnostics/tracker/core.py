@@ -15,6 +15,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key, storage_key
+from llmmem.diagnostics.mode_stacks import pop_saved_tensors_hooks, push_saved_tensors_hooks
 from llmmem.diagnostics.tracker.environment import cuda_stats, pool_stats, rank_info
 from llmmem.diagnostics.tracker.failures import is_out_of_memory, requested_bytes
 from llmmem.diagnostics.tracker.hooks import ModuleHooks, unpack
@@ -160,7 +161,9 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         self.rank: dict | None = None
         self._active = False
         self._outer: list[weakref.ReferenceType] = []  # trackers this one was entered inside, same thread
-        self._thread = None  # the id of the thread it was entered on
+        self._thread = None  # the id of the thread it was entered on, while entered
+        self._pack_hook = self._pack  # one object: found by identity on the saved-tensor hooks' stack
+        self._hooks_pushed = False
         self._adopting = False  # counting tensors made before (no "where" for them)
         self._handles: list = []
         self._contexts: list = []
@@ -182,13 +185,12 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
             self.live.__enter__()
         finally:
             self._adopting = False
+        self._thread = _thread_id()
         try:
             self._active = True
             entered = _entered()
             self._outer = [weakref.ref(t) for t in entered]
             entered.append(self)
-            self._entered_list = entered  # left from this list, whichever thread exits
-            self._thread = _thread_id()
             if self.model is not None:
                 self._adopt(self.model)
             if self.optimizer is not None:
@@ -199,9 +201,11 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
                 register_optimizer_step_pre_hook(self._pre_step),
                 register_optimizer_step_post_hook(self._post_step),
             ]
-            for ctx in (torch.autograd.graph.saved_tensors_hooks(self._pack, unpack), observe_kept(self._kept)):
-                ctx.__enter__()
-                self._contexts.append(ctx)
+            push_saved_tensors_hooks(self._pack_hook, unpack)
+            self._hooks_pushed = True
+            kept = observe_kept(self._kept)
+            kept.__enter__()
+            self._contexts.append(kept)
             self.started = self.started or time.perf_counter()
             if self.first_event is None:  # what was counted on entry (the model, ...) is the baseline
                 self.first_event = max(0, self.events - 1)
@@ -212,12 +216,23 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         return self
 
     def __exit__(self, *exc):
+        """Leaves the tracker: every hook it set is removed, wherever it is on this thread's stacks
+        (trackers nested on one thread may be left in any order). Raises ``RuntimeError``, leaving
+        it active, when called on another thread than the one that entered it."""
+        if self._thread is not None and self._thread != _thread_id():
+            raise RuntimeError(
+                f"MemoryTracker: left on thread {_thread_id()} but entered on thread {self._thread}; its "
+                "counting mode and saved-tensor hooks are on that thread's stacks: leave it there (a with "
+                "block does). It is still active."
+            )
         self._active = False
-        entered = getattr(self, "_entered_list", None) or _entered()
+        entered = _entered()
         if self in entered:
             entered.remove(self)
-        self._entered_list = None
         self._outer = []
+        if self._hooks_pushed:
+            self._hooks_pushed = False
+            pop_saved_tensors_hooks(self._pack_hook)
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
         for h in self._handles + self._param_handles:
@@ -232,6 +247,7 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
             self._in_optimizer = 0
             self._fwd_active = False
         self.live.__exit__(*exc)
+        self._thread = None
         self.stopped = time.perf_counter()
         self._sample_cuda("exit")
         return False
