@@ -246,10 +246,12 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
                 self._finish_backward()
             self._in_optimizer = 0
             self._fwd_active = False
-        self.live.__exit__(*exc)
         self._thread = None
-        self.stopped = time.perf_counter()
-        self._sample_cuda("exit")
+        try:
+            self.live.__exit__(*exc)  # may raise a signal's exception deferred until the books were done
+        finally:
+            self.stopped = time.perf_counter()
+            self._sample_cuda("exit")
         return False
 
     def _here(self) -> bool:

@@ -21,17 +21,20 @@ class TrackerQueries:
 
     def current(self, device=None) -> dict:
         """Bytes live now on ``device`` (default: the tracker's), by category."""
+        self.live.flush()
         totals = self._totals.get(self._dev(device))
         return dict(totals) if totals is not None else dict.fromkeys(CATEGORIES, 0)
 
     def peak_bytes(self, device=None) -> int:
         """The most bytes live at once on ``device`` since the tracker started."""
+        self.live.flush()
         peak = self._peak.get(self._dev(device))
         return peak["bytes"] if peak else 0
 
     def peak(self, device=None) -> dict:
         """The peak on ``device``: ``bytes``, ``event``, ``phase``, ``module`` (innermost module
         running), ``step`` and ``categories`` (bytes by category at that moment)."""
+        self.live.flush()
         dev = self._dev(device)
         peak = dict(self._peak.get(dev) or {"bytes": 0, "event": -1, "phase": "other", "module": "", "step": -1})
         if peak["event"] < 0:
@@ -54,6 +57,7 @@ class TrackerQueries:
 
     def devices(self) -> list[str]:
         """Devices on which the tracker saw storages (host memory of offloaded tensors included)."""
+        self.live.flush()
         return sorted(set(self._dev_total) | {self.device})
 
     def _dev(self, device) -> str:
@@ -71,6 +75,7 @@ class TrackerQueries:
 
     def categories_at(self, event: int, device=None) -> dict:
         """Bytes by category on ``device`` just after event ``event`` (final categories)."""
+        self.live.flush()
         self._require_timeline("categories_at")
         dev = self._dev(device)
         totals = dict.fromkeys(CATEGORIES, 0)
@@ -83,6 +88,7 @@ class TrackerQueries:
 
     def timeline(self, device=None) -> tuple[list, dict]:
         """``(events, {category: bytes})``: the bytes live on ``device`` after each of its events."""
+        self.live.flush()
         self._require_timeline("timeline")
         dev = self._dev(device)
         recs = self._records
@@ -101,6 +107,7 @@ class TrackerQueries:
 
     def phases(self) -> list[dict]:
         """Phase spans in event order: ``phase``, ``step``, ``start`` and ``end`` events."""
+        self.live.flush()
         spans = []
         marks = self._phase_marks + [(self.events, None, None)]
         for (start, phase, step), (end, _, _) in zip(marks, marks[1:]):
@@ -113,6 +120,7 @@ class TrackerQueries:
 
     def end_of_forward(self, device=None):
         """Bytes by category when the last step's backward started (None before any backward)."""
+        self.live.flush()
         if not self._bw_start:
             return None
         return self.categories_at(self._bw_start[max(self._bw_start)] - 1, device)
@@ -124,6 +132,7 @@ class TrackerQueries:
     def largest_tensors(self, n: int = 10, device=None) -> list[dict]:
         """The ``n`` largest live storages: bytes, shape, dtype, category, phase and module where
         made, step, and where (file:line, innermost user frames first)."""
+        self.live.flush()
         return [r.describe() for r in self._largest(n, None if device is None else self._dev(device))]
 
     def _outlived(self) -> dict:
@@ -145,6 +154,7 @@ class TrackerQueries:
 
     def live_by_module(self, device=None) -> dict:
         """Bytes live now by module where made or owned (self only, not submodules), by category."""
+        self.live.flush()
         out: dict[str, dict] = {}
         for r in list(self._alive.values()):
             if device is not None and r.device != device:
@@ -163,6 +173,7 @@ class TrackerQueries:
         checkpointing, made and left alive for backward: what checkpointing stopped keeping from
         the forward to the backward; max over its recomputes).
         """
+        self.live.flush()
         self._require_timeline("modules")
         dev = self._dev(device)
         names: dict[str, dict] = {}
@@ -257,6 +268,7 @@ class TrackerQueries:
 
     def phase_peaks(self, device=None) -> dict:
         """The most bytes live on ``device`` during each phase."""
+        self.live.flush()
         self._require_timeline("phase_peaks")
         dev = self._dev(device)
         totals = self._total_series(dev)
