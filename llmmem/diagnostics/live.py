@@ -27,9 +27,10 @@ after, with the counts complete.
 A counter counts the thread it is entered on and must be left there; counters nested on one thread
 may be left in any order (see :mod:`llmmem.diagnostics.mode_stacks`).
 
-Cost: a Python call per operator and a weak reference per new storage (104 bytes, with its key,
-device and size), so it is a diagnostic, not something to leave on in production; it never changes
-what the operators compute.
+Cost: a Python call per operator and, per live storage, about 230 bytes of host memory (its weak
+reference, which holds its device and size, its key, and the storage's Python object, which counting
+makes: ``benchmarks/bench_tracker_memory.py``), so it is a diagnostic, not something to leave on in
+production; it never changes what the operators compute.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class LiveBytes(TorchDispatchMode):
         # counted under the guard (which counts it on entry), before anything else is.
         self._entries: dict[int, _StorageRef] = {}
         self._freed: deque = deque()
+        self._queue_freed = self._freed.append  # one bound method for every reference (72 bytes each)
         self._flushing = False
         self._lock = Guard(self._flush_freed)
         self._thread: int | None = None  # the thread it is entered on
@@ -141,7 +143,7 @@ class LiveBytes(TorchDispatchMode):
             dev = device_key(t.device)
             # The callback holds the queue, not the counter: a storage outliving the counter does
             # not keep it alive.
-            ref = _StorageRef(storage, self._freed.append)
+            ref = _StorageRef(storage, self._queue_freed)
             ref.key, ref.device, ref.nbytes = key, dev, nbytes
             self._entries[key] = ref
             self._change(dev, nbytes)

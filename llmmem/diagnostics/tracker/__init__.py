@@ -34,8 +34,9 @@ statistics of the llmmem pool in use are sampled at every phase change.
 Cost: the tracker is a diagnostic. Per operator a Python call (the dispatch mode); per new storage
 a small record, and a short stack summary (``stacks=True``); per module call two hooks and, in
 training, a gradient hook per output and per input. No GPU synchronisation, except that CUDA statistics are read at
-phase changes. Memory: about 200 bytes per storage ever made while tracking (``timeline=True``),
-or per storage alive (``timeline=False``).
+phase changes. Host memory (``benchmarks/bench_tracker_memory.py``): about 400 bytes per storage
+alive (490 with ``timeline=True``), the storage's Python object, which counting makes, included; with
+``timeline=True`` also about 370 bytes per storage made and freed while tracking.
 
 Not seen: memory no tensor storage owns (allocator caches, kernels' scratch buffers: compare the
 CUDA samples), tensors made on threads the mode is not active on, tensors saved by other

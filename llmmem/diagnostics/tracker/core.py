@@ -32,6 +32,7 @@ __all__ = ["MemoryTracker"]
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _dispatch_mode_at = torch._C._get_dispatch_stack_at
 _thread_id = threading.get_ident
+_SHAPES = 1 << 16  # distinct shapes shared at most (variable sequence lengths would grow it without end)
 
 # Per thread: the trackers inside their ``with`` block on it, innermost last (see MemoryTracker._pack).
 _THREAD = threading.local()
@@ -153,7 +154,8 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         self._param_handles: list = []
         self._inputs: list[weakref.ReferenceType] = []
         self._seen_optimizers = weakref.WeakSet()
-        self._frame_cache: dict = {}
+        self._frame_cache: dict = {}  # see stacks.where
+        self._shapes: dict = {}  # shape -> the one tuple of it the records share
         self.cuda_samples: list[dict] = []
         self._series = None  # (device, events, bytes live after each event): see _total_series
         self.failure: dict | None = None
@@ -282,15 +284,19 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
 
     def _on_new_storage(self, t: torch.Tensor, key: int, dev: str, nbytes: int) -> None:
         rec = Record()
-        rec.key, rec.device, rec.nbytes = key, dev, nbytes
-        rec.alloc, rec.free = self.events, None
+        rec.device, rec.nbytes = dev, nbytes
+        # The event index is only read off the timeline: without one, no int object per record.
+        rec.alloc, rec.free = (self.events if self.timeline_enabled else 0), None
         rec.phase, rec.module = self._phase_module()
         self._mark_phase(rec.phase)
         rec.step = self._step
         rec.identity, rec.saved = None, False
         rec.category = category_of(rec)
         rec.stack = None if self._adopting else (where(self._frame_cache) if self.stacks_enabled else ())
-        rec.shape, rec.dtype = tuple(t.shape), t.dtype
+        shape = tuple(t.shape)
+        shapes = self._shapes  # one tuple per distinct shape, not one per record
+        rec.shape = shapes.get(shape) or (shapes.setdefault(shape, shape) if len(shapes) < _SHAPES else shape)
+        rec.dtype = t.dtype
         self._alive[key] = rec
         if self.timeline_enabled:
             rec.index = len(self._records)

@@ -26,7 +26,6 @@ class Record:
     """One storage seen by the tracker. ``alloc``/``free`` are event indices (``free`` None while live)."""
 
     __slots__ = (
-        "key",
         "index",
         "device",
         "nbytes",

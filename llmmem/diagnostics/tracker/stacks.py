@@ -25,7 +25,8 @@ SKIP_FILES = frozenset(os.path.abspath(m.__file__) for m in (contextlib, functoo
 
 def where(cache: dict) -> tuple:
     """The three innermost frames outside :data:`SKIP_DIRS` and :data:`SKIP_FILES`, from the
-    caller outward; ``cache`` (``(code, line) -> frame tuple``) keeps one tuple per line."""
+    caller outward; ``cache`` keeps one tuple per line (``(code, line) -> frame``) and one per
+    distinct summary (records made on the same lines share it)."""
     frames = []
     f = sys._getframe(1)
     depth = 0
@@ -41,4 +42,5 @@ def where(cache: dict) -> tuple:
                 break
         f = f.f_back
         depth += 1
-    return tuple(frames)
+    frames = tuple(frames)
+    return cache.setdefault(frames, frames)
