@@ -26,6 +26,7 @@ import torch
 
 from llmmem.diagnostics.advice import estimate_settings, find_blocks, suggest
 from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory, step_text
+from llmmem.errors import arguments_text
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError", "cuda_capacity"]
@@ -36,6 +37,20 @@ class OutOfMemoryReportError(Exception):
     catches any report; ``.report`` is the :class:`OutOfMemoryReport`."""
 
     report: OutOfMemoryReport
+    _original: type  # the type of the error it reports (its other base)
+
+    __str__ = arguments_text
+
+    def __reduce__(self):
+        # The type is made at run time: pickle (workers, multiprocessing) makes it again from the
+        # original's, which it can find.
+        return _rebuild_report, (self._original, self.args, self.__dict__)
+
+
+def _rebuild_report(original: type, args: tuple, state: dict):
+    exc = _report_type(original)(*args)
+    exc.__dict__.update(state)
+    return exc
 
 
 _report_types: dict[type, type] = {}
@@ -44,10 +59,11 @@ _report_types: dict[type, type] = {}
 def _report_type(original: type) -> type:
     cls = _report_types.get(original)
     if cls is None:
+        attrs = {"__module__": original.__module__, "_original": original}
         try:
-            cls = type(original.__name__, (OutOfMemoryReportError, original), {"__module__": original.__module__})
+            cls = type(original.__name__, (OutOfMemoryReportError, original), attrs)
         except TypeError:  # a final exception type: the report is a RuntimeError then
-            cls = type("OutOfMemoryError", (OutOfMemoryReportError, RuntimeError), {})
+            cls = type("OutOfMemoryError", (OutOfMemoryReportError, RuntimeError), {"_original": original})
         _report_types[original] = cls
     return cls
 
