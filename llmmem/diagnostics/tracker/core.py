@@ -73,9 +73,11 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         print(tracker.table(top=8)); tracker.plot("memory.png")
 
     Entering and leaving again adds steps to the same record. A tracker counts the thread it is
-    entered on (and autograd's threads working for it): trackers entered on different threads, each
-    around its own model, do not see each other's tensors or modules; trackers nested on one thread
-    all see what is made inside the innermost. See the module docstring for what it costs and what
+    entered on (and autograd's threads working for it), and is left on that thread: trackers
+    entered on different threads, each around its own model, do not see each other's tensors or
+    modules; trackers nested on one thread all see what is made inside the innermost, and may be
+    left in any order. A signal (Ctrl-C) that arrives while it updates its counts takes effect right
+    after (:mod:`llmmem.diagnostics.interrupts`). See the module docstring for what it costs and what
     it cannot see.
     """
 
