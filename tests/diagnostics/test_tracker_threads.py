@@ -269,3 +269,14 @@ def test_a_tracker_left_on_another_thread_says_so_and_stays_whole():
     tracker.__exit__(None, None, None)
     assert tracker.steps == 1 and tracker.current()["gradients"] == 0 and tracker.current()["optimizer_state"] > 0
     assert hooks_left() == NOTHING_LEFT
+
+
+def test_a_tracker_whose_hooks_other_code_took_off_still_cleans_up_all_else():
+    """If other code pops the tracker's saved-tensor hooks, leaving it says so, after removing
+    everything else it set (its cleanup used to stop at the first failure)."""
+    tracker = MemoryTracker()
+    tracker.__enter__()
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    with pytest.raises(RuntimeError, match="taken off by other code"):
+        tracker.__exit__(None, None, None)
+    assert hooks_left() == NOTHING_LEFT

@@ -234,9 +234,13 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         if self in entered:
             entered.remove(self)
         self._outer = []
+        lost = None  # its hooks gone from this thread's stack (taken off by other code): the rest is still undone
         if self._hooks_pushed:
             self._hooks_pushed = False
-            pop_saved_tensors_hooks(self._pack_hook)
+            try:
+                pop_saved_tensors_hooks(self._pack_hook)
+            except RuntimeError as err:
+                lost = err
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
         for h in self._handles + self._param_handles:
@@ -256,6 +260,8 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         finally:
             self.stopped = time.perf_counter()
             self._sample_cuda("exit")
+        if lost is not None:
+            raise RuntimeError(f"MemoryTracker: its saved-tensor hooks were taken off by other code ({lost})")
         return False
 
     def _here(self) -> bool:
