@@ -5,6 +5,10 @@ They are created by the C core so that its status codes map to them directly; wi
 Each is a :class:`LlmmemError` (a ``RuntimeError``) and, where it fits, also the builtin a user
 would catch: ``InvalidArgumentError`` and ``InfeasibleError`` are ``ValueError``,
 ``OutOfMemoryError`` is a ``MemoryError``, ``NotBuiltError`` is a ``NotImplementedError``.
+
+Made with several arguments, as tooling that rebuilds exceptions does (``type(exc)(message,
+detail)``), one reads as the message and then the rest in parentheses (:func:`arguments_text`), not
+as the repr of a tuple.
 """
 
 from __future__ import annotations
@@ -26,7 +30,19 @@ __all__ = [
     "InternalError",
     "user_frame",
     "user_stacklevel",
+    "arguments_text",
 ]
+
+
+def arguments_text(exc: BaseException) -> str:
+    """``str`` of an exception made with any arguments: the first, then the others in parentheses
+    (``OutOfMemoryError("out of memory", 4096)`` reads ``out of memory (4096)``); with none or one,
+    what Python prints."""
+    args = exc.args
+    if len(args) < 2:
+        return BaseException.__str__(exc)
+    return f"{args[0]} ({', '.join(str(a) for a in args[1:])})"
+
 
 if available():
     LlmmemError = native.LlmmemError
@@ -38,10 +54,13 @@ if available():
     InfeasibleError = native.InfeasibleError
     StateError = native.StateError
     InternalError = native.InternalError
+    LlmmemError.__str__ = arguments_text  # the C core makes the classes; their text is set here, for both
 else:
 
     class LlmmemError(RuntimeError):
         """Base class of the errors raised by llmmem's C core."""
+
+        __str__ = arguments_text
 
     class InvalidArgumentError(LlmmemError, ValueError):
         """An argument is out of range or inconsistent."""

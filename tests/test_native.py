@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from support.procs import run_python
 
@@ -107,3 +109,35 @@ def test_every_public_name_resolves():
     # who first touches it; resolve them all here.
     for name in llmmem.__all__:
         assert getattr(llmmem, name) is not None, name
+
+
+ERROR_CLASSES = [getattr(errors, name) for name in errors.__all__ if name.endswith("Error")]
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_errors_made_with_several_arguments_read_clearly_and_survive_pickling(cls):
+    """Tooling re-creates exceptions from their arguments (pickling across processes, wrappers that
+    call ``type(exc)(message, detail)``): with two arguments the text is the message, then the
+    detail, not the tuple's repr; one or none read as Python's own."""
+    assert str(cls("out of memory", 1024)) == "out of memory (1024)"
+    assert str(cls("a", "b", 3)) == "a (b, 3)"
+    assert str(cls("out of memory")) == "out of memory" and str(cls()) == ""
+    exc = cls("out of memory", 1024)
+    exc.status = 2
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is cls and back.args == exc.args and back.status == 2 and str(back) == str(exc)
+
+
+def test_errors_without_the_core_read_the_same():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'llmmem._C': raise ImportError('simulated broken build')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from llmmem import errors\n"
+        "print(str(errors.OutOfMemoryError('out of memory', 1024)), '|', str(errors.InvalidArgumentError('x')))\n"
+    )
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "out of memory (1024) | x"

@@ -206,7 +206,7 @@ class ActivationMeter:
         self._handles: list = []
         self._excluded: set = set()
         self._ignore = threading.local()
-        self.current = 0
+        self._current = 0
         self.peak = 0
         self.window_peak = 0
         self.marks: dict = {}
@@ -215,11 +215,17 @@ class ActivationMeter:
         return self._device is None or dev == self._device
 
     def _add(self, delta: int) -> None:
-        self.current += delta
-        if self.current > self.peak:
-            self.peak = self.current
-        if self.current > self.window_peak:
-            self.window_peak = self.current
+        self._current += delta
+        if self._current > self.peak:
+            self.peak = self._current
+        if self._current > self.window_peak:
+            self.window_peak = self._current
+
+    @property
+    def current(self) -> int:
+        """Bytes counted now (the frees queued since the last operator included)."""
+        self._live.flush()
+        return self._current
 
     def _event(self, event: str, key: int, dev: str, nbytes: int) -> None:
         if not self._counts(dev):
@@ -246,7 +252,7 @@ class ActivationMeter:
             if nbytes is None or key in self._excluded or not self._counts(device_key(t.device)):
                 return
             self._excluded.add(key)
-            self.current -= nbytes
+            self._current -= nbytes
 
     def counted_bytes(self, t: torch.Tensor) -> int:
         """Bytes of ``t``'s storage if this meter counts it, else 0."""
@@ -270,13 +276,15 @@ class ActivationMeter:
 
     def mark(self, name: str) -> None:
         """Record ``(current, most since the previous mark)`` as ``marks[name]``; start a new window."""
+        self._live.flush()  # before this lock: the counter's listeners take it under the counter's
         with self._lock:
-            self.marks[name] = (self.current, self.window_peak)
-            self.window_peak = self.current
+            self.marks[name] = (self._current, self.window_peak)
+            self.window_peak = self._current
 
     def reset_window(self) -> None:
+        self._live.flush()
         with self._lock:
-            self.window_peak = self.current
+            self.window_peak = self._current
 
     def __enter__(self):
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self._params]

@@ -18,8 +18,19 @@ hear every change of a counted storage; ``tensor_listeners`` hear, once per new 
 that revealed it (its shape and dtype, where it is being made); ``error_listeners`` hear an operator
 that raised inside the mode (an out-of-memory error, before the stack unwinds).
 
-Cost: a Python call per operator and a weak reference per new storage, so it is a diagnostic,
-not something to leave on in production; it never changes what the operators compute.
+Frees are counted lazily but in order: a storage's weak-reference callback only queues it (it
+runs no Python code, so a ``KeyboardInterrupt`` cannot land in it and be lost), and the queue is
+counted before the next storage is and before any reading. The bookkeeping runs under an
+:class:`llmmem.diagnostics.interrupts.Guard`, so a signal that arrives meanwhile takes effect right
+after, with the counts complete.
+
+A counter counts the thread it is entered on and must be left there; counters nested on one thread
+may be left in any order (see :mod:`llmmem.diagnostics.mode_stacks`).
+
+Cost: a Python call per operator and, per live storage, about 230 bytes of host memory (its weak
+reference, which holds its device and size, its key, and the storage's Python object, which counting
+makes: ``benchmarks/bench_tracker_memory.py``), so it is a diagnostic, not something to leave on in
+production; it never changes what the operators compute.
 """
 
 from __future__ import annotations
@@ -27,12 +38,15 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from llmmem.diagnostics.interrupts import Guard, defer_signals, restore_signals
+from llmmem.diagnostics.mode_stacks import enter_mode, exit_mode
 
 __all__ = ["LiveBytes", "device_key", "storage_key"]
 
@@ -52,6 +66,12 @@ def device_key(device: torch.device) -> str:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types counted; subclasses wrap counted tensors
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a counted storage that is also its entry in the counter."""
+
+    __slots__ = ("key", "device", "nbytes")
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -76,11 +96,15 @@ class LiveBytes(TorchDispatchMode):
         if existing not in (None, "gc"):
             raise ValueError(f"existing: expected None or 'gc', got {existing!r}")
         self._existing = existing
-        # id(storage) -> [weakref, device key, bytes]. A storage may be freed on another thread
-        # (autograd's), and a weak-reference callback may run inside any allocation, so every
-        # change holds a re-entrant lock.
-        self._entries: dict[int, list] = {}
-        self._lock = threading.RLock()
+        # id(storage) -> its _StorageRef. A storage may be freed on any thread (autograd's), at any
+        # point of any code: its callback, deque.append, only queues the reference, and the queue is
+        # counted under the guard (which counts it on entry), before anything else is.
+        self._entries: dict[int, _StorageRef] = {}
+        self._freed: deque = deque()
+        self._queue_freed = self._freed.append  # one bound method for every reference (72 bytes each)
+        self._flushing = False
+        self._lock = Guard(self._flush_freed)
+        self._thread: int | None = None  # the thread it is entered on
         self._current: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
         self.listeners: list[Listener] = []
@@ -105,43 +129,51 @@ class LiveBytes(TorchDispatchMode):
             return  # no storage (functional or sparse tensors)
         nbytes = storage.nbytes()
         key = id(storage)
-        with self._lock:
+        with self._lock:  # counts the queued frees first: a storage freed since may have had this id
             entry = self._entries.get(key)
-            if entry is not None and entry[0]() is storage:
-                if entry[2] != nbytes:  # grown or shrunk in place
-                    delta = nbytes - entry[2]
-                    self._change(entry[1], delta)
-                    entry[2] = nbytes
-                    self._notify("resize", key, entry[1], delta)
+            if entry is not None and entry() is storage:
+                if entry.nbytes != nbytes:  # grown or shrunk in place
+                    delta = nbytes - entry.nbytes
+                    self._change(entry.device, delta)
+                    entry.nbytes = nbytes
+                    self._notify("resize", key, entry.device, delta)
                 return
             if nbytes == 0:
                 return
             dev = device_key(t.device)
-            ref = weakref.ref(storage, self._freed_callback(key))
-            self._entries[key] = [ref, dev, nbytes]
+            # The callback holds the queue, not the counter: a storage outliving the counter does
+            # not keep it alive.
+            ref = _StorageRef(storage, self._queue_freed)
+            ref.key, ref.device, ref.nbytes = key, dev, nbytes
+            self._entries[key] = ref
             self._change(dev, nbytes)
             for listener in self.tensor_listeners:
                 listener(t, key, dev, nbytes)
             self._notify("alloc", key, dev, nbytes)
 
-    def _freed_callback(self, key: int):
-        # A closure over a weak reference to the counter, so that a storage outliving the counter
-        # does not keep the counter alive.
-        me = weakref.ref(self)
+    def flush(self) -> None:
+        """Counts the storages freed since the last call (every reading does; a tool that reads the
+        counter's state directly calls it first)."""
+        if self._freed:
+            with self._lock:
+                pass  # the guard counts them on entry
 
-        def freed(ref) -> None:
-            owner = me()
-            if owner is None:
-                return
-            with owner._lock:
-                entry = owner._entries.get(key)
-                if entry is None or entry[0] is not ref:
-                    return  # the id was reused by a storage counted since
-                del owner._entries[key]
-                owner._change(entry[1], -entry[2])
-                owner._notify("free", key, entry[1], entry[2])
-
-        return freed
+    def _flush_freed(self) -> None:
+        # Not again from inside (a listener reading the counter): it reads the count after this free.
+        if self._flushing or not self._freed:
+            return
+        self._flushing = True
+        try:
+            freed, entries = self._freed, self._entries
+            while freed:
+                ref = freed.popleft()
+                if entries.get(ref.key) is not ref:
+                    continue  # not counted any more (the id was reused by a storage counted since)
+                del entries[ref.key]
+                self._change(ref.device, -ref.nbytes)
+                self._notify("free", ref.key, ref.device, ref.nbytes)
+        finally:
+            self._flushing = False
 
     def _change(self, dev: str, delta: int) -> None:
         now = self._current[dev] + delta
@@ -156,10 +188,12 @@ class LiveBytes(TorchDispatchMode):
     # -- reading --------------------------------------------------------------------------------
     def allocated(self, device="cpu") -> int:
         """Bytes of live counted storages on ``device`` now."""
+        self.flush()
         return self._current.get(_as_key(device), 0)
 
     def max_allocated(self, device="cpu") -> int:
         """The most :meth:`allocated` has been since the start or the last :meth:`reset_peak`."""
+        self.flush()
         return self._peak.get(_as_key(device), 0)
 
     def reset_peak(self, device=None) -> None:
@@ -169,13 +203,16 @@ class LiveBytes(TorchDispatchMode):
                 self._peak[dev] = self._current.get(dev, 0)
 
     def devices(self) -> list[str]:
+        self.flush()
         return sorted(set(self._current) | set(self._peak))
 
     def storage_bytes(self, t: torch.Tensor) -> int | None:
         """The counted bytes of ``t``'s storage, or None if it is not counted."""
         storage = t.untyped_storage()
+        # No flush (callers hold their own locks): a queued free of a storage that had this id is
+        # a dead reference, which the identity check below rejects.
         entry = self._entries.get(id(storage))
-        return entry[2] if entry is not None and entry[0]() is storage else None
+        return entry.nbytes if entry is not None and entry() is storage else None
 
     # -- the mode -------------------------------------------------------------------------------
     @classmethod
@@ -186,11 +223,36 @@ class LiveBytes(TorchDispatchMode):
         return False
 
     def __enter__(self):
-        out = super().__enter__()
+        if self._thread is not None:
+            raise RuntimeError("LiveBytes: already active (a counter cannot be entered twice at once)")
+        defer_signals()
+        try:
+            enter_mode(self)
+        except BaseException:
+            restore_signals()
+            raise
+        self._thread = threading.get_ident()
         if self._existing == "gc":
             # type(), not isinstance(): a deprecated module attribute warns when its __class__ is read
             self.track(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-        return out
+        return self
+
+    def __exit__(self, exc_type=None, exc_value=None, traceback=None):
+        """Leaves the counter (it goes on counting frees of what it counted, not new storages).
+
+        Raises ``RuntimeError``, leaving it active, when called on another thread than the one it was
+        entered on (its mode is on that thread's stack). Counters nested on one thread may be left
+        in any order."""
+        if self._thread is None:
+            return
+        if self._thread != threading.get_ident():
+            raise RuntimeError(
+                f"LiveBytes: left on thread {threading.get_ident()} but entered on thread {self._thread}; "
+                "leave it on the thread that entered it (a with block does)"
+            )
+        exit_mode(self)
+        self._thread = None
+        restore_signals()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:

@@ -100,7 +100,12 @@ class Monitor:
     """A background memory sampler; see :func:`monitor`. ``start()``/``stop()`` or a ``with`` block;
     ``samples`` (the last ``keep``), ``latest``, ``peak`` (the largest value of each field so
     far), ``sample()`` (one reading now, on the calling thread), ``error`` (the first exception
-    the callback raised, if any: it is logged and sampling goes on)."""
+    the callback or a reading raised, if any: it is logged and sampling goes on).
+
+    On the sampler's thread every exception of the callback is caught, ``SystemExit`` and
+    ``KeyboardInterrupt`` too (no signal is delivered to that thread: they come from the callback);
+    on the caller's thread (``sample()``, the last sample of ``stop()``) only an ``Exception`` is,
+    so a Ctrl-C there still reaches the program."""
 
     def __init__(self, interval: float = 1.0, callback=None, *, device=None, pools=(), live=None, keep: int = 3600):
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not math.isfinite(interval):
@@ -144,6 +149,9 @@ class Monitor:
     # ---------------------------------------------------------------------------------------------
     def sample(self) -> MemorySample:
         """One reading now (on the calling thread); also recorded and passed to the callback."""
+        return self._sample(Exception)
+
+    def _sample(self, caught: type, callback: bool = True) -> MemorySample:
         t = time.perf_counter()
         s = MemorySample(time=time.monotonic() - self._t0, rss=_rss(), rss_peak=_rss_peak())
         torch = sys.modules.get("torch")
@@ -169,13 +177,13 @@ class Monitor:
         self.sample_seconds += time.perf_counter() - t
         if self.callback is None:
             _log.info("memory: %s", s)
-        else:
+        elif callback:
             try:
                 self.callback(s)
-            except Exception as exc:  # a progress bar's failure must not stop the sampling
+            except caught as exc:  # a progress bar's failure must not stop the sampling
                 if self.error is None:
                     self.error = exc
-                    _log.exception("llmmem.monitor: the callback raised; sampling goes on")
+                    _log.error("llmmem.monitor: the callback raised; sampling goes on", exc_info=exc)
         return s
 
     def _pool_stats(self):
@@ -207,11 +215,11 @@ class Monitor:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.sample()
-            except Exception:  # a reading failed (a device gone): log once, keep going
+                self._sample(BaseException)
+            except BaseException as exc:  # a reading failed (a device gone): log once, keep going
                 if self.error is None:
-                    self.error = sys.exc_info()[1]
-                    _log.exception("llmmem.monitor: a sample failed; sampling goes on")
+                    self.error = exc
+                    _log.error("llmmem.monitor: a sample failed; sampling goes on", exc_info=exc)
             self._stop.wait(self.interval)
 
     def start(self) -> Monitor:
@@ -228,14 +236,19 @@ class Monitor:
         return self
 
     def stop(self) -> None:
-        """Stops the thread (waits for it; at most one sample's time) and takes a last sample."""
+        """Stops the thread (waits for it; at most one sample's time) and takes a last sample on the
+        calling thread, passed to the callback unless the callback raised something other than an
+        ``Exception`` on the sampler (``SystemExit``, ``KeyboardInterrupt``: see ``error``). It
+        never raises what the callback raised on the sampler; an ``Exception`` the callback raises
+        now is recorded in the same way, anything else propagates."""
         thread = self._thread
         if thread is None:
             return
         self._stop.set()
         thread.join()
         self._thread = None
-        self.sample()
+        quit_asked = self.error is not None and not isinstance(self.error, Exception)
+        self._sample(Exception, callback=not quit_asked)
 
     @property
     def running(self) -> bool:

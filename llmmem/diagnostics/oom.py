@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import traceback
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from llmmem.diagnostics.advice import estimate_settings, find_blocks, suggest
 from llmmem.diagnostics.step_changes import StepWatch
 from llmmem.diagnostics.tracker import MemoryTracker, is_out_of_memory, step_text
+from llmmem.errors import arguments_text
 from llmmem.units import format_bytes, parse_bytes
 
 __all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError", "cuda_capacity"]
@@ -43,6 +45,20 @@ class OutOfMemoryReportError(Exception):
     catches any report; ``.report`` is the :class:`OutOfMemoryReport`."""
 
     report: OutOfMemoryReport
+    _original: type  # the type of the error it reports (its other base)
+
+    __str__ = arguments_text
+
+    def __reduce__(self):
+        # The type is made at run time: pickle (workers, multiprocessing) makes it again from the
+        # original's, which it can find.
+        return _rebuild_report, (self._original, self.args, self.__dict__)
+
+
+def _rebuild_report(original: type, args: tuple, state: dict):
+    exc = _report_type(original)(*args)
+    exc.__dict__.update(state)
+    return exc
 
 
 _report_types: dict[type, type] = {}
@@ -51,10 +67,11 @@ _report_types: dict[type, type] = {}
 def _report_type(original: type) -> type:
     cls = _report_types.get(original)
     if cls is None:
+        attrs = {"__module__": original.__module__, "_original": original}
         try:
-            cls = type(original.__name__, (OutOfMemoryReportError, original), {"__module__": original.__module__})
+            cls = type(original.__name__, (OutOfMemoryReportError, original), attrs)
         except TypeError:  # a final exception type: the report is a RuntimeError then
-            cls = type("OutOfMemoryError", (OutOfMemoryReportError, RuntimeError), {})
+            cls = type("OutOfMemoryError", (OutOfMemoryReportError, RuntimeError), {"_original": original})
         _report_types[original] = cls
     return cls
 
@@ -229,6 +246,29 @@ def cuda_capacity(dev: str) -> tuple[int, str]:
     return usable, source
 
 
+class _PerThread:
+    """An attribute of :class:`oom_report` with one value per thread (``first(report)`` on a
+    thread's first read): a decorated step run by several threads at once nests, and is tracked,
+    on each thread apart."""
+
+    def __init__(self, first) -> None:
+        self.first = first
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        values = obj._per_thread
+        if not hasattr(values, self.name):
+            setattr(values, self.name, self.first(obj))
+        return getattr(values, self.name)
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj._per_thread, self.name, value)
+
+
 class oom_report(contextlib.ContextDecorator):
     """Context manager and decorator: an out-of-memory error inside becomes a report of what was
     live and what change would make the step fit (see the module docstring).
@@ -268,7 +308,14 @@ class oom_report(contextlib.ContextDecorator):
             train_step(batch)
         except torch.OutOfMemoryError as exc:   # or llmmem.OutOfMemoryError on a budget
             print(exc)                          # the report; exc.report.suggestions[0].code
+
+    Threads: each thread that enters it gets its own tracker (``tracker`` is the calling thread's)
+    and its own nesting; ``report`` is the last report made, on any thread.
     """
+
+    tracker = _PerThread(lambda self: MemoryTracker(self.model, self.optimizer, budget=self._budget, timeline=False))
+    _grads_none = _PerThread(lambda self: None)
+    _depth = _PerThread(lambda self: 0)
 
     def __init__(
         self,
@@ -293,8 +340,10 @@ class oom_report(contextlib.ContextDecorator):
             raise ValueError("oom_report: capacity must be more than 0 bytes")
         if budget is not None and not track:
             raise ValueError("oom_report: budget= needs track=True (the tracker enforces it)")
+        self._per_thread = threading.local()
         # the tracker validates model, optimizer and budget
         self.tracker = MemoryTracker(model, optimizer, budget=budget, timeline=False)
+        self._budget = budget
         self.model, self.optimizer = model, optimizer
         self.batch, self.seq, self.plan, self.track = batch, seq, plan, track
         self.report: OutOfMemoryReport | None = None

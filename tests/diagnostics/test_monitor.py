@@ -77,6 +77,32 @@ def test_a_failing_callback_is_logged_and_sampling_goes_on(caplog):
     assert caplog.text.count("the callback raised") == 1
 
 
+@pytest.mark.parametrize("quit_type", [SystemExit, KeyboardInterrupt])
+def test_a_callback_raising_systemexit_or_keyboardinterrupt_is_recorded_and_sampling_goes_on(quit_type, caplog):
+    """The sampler's thread used to die of it silently (running False, error None), and stop() then
+    raised it on the caller's thread. Now it is recorded and logged, sampling goes on, and stop()
+    neither raises it nor calls the callback again."""
+    calls = []
+
+    def quits(sample):
+        calls.append(sample)
+        if len(calls) == 2:
+            raise quit_type(3)
+
+    with caplog.at_level(logging.ERROR, logger="llmmem.monitor"):
+        mon = llmmem.monitor(0.01, callback=quits).start()
+        deadline = time.monotonic() + 10
+        while len(calls) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mon.running
+        assert isinstance(mon.error, quit_type)
+        before = len(calls)
+        mon.stop()  # raises nothing
+    assert before >= 5 and len(calls) == before
+    assert mon.latest is not calls[-1]  # the last sample was taken, not passed to the callback
+    assert caplog.text.count("the callback raised") == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

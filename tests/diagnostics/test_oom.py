@@ -4,6 +4,8 @@ suggestion that, applied, makes the failing step fit."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from support.diagnostics import gpt_step, hf_model, tiny_gpt
@@ -240,3 +242,24 @@ def test_tracker_peak_line_names_the_step_or_says_it_was_outside_one():
     peak_lines = [next(line for line in t.table().splitlines() if line.startswith("peak ")) for t in (outside, inside)]
     assert peak_lines[0].endswith(": other, outside a tracked step"), peak_lines[0]
     assert inside.peak()["step"] == 0 and peak_lines[1].endswith(", step 0"), peak_lines[1]
+
+
+def test_the_report_survives_tooling_that_rebuilds_exceptions():
+    """What oom_report raises can be pickled (DataLoader workers, multiprocessing and torch's elastic
+    agent send exceptions that way; its type is made at run time, which pickle could not find) and
+    made again with two arguments, reading clearly."""
+    model, opt = tiny_gpt()
+    with pytest.raises(llmmem.OutOfMemoryError) as info:
+        with llmmem.oom_report(model, opt, budget=2**20, plan=False):
+            gpt_step(model, opt, 8)
+    exc = info.value
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is type(exc) and str(back) == str(exc)
+    assert isinstance(back, OutOfMemoryReportError) and isinstance(back, llmmem.OutOfMemoryError)
+    assert str(back.report) == str(exc.report)
+    again = type(exc)("out of memory", 4096)
+    assert str(again) == "out of memory (4096)" and isinstance(again, MemoryError)
+    for original in (torch.OutOfMemoryError, MemoryError):
+        made = llmmem.diagnostics.oom._report_type(original)("out of memory", 4096)
+        assert str(made) == "out of memory (4096)" and isinstance(made, original)
+        assert str(pickle.loads(pickle.dumps(made))) == "out of memory (4096)"

@@ -111,3 +111,29 @@ def saved_by_graph(root) -> dict:
             out.update(storage_bytes(values))
         stack.extend(nxt for nxt, _ in node.next_functions)
     return out
+
+
+def hooks_left() -> dict:
+    """What trackers may leave behind: torch's global module and optimizer hooks (process-wide), the
+    calling thread's dispatch modes and saved-tensor hooks, and torch's process-wide "in a dispatch
+    mode" flag. All zero / False when nothing is left."""
+    import torch.utils._python_dispatch as dispatch
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return {
+        "module_hooks": len(module._global_forward_pre_hooks) + len(module._global_forward_hooks),
+        "optimizer_hooks": len(optimizer._global_optimizer_pre_hooks) + len(optimizer._global_optimizer_post_hooks),
+        "dispatch_modes": torch._C._len_torch_dispatch_stack(),
+        "saved_tensors_hooks": torch._C._autograd._top_saved_tensors_default_hooks(True) is not None,
+        "in_dispatch_mode": dispatch.is_in_torch_dispatch_mode(),
+    }
+
+
+NOTHING_LEFT = {
+    "module_hooks": 0,
+    "optimizer_hooks": 0,
+    "dispatch_modes": 0,
+    "saved_tensors_hooks": False,
+    "in_dispatch_mode": False,
+}
