@@ -316,6 +316,7 @@ class oom_report(contextlib.ContextDecorator):
     tracker = _PerThread(lambda self: MemoryTracker(self.model, self.optimizer, budget=self._budget, timeline=False))
     _grads_none = _PerThread(lambda self: None)
     _depth = _PerThread(lambda self: 0)
+    _watch = _PerThread(lambda self: None)  # each thread's step watch (llmmem.diagnostics.step_changes)
 
     def __init__(
         self,
