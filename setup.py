@@ -164,6 +164,9 @@ class BuildExt(build_ext):
             "-Xcompiler",
             "-fPIC,-fvisibility=hidden,-Wall",
             "--expt-relaxed-constexpr",
+            # no a * b + c fused into one FMA: the kernels round every operation as their C
+            # references do, and the optimizer's must equal its reference bit for bit
+            "-fmad=false",
             f"-DLLMMEM_DEBUG={DEBUG}",
             "-DLLMMEM_WITH_CUDA=1",
         ] + gencode

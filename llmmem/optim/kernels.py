@@ -4,7 +4,8 @@ device), tensors in, C core (``llmmem._C``) calls out.
 - CPU tensors go to the threaded C step (the GIL is released while it runs; as many threads as
   ``torch.get_num_threads()`` allows).
 - CUDA tensors go to the CUDA step when llmmem was built with CUDA and its kernels run on that
-  GPU (queued on the current stream, no host synchronisation).
+  GPU and pass their known-answer check there (:mod:`llmmem.optim.cuda`, once per GPU): queued
+  on the current stream, no host synchronisation.
 - Any other device, or CUDA without usable kernels, runs :mod:`llmmem.optim.reference` (the same
   arithmetic in torch ops, bit for bit; slower), with one warning per device type.
 
@@ -20,8 +21,9 @@ from typing import Optional
 
 import torch
 
+from llmmem._devices import cuda_index as _cuda_index
 from llmmem._native import native
-from llmmem.optim import reference
+from llmmem.optim import cuda, reference
 from llmmem.optim.formats import Format
 
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -78,11 +80,15 @@ def step(items: list[Item], fmt: Format, hp: Hyper, device: torch.device, refere
     """One AdamW step of every item (all on ``device``, all in ``fmt``), in place."""
     if not items:
         return
-    if device.type == "cpu" and not reference_only:
-        _step_native(items, fmt, hp)
-        return
     if not reference_only:
-        _warn_fallback(device, "llmmem's kernels do not cover this device")
+        if device.type == "cpu":
+            _step_native(items, fmt, hp, device)
+            return
+        why = cuda.unsupported_reason(device) if device.type == "cuda" else "llmmem's kernels do not cover this device"
+        if why is None:
+            _step_native(items, fmt, hp, device)
+            return
+        _warn_fallback(device, why)
     for it in items:
         _step_reference(it, fmt, hp)
 
@@ -95,7 +101,7 @@ def _contiguous_views(it: Item):
     return p, g, p is not it.param
 
 
-def _step_native(items: list[Item], fmt: Format, hp: Hyper) -> None:
+def _step_native(items: list[Item], fmt: Format, hp: Hyper, device: torch.device) -> None:
     records, keep, write_back = [], [], []
     for it in items:
         p, g, copied = _contiguous_views(it)
@@ -132,6 +138,7 @@ def _step_native(items: list[Item], fmt: Format, hp: Hyper) -> None:
         fmt.block or 256,
         hp.stochastic_rounding,
         torch.get_num_threads(),
+        **cuda._launch_args(device, _cuda_index(device) if device.type == "cuda" else -1),
     )
     for dst, src in write_back:
         dst.copy_(src)

@@ -59,7 +59,9 @@ def _run(monkeypatch, fmt, dtype, master, *, sizes=SIZES, steps=3, specials=Fals
             a.step()
             with monkeypatch.context() as m:
                 m.setattr(
-                    kernels, "_step_native", lambda items, f, hp: [kernels._step_reference(i, f, hp) for i in items]
+                    kernels,
+                    "_step_native",
+                    lambda items, f, hp, dev: [kernels._step_reference(i, f, hp) for i in items],
                 )
                 b.step()
     finally:
