@@ -50,18 +50,47 @@ _FLOAT_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
 _LLMMEM_KEYS = ("state_dtype", "block_size", "stochastic_rounding", "min_quantized_numel", "master_weights")
 
 
+_DTENSOR: list = []  # [DTensor or None], looked up once
+
+
 def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed support
-        return None
-    return DTensor
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without distributed support
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def _is_dtensor(t) -> bool:
+    dt = _dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
+def _shard_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out as the DTensor parameter ``p`` (a moment or master of the
+    parameter's shape), so that distributed checkpointing (DCP) saves and reshards it as torch's
+    own optimizers' state; ``local`` itself for a plain parameter."""
+    if not _is_dtensor(p):
+        return local
+    dt = _dtensor_type()
+    return dt.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _wrap_state(p: torch.Tensor, state: dict, fmt: Format) -> dict:
+    """The parameter-shaped tensors of a state (unquantized moments, master) laid out as ``p``."""
+    if _is_dtensor(p):
+        keys = ("master",) if fmt.quantized else ("exp_avg", "exp_avg_sq", "master")
+        for key in keys:
+            if key in state:
+                state[key] = _shard_like(p, state[key])
+    return state
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor a kernel works on: a DTensor's local shard, else ``t`` itself."""
-    dt = _dtensor_type()
-    return t.to_local() if dt is not None and isinstance(t, dt) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _local_grad(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -266,7 +295,7 @@ class Adam(torch.optim.Optimizer):
         if self._wants_master(group, p):
             state["master"] = local.detach().to(torch.float32).clone()
         state["seed"] = _mix64(self._seed ^ _mix64(self._param_index(p)))
-        return state
+        return _wrap_state(p, state, fmt)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -309,10 +338,9 @@ class Adam(torch.optim.Optimizer):
         if not state:
             state = new_states[p] = self._init_state(p, group)
         fmt = self._state_format(state, lp.numel(), where)
-        master = state.get("master")
-        return Item(
-            param=lp, grad=lg, master=_local(master) if master is not None else None, state=state, seed=state["seed"]
-        ), fmt
+        kernel_state = _local_tensors(state) if _is_dtensor(p) else state
+        master = kernel_state.get("master")
+        return Item(param=lp, grad=lg, master=master, state=kernel_state, seed=state["seed"]), fmt
 
     def _state_format(self, state: dict, numel: int, where: str) -> Format:
         try:
@@ -320,11 +348,17 @@ class Adam(torch.optim.Optimizer):
         except ValueError as e:
             raise ValueError(f"llmmem.optim: the state of {where} cannot be read: {e}") from None
 
+    @torch.compiler.disable(reason="llmmem.optim's step is one call of a native fused kernel per group")
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """One step of every parameter with a gradient (see the module for what it costs).
 
         :param closure: re-evaluates the model and returns the loss (run with grad enabled).
+
+        Under ``torch.compile`` the step runs eagerly (a graph break here, by design): it already
+        is one fused kernel per parameter group, there is nothing for the compiler to fuse, and
+        its bookkeeping is host-side Python. ``fullgraph=True`` therefore refuses a compiled
+        function that calls it; compile the model and call the step outside it.
         """
         loss = None
         if closure is not None:
@@ -455,7 +489,7 @@ class Adam(torch.optim.Optimizer):
             if isinstance(seed, int) and not isinstance(seed, bool)
             else _mix64(self._seed ^ _mix64(self._param_index(p)))
         )
-        return out
+        return _wrap_state(p, out, dst)
 
     def full_precision_state_dict(self) -> dict:
         """``state_dict()`` with every moment as float32 in torch's layout and no llmmem-only
