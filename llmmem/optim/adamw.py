@@ -45,6 +45,7 @@ import torch
 from llmmem.optim import formats, kernels
 from llmmem.optim.formats import Format
 from llmmem.optim.kernels import Hyper, Item
+from llmmem.optim.offload import Offload
 
 _FLOAT_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
 _LLMMEM_KEYS = ("state_dtype", "block_size", "stochastic_rounding", "min_quantized_numel", "master_weights")
@@ -197,6 +198,9 @@ class Adam(torch.optim.Optimizer):
     :param maximize: ascend the objective.
     :param seed: the seed of stochastic rounding (None: drawn from torch's default generator,
         so ``torch.manual_seed`` makes a run reproducible).
+    :param offload: ``"cpu"`` keeps the state (moments, masters) in host memory and steps it
+        there with the C kernel; gradients go to the host and weights come back each step
+        (:mod:`llmmem.optim.offload`). Not for DTensor parameters.
     :param amsgrad, foreach, fused, capturable, differentiable: torch's arguments, accepted for
         a drop-in: ``foreach`` and ``fused`` change nothing (the step is always one fused call);
         ``amsgrad``, ``capturable`` and ``differentiable`` must be False.
@@ -218,6 +222,7 @@ class Adam(torch.optim.Optimizer):
         master_weights: bool = False,
         maximize: bool = False,
         seed: Optional[int] = None,
+        offload: Optional[str] = None,
         amsgrad: bool = False,
         foreach: Optional[bool] = None,
         fused: Optional[bool] = None,
@@ -248,6 +253,10 @@ class Adam(torch.optim.Optimizer):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self._seed = seed & 0xFFFFFFFFFFFFFFFF
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        self._offload = Offload() if offload == "cpu" else None
+        self._versions: dict = {}  # parameter -> its version counter when a step last saw it (masters)
         super().__init__(params, defaults)
 
     # ---- groups ---------------------------------------------------------------------------
@@ -283,17 +292,22 @@ class Adam(torch.optim.Optimizer):
                 return i
         raise ValueError("the parameter is not in this optimizer's param_groups")
 
+    def _home(self, local: torch.Tensor) -> torch.device:
+        """Where a parameter's state lives: host memory when offloaded, else beside it."""
+        return torch.device("cpu") if self._offload is not None else local.device
+
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         """A new parameter's state (not yet stored in self.state)."""
         local = _local(p)
+        home = self._home(local)
         fmt = self._format(group, local.numel())
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        state.update(formats.new_moments(fmt, local))
+        state.update(formats.new_moments(fmt, local, home))
         state["state_dtype"] = fmt.dtype
         if fmt.quantized:
             state["block_size"] = fmt.block
         if self._wants_master(group, p):
-            state["master"] = local.detach().to(torch.float32).clone()
+            state["master"] = local.detach().to(device=home, dtype=torch.float32, copy=True)
         state["seed"] = _mix64(self._seed ^ _mix64(self._param_index(p)))
         return _wrap_state(p, state, fmt)
 
@@ -332,6 +346,11 @@ class Adam(torch.optim.Optimizer):
             )
         if grad.device != p.device:
             raise ValueError(f"llmmem.optim: {where} is on {p.device} and its gradient on {grad.device}")
+        if self._offload is not None and _is_dtensor(p):
+            raise NotImplementedError(
+                f"llmmem.optim: offload='cpu' does not support DTensor parameters ({where}); FSDP2 offloads with "
+                "its own CPUOffloadPolicy"
+            )
         lp = _local(p)
         lg = _local_grad(p, grad)
         state = self.state.get(p)
@@ -340,7 +359,19 @@ class Adam(torch.optim.Optimizer):
         fmt = self._state_format(state, lp.numel(), where)
         kernel_state = _local_tensors(state) if _is_dtensor(p) else state
         master = kernel_state.get("master")
+        if master is not None and self._offload is None:
+            self._refresh_master(p, lp, master)
         return Item(param=lp, grad=lg, master=master, state=kernel_state, seed=state["seed"]), fmt
+
+    def _refresh_master(self, p: torch.Tensor, local: torch.Tensor, master: torch.Tensor) -> None:
+        """A weight changed outside the step (a model load_state_dict, an in-place edit; seen by
+        its version counter, which the kernel's own writes do not move) is taken into its
+        master, whose extra precision is kept wherever it still rounds to the weight."""
+        version = p._version
+        if self._versions.get(p, version) != version:
+            same = master.to(local.dtype) == local
+            master.copy_(torch.where(same, master, local.to(torch.float32)))
+        self._versions[p] = version
 
     def _state_format(self, state: dict, numel: int, where: str) -> Format:
         try:
@@ -378,12 +409,18 @@ class Adam(torch.optim.Optimizer):
                 if prepared is None:
                     continue
                 item, fmt = prepared
-                key = (id(group), fmt, item.param.device, item.param.dtype is torch.float32)
-                batches.setdefault(key, (group, fmt, item.param.device, []))[3].append(item)
+                key = (id(group), fmt, item.param.device)
+                batch = batches.setdefault(key, (group, fmt, item.param.device, [], []))
+                batch[3].append(item)
+                batch[4].append(p)
         for p, state in new_states.items():
             self.state[p] = state
-        for group, fmt, device, items in batches.values():
-            kernels.step(items, fmt, self._hyper(group, items[0].param.dtype), device)
+        for group, fmt, device, items, params in batches.values():
+            hp = self._hyper(group, items[0].param.dtype)
+            if self._offload is not None:
+                self._offload.step(params, items, fmt, hp)
+            else:
+                kernels.step(items, fmt, hp, device)
 
     # ---- state dicts ----------------------------------------------------------------------
 
@@ -442,6 +479,9 @@ class Adam(torch.optim.Optimizer):
             new_groups.append(ng)
         self.state = defaultdict(dict, new_state)
         self.param_groups = new_groups
+        self._versions.clear()
+        if self._offload is not None:
+            self._offload.forget()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -450,6 +490,7 @@ class Adam(torch.optim.Optimizer):
         if not isinstance(saved, dict):
             raise ValueError(f"llmmem.optim: the state of {where} is {type(saved).__name__}, not a dict")
         local = _local(p)
+        home = self._home(local)
         n = local.numel()
         saved = _local_tensors(saved)
         try:
@@ -465,24 +506,22 @@ class Adam(torch.optim.Optimizer):
         out: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
         if dst == src:
             keys = ("exp_avg", "exp_avg_sq") + (("exp_avg_scale", "exp_avg_sq_scale") if src.quantized else ())
-            fresh = formats.new_moments(dst, local)
+            fresh = formats.new_moments(dst, local, home)
             for key in keys:
                 fresh[key].copy_(saved[key].reshape(fresh[key].shape))
             out.update(fresh)
         else:
             m, v = formats.moments_as_float(src, saved, n)
-            out.update(formats.moments_from_float(dst, m, v, local))
+            out.update(formats.moments_from_float(dst, m, v, local, home))
         out["state_dtype"] = dst.dtype
         if dst.quantized:
             out["block_size"] = dst.block
         if self._wants_master(group, p):
             master = saved.get("master")
             if isinstance(master, torch.Tensor):
-                out["master"] = (
-                    master.detach().to(device=local.device, dtype=torch.float32).reshape(local.shape).clone()
-                )
+                out["master"] = master.detach().to(device=home, dtype=torch.float32).reshape(local.shape).clone()
             else:
-                out["master"] = local.detach().to(torch.float32).clone()
+                out["master"] = local.detach().to(device=home, dtype=torch.float32, copy=True)
         seed = saved.get("seed")
         out["seed"] = (
             seed

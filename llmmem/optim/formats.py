@@ -92,10 +92,11 @@ def state_layout(fmt: Format, numel: int) -> tuple[int, int]:
     return (numel if fmt.dtype == "int8" else (numel + 1) // 2), scales
 
 
-def new_moments(fmt: Format, param: torch.Tensor) -> dict:
-    """Zeroed state tensors of ``fmt`` for the (local, plain) tensor ``param``: zeros are the
-    initial state of every format (a zero code with a zero scale reads 0)."""
-    like = dict(device=param.device)
+def new_moments(fmt: Format, param: torch.Tensor, device=None) -> dict:
+    """Zeroed state tensors of ``fmt`` for the (local, plain) tensor ``param``, on ``device``
+    (default: the parameter's): zeros are the initial state of every format (a zero code with a
+    zero scale reads 0)."""
+    like = dict(device=param.device if device is None else device)
     if fmt.dtype in ("fp32", "bf16"):
         dt = torch.float32 if fmt.dtype == "fp32" else torch.bfloat16
         return {
@@ -163,9 +164,9 @@ def moments_as_float(fmt: Format, state: dict, numel: int) -> tuple[torch.Tensor
     return m, r * r
 
 
-def moments_from_float(fmt: Format, m: torch.Tensor, v: torch.Tensor, param: torch.Tensor) -> dict:
-    """State tensors of ``fmt`` on ``param``'s device holding the float moments ``m``, ``v``."""
-    out = new_moments(fmt, param)
+def moments_from_float(fmt: Format, m: torch.Tensor, v: torch.Tensor, param: torch.Tensor, device=None) -> dict:
+    """State tensors of ``fmt`` on ``device`` (default: ``param``'s) holding the float moments."""
+    out = new_moments(fmt, param, device)
     if not fmt.quantized:
         out["exp_avg"].copy_(m.reshape(param.shape))
         out["exp_avg_sq"].copy_(v.reshape(param.shape))
