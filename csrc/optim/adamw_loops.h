@@ -67,56 +67,11 @@ LOOP_TARGET static void LOOP_NAME(narrow_moments_bf16)(const float *restrict m, 
   }
 }
 
-/* The update of n elements: p, m updated in place; v holds v (v_is_r == 0) or r = sqrt(v) (1),
- * in and out. */
+/* The update of n elements of the unquantized formats: p, m and v updated in place. */
 LOOP_TARGET static void LOOP_NAME(update)(const llmmem_adamw_scalars_t *sp, float *restrict p, const float *restrict g,
-                                          float *restrict m, float *restrict v, int64_t n, int v_is_r) {
+                                          float *restrict m, float *restrict v, int64_t n) {
   const llmmem_adamw_scalars_t s = *sp;
-  if (v_is_r) {
-    for (int64_t i = 0; i < n; i++) {
-      float r = v[i], vv = r * r;
-      v[i] = llmmem_adamw_elem(&s, g[i], &p[i], &m[i], &vv);
-    }
-  } else {
-    for (int64_t i = 0; i < n; i++) (void)llmmem_adamw_elem(&s, g[i], &p[i], &m[i], &v[i]);
-  }
-}
-
-/* The largest finite magnitude of x[0..n). */
-LOOP_TARGET static float LOOP_NAME(absmax)(const float *restrict x, int64_t n) {
-  /* on the bits: non-negative floats order as their bit patterns do, and an integer maximum
-   * vectorises where a float one (NaN's ordering) does not */
-  uint32_t mx = 0;
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t a = llmmem_q_bits(x[i]) & 0x7fffffffu;
-    a &= 0u - (uint32_t)(a < 0x7f800000u); /* inf and NaN do not count (a mask: a select here stops gcc) */
-    mx = a > mx ? a : mx;
-  }
-  return llmmem_q_float(mx);
-}
-
-/* ---- 8-bit codes ------------------------------------------------------------------------- */
-
-LOOP_TARGET static void LOOP_NAME(decode_m8)(const uint8_t *restrict c, float scale, float *restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; i++)
-    x[i] = llmmem_q_decode_signed(c[i], scale, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B);
-}
-
-LOOP_TARGET static void LOOP_NAME(decode_r8)(const uint8_t *restrict c, float scale, float *restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] = llmmem_q_decode_unsigned(c[i], scale, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B);
-}
-
-LOOP_TARGET static void LOOP_NAME(encode_m8)(const float *restrict x, float inv, uint8_t *restrict c, int64_t n) {
-  for (int64_t i = 0; i < n; i++)
-    c[i] = (uint8_t)llmmem_q_encode_signed(x[i], inv, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B);
-}
-
-/* sqrt(v) rounded stochastically, element k with the bits of index first + k */
-LOOP_TARGET static void LOOP_NAME(encode_r8)(const float *restrict x, float inv, uint8_t *restrict c, int64_t n,
-                                             uint32_t key, uint32_t first) {
-  for (int64_t i = 0; i < n; i++)
-    c[i] = (uint8_t)llmmem_q_encode_unsigned_sr(x[i], inv, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B,
-                                                llmmem_sr_mix((first + (uint32_t)i) ^ key));
+  for (int64_t i = 0; i < n; i++) (void)llmmem_adamw_elem(&s, g[i], &p[i], &m[i], &v[i]);
 }
 
 /* ---- 4-bit codes, two per byte (element 2i in the low nibble) ---------------------------- */
@@ -136,26 +91,52 @@ LOOP_TARGET static void LOOP_NAME(pack4)(const uint8_t *restrict u, uint8_t *res
   if (n & 1) c[n / 2] = u[n - 1];
 }
 
-LOOP_TARGET static void LOOP_NAME(decode_m4)(const uint8_t *restrict u, float scale, float *restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; i++)
-    x[i] = llmmem_q_decode_signed(u[i], scale, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B);
-}
+/* ---- quantized formats, fused ------------------------------------------------------------- */
+/* One pass decodes both moments, updates and keeps the block's two maxima (on the bits, as
+ * absmax does), a second encodes both: two loops over a block in L1 rather than seven. */
 
-LOOP_TARGET static void LOOP_NAME(decode_r4)(const uint8_t *restrict u, float scale, float *restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] = llmmem_q_decode_unsigned(u[i], scale, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B);
-}
+#define LOOP_UPDATE_Q(NAME, MMAG, MM, MB, RBITS, RM, RB)                                                      \
+  LOOP_TARGET static void LOOP_NAME(NAME)(const llmmem_adamw_scalars_t *sp, float *restrict p,                \
+                                          const float *restrict g, const uint8_t *restrict mc,                \
+                                          const uint8_t *restrict rc, float ms, float rs, float *restrict mo, \
+                                          float *restrict ro, int64_t n, float *amax_m, float *amax_r) {      \
+    const llmmem_adamw_scalars_t s = *sp;                                                                     \
+    uint32_t am = 0, ar = 0;                                                                                  \
+    for (int64_t i = 0; i < n; i++) {                                                                         \
+      float m = llmmem_q_decode_signed(mc[i], ms, MMAG, MM, MB);                                              \
+      float r = llmmem_q_decode_unsigned(rc[i], rs, RBITS, RM, RB);                                           \
+      float v = r * r;                                                                                        \
+      float rn = llmmem_adamw_elem(&s, g[i], &p[i], &m, &v);                                                  \
+      mo[i] = m;                                                                                              \
+      ro[i] = rn;                                                                                             \
+      uint32_t a = llmmem_q_bits(m) & 0x7fffffffu, b = llmmem_q_bits(rn) & 0x7fffffffu;                       \
+      a &= 0u - (uint32_t)(a < 0x7f800000u);                                                                  \
+      b &= 0u - (uint32_t)(b < 0x7f800000u);                                                                  \
+      am = a > am ? a : am;                                                                                   \
+      ar = b > ar ? b : ar;                                                                                   \
+    }                                                                                                         \
+    *amax_m = llmmem_q_float(am);                                                                             \
+    *amax_r = llmmem_q_float(ar);                                                                             \
+  }
 
-LOOP_TARGET static void LOOP_NAME(encode_m4)(const float *restrict x, float inv, uint8_t *restrict u, int64_t n) {
-  for (int64_t i = 0; i < n; i++)
-    u[i] = (uint8_t)llmmem_q_encode_signed(x[i], inv, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B);
-}
+LOOP_UPDATE_Q(update_q8, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B)
+LOOP_UPDATE_Q(update_q4, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B)
 
-LOOP_TARGET static void LOOP_NAME(encode_r4)(const float *restrict x, float inv, uint8_t *restrict u, int64_t n,
-                                             uint32_t key, uint32_t first) {
-  for (int64_t i = 0; i < n; i++)
-    u[i] = (uint8_t)llmmem_q_encode_unsigned_sr(x[i], inv, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B,
-                                                llmmem_sr_mix((first + (uint32_t)i) ^ key));
-}
+/* Both moments' codes: m to nearest, sqrt(v) stochastically, element k with the bits of index
+ * first + k (one code a byte; 4-bit codes are packed after). */
+#define LOOP_ENCODE_Q(NAME, MMAG, MM, MB, RBITS, RM, RB)                                                              \
+  LOOP_TARGET static void LOOP_NAME(NAME)(const float *restrict m, const float *restrict r, float inv_m, float inv_r, \
+                                          uint8_t *restrict mc, uint8_t *restrict rc, int64_t n, uint32_t key,        \
+                                          uint32_t first) {                                                           \
+    for (int64_t i = 0; i < n; i++) {                                                                                 \
+      mc[i] = (uint8_t)llmmem_q_encode_signed(m[i], inv_m, MMAG, MM, MB);                                             \
+      rc[i] = (uint8_t)llmmem_q_encode_unsigned_sr(r[i], inv_r, RBITS, RM, RB,                                        \
+                                                   llmmem_sr_mix((first + (uint32_t)i) ^ key));                       \
+    }                                                                                                                 \
+  }
+
+LOOP_ENCODE_Q(encode_q8, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B)
+LOOP_ENCODE_Q(encode_q4, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B)
 
 /* ---- one piece of one tensor ------------------------------------------------------------- */
 
@@ -171,7 +152,7 @@ LOOP_TARGET static void LOOP_NAME(run_piece)(const piece_job_t *job, size_t ti, 
   const int direct_p = t->master != NULL || t->param_dtype == LLMMEM_OPTIM_F32;
   float pbuf[LLMMEM_OPTIM_MAX_BLOCK], gbuf[LLMMEM_OPTIM_MAX_BLOCK], mbuf[LLMMEM_OPTIM_MAX_BLOCK],
       vbuf[LLMMEM_OPTIM_MAX_BLOCK];
-  uint8_t codes[LLMMEM_OPTIM_MAX_BLOCK]; /* 4-bit codes, one a byte */
+  uint8_t codes[LLMMEM_OPTIM_MAX_BLOCK], codes2[LLMMEM_OPTIM_MAX_BLOCK]; /* 4-bit codes, one a byte */
   for (int64_t a = lo; a < hi; a += tile) {
     const int64_t n = hi - a < tile ? hi - a : tile;
     const int64_t block = a / tile;
@@ -193,17 +174,21 @@ LOOP_TARGET static void LOOP_NAME(run_piece)(const piece_job_t *job, size_t ti, 
     } else if (state == LLMMEM_OPTIM_STATE_BF16) {
       LOOP_NAME(widen_bf16)((const uint16_t *)t->exp_avg + a, mbuf, n);
       LOOP_NAME(widen_bf16)((const uint16_t *)t->exp_avg_sq + a, vbuf, n);
-    } else if (q8) {
-      LOOP_NAME(decode_m8)((const uint8_t *)t->exp_avg + a, t->exp_avg_scale[block], mbuf, n);
-      LOOP_NAME(decode_r8)((const uint8_t *)t->exp_avg_sq + a, t->exp_avg_sq_scale[block], vbuf, n);
-    } else {
-      LOOP_NAME(unpack4)((const uint8_t *)t->exp_avg + a / 2, codes, n);
-      LOOP_NAME(decode_m4)(codes, t->exp_avg_scale[block], mbuf, n);
-      LOOP_NAME(unpack4)((const uint8_t *)t->exp_avg_sq + a / 2, codes, n);
-      LOOP_NAME(decode_r4)(codes, t->exp_avg_sq_scale[block], vbuf, n);
     }
 
-    LOOP_NAME(update)(s, p, g, m, v, n, q8 || q4);
+    float amax_m = 0.0f, amax_r = 0.0f;
+    if (q8) {
+      LOOP_NAME(update_q8)
+      (s, p, g, (const uint8_t *)t->exp_avg + a, (const uint8_t *)t->exp_avg_sq + a, t->exp_avg_scale[block],
+       t->exp_avg_sq_scale[block], mbuf, vbuf, n, &amax_m, &amax_r);
+    } else if (q4) {
+      LOOP_NAME(unpack4)((const uint8_t *)t->exp_avg + a / 2, codes, n);
+      LOOP_NAME(unpack4)((const uint8_t *)t->exp_avg_sq + a / 2, codes2, n);
+      LOOP_NAME(update_q4)
+      (s, p, g, codes, codes2, t->exp_avg_scale[block], t->exp_avg_sq_scale[block], mbuf, vbuf, n, &amax_m, &amax_r);
+    } else {
+      LOOP_NAME(update)(s, p, g, m, v, n);
+    }
 
     if (t->master) {
       if (t->param_dtype == LLMMEM_OPTIM_BF16)
@@ -225,16 +210,15 @@ LOOP_TARGET static void LOOP_NAME(run_piece)(const piece_job_t *job, size_t ti, 
       const int32_t cr = q8 ? LLMMEM_OPTIM_CODE_R8 : LLMMEM_OPTIM_CODE_R4;
       float inv_m, inv_r;
       const uint32_t rkey = llmmem_sr_key(t->seed, step, LLMMEM_SR_MOMENTS, hi32);
-      llmmem_q_block_scale(LOOP_NAME(absmax)(mbuf, n), llmmem_q_max_value(cm), &t->exp_avg_scale[block], &inv_m);
-      llmmem_q_block_scale(LOOP_NAME(absmax)(vbuf, n), llmmem_q_max_value(cr), &t->exp_avg_sq_scale[block], &inv_r);
+      llmmem_q_block_scale(amax_m, llmmem_q_max_value(cm), &t->exp_avg_scale[block], &inv_m);
+      llmmem_q_block_scale(amax_r, llmmem_q_max_value(cr), &t->exp_avg_sq_scale[block], &inv_r);
       if (q8) {
-        LOOP_NAME(encode_m8)(mbuf, inv_m, (uint8_t *)t->exp_avg + a, n);
-        LOOP_NAME(encode_r8)(vbuf, inv_r, (uint8_t *)t->exp_avg_sq + a, n, rkey, first);
+        LOOP_NAME(encode_q8)
+        (mbuf, vbuf, inv_m, inv_r, (uint8_t *)t->exp_avg + a, (uint8_t *)t->exp_avg_sq + a, n, rkey, first);
       } else {
-        LOOP_NAME(encode_m4)(mbuf, inv_m, codes, n);
+        LOOP_NAME(encode_q4)(mbuf, vbuf, inv_m, inv_r, codes, codes2, n, rkey, first);
         LOOP_NAME(pack4)(codes, (uint8_t *)t->exp_avg + a / 2, n);
-        LOOP_NAME(encode_r4)(vbuf, inv_r, codes, n, rkey, first);
-        LOOP_NAME(pack4)(codes, (uint8_t *)t->exp_avg_sq + a / 2, n);
+        LOOP_NAME(pack4)(codes2, (uint8_t *)t->exp_avg_sq + a / 2, n);
       }
     }
   }

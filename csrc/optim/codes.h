@@ -89,10 +89,11 @@ LLMMEM_HD uint32_t llmmem_q_encode_mag_sr(float y, int M, int B, uint32_t max_ma
 
 /* The value of magnitude code c (see above). */
 LLMMEM_HD float llmmem_q_decode_mag(uint32_t c, int M, int B) {
-  uint32_t e = c >> M, f = c & ((1u << M) - 1u);
-  float sub = (float)f * llmmem_q_pow2(1 - B - M);
-  float norm = llmmem_q_float(((e + (uint32_t)(127 - B)) << 23) | (f << (23 - M)));
-  return e == 0 ? sub : norm;
+  /* subnormal (e = 0): c itself is f */
+  float sub = (float)c * llmmem_q_pow2(1 - B - M);
+  /* normal: c shifted up puts e in the exponent field and f under it; the bias is added there */
+  float norm = llmmem_q_float((c << (23 - M)) + ((uint32_t)(127 - B) << 23));
+  return c < (1u << M) ? sub : norm;
 }
 
 /* ---- the four codes: bits of the magnitude, mantissa bits, bias ---------------------------- */
