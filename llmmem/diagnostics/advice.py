@@ -1,10 +1,12 @@
 """What would make a training step fit: changes ranked by what they save, for *this* model.
 
-Used by :func:`llmmem.oom_report` (and ``python -m llmmem profile``). The numbers come from three
+Used by :func:`llmmem.oom_report` (and ``python -m llmmem profile``). The numbers come from four
 places, each named in the result: what the tracker measured (model state, tensors that outlived
 the previous step), the estimator (``llmmem.estimate``: activations under checkpointing, autocast,
-fused attention, another batch) and the recompute planner (``llmmem.plan_checkpoints`` on the
-model's own blocks, profiled at the failing input shape).
+fused attention, another batch), the recompute planner (``llmmem.plan_checkpoints`` on the
+model's own blocks, profiled at the failing input shape) and the optimizer itself (its moments,
+master copies and parameters: what llmmem.optim's int8 moments, a step in backward and bf16
+weights without an fp32 master would save, :mod:`llmmem.diagnostics.state_advice`).
 
 The predicted peak of a configuration is the estimator's total with the measured parameters,
 buffers and optimizer state in place of its own figures, plus tensors that outlived the previous
@@ -20,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from llmmem.diagnostics.state_advice import OptimizerInfo, inspect_optimizer
 from llmmem.estimation import estimate
 from llmmem.units import format_bytes
 
-__all__ = ["Suggestion", "estimate_settings", "find_blocks", "suggest"]
+__all__ = ["Suggestion", "estimate_settings", "find_blocks", "suggest", "model_state_suggestions", "OptimizerInfo"]
 
 # Kept free below the capacity when sizing a checkpointing budget or a batch: allocator rounding,
 # the loss's temporaries and what the estimator does not count (fraction of the capacity).
@@ -40,6 +43,12 @@ _COST_CLASS = {
     "checkpointing": 0,
     "attention": 1,
     "autocast": 1,
+    # the model state: the same training step with rounded state, or the gradients gone before
+    # clipping or accumulation could see them
+    "optimizer-state": 1,
+    "step_in_backward": 1,
+    "bf16-weights": 1,
+    "model-state": 1,
     "batch": 2,
 }
 
@@ -112,6 +121,9 @@ def _precision(model, autocast_dtype) -> str:
 def _optimizer_kind(optimizer) -> str:
     if optimizer is None:
         return "sgd"
+    info = inspect_optimizer(optimizer)
+    if info.family == "llmmem-adam":
+        return f"{'adamw' if info.decoupled else 'adam'}-{info.state_dtype}"
     name = type(optimizer).__name__.lower()
     if name.startswith("adam"):
         return "adamw" if name == "adamw" else "adam"
@@ -147,7 +159,27 @@ def estimate_settings(model, *, batch, seq, optimizer=None, autocast_dtype=None,
     attention = _attention(model)
     if attention is not None:
         kwargs["attention"] = attention
+    if optimizer is not None:
+        kwargs.update(_state_settings(optimizer, kwargs["precision"]))
     return kwargs
+
+
+def _state_settings(optimizer, precision: str) -> dict:
+    """The estimator's model-state settings of ``optimizer``: llmmem.optim's block size, threshold
+    and master copy (of 16-bit weights: fp32 weights under autocast are modelled by the precision),
+    and whether it is stepped in backward."""
+    out = {}
+    info = inspect_optimizer(optimizer)
+    if info.family == "llmmem-adam":
+        group = optimizer.param_groups[0]
+        if info.state_dtype in ("int8", "int4"):
+            out["block_size"] = group.get("block_size") or None
+            out["min_quantized_numel"] = group.get("min_quantized_numel")
+        if precision == "bf16":
+            out["master_weights"] = bool(group.get("master_weights"))
+    if info.in_backward:
+        out["step_in_backward"] = True
+    return out
 
 
 def _act(est) -> int:
@@ -167,6 +199,7 @@ def suggest(
     block_input=None,
     fragmentation: dict | None = None,
     plan: bool = True,
+    optimizer=None,
 ) -> tuple[list[Suggestion], dict]:
     """Changes that would make the step fit ``capacity`` bytes, best first, and the basis
     (``predicted_peak``, notes).
@@ -178,6 +211,8 @@ def suggest(
     :param fragmentation: ``{"reserved_free", "requested"}`` on CUDA.
     :param plan: run the recompute planner (profiles one block at the failing shape: its
         activations in memory, a few forward/backward runs; gradients and RNG state are restored).
+    :param optimizer: the step's optimizer: its state and parameters size the model-state changes
+        (:func:`model_state_suggestions`).
     """
     out: list[Suggestion] = []
     basis: dict = {"capacity": capacity, "notes": []}
@@ -215,6 +250,8 @@ def suggest(
         except (ValueError, TypeError) as exc:
             notes.append(f"estimator unavailable for this model: {exc}")
     if est0 is None:
+        if optimizer is not None:  # what they save is known; the peak it comes off is not
+            out.extend(model_state_suggestions(optimizer, settings or {}, capacity, None))
         out.sort(key=_rank)
         return out, basis
 
@@ -314,8 +351,90 @@ def suggest(
                 slowdown=0.0,
                 batch=best,
             )
+    if optimizer is not None:
+        out.extend(model_state_suggestions(optimizer, settings, capacity, peak0))
     out.sort(key=_rank)
     return out, basis
+
+
+def model_state_suggestions(optimizer, settings: dict, capacity: int, peak: int | None) -> list[Suggestion]:
+    """The model-state changes that apply to ``optimizer``, each with what it saves of the
+    predicted ``peak`` (None: unknown): llmmem.optim's int8 moments (for torch's Adam/AdamW, or llmmem's with fp32
+    or bf16 moments; not AMSGrad), the step in backward (the gradients but the largest; not
+    with an fp16 loss scaler, nor when it is on already), bf16 weights updated with stochastic
+    rounding (fp32 weights to bf16, or the fp32 master llmmem.optim keeps; Adam-family only); and
+    all that apply together."""
+    out: list[Suggestion] = []
+    info = inspect_optimizer(optimizer)
+    adam = info.family in ("torch-adam", "llmmem-adam") and not info.amsgrad
+    cls = "AdamW" if info.decoupled else "Adam"
+    sizes = list(zip(info.numels, info.element_sizes))
+    # the model state now, and what each change leaves of it (bytes)
+    now = dict(moments=info.moments, gradients=info.gradients, master=info.master, parameters=info.parameters)
+    # (short name, change, code, what it leaves, note) by kind
+    changes: dict = {}
+    if adam and info.state_dtype in ("fp32", "bf16") and info.int8_moments < info.moments:
+        changes["optimizer-state"] = (
+            "int8 moments",
+            f"switch to llmmem.optim.{cls}(state_dtype='int8') (moments {format_bytes(info.moments)} now)",
+            f"opt = llmmem.optim.{cls}(model.parameters(), ..., state_dtype='int8')",
+            dict(moments=info.int8_moments),
+            "int4 moments (state_dtype='int4') take about half of int8's",
+        )
+    in_backward_ok = not info.in_backward and settings.get("precision") != "fp16-mixed"
+    if in_backward_ok and len(sizes) > 1 and info.gradients > info.largest_gradient:
+        changes["step_in_backward"] = (
+            "step in backward",
+            "step_in_backward: each gradient freed as soon as its parameter is stepped",
+            "handle = llmmem.optim.step_in_backward(model, opt)",
+            dict(gradients=info.largest_gradient),
+            "the peak falls by this where it comes once every gradient exists (end of backward, the step), less "
+            "what autograd still holds there; not with gradient clipping by global norm, accumulation over "
+            "several backwards or an fp16 GradScaler",
+        )
+    if adam and (info.fp32_numel or info.master):
+        halved = 2 * info.fp32_numel  # fp32 weights (and their gradients) to bf16
+        what = "fp32 weights to bf16" if info.fp32_numel else "its fp32 master copy dropped"
+        keep = f", state_dtype='{info.state_dtype}'" if info.family == "llmmem-adam" else ""
+        changes["bf16-weights"] = (
+            "bf16 weights",
+            f"bf16 weights updated with stochastic rounding, no fp32 master ({what})",
+            f"model.to(torch.bfloat16); opt = llmmem.optim.{cls}(model.parameters(), ...{keep}, master_weights=False)",
+            dict(parameters=info.parameters - halved, gradients=info.gradients - halved, master=0),
+            "with fp32 weights and no autocast the activations halve too (not counted here)" if halved else "",
+        )
+
+    def saved(left: dict) -> int:
+        return sum(now.values()) - sum({**now, **left}.values())
+
+    changes = {kind: c for kind, c in changes.items() if saved(c[3]) > 0}
+    for kind, (_, change, code, left, note) in changes.items():
+        out.append(_state_suggestion(kind, change, code, saved(left), peak, capacity, note))
+    if len(changes) > 1:
+        left = {}
+        for _, _, _, leaves, _ in changes.values():
+            left.update(leaves)
+        if "bf16-weights" in changes and "step_in_backward" in changes:  # the largest gradient, in bf16
+            left["gradients"] = max(n * (2 if e == 4 else e) for n, e in sizes)
+        names = ", ".join(c[0] for c in changes.values())
+        out.append(
+            _state_suggestion("model-state", f"all of: {names}", "each as above", saved(left), peak, capacity, "")
+        )
+    return out
+
+
+def _state_suggestion(kind, change, code, saves, peak, capacity, note) -> Suggestion:
+    return Suggestion(
+        kind=kind,
+        change=change,
+        code=code,
+        saves=saves,
+        predicted_peak=None if peak is None else peak - saves,
+        fits=None if peak is None else peak - saves <= capacity,
+        slowdown=0.0,
+        source="optimizer",
+        note=note,
+    )
 
 
 def _planned(model, blocks, block_input, capacity, peak0, est0, full, notes) -> list[Suggestion]:

@@ -419,10 +419,10 @@ class oom_report(contextlib.ContextDecorator):
         settings = None
         if model is not None:
             shape = (self.batch, self.seq) if self.batch and self.seq else tracker.batch_and_seq()
+            optimizer = self.optimizer or next(iter(tracker._seen_optimizers), None)
             if shape is None:
                 basis["notes"].append("batch and sequence length unknown (pass batch= and seq=): no estimate")
             else:
-                optimizer = self.optimizer or next(iter(tracker._seen_optimizers), None)
                 settings = estimate_settings(
                     model,
                     batch=self.batch or shape[0],
@@ -449,6 +449,7 @@ class oom_report(contextlib.ContextDecorator):
                     block_input=block_input,
                     fragmentation=frag,
                     plan=self.plan,
+                    optimizer=optimizer,
                 )
                 basis["notes"] = notes + basis["notes"]
         else:

@@ -14,6 +14,7 @@ from llmmem.estimation.activations import (
     other_activation_terms,
 )
 from llmmem.estimation.model_configs import ModelConfig
+from llmmem.estimation.model_state import MIN_QUANTIZED_NUMEL, config_tensors, llmmem_state, sharded_tensors
 from llmmem.estimation.settings import OPTIMIZERS, PRECISIONS, Settings
 
 __all__ = ["compute", "flops", "slowdown_terms", "ZERO3_SLOWDOWN", "TP_SLOWDOWN_PER_DOUBLING"]
@@ -74,9 +75,13 @@ def slowdown_terms(cfg: ModelConfig, st: Settings) -> dict:
     return parts
 
 
-def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: float = 1.0) -> dict:
-    """Every number of an :class:`Estimate`, in bytes per device. ``layer_scale``: the layer's
-    activation terms times this (a measured layer over the formula's, see ``estimate(measure=)``)."""
+def model_state(cfg: ModelConfig, counted: int | None, st: Settings, shapes=None) -> tuple[dict, dict, int, int]:
+    """(bytes of parameters, gradients, master weights and optimizer state per device, what they
+    are made of, parameters in all, parameters per device).
+
+    ``shapes``: an ``nn.Module``'s parameter shapes (its ``counted`` parameters), else the tensors
+    are :func:`~llmmem.estimation.model_state.config_tensors`. Only llmmem's formats and the step in
+    backward need the tensors one by one."""
     t, n_d = st.tensor_parallel, st.data_parallel
     prec = PRECISIONS[st.precision]
     total_params = cfg.parameters(seq=st.seq)
@@ -88,12 +93,44 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
     def part(per_param: int, sharded: bool) -> int:
         return ceil_div(device_params * per_param, n_d if sharded else 1)
 
+    master = 4 if st.master_weights else 0
     out = {
         "parameters": part(prec["param"], st.zero_stage >= 3),
         "gradients": part(prec["grad"], st.zero_stage >= 2),
-        "master_weights": part(prec["master"], st.zero_stage >= 1),
-        "optimizer_state": part(prec["moment"] * OPTIMIZERS[st.optimizer], st.zero_stage >= 1),
+        "master_weights": part(master, st.zero_stage >= 1),
     }
+    terms: dict = {}
+    dtype = st.state_dtype
+    if dtype is None and not st.step_in_backward:
+        out["optimizer_state"] = part(prec["moment"] * OPTIMIZERS[st.optimizer], st.zero_stage >= 1)
+        return out, terms, total_params, device_params
+    tensors = config_tensors(cfg, st.seq, t) if shapes is None else sharded_tensors(shapes, t)
+    if dtype is None:
+        out["optimizer_state"] = part(prec["moment"] * OPTIMIZERS[st.optimizer], st.zero_stage >= 1)
+    else:
+        mq = MIN_QUANTIZED_NUMEL if st.min_quantized_numel is None else st.min_quantized_numel
+        count = llmmem_state(dtype, tensors, st.block_size, mq)
+        terms.update(
+            state_dtype=dtype,
+            state_bytes_per_parameter=count.bytes / max(1, sum(tensors)),
+            kept_fp32_tensors=count.kept_fp32,
+            kept_fp32_numel=count.kept_fp32_numel,
+        )
+        out["optimizer_state"] = ceil_div(count.bytes, n_d if st.zero_stage >= 1 else 1)
+    if st.step_in_backward and tensors:  # (data_parallel is 1: see settings)
+        # each gradient is freed once its parameter is stepped: the largest is what stays at most
+        terms["largest_gradient_numel"] = max(tensors)
+        out["gradients"] = max(tensors) * prec["grad"]
+    return out, terms, total_params, device_params
+
+
+def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: float = 1.0, shapes=None) -> dict:
+    """Every number of an :class:`Estimate`, in bytes per device. ``layer_scale``: the layer's
+    activation terms times this (a measured layer over the formula's, see ``estimate(measure=)``);
+    ``shapes``: an ``nn.Module``'s parameter shapes (see :func:`model_state`)."""
+    t, n_d = st.tensor_parallel, st.data_parallel
+    prec = PRECISIONS[st.precision]
+    out, state_terms, total_params, device_params = model_state(cfg, counted, st, shapes)
 
     layer_terms = layer_activation_terms(cfg, st)
     if layer_scale != 1.0:
@@ -137,6 +174,7 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
         "layer_terms": layer_terms,
         "other_terms": other_terms,
         "temporary_terms": tmp,
+        "state_terms": state_terms,
         "parameter_count": total_params,
         "parameters_per_device": device_params,
         "slowdown": sum(slow.values()),

@@ -31,17 +31,48 @@ def register_cli(subparsers) -> None:
     )
     p.add_argument("--batch", type=int, default=1, help="micro-batch per data-parallel rank (default 1)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    p.add_argument("--precision", default="bf16-mixed", help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
-    p.add_argument("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
+    p.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
+    p.add_argument(
+        "--optimizer",
+        "--optim",
+        default="adam",
+        help=f"{', '.join(OPTIMIZERS)} (default adam); adam(w)-fp32/bf16/int8/int4 are llmmem.optim's",
+    )
+    p.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="bf16 weights without an fp32 master (precision bf16; llmmem.optim updates them with stochastic "
+        "rounding)",
+    )
+    p.add_argument(
+        "--master-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether an llmmem.optim optimizer keeps an fp32 master of 16-bit weights (default: what the "
+        "precision says: the *-mixed ones keep one)",
+    )
+    p.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="llmmem.optim.step_in_backward: each gradient freed once its parameter is stepped",
+    )
+    p.add_argument("--block-size", type=int, default=None, help="elements per scale of *-int8 / *-int4 (256 / 128)")
+    p.add_argument(
+        "--min-quantized-numel",
+        type=int,
+        default=None,
+        help="tensors with fewer elements keep fp32 moments in *-int8 / *-int4 (default 4096)",
+    )
     p.add_argument("--zero-stage", type=int, default=0, help="ZeRO stage 0-3 (default 0)")
     p.add_argument("--data-parallel", type=int, default=1, help="data-parallel size (default 1)")
     p.add_argument("--tensor-parallel", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     p.add_argument(
         "--checkpointing",
+        "--checkpoint",
         default="none",
         type=_checkpointing_arg,
-        help="none, selective, full, every-K or K (recompute every K-th layer; default none)",
+        help="none, selective, full (or all), every-K or K (recompute every K-th layer; default none)",
     )
     p.add_argument("--attention", default=None, help="explicit or sdpa (default: the model's; explicit)")
     p.add_argument("--device-type", default="cuda", help="cuda or cpu (default cuda)")
@@ -106,11 +137,19 @@ def _run_cli(args) -> int:
             f"model: give a model name ({', '.join(model_configs.NAMED_MODELS)}) "
             "or explicit dimensions (--layers --hidden --heads --vocab)"
         )
+    precision = args.precision
+    if args.bf16_weights:
+        if precision is not None and precision.strip().lower() != "bf16":
+            raise ValueError(
+                f"--bf16-weights: means precision bf16 (bf16 weights without an fp32 master), not --precision "
+                f"{precision}; give one of them"
+            )
+        precision = "bf16"
     est = estimate(
         model,
         batch=args.batch,
         seq=args.seq,
-        precision=args.precision,
+        precision="bf16-mixed" if precision is None else precision,
         optimizer=args.optimizer,
         zero_stage=args.zero_stage,
         data_parallel=args.data_parallel,
@@ -120,6 +159,10 @@ def _run_cli(args) -> int:
         attention=args.attention,
         device_type=args.device_type,
         device_memory=args.device_memory,
+        master_weights=args.master_weights,
+        step_in_backward=args.step_in_backward,
+        block_size=args.block_size,
+        min_quantized_numel=args.min_quantized_numel,
     )
     if est.total > MAX_BYTES:
         # The figures are exact, but no memory holds them and the table has no room for them.

@@ -24,6 +24,15 @@ Adam's state is 8 bytes per parameter in fp32 and mixed-precision Adam totals 2+
 (``torch.autocast`` with fp32 parameters also totals 16 with Adam, as 4+4+0+8, and has 16-bit
 activations like the ``*-mixed`` modes.)
 
+:mod:`llmmem.optim`'s Adam/AdamW (``adamw-fp32``, ``adamw-bf16``, ``adamw-int8``, ``adamw-int4``
+and the same ``adam-*``) keep their moments in their own format whatever the precision, counted
+tensor by tensor (:mod:`llmmem.estimation.model_state`): 8, 4, ``2 + 8/256`` or ``1 + 8/128``
+bytes per parameter, tensors under ``min_quantized_numel`` (4096) elements in fp32. They update
+bf16 weights with stochastic rounding and keep an fp32 master only when asked: precision
+``bf16`` (or ``master_weights=False``) is bf16 weights without a master. With
+``step_in_backward`` each gradient is freed as soon as its parameter is stepped, so at most the
+largest tensor's gradient is held instead of all of them.
+
 ZeRO partitioning over ``N_d`` data-parallel ranks (Rajbhandari et al. 2020, section 5): stage 1
 divides the optimizer state and master weights by ``N_d``, stage 2 also the gradients, stage 3
 also the parameters. Tensor parallelism (Shoeybi et al. 2019) divides every weight matrix and the
@@ -52,7 +61,7 @@ from llmmem.estimation.activations import (
 )
 from llmmem.estimation.breakdown import compute as _compute
 from llmmem.estimation.model_configs import ModelConfig, positive_int
-from llmmem.estimation.recommend import MAX_DEVICES, Recommendation, changes_between, search
+from llmmem.estimation.recommend import MAX_DEVICES, Recommendation, changes_between, model_state_fixes, search
 from llmmem.estimation.recommend import pct as _pct
 from llmmem.estimation.settings import OPTIMIZERS, PRECISIONS
 from llmmem.estimation.settings import Settings as _Settings
@@ -85,7 +94,12 @@ class Estimate:
     ``temporary`` (largest transient buffer), ``total`` (the peak: model state + activations +
     temporary); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
     ``parameter_count`` (elements, whole model), ``slowdown`` (fraction); with ``device_memory``:
-    ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None) and ``advice`` (one line).
+    ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None), ``advice`` (one line)
+    and ``model_state_fixes`` (:class:`~llmmem.estimation.recommend.ModelStateFix`: changes of the
+    optimizer, the weights' precision and the step that save model state, largest saving first;
+    filled when the request does not fit). ``state_terms`` says what the model state is made of
+    with an llmmem optimizer or a step in backward (bytes a parameter, tensors kept in fp32, the
+    largest gradient's elements).
     """
 
     def __init__(self, cfg: ModelConfig, st: _Settings, numbers_: dict, device_memory: int | None = None) -> None:
@@ -98,18 +112,25 @@ class Estimate:
         self.layer_terms = numbers_["layer_terms"]
         self.other_terms = numbers_["other_terms"]
         self.temporary_terms = numbers_["temporary_terms"]
+        self.state_terms = numbers_["state_terms"]
         self.slowdown = numbers_["slowdown"]
         self.slowdown_terms = numbers_["slowdown_terms"]
         self.device_memory = device_memory
         self.fits = None if device_memory is None else self.total <= device_memory
         self.recommendation: Recommendation | None = None
         self.advice = ""
+        self.model_state_fixes: list = []
         # estimate(measure=): the measured bytes of one layer (in the module's dtype) and the factor
         # the layer terms were scaled by
         self.measured_layer_bytes: int | None = None
         self.layer_scale = 1.0
 
     _ROWS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary", "total")
+
+    @property
+    def model_state(self) -> int:
+        """Parameters, gradients, master weights and optimizer state (bytes)."""
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_state
 
     def to_dict(self) -> dict:
         """Every number, in bytes (fractions for slowdowns), JSON-ready."""
@@ -129,12 +150,14 @@ class Estimate:
             "layer_scale": self.layer_scale,
             "other_terms": dict(self.other_terms),
             "temporary_terms": dict(self.temporary_terms),
+            "state_terms": dict(self.state_terms),
             "slowdown": self.slowdown,
             "slowdown_terms": dict(self.slowdown_terms),
             "device_memory": self.device_memory,
             "fits": self.fits,
             "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
             "advice": self.advice,
+            "model_state_fixes": [f.to_dict() for f in self.model_state_fixes],
         }
 
     def __str__(self) -> str:
@@ -142,9 +165,14 @@ class Estimate:
         prec = PRECISIONS[st.precision]
         moments = OPTIMIZERS[st.optimizer]
         sp = ", sequence parallel" if st.sequence_parallel and st.tensor_parallel > 1 else ""
+        opt = st.optimizer
+        if st.state_dtype in ("int8", "int4"):
+            opt += f" (block {st.block_size})"
+        if st.step_in_backward:
+            opt += ", step in backward"
         lines = [
             f"{cfg.name}: {self.parameter_count / 1e9:.3g} B parameters ({cfg.describe()})",
-            f"batch {st.batch} x seq {st.seq}, {st.precision}, {st.optimizer}, ZeRO stage {st.zero_stage} over "
+            f"batch {st.batch} x seq {st.seq}, {st.precision}, {opt}, ZeRO stage {st.zero_stage} over "
             f"{st.data_parallel} data-parallel rank(s), tensor parallel {st.tensor_parallel}{sp}, "
             f"checkpointing {st.checkpointing}, {st.attention} attention ({st.device_type})",
             "",
@@ -154,10 +182,37 @@ class Estimate:
         def row(label: str, value: int, note: str = "") -> None:
             lines.append(f"  {label:<42}{format_bytes(value):>12} {value:>19,}" + (f"  {note}" if note else ""))
 
+        terms = self.state_terms
         row("parameters", self.parameters, f"{prec['param']} B/param")
-        row("gradients", self.gradients, f"{prec['grad']} B/param")
-        row("master weights", self.master_weights, f"{prec['master']} B/param")
-        row("optimizer state", self.optimizer_state, f"{moments} x {prec['moment']} B/param")
+        if st.step_in_backward:
+            grad_note = (
+                f"step in backward: the largest tensor's only ({terms['largest_gradient_numel']:,} elements x "
+                f"{prec['grad']} B)"
+            )
+        else:
+            grad_note = f"{prec['grad']} B/param"
+        row("gradients", self.gradients, grad_note)
+        if st.state_dtype is None:
+            master_note = f"{4 if st.master_weights else 0} B/param"
+            state_note = f"{moments} x {prec['moment']} B/param"
+        else:
+            master_note = (
+                "4 B/param (llmmem.optim master_weights=True)"
+                if st.master_weights
+                else (
+                    "none: fp32 weights"
+                    if st.precision == "fp32"
+                    else "none: bf16 weights updated with stochastic rounding"
+                )
+            )
+            state_note = f"llmmem.optim {st.state_dtype} moments, {terms['state_bytes_per_parameter']:.3f} B/param"
+            if terms["kept_fp32_tensors"]:
+                state_note += (
+                    f" ({terms['kept_fp32_tensors']} tensors under {st.min_quantized_numel} elements keep fp32, "
+                    f"{terms['kept_fp32_numel']:,} elements)"
+                )
+        row("master weights", self.master_weights, master_note)
+        row("optimizer state", self.optimizer_state, state_note)
         row("activations", self.activations)
         row("  per layer (no recompute)", self.activations_per_layer)
         row(f"  all {cfg.layers} layers ({st.checkpointing})", self.activations_layers)
@@ -175,8 +230,26 @@ class Estimate:
                 f"({format_bytes(abs(self.device_memory - self.total))} "
                 f"{'free' if self.fits else 'short'})"
             )
+            left = self.device_memory - self.model_state
+            need = self.activations + self.temporary
+            if left > 0:
+                lines.append(
+                    f"model state {format_bytes(self.model_state)}: {format_bytes(left)} left for activations and "
+                    f"temporaries (this step needs {format_bytes(need)})"
+                )
+            else:
+                lines.append(
+                    f"model state {format_bytes(self.model_state)}: alone {format_bytes(-left)} more than the device "
+                    f"memory, nothing left for activations and temporaries (this step needs {format_bytes(need)})"
+                )
             if self.advice:
                 lines.append(self.advice)
+            if self.model_state_fixes:
+                lines.append(
+                    "changes of the model state (they change the optimizer or the weights' precision, so the "
+                    "recommendation above does not make them), largest saving first:"
+                )
+                lines += [f"  {fix.describe()}" for fix in self.model_state_fixes]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -186,9 +259,11 @@ class Estimate:
 # =================================================================================================
 # the fit recommendation (the search is llmmem.estimation.recommend)
 # =================================================================================================
-def _recommend(est: Estimate, counted: int | None) -> None:
+def _recommend(est: Estimate, counted: int | None, shapes) -> None:
     cfg, st, budget = est.model, est.settings, est.device_memory
-    found = search(cfg, counted, st, budget, est.layer_scale)
+    if not est.fits:
+        est.model_state_fixes = model_state_fixes(cfg, counted, st, budget, est.layer_scale, shapes)
+    found = search(cfg, counted, st, budget, est.layer_scale, shapes)
     if found is None:
         est.advice = (
             f"impossible: no combination of checkpointing, ZeRO, tensor/sequence parallelism and fused "
@@ -199,7 +274,7 @@ def _recommend(est: Estimate, counted: int | None) -> None:
     if est.fits and slowdown >= est.slowdown - 1e-9:
         est.advice = "the requested settings are already the cheapest that fit"
         return
-    rec_est = Estimate(cfg, cand, _compute(cfg, counted, cand, est.layer_scale), budget)
+    rec_est = Estimate(cfg, cand, _compute(cfg, counted, cand, est.layer_scale, shapes), budget)
     rec_est.layer_scale = est.layer_scale
     est.recommendation = Recommendation(
         settings=cand.public(),
@@ -236,6 +311,10 @@ def estimate(
     device_type: str = "cuda",
     device_memory=None,
     measure=False,
+    master_weights=None,
+    step_in_backward: bool = False,
+    block_size=None,
+    min_quantized_numel=None,
 ) -> Estimate:
     """Estimate the per-device memory of training ``model``; optionally, what makes it fit.
 
@@ -252,7 +331,20 @@ def estimate(
     :param precision: ``fp32``; ``fp16-mixed`` / ``bf16-mixed`` (16-bit parameters, gradients and
         activations with an fp32 master copy and fp32 optimizer state); ``bf16`` (pure bf16, no
         fp32 copy).
-    :param optimizer: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``.
+    :param optimizer: torch's ``sgd``, ``sgd-momentum``, ``adam``, ``adamw`` (moments in the
+        precision's dtype); or :mod:`llmmem.optim`'s ``adamw-fp32``, ``adamw-bf16``, ``adamw-int8``,
+        ``adamw-int4`` (and ``adam-*``), whose moments are counted tensor by tensor in their format.
+    :param master_weights: None: what the precision says (``*-mixed``: an fp32 master, 4 B/param;
+        ``bf16``, ``fp32``: none). With an llmmem optimizer, True or False says whether it keeps an
+        fp32 master of the 16-bit weights (``False``: bf16 weights updated with stochastic
+        rounding; fp16 weights need the master). A torch optimizer keeps none of its own: a value
+        that contradicts the precision is refused.
+    :param step_in_backward: :func:`llmmem.optim.step_in_backward`: each gradient is freed once its
+        parameter is stepped, so only the largest tensor's gradient is counted (one data-parallel
+        rank only).
+    :param block_size: elements per scale of ``*-int8`` / ``*-int4`` (default 256 / 128).
+    :param min_quantized_numel: tensors with fewer elements keep fp32 moments in ``*-int8`` /
+        ``*-int4`` (default 4096).
     :param zero_stage: 0-3, over ``data_parallel`` ranks. :param tensor_parallel: Megatron TP size;
         must divide heads, kv_heads and ffn. :param sequence_parallel: also split the norm/dropout
         activations by ``t`` (no effect when ``t = 1``).
@@ -273,6 +365,7 @@ def estimate(
     :raises ValueError: naming the argument, for any invalid input.
     """
     cfg, counted = model_configs.resolve(model)
+    shapes = None if counted is None else tuple(tuple(p.shape) for p in model.parameters())
     layer_scale, measured = 1.0, None
     if measure is not False:
         if counted is None:
@@ -303,6 +396,10 @@ def estimate(
             checkpointing="none",
             attention=attention,
             device_type=native_device,
+            master_weights=None,
+            step_in_backward=False,
+            block_size=block_size,
+            min_quantized_numel=min_quantized_numel,
         )
         layer_scale = measured / sum(layer_activation_terms(cfg, as_run).values())
     st = _settings(
@@ -318,14 +415,18 @@ def estimate(
         checkpointing=checkpointing,
         attention=attention,
         device_type=device_type,
+        master_weights=master_weights,
+        step_in_backward=step_in_backward,
+        block_size=block_size,
+        min_quantized_numel=min_quantized_numel,
     )
     budget = None
     if device_memory is not None:
         budget = parse_bytes(device_memory, "device_memory")
         if budget == 0:
             raise ValueError("device_memory: must be more than 0 bytes")
-    est = Estimate(cfg, st, _compute(cfg, counted, st, layer_scale), budget)
+    est = Estimate(cfg, st, _compute(cfg, counted, st, layer_scale, shapes), budget)
     est.layer_scale, est.measured_layer_bytes = layer_scale, measured
     if budget is not None:
-        _recommend(est, counted)
+        _recommend(est, counted, shapes)
     return est

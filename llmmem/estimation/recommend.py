@@ -1,5 +1,7 @@
 """The recommendation search: every combination of checkpointing, ZeRO stage, tensor and sequence
-parallelism and fused attention on a number of devices, and the cheapest that fits."""
+parallelism and fused attention on a number of devices, and the cheapest that fits; and, apart
+from it, the changes of the model state (llmmem.optim's quantized moments, the step in backward,
+bf16 weights without a master) and what each saves."""
 
 from __future__ import annotations
 
@@ -8,10 +10,20 @@ from dataclasses import dataclass
 
 from llmmem.estimation.breakdown import compute
 from llmmem.estimation.model_configs import ModelConfig
-from llmmem.estimation.settings import Settings, tp_indivisible
+from llmmem.estimation.model_state import DEFAULT_BLOCK, MIN_QUANTIZED_NUMEL
+from llmmem.estimation.settings import PRECISIONS, Settings, tp_indivisible
 from llmmem.units import format_bytes
 
-__all__ = ["Recommendation", "search", "changes_between", "pct", "MAX_TENSOR_PARALLEL", "MAX_DEVICES"]
+__all__ = [
+    "Recommendation",
+    "ModelStateFix",
+    "search",
+    "model_state_fixes",
+    "changes_between",
+    "pct",
+    "MAX_TENSOR_PARALLEL",
+    "MAX_DEVICES",
+]
 
 MAX_TENSOR_PARALLEL = 8
 # The recommendation first searches the user's device count (data_parallel x tensor_parallel); if
@@ -68,7 +80,8 @@ def checkpointing_options(layers: int) -> list[str]:
 
 def candidates(cfg: ModelConfig, st: Settings, devices: int):
     """All settings on ``devices`` devices that change only memory techniques (never precision,
-    optimizer, batch or sequence: those change the training itself)."""
+    optimizer, batch or sequence: those change the training itself). A step in backward is kept
+    where it can be (one data-parallel rank) and dropped where it cannot."""
     attentions = [st.attention] + (["sdpa"] if st.attention == "explicit" else [])
     ckpts = checkpointing_options(cfg.layers)
     for t in (1, 2, 4, 8):
@@ -87,6 +100,7 @@ def candidates(cfg: ModelConfig, st: Settings, devices: int):
                             zero_stage=zero,
                             attention=attention,
                             checkpointing=ckpt,
+                            step_in_backward=st.step_in_backward and n_d == 1,
                         )
 
 
@@ -94,14 +108,22 @@ def changes_between(old: Settings, new: Settings) -> dict:
     return {k: v for k, v in new.public().items() if getattr(old, k) != v}
 
 
-def best_fit(cfg: ModelConfig, counted: int | None, st: Settings, devices: int, budget: int, layer_scale: float = 1.0):
+def best_fit(
+    cfg: ModelConfig,
+    counted: int | None,
+    st: Settings,
+    devices: int,
+    budget: int,
+    layer_scale: float = 1.0,
+    shapes=None,
+):
     """``((slowdown, number of changes, total), settings)`` of the cheapest fitting candidate, or None.
 
     Ties in slowdown go to fewer changes, then to less memory.
     """
     best = None
     for cand in candidates(cfg, st, devices):
-        nums = compute(cfg, counted, cand, layer_scale)
+        nums = compute(cfg, counted, cand, layer_scale, shapes)
         total = nums["bytes"]["total"]
         if total > budget:
             continue
@@ -111,13 +133,138 @@ def best_fit(cfg: ModelConfig, counted: int | None, st: Settings, devices: int, 
     return best
 
 
-def search(cfg: ModelConfig, counted: int | None, st: Settings, budget: int, layer_scale: float = 1.0):
+def search(cfg: ModelConfig, counted: int | None, st: Settings, budget: int, layer_scale: float = 1.0, shapes=None):
     """``(devices, ((slowdown, changes, total), settings))``: the cheapest fitting settings on the
     user's device count, or on the fewest doublings of it that fit; None if none up to MAX_DEVICES."""
     devices = st.devices
     while devices <= MAX_DEVICES:
-        best = best_fit(cfg, counted, st, devices, budget, layer_scale)
+        best = best_fit(cfg, counted, st, devices, budget, layer_scale, shapes)
         if best is not None:
             return devices, best
         devices *= 2
     return None
+
+
+# =================================================================================================
+# changes of the model state
+# =================================================================================================
+@dataclass(frozen=True)
+class ModelStateFix:
+    """A change of the model state: ``change`` (what), ``code`` (how), ``changes`` (the estimate's
+    settings that differ), ``saves`` (bytes less per device), ``total`` (the peak after it) and
+    ``fits`` (within the device memory)."""
+
+    change: str
+    code: str
+    changes: dict
+    saves: int
+    total: int
+    fits: bool
+
+    def describe(self) -> str:
+        verdict = "fits" if self.fits else "not enough alone"
+        shown = {k: v for k, v in self.changes.items() if k not in ("block_size", "min_quantized_numel")}
+        changes = ", ".join(f"{k}={v}" for k, v in shown.items())
+        return (
+            f"[{verdict}] {self.change}: saves {format_bytes(self.saves)} -> {format_bytes(self.total)} "
+            f"({changes}; {self.code})"
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _adam_kind(st: Settings) -> str | None:
+    """``"adamw"`` or ``"adam"`` for an Adam-family optimizer (torch's or llmmem's), else None."""
+    for kind in ("adamw", "adam"):
+        if st.optimizer == kind or st.optimizer.startswith(kind + "-"):
+            return kind
+    return None
+
+
+def _state_change(kind: str, dtype: str) -> dict:
+    quantized = dtype in DEFAULT_BLOCK
+    return {
+        "optimizer": f"{kind}-{dtype}",
+        "block_size": DEFAULT_BLOCK[dtype] if quantized else None,
+        "min_quantized_numel": MIN_QUANTIZED_NUMEL if quantized else None,
+    }
+
+
+def model_state_fix_settings(st: Settings) -> list[tuple[str, str, dict]]:
+    """``(change, code, settings to replace)`` of each model-state change that applies to ``st``:
+    llmmem.optim's int8 (and int4) moments for an Adam-family optimizer whose state is wider;
+    the step in backward (any optimizer; one data-parallel rank, no fp16 loss scaler); bf16 weights without an
+    fp32 master for an Adam-family optimizer training fp32 weights or keeping a master; and all
+    of those together."""
+    out = []
+    kind = _adam_kind(st)
+    cls = "AdamW" if kind == "adamw" else "Adam"
+    if kind is not None:
+        wide = st.state_dtype in (None, "fp32", "bf16")
+        for dtype in ("int8", "int4"):
+            if wide or (dtype == "int4" and st.state_dtype == "int8"):
+                out.append(
+                    (
+                        f"switch to llmmem.optim.{cls}(state_dtype='{dtype}')",
+                        f"opt = llmmem.optim.{cls}(model.parameters(), ..., state_dtype='{dtype}')",
+                        _state_change(kind, dtype),
+                    )
+                )
+    if not st.step_in_backward and st.data_parallel == 1 and st.precision != "fp16-mixed":
+        out.append(
+            (
+                "step_in_backward (the gradients freed as each parameter is stepped)",
+                "llmmem.optim.step_in_backward(model, opt)  (not with gradient clipping or accumulation)",
+                {"step_in_backward": True},
+            )
+        )
+    if kind is not None and (st.precision == "fp32" or st.master_weights):
+        new = {"precision": "bf16", "master_weights": False}
+        if st.state_dtype is None:  # torch's moments were fp32 (beside the master): llmmem's fp32 state
+            moment = PRECISIONS[st.precision]["moment"]
+            new.update(_state_change(kind, "fp32" if moment == 4 else "bf16"))
+        out.append(
+            (
+                "bf16 weights with stochastic rounding (no fp32 master)",
+                f"model.to(torch.bfloat16); opt = llmmem.optim.{cls}(model.parameters(), ...)",
+                new,
+            )
+        )
+    return out
+
+
+def model_state_fixes(
+    cfg: ModelConfig,
+    counted: int | None,
+    st: Settings,
+    budget: int,
+    layer_scale: float = 1.0,
+    shapes=None,
+) -> list[ModelStateFix]:
+    """Each applicable model-state change (:func:`model_state_fix_settings`) with what it saves on
+    the requested settings, largest saving first; then, when changes of more than one kind apply,
+    all of them together (with int8 moments if that fits, else int4)."""
+    base = compute(cfg, counted, st, layer_scale, shapes)["bytes"]["total"]
+
+    def fix(change, code, new):
+        cand = dataclasses.replace(st, **new)
+        total = compute(cfg, counted, cand, layer_scale, shapes)["bytes"]["total"]
+        return ModelStateFix(change, code, changes_between(st, cand), base - total, total, total <= budget)
+
+    found = [(fix(*f), f[2]) for f in model_state_fix_settings(st)]
+    found = [(f, new) for f, new in found if f.saves > 0]
+    singles = sorted((f for f, _ in found), key=lambda f: -f.saves)
+    states = [(f, new) for f, new in found if "precision" not in new and "optimizer" in new]
+    others = [(f, new) for f, new in found if (f, new) not in states]
+    if len(others) + bool(states) < 2:
+        return singles
+    combos = []
+    for state in states or [None]:
+        merged, names = {}, []
+        for f, new in others + ([state] if state else []):  # the state format last: it names the optimizer
+            merged.update(new)
+            names.append(f.change)
+        combos.append(fix("all of: " + "; ".join(names), "each as above", merged))
+    combined = next((c for c in combos if c.fits), combos[-1])
+    return singles + [combined]
