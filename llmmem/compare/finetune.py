@@ -83,9 +83,9 @@ def build(spec: dict, strategy: Strategy, device, layers: int, sample) -> Built:
     return Built(model, planned, Trainer(model, optimizer, strategy, device))
 
 
-def fit_line(points: dict) -> tuple[float, float]:
-    """``(a, b)`` of ``peak = a * params + b`` through two ``{params: peak}`` points."""
-    (p1, y1), (p2, y2) = sorted(points.items())
+def fit_line(points) -> tuple[float, float]:
+    """``(a, b)`` of ``peak = a * params + b`` through two ``(params, peak)`` points."""
+    (p1, y1), (p2, y2) = sorted(points)
     if p1 == p2:
         raise ValueError("fit_line: two different model sizes are needed")
     a = (y2 - y1) / (p2 - p1)
@@ -166,7 +166,7 @@ def run_row(spec: dict) -> dict:
         search.update(largest=None, exact=False, trials=[], error=f"no plan fits at {fit_layers} layers")
         result["search"] = search
         return result
-    a, b = fit_line({result["params"]: result["peak_bytes"], params_by_layers[fit_layers]: fit_peak})
+    a, b = fit_line([(result["params"], result["peak_bytes"]), (params_by_layers[fit_layers], fit_peak)])
     per_layer = (result["params"] - params_by_layers[fit_layers]) / (layers - fit_layers)
     fixed_params = result["params"] - per_layer * layers  # embeddings and the final norm
     predicted_params = (cap - b) / a if a > 0 else None
