@@ -7,12 +7,18 @@ One flag per technique; they combine. CPU by default, CUDA when present.
     python examples/train_gpt.py --checkpoint auto --budget 0.5           # the planner: half the activation memory
     python examples/train_gpt.py --checkpoint auto --budget 64MB --offload
     python examples/train_gpt.py --amp fp16                               # fp16 autocast + llmmem.GradScaler
+    python examples/train_gpt.py --optim adamw-int8 --bf16-weights --step-in-backward   # the model state lean
     python examples/train_gpt.py --model hf-llama --checkpoint every      # a Hugging Face Llama (random weights)
     python examples/train_gpt.py --steps 200 --save ckpt --save-every 50  # then: --resume ckpt
     torchrun --nproc-per-node 2 examples/train_gpt.py --tp 2 --sequence-parallel
     torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --sequence-parallel   # TP 2 x DP 2 with ZeRO-1
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/train_gpt.py --device cuda --tp 8 --sequence-parallel --amp bf16 --checkpoint every
+
+``--optim``, ``--bf16-weights`` and ``--step-in-backward`` shrink the model state (what a full
+fine-tune's memory is made of): Adam's moments in bf16, 8 or 4 bits (``llmmem.optim.AdamW``),
+parameters in bf16 with no fp32 master (updated with stochastic rounding), and each parameter
+updated as soon as its gradient exists, so no step holds every gradient.
 
 ``--batch`` is the global batch of one optimizer step: it is split over the data-parallel ranks and
 then into ``--grad-accum`` micro-batches, so the losses do not depend on how many ranks train.
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import llmmem
+import llmmem.optim
 from llmmem.compare.corpus import VOCAB_SIZE, BatchSampler, encode
 from llmmem.models.gpt import GPT, GPTConfig
 
@@ -46,6 +53,8 @@ if str(HERE) not in sys.path:  # run as a script it is there already; imported b
 import train_gpt_checkpoints as checkpoints  # noqa: E402  (the checkpoint sets, a file beside this one)
 
 DEFAULT_DATA = HERE / "data" / "corpus.txt"
+# --optim -> the moments' format of llmmem.optim.AdamW ("adamw" alone is torch.optim.AdamW)
+STATE_DTYPES = {"adamw": "fp32", "adamw-bf16": "bf16", "adamw-int8": "int8", "adamw-int4": "int4"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,6 +99,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         "percent ('50%%') of it without checkpointing",
     )
     mem.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="fp16 uses llmmem.GradScaler")
+    mem.add_argument(
+        "--optim",
+        choices=list(STATE_DTYPES),
+        default="adamw",
+        help="adamw: torch.optim.AdamW (fp32 moments, 8 B a parameter); adamw-bf16, adamw-int8, adamw-int4: "
+        "llmmem.optim.AdamW with its moments in bf16 (4 B), 8 bits (2 B) or 4 bits (1 B). A resumed run may "
+        "switch: the saved moments are converted",
+    )
+    mem.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="parameters (and gradients) in bf16 with no fp32 master copy, updated by llmmem.optim.AdamW with "
+        "stochastic rounding (with --optim adamw: llmmem's AdamW with fp32 moments)",
+    )
+    mem.add_argument(
+        "--step-in-backward",
+        action="store_true",
+        help="update each parameter as soon as its gradient exists and free the gradient "
+        "(llmmem.optim.step_in_backward): no moment of a step holds every gradient",
+    )
     mem.add_argument("--offload", action="store_true", help="keep checkpointed block inputs in host memory (CUDA)")
     mem.add_argument("--pool", action="store_true", help="allocate CUDA memory from an llmmem.MemoryPool")
     par = p.add_argument_group("parallelism (under torchrun)")
@@ -196,6 +225,34 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.tp > 1 and a.checkpoint == "auto":
         p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
     dp = world // a.tp
+    if a.bf16_weights and a.amp == "fp16":
+        p.error(
+            "--bf16-weights trains in bf16: fp16 autocast (--amp fp16) would cast every matmul to fp16; use --amp bf16"
+        )
+    if a.step_in_backward:
+        # each refusal names the conflict: a step in backward updates a parameter, and frees its
+        # gradient, as soon as the gradient exists
+        if a.grad_accum > 1:
+            p.error(
+                f"--step-in-backward updates the weights during every backward: gradient accumulation "
+                f"(--grad-accum {a.grad_accum}) would apply each micro-batch as an update of its own"
+            )
+        if a.amp == "fp16":
+            p.error(
+                "--step-in-backward with --amp fp16: the loss scaler must find inf/NaN in every gradient before any "
+                "parameter is updated; use --amp bf16 (no scaler)"
+            )
+        if a.sequence_parallel:
+            p.error(
+                "--step-in-backward with --sequence-parallel: the norms' gradients are summed over the "
+                "tensor-parallel ranks after backward, when they have been stepped and freed already"
+            )
+        if dp > 1:
+            p.error(
+                f"--step-in-backward with {dp} data-parallel ranks: each parameter would be stepped on its rank's "
+                "own gradient, before DistributedDataParallel averages it over the ranks (and ZeRO-1 needs "
+                f"a step of its own); run one data-parallel rank (--tp {world})"
+            )
     if a.batch % (dp * a.grad_accum):
         p.error(f"--batch ({a.batch}) must be divisible by data-parallel ranks ({dp}) x --grad-accum ({a.grad_accum})")
     if a.save_every is not None and a.save is None:
@@ -297,6 +354,8 @@ def build_model(args, device, d: Dist):
             use_cache=False,
         )
         model = LlamaForCausalLM(cfg).to(device)
+        if args.bf16_weights:
+            model.to(torch.bfloat16)
         return model, model, list(model.model.layers)
     cfg = GPTConfig(
         layers=args.layers,
@@ -315,6 +374,8 @@ def build_model(args, device, d: Dist):
         model = tp.TensorParallelGPT.from_gpt(model, process_group=d.tp_group)
         if args.sequence_parallel:
             model = tp.SequenceParallelGPT(model)
+    if args.bf16_weights:
+        model.to(torch.bfloat16)  # no fp32 copy is kept anywhere: llmmem.optim.AdamW rounds stochastically
     return model, model, list(model.blocks)
 
 
@@ -359,6 +420,11 @@ def loss_of(args, model, x, y):
         if args.model == "hf-llama":
             logits = model(input_ids=x, use_cache=False).logits
             return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        if args.bf16_weights and args.tp == 1:
+            # bf16 logits, the loss taken on them in fp32: a bf16 loss keeps 3 significant digits
+            # (the tensor-parallel loss is computed in fp32 already)
+            logits, _ = model(x)
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         _, loss = model(x, y)
         return loss
 
@@ -379,6 +445,26 @@ def agree_on_overflow(params, group) -> None:
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item() and not local:
         grads[0].view(-1)[0] = float("inf")
+
+
+def make_optimizer(args, model, d: Dist):
+    """AdamW over ``model``'s parameters: torch's (``--optim adamw``, fp32 weights) or llmmem's with
+    its moments in ``STATE_DTYPES[--optim]`` (also for ``--bf16-weights``: torch's AdamW would round
+    each bf16 update to nearest, and lose the updates smaller than half a bf16 step); in torch's
+    ZeroRedundancyOptimizer over the data-parallel ranks with ZeRO-1."""
+    kwargs = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    if args.optim == "adamw" and not args.bf16_weights:
+        cls = torch.optim.AdamW
+    else:
+        cls = llmmem.optim.AdamW
+        # the stochastic rounding's seed: the same on the replicas of a shard (they must stay equal),
+        # another on each tensor-parallel rank (its shards are other weights)
+        kwargs.update(state_dtype=STATE_DTYPES[args.optim], seed=args.seed * 1_000_003 + d.tp_rank)
+    if args.zero and d.dp > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, process_group=d.dp_group, **kwargs)
+    return cls(model.parameters(), **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,8 +520,10 @@ def save(folder: pathlib.Path, step: int, model, optimizer, scaler, sampler, dev
         )
 
 
-# Flags that change the model's parameters: a saved state loads only into the same ones.
-MODEL_FLAGS = ("model", "layers", "hidden", "heads", "seq_len")
+# Flags that change the model's parameters: a saved state loads only into the same ones (their
+# dtype included: --bf16-weights); a flag a run saved before it existed had its default.
+MODEL_FLAGS = ("model", "layers", "hidden", "heads", "seq_len", "bf16_weights")
+MODEL_FLAG_DEFAULTS = {"bf16_weights": "False"}
 # Flags that say how long the run goes and where it writes, not how it trains: not reported on resume.
 RUN_FLAGS = ("steps", "resume", "save", "save_every", "keep", "log_json", "no_progress")
 
@@ -468,7 +556,7 @@ def resume(source: pathlib.Path, model, optimizer, scaler, sampler, device, d: D
     error = None
     try:
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(opt_state)
+        load_optimizer_state(optimizer, opt_state)
         if scaler is not None and state["scaler"] is not None:  # saved without --amp fp16: a fresh scaler
             scaler.load_state_dict(state["scaler"])
         sampler.load_state_dict(state["sampler"])
@@ -481,6 +569,42 @@ def resume(source: pathlib.Path, model, optimizer, scaler, sampler, device, d: D
     return int(chosen.manifest["step"]), chosen, apply_flags(args, chosen.manifest["args"], optimizer)
 
 
+# llmmem.optim.AdamW's group settings of its moments' format: a resumed run keeps its own
+LLMMEM_FORMAT_KEYS = ("state_dtype", "block_size", "stochastic_rounding", "min_quantized_numel", "master_weights")
+
+
+def load_optimizer_state(optimizer, saved: dict) -> None:
+    """``saved`` (any --optim's state, with ZeRO or without) into ``optimizer``, its moments
+    converted to this run's --optim.
+
+    llmmem's AdamW converts what it loads itself (torch's fp32 moments are quantized, its own
+    formats widened or narrowed). Torch's AdamW would read llmmem's 8- or 4-bit codes as numbers:
+    those are widened to fp32 first (``full_precision_state_dict``). ZeRO copies each saved state
+    and group setting into its rank's optimizer as they were saved, so the format settings are put
+    back afterwards and llmmem's optimizer converts its own state by loading it again."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO: this rank's optimizer
+    ours = isinstance(local, llmmem.optim.Adam)
+    states = saved["state"].values()
+    if not ours and any(isinstance(s, dict) and "state_dtype" in s for s in states):
+        widen = llmmem.optim.AdamW([{"params": list(g["params"])} for g in optimizer.param_groups])
+        widen.load_state_dict(saved)
+        saved = widen.full_precision_state_dict()
+        del widen
+    kept = [{k: g[k] for k in LLMMEM_FORMAT_KEYS} for g in local.param_groups] if ours else None
+    optimizer.load_state_dict(saved)
+    if local is optimizer:
+        return
+    for groups in (optimizer.param_groups, local.param_groups):  # ZeRO syncs the first into the second
+        for i, group in enumerate(groups):
+            for key in LLMMEM_FORMAT_KEYS:
+                if ours:
+                    group[key] = kept[i][key]
+                else:
+                    group.pop(key, None)
+    if ours:
+        local.load_state_dict(local.state_dict())
+
+
 def refuse_another_run(folder, manifest: dict, d: Dist, args) -> None:
     """A whole set that this run must not continue: another layout or model, a new --seed, no steps left."""
     Refused = checkpoints.Refused
@@ -490,10 +614,11 @@ def refuse_another_run(folder, manifest: dict, d: Dist, args) -> None:
     saved = manifest.get("args")
     if not isinstance(saved, dict):
         raise checkpoints.Damaged(f"{folder / checkpoints.MANIFEST}: holds no flags of the saved run")
+    saved_model = {k: saved.get(k, MODEL_FLAG_DEFAULTS.get(k)) for k in MODEL_FLAGS}
     changed = [
-        f"--{k.replace('_', '-')} {saved[k]} (now {getattr(args, k)})"
+        f"--{k.replace('_', '-')} {saved_model[k]} (now {getattr(args, k)})"
         for k in MODEL_FLAGS
-        if k in saved and saved[k] != str(getattr(args, k))
+        if saved_model[k] is not None and saved_model[k] != str(getattr(args, k))
     ]
     if changed:
         raise Refused(f"{folder}: saved with another model: {', '.join(changed)}")
@@ -595,20 +720,15 @@ def main(argv=None) -> int:
         from torch.nn.parallel import DistributedDataParallel
 
         train_model = DistributedDataParallel(model, process_group=d.dp_group, gradient_as_bucket_view=True)
-    opt_kwargs = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    if args.zero and d.dp > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        optimizer = ZeroRedundancyOptimizer(
-            inner.parameters(), optimizer_class=torch.optim.AdamW, process_group=d.dp_group, **opt_kwargs
-        )
-    else:
-        optimizer = torch.optim.AdamW(inner.parameters(), **opt_kwargs)
+    optimizer = make_optimizer(args, inner, d)
     scaler = llmmem.GradScaler(device.type) if args.amp == "fp16" else None
 
     start, chosen, applied = 0, None, []
     if args.resume is not None:
         start, chosen, applied = resume(args.resume, inner, optimizer, scaler, sampler, device, d, args)
+    in_backward = None
+    if args.step_in_backward:  # after the planner's sample step and the resume: they must update nothing
+        in_backward = llmmem.optim.step_in_backward(inner, optimizer)
     if d.rank == 0 and chosen is not None:
         for reason in chosen.skipped:
             print(f"warning: --resume {args.resume}: skipped a damaged set: {reason}", file=sys.stderr, flush=True)
@@ -618,7 +738,9 @@ def main(argv=None) -> int:
         where = f"{device}" + (f", {d.world} ranks: TP {d.tp} x DP {d.dp}" if d.world > 1 else "")
         print(
             f"{args.model}: {n_params / 1e6:.2f}M parameters{' per rank' if d.tp > 1 else ''} on {where}; "
-            f"checkpoint={args.checkpoint} amp={args.amp}"
+            f"checkpoint={args.checkpoint} amp={args.amp} optim={args.optim}"
+            + (" bf16-weights" if args.bf16_weights else "")
+            + (" step-in-backward" if args.step_in_backward else "")
             + (" offload" if args.offload else "")
             + (" pool" if args.pool else "")
             + (f"; resumed at step {start} from {chosen.path}" if chosen is not None else ""),
@@ -639,7 +761,9 @@ def main(argv=None) -> int:
     meter = MemoryMeter(device, inner, optimizer, pool)
     model.train()
     t_run = time.perf_counter()
-    with meter:
+    # the step in backward is removed when the loop ends, however it ends: main() may run again in
+    # this process (the tests do), with other flags
+    with meter, in_backward if in_backward is not None else contextlib.nullcontext():
         for step in range(start, args.steps):
             t0 = time.perf_counter()
             x_all, y_all = sampler.next_batch(rows=rows)

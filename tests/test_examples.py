@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from support.train_gpt import SMALL, TRAIN, load_example, main_runs, run_code, run_ranks_here
+from support.train_gpt import SMALL, TRAIN, captured_runs, load_example, main_runs, run_code, run_ranks_here
 
 from llmmem.units import parse_bytes
 
@@ -69,6 +69,10 @@ def _train(*args, timeout=300, env=None):
         (["--grad-accum", "0"], "positive integer"),
         (["--amp", "fp8"], "invalid choice"),
         (["--model", "gpt3"], "invalid choice"),
+        (["--optim", "sgd"], "invalid choice"),
+        (["--step-in-backward", "--grad-accum", "2"], "gradient accumulation (--grad-accum 2)"),
+        (["--step-in-backward", "--amp", "fp16"], "the loss scaler must find inf/NaN"),
+        (["--bf16-weights", "--amp", "fp16"], "--bf16-weights trains in bf16"),
     ],
 )
 def test_train_gpt_bad_flags_are_usage_errors(args, message, capsys, monkeypatch):
@@ -77,7 +81,25 @@ def test_train_gpt_bad_flags_are_usage_errors(args, message, capsys, monkeypatch
     with pytest.raises(SystemExit) as exc:
         train.parse_args(args)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "error:" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        # DDP averages a gradient after its accumulate hook has stepped it: each replica would drift
+        (["--step-in-backward"], "with 2 data-parallel ranks"),
+        (["--step-in-backward", "--tp", "2", "--sequence-parallel"], "--step-in-backward with --sequence-parallel"),
+    ],
+)
+def test_train_gpt_step_in_backward_refuses_what_runs_after_backward(args, message, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun --nproc-per-node 2
+    with pytest.raises(SystemExit) as exc:
+        load_example().parse_args(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "error:" in err
 
 
 def test_train_gpt_pool_needs_cuda(capsys, monkeypatch):
@@ -245,3 +267,115 @@ def test_train_gpt_without_transformers_says_how_to_install(tmp_path):
     proc = _train("--model", "hf-llama", "--steps", "1", env=env)
     assert proc.returncode == 2
     assert "pip install transformers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# examples/train_gpt.py: the model state (--optim, --bf16-weights, --step-in-backward)
+
+
+def test_train_gpt_model_state_flags_train(tmp_path):
+    # each --optim, bf16 weights and the step in backward, alone and together with the planner:
+    # close to torch's AdamW in fp32, the step in backward exactly it, and each in less memory
+    # wide and short, so that the model state is most of the peak, as in fine-tuning
+    shape = ["--layers", "4", "--hidden", "128", "--seq-len", "16", "--batch", "2"]
+    common = SMALL + shape + ["--no-progress", "--dropout", "0", "--steps", "3"]
+    flags = {
+        "adamw": [],
+        "bf16-moments": ["--optim", "adamw-bf16"],
+        "int8": ["--optim", "adamw-int8"],
+        "int4": ["--optim", "adamw-int4"],
+        "bf16-weights": ["--bf16-weights"],
+        "in-backward": ["--step-in-backward"],
+        "lean": ["--bf16-weights", "--optim", "adamw-int8", "--step-in-backward", "--checkpoint", "auto"],
+    }
+    runs = [common + f + ["--log-json", str(tmp_path / f"{k}.json")] for k, f in flags.items()]
+    proc = main_runs(runs)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("exit 0") == len(flags), proc.stdout
+    logs = {k: json.loads((tmp_path / f"{k}.json").read_text()) for k in flags}
+    losses = {k: [v for _, v in log["losses"]] for k, log in logs.items()}
+    peak = {k: log["peak_bytes"] for k, log in logs.items()}
+    assert losses["in-backward"] == losses["adamw"]  # torch's AdamW, one parameter at a time
+    for k, rel in (("bf16-moments", 1e-2), ("int8", 2e-2), ("int4", 5e-2), ("bf16-weights", 5e-2), ("lean", 5e-2)):
+        assert losses[k] == pytest.approx(losses["adamw"], rel=rel), k
+    for k in ("bf16-moments", "int8", "int4", "bf16-weights", "in-backward"):
+        assert peak[k] < peak["adamw"], (k, peak)
+    assert peak["lean"] < min(peak["int8"], peak["bf16-weights"], peak["in-backward"]), peak
+    assert "optim=adamw-int8 bf16-weights step-in-backward" in proc.stdout
+
+
+def test_train_gpt_resume_keeps_or_converts_the_optimizer_state(tmp_path):
+    common = SMALL + ["--no-progress", "--dropout", "0.1"]
+    lean = ["--bf16-weights", "--optim", "adamw-int8", "--step-in-backward"]
+    ck8, ckl, ckt = (str(tmp_path / n) for n in ("ck8", "ckl", "ckt"))
+    log = {k: str(tmp_path / f"{k}.json") for k in ("full8", "same8", "torch", "fulll", "samel")}
+    results = captured_runs(
+        [
+            common + ["--optim", "adamw-int8", "--steps", "6", "--log-json", log["full8"]],
+            common + ["--optim", "adamw-int8", "--steps", "3", "--save", ck8],
+            common + ["--optim", "adamw-int8", "--steps", "6", "--resume", ck8, "--log-json", log["same8"]],
+            # int8 codes widened to the fp32 moments torch's AdamW reads (read as numbers they train
+            # 5% away from the int8 run within two steps)
+            common + ["--optim", "adamw", "--steps", "6", "--resume", ck8, "--log-json", log["torch"]],
+            common + lean + ["--steps", "6", "--log-json", log["fulll"]],
+            common + lean + ["--steps", "3", "--save", ckl],
+            common + lean + ["--steps", "6", "--resume", ckl, "--log-json", log["samel"]],
+            common + ["--bf16-weights", "--optim", "adamw-int4", "--steps", "5", "--resume", ckl],
+            common + ["--steps", "5", "--resume", ckl],  # fp32 weights: another model
+            common + ["--steps", "3", "--save", ckt],
+            common + ["--optim", "adamw-bf16", "--step-in-backward", "--steps", "5", "--resume", ckt],
+        ]
+    )
+    codes = [r["code"] for r in results]
+    assert codes == [0] * 8 + [1, 0, 0], [(r["code"], r["stderr"][-300:]) for r in results]
+    losses = {k: json.loads(pathlib.Path(p).read_text())["losses"] for k, p in log.items()}
+    assert losses["same8"] == losses["full8"][3:]  # bit for bit
+    assert losses["samel"] == losses["fulll"][3:]  # stochastic rounding's streams resume too
+    assert [s for s, _ in losses["torch"]] == [4, 5, 6]
+    assert [v for _, v in losses["torch"]] == pytest.approx([v for _, v in losses["full8"][3:]], rel=2e-3)
+    assert "--optim adamw (saved adamw-int8)" in results[3]["stdout"]
+    assert "--optim adamw-int4 (saved adamw-int8)" in results[7]["stdout"]
+    assert "another model: --bf16-weights True (now False)" in results[8]["stderr"]
+    assert "--step-in-backward True (saved False)" in results[10]["stdout"]
+
+
+def _model_state_ranks(rank, world, folder):
+    """Two ranks. Tensor parallel: the step in backward trains as the step after it. Then 2
+    data-parallel ranks with ZeRO-1 over llmmem.optim.AdamW (int8 moments, bf16 weights): 6 steps;
+    3 saved and resumed to 6 (the same losses); resumed with bf16 moments instead (converted)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    train = load_example()
+    common = SMALL + ["--no-progress", "--dropout", "0.1", "--bf16-weights"]
+    int8 = common + ["--optim", "adamw-int8"]
+    tp = int8 + ["--tp", "2", "--steps", "3"]
+    assert train.main(tp + ["--log-json", f"{folder}/tp.json"]) == 0
+    assert train.main(tp + ["--step-in-backward", "--log-json", f"{folder}/tp-sib.json"]) == 0
+    if rank == 0:
+        after = json.loads(open(f"{folder}/tp.json").read())["losses"]
+        inside = json.loads(open(f"{folder}/tp-sib.json").read())["losses"]
+        assert inside == after, (after, inside)
+    assert train.main(int8 + ["--steps", "6", "--log-json", f"{folder}/full.json"]) == 0
+    assert train.main(int8 + ["--steps", "3", "--save", f"{folder}/ckpt"]) == 0
+    assert train.main(int8 + ["--steps", "6", "--resume", f"{folder}/ckpt", "--log-json", f"{folder}/res.json"]) == 0
+    switched = ["--steps", "4", "--resume", f"{folder}/ckpt", "--optim", "adamw-bf16", "--save", f"{folder}/bf16"]
+    assert train.main(common + switched) == 0
+    if rank == 0:
+        import torch
+
+        full = json.loads(open(f"{folder}/full.json").read())["losses"]
+        resumed = json.loads(open(f"{folder}/res.json").read())["losses"]
+        assert resumed == full[3:], (full, resumed)  # bit for bit, stochastic rounding included
+        # ZeRO loads each rank's saved state as it was saved: the script converts it to bf16 moments
+        for step, want in ((3, "int8"), (4, "bf16")):
+            saved = torch.load(f"{folder}/{'ckpt' if step == 3 else 'bf16'}/step-{step:08d}/rank0.pt")
+            formats = {s["state_dtype"] for s in saved["optimizer"]["state"].values()}
+            assert want in formats and formats <= {want, "fp32"}, (step, formats)
+
+
+@pytest.mark.distributed
+def test_train_gpt_model_state_under_tp_and_zero1(tmp_path):
+    run_ranks_here(__file__, "_model_state_ranks", 2, args=(str(tmp_path),), timeout=240)
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "step-00000003").iterdir())
+    assert files == ["MANIFEST.json", "rank0.pt", "rank1.pt"]

@@ -29,11 +29,18 @@ fresh process from the same seed on the same batches, and print one table: peak 
 memory with their reduction against the fp32 baseline, step time and its overhead, the final loss
 beside the baseline's, the largest batch that fits in the baseline's peak memory (found by running
 it) and, for the parallel rows, parameters per rank and the largest model that fits per rank.
-Writes results.json, results.md and two charts (memory over one step; memory saved vs overhead)."""
+Writes results.json, results.md and two charts (memory over one step; memory saved vs overhead).
+
+--preset finetune: the model state instead (a wide GPT over short sequences, where parameters,
+gradients and Adam's moments make most of the peak, as in a full fine-tune): torch's AdamW, then
+llmmem.optim's int8 moments, bf16 weights with stochastic rounding, the step in backward, and all
+of them with the planner; each row's peak, bytes a parameter, step time and final loss against the
+baseline's, and the largest model that fits in the baseline's peak, predicted from the row's peaks
+at two depths and verified by running it."""
 
 
 def register_cli(sub) -> None:
-    from llmmem.compare.strategies import STRATEGIES
+    from llmmem.compare.strategies import FINETUNE_STRATEGIES, STRATEGIES
 
     p = sub.add_parser(
         "compare",
@@ -43,11 +50,22 @@ def register_cli(sub) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a small model and few steps (CI: under 90 s on 2 cores)")
     p.add_argument(
+        "--preset",
+        choices=["default", "finetune"],
+        default="default",
+        help="default: activation memory (checkpointing, mixed precision, parallelism); finetune: the model "
+        "state (optimizer state, bf16 weights, step in backward) on a fine-tuning-shaped GPT. With --quick, "
+        "its small version",
+    )
+    p.add_argument(
         "--only",
         type=_keys,
         default=None,
         metavar="KEYS",
-        help="comma-separated strategies to run (the baseline always runs): " + ", ".join(s.key for s in STRATEGIES),
+        help="comma-separated strategies to run (the baseline always runs): "
+        + ", ".join(s.key for s in STRATEGIES)
+        + "; with --preset finetune: "
+        + ", ".join(s.key for s in FINETUNE_STRATEGIES[1:]),
     )
     p.add_argument("--out", default="llmmem-compare", help="output folder (default: ./llmmem-compare)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when present")
@@ -100,10 +118,10 @@ def _at_least(low: int):
 
 
 def _keys(text: str) -> list[str]:
-    from llmmem.compare.strategies import STRATEGIES
+    from llmmem.compare.strategies import FINETUNE_STRATEGIES, STRATEGIES
 
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    known = [s.key for s in STRATEGIES]
+    known = list(dict.fromkeys(s.key for s in STRATEGIES + FINETUNE_STRATEGIES))
     bad = [k for k in keys if k not in known]
     if not keys or bad:
         raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; choose from {', '.join(known)}")
@@ -365,15 +383,27 @@ def run(args) -> int:
     """The command: checks its flags and its folder before any work, then :func:`_run` under the
     signal handlers; an interrupted run keeps the rows it has written and says how to continue."""
     from llmmem.compare import results
-    from llmmem.compare.strategies import PRESETS, STRATEGIES, by_key
+    from llmmem.compare.strategies import PRESETS, by_key, strategies_of
     from llmmem.paths import check_output_folder
 
-    preset = PRESETS["quick" if args.quick else "full"]
+    finetune = getattr(args, "preset", "default") == "finetune"
+    if finetune:
+        name = "finetune-quick" if args.quick else "finetune"
+    else:
+        name = "quick" if args.quick else "full"
+    preset = PRESETS[name]
     if args.steps is not None:
         preset = dataclasses.replace(preset, steps=args.steps)
     if args.batch is not None:
         preset = dataclasses.replace(preset, batch=args.batch)
-    strategies = by_key(args.only) if args.only else list(STRATEGIES)
+    known = strategies_of(name)
+    if args.only:
+        try:
+            strategies = by_key(args.only, known)
+        except ValueError as exc:
+            raise ValueError(f"--only: {exc} (the rows of --preset {args.preset})") from None
+    else:
+        strategies = list(known)
     for s in strategies:
         if s.parallel and preset.batch % s.dp:
             raise ValueError(f"--batch {preset.batch} must be divisible by {s.key}'s data-parallel size {s.dp}")
@@ -383,7 +413,7 @@ def run(args) -> int:
     jobs = args.jobs if args.jobs is not None else (min(2, os.cpu_count() or 1) if args.quick else 1)
     # what the rows' figures depend on: rows measured in two runs must share them (--resume)
     settings = dict(
-        preset="quick" if args.quick else "full",
+        preset=name,
         config=dataclasses.asdict(preset),
         strategies=[s.key for s in strategies],
         device=args.device,
@@ -409,7 +439,7 @@ def run(args) -> int:
     state = {"rows": {}, "planned": len(strategies)}
     with interrupts.installed():
         try:
-            return _run(args, preset, strategies, jobs, settings, previous, interrupts, state)
+            return _run(args, preset, strategies, jobs, settings, previous, interrupts, state, finetune)
         except Interrupted as exc:
             done = len(state["rows"])
             if done:
@@ -428,7 +458,7 @@ def run(args) -> int:
             return 128 + exc.signum
 
 
-def _run(args, preset, strategies, jobs, settings, previous, interrupts, state) -> int:
+def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, finetune=False) -> int:
     from llmmem.compare import report, results
 
     t_start = time.perf_counter()
@@ -496,8 +526,11 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state) 
             search_trials=preset.search_trials,
             profile_repeats=preset.profile_repeats,
         )
+        if finetune:  # the rows search the largest model, from a line through two depths
+            common.update(search="model", fit_layers=preset.fit_layers)
         print(
-            f"llmmem compare: GPT {preset.layers} layers x {preset.hidden} hidden, {preset.heads} heads, "
+            f"llmmem compare{' --preset finetune' if finetune else ''}: GPT {preset.layers} layers x {preset.hidden} "
+            f"hidden, {preset.heads} heads, "
             f"seq {preset.seq_len}, batch {preset.batch}, {preset.steps} steps per strategy, on {device} "
             f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
             flush=True,
@@ -552,6 +585,7 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state) 
                 + note
                 + report.markdown(rows)
                 + "\n"
+                + (f"\n{extra['headline']}\n" if extra and extra.get("headline") else "")
             )
             with interrupts.held():  # both files whole, in step with each other
                 results.write_atomic(os.path.join(args.out, results.RESULTS), json.dumps(data, indent=1))
@@ -620,8 +654,14 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state) 
         this_run["wall_seconds"] = round(time.perf_counter() - t_start, 3)
         this_run["seconds"] = seconds
         wall = previous_wall + this_run["wall_seconds"]
-        targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
-        save(partial=False, extra=dict(wall_seconds=wall, seconds=seconds, targets=targets))
+        if finetune:
+            targets = report.check_finetune_targets(rows, wall_seconds=wall)
+        else:
+            targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
+        extra = dict(wall_seconds=wall, seconds=seconds, targets=targets)
+        if finetune:
+            extra["headline"] = report.headline(rows)
+        save(partial=False, extra=extra)
     text = report.table(rows)
     print()
     print(text)
@@ -637,8 +677,14 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state) 
         print("offload on the CPU moves nothing: the host is the device (the row shows llmmem.checkpoint's cost).")
     if skipped:
         print(f"skipped on {device}: {', '.join(skipped)} (parallel rows run over gloo with --device cpu)")
+    if finetune:
+        print(
+            "state B/param: what a step starts from (weights, kept gradients, optimizer state), a parameter. "
+            "loss ratio: final loss over the baseline's. largest model: by depth, fitted and then run."
+        )
+        print("\n" + report.headline(rows))
     print(
-        "\ntargets (issue 17), on this run's ratios"
+        f"\ntargets (issue {23 if finetune else 17}), on this run's ratios"
         + (" (the quick run: indicative only)" if args.quick else "")
         + ":"
     )

@@ -219,6 +219,7 @@ def search_largest(
     first: int | None = None,
     linear=True,
     intercept: int | None = None,
+    known: dict | None = None,
 ) -> dict:
     """The largest size (batch or layers) whose measured peak is at most ``cap`` bytes.
 
@@ -230,11 +231,14 @@ def search_largest(
     linearly with the batch or the depth), else the middle of the bracket (or an eighth more than
     the largest fit while nothing is too big). ``intercept``: the peak at size 0 (what does not grow
     with the size, e.g. parameters, gradients and optimizer state for a batch), so that a linear
-    search's first guess is a line through it and ``start`` rather than a doubling.
+    search's first guess is a line through it and ``start`` rather than a doubling. ``known``: peaks
+    measured before the search, ``{size: peak}``, which its guesses use too.
     """
-    points = {start: start_peak}
-    lo = start if start_peak <= cap else None
-    hi = None if lo is not None else start
+    points = {**(known or {}), start: start_peak}
+    fits = [n for n, p in points.items() if p is not None and p <= cap]
+    over = [n for n, p in points.items() if p is None or p > cap]
+    lo = max(fits) if fits else None
+    hi = min((n for n in over if lo is None or n > lo), default=None)
     log = []
     while len(log) < trials:
         if lo is not None and hi is not None and hi == lo + 1:

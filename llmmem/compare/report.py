@@ -1,5 +1,6 @@
 """The results of ``python -m llmmem compare``: the table (text and Markdown), the targets of issue 17
-checked on the run's own ratios, and the two charts."""
+(and, for the model-state preset, of issue 23) checked on the run's own ratios, the headline of the
+model-state preset, and the two charts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import math
 
 from llmmem.units import format_bytes
 
-__all__ = ["derive", "table", "markdown", "check_targets", "plot_timelines", "plot_tradeoff"]
+__all__ = [
+    "derive",
+    "table",
+    "markdown",
+    "headline",
+    "is_finetune",
+    "check_targets",
+    "check_finetune_targets",
+    "plot_timelines",
+    "plot_tradeoff",
+]
 
 MiB = 2**20
 
@@ -58,7 +69,11 @@ def derive(rows: list[dict], timer: str = "wall") -> list[dict]:
                 d["overhead_pct"] = _pct(d["step_time"], base_time if r.get("world", 1) == 1 else base["step_time"])
                 d["overhead_basis"] = "medians"
             d["loss_rel_diff"] = (r["final_loss"] - base["final_loss"]) / abs(base["final_loss"])
+            d["loss_ratio"] = r["final_loss"] / base["final_loss"] if base["final_loss"] else None
             s = r.get("search") or {}
+            if s.get("kind") == "model" and s.get("largest_params"):
+                d["largest_model_params"] = s["largest_params"]
+                d["largest_model_ratio"] = s["largest_params"] / base["params"]
             if s.get("kind") == "batch" and s.get("largest") is not None:
                 d["max_batch"] = s["largest"]
                 d["max_batch_ratio"] = s["largest"] / base["search"]["largest"] if base.get("search") else None
@@ -137,21 +152,71 @@ HEADERS = [
 ]
 
 
+# The model-state preset's table: what each row keeps a parameter, and the largest model, not batch.
+FINETUNE_HEADERS = [
+    "strategy",
+    "peak MiB",
+    "vs base",
+    "state B/param",
+    "act MiB",
+    "step ms",
+    "overhead",
+    "final loss",
+    "loss ratio",
+    "largest model in base peak",
+]
+
+
+def is_finetune(rows: list[dict]) -> bool:
+    """Whether ``rows`` are the model-state preset's (their largest-fit search is of the model)."""
+    base = next((r for r in rows if r["key"] == "baseline"), {})
+    return (base.get("search") or {}).get("kind") == "model"
+
+
+def _finetune_cells(r: dict, base: dict) -> list[str]:
+    d = r["derived"]
+    if r.get("error"):
+        return [r["label"], "infeasible" if r.get("infeasible") else "failed"] + [""] * 8
+    s = r.get("search") or {}
+    if d.get("largest_model_params"):
+        approx = "" if s.get("exact") else ">="
+        model = (
+            f"{approx}{_fmt_count(d['largest_model_params'])} ({d['largest_model_ratio']:.2f}x, {s['largest']} layers)"
+        )
+    else:
+        model = "—"
+    ratio = d.get("loss_ratio")
+    return [
+        r["label"],
+        f"{r['peak_bytes'] / MiB:.1f}",
+        _fmt_pct(d["peak_change_pct"]) if r is not base else "—",
+        f"{r['state_bytes_per_param']:.2f}" if r.get("state_bytes_per_param") is not None else "—",
+        f"{r['activation_bytes'] / MiB:.1f}",
+        f"{1e3 * d['step_time']:.0f}" if d["step_time"] is not None else "—",
+        _fmt_pct(d["overhead_pct"]) if r is not base else "—",
+        f"{r['final_loss']:.4f}",
+        f"{ratio:.4f}" if ratio is not None else "—",
+        model,
+    ]
+
+
 def _rows(rows):
     base = next(r for r in rows if r["key"] == "baseline")
-    return [_cells(r, base) for r in rows]
+    if is_finetune(rows):
+        return FINETUNE_HEADERS, [_finetune_cells(r, base) for r in rows]
+    return HEADERS, [_cells(r, base) for r in rows]
 
 
 def table(rows: list[dict]) -> str:
     """The results as aligned text."""
-    cells = _rows(rows)
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADERS)]
-    right = {1, 2, 3, 4, 5, 6}
+    headers, cells = _rows(rows)
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    right = {1, 2, 3, 4, 5, 6} | ({7, 8} if headers is FINETUNE_HEADERS else set())
 
     def line(values):
         return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
 
-    out = [line(HEADERS), line(["-" * w for w in widths])]
+    out = [line(headers), line(["-" * w for w in widths])]
     out += [line(c) for c in cells]
     out += [f"{r['label']}: {r['error']}" for r in rows if r.get("error")]
     return "\n".join(out)
@@ -159,10 +224,37 @@ def table(rows: list[dict]) -> str:
 
 def markdown(rows: list[dict]) -> str:
     """The results as a Markdown table (for the README)."""
-    cells = _rows(rows)
-    out = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
+    headers, cells = _rows(rows)
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
     return "\n".join(out)
+
+
+def headline(rows: list[dict]) -> str | None:
+    """The model-state preset's answer: the largest model that fits in the baseline's peak, with how
+    it was found (the fitted line) and how it was verified (its run); None for other rows."""
+    if not is_finetune(rows):
+        return None
+    base = next(r for r in rows if r["key"] == "baseline")
+    found = [r for r in rows if not r.get("error") and (r.get("derived") or {}).get("largest_model_params")]
+    if not found:
+        return "largest model in the baseline's peak: no row found one"
+    best = max(found, key=lambda r: r["derived"]["largest_model_params"])
+    s, d = best["search"], best["derived"]
+    fit = s["fit"]
+    points = " and ".join(str(n) for n, _ in sorted(fit["points"]))
+    over = next((n for n, p in s["trials"] if n == s["largest"] + 1), None)
+    fixed = ("-" if fit["fixed_bytes"] < 0 else "") + format_bytes(abs(fit["fixed_bytes"]))
+    beyond = f"; {over} layers measured over it" if over is not None else " (the next size was not run: a lower bound)"
+    return (
+        f"largest model in the baseline's peak ({format_bytes(s['cap_bytes'])}): {best['label']}, "
+        f"{_fmt_count(d['largest_model_params'])} parameters in {s['largest']} layers, "
+        f"{d['largest_model_ratio']:.2f}x the baseline's {_fmt_count(base['params'])}. Predicted by "
+        f"peak = a*params + b through its peaks at {points} layers (a = {fit['bytes_per_param']:.2f} B a "
+        f"parameter, activations included; b = {fixed}): "
+        f"{_fmt_count(s['predicted_params'])} parameters ({s['predicted_layers']} layers); verified by running "
+        f"it: peak {format_bytes(s['largest_peak_bytes'])}{beyond}."
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,6 +335,52 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
             wall_seconds < limit,
             f"{wall_seconds:.0f} s on this machine",
         )
+    return out
+
+
+def check_finetune_targets(rows: list[dict], *, wall_seconds: float | None = None) -> list[dict]:
+    """The model-state preset's targets (issue 23), on this run's rows: ``[{"target", "holds",
+    "detail"}]`` as :func:`check_targets`."""
+    by = {r["key"]: r for r in rows if not r.get("error")}
+    base = by.get("baseline")
+    out = []
+
+    def add(target, holds, detail):
+        out.append({"target": target, "holds": holds, "detail": detail})
+
+    for key, limit, what in (("int8-state", 0.02, "int8 state"), ("bf16-weights", 0.10, "bf16 weights + SR")):
+        r = by.get(key)
+        target = f"{what}: final loss within {limit:.0%} of the fp32 baseline's"
+        if r and base:
+            ratio = r["derived"]["loss_ratio"]
+            add(target, abs(ratio - 1.0) <= limit, f"{r['final_loss']:.4f} vs {base['final_loss']:.4f} ({ratio:.4f}x)")
+        else:
+            add(target, None, f"row {key} not run")
+    sib = by.get("step-in-backward")
+    target = "step in backward: peak lower by >= 0.9 x the gradients' bytes"
+    if sib and base:
+        grads = 4 * base["params"]  # fp32 gradients, one a parameter
+        saved = base["peak_bytes"] - sib["peak_bytes"]
+        add(target, saved >= 0.9 * grads, f"{format_bytes(saved)} lower, gradients {format_bytes(grads)}")
+    else:
+        add(target, None, "row step-in-backward not run")
+    target = "the largest model in the baseline's peak is verified by running it"
+    found = [r for r in by.values() if r["derived"].get("largest_model_params")]
+    if found:
+        best = max(found, key=lambda r: r["derived"]["largest_model_params"])
+        s = best["search"]
+        ok = s.get("largest_peak_bytes") is not None and s["largest_peak_bytes"] <= s["cap_bytes"]
+        add(
+            target,
+            ok and s.get("exact", False),
+            f"{best['key']}: {s['largest']} layers peak at {format_bytes(s['largest_peak_bytes'])}, cap "
+            f"{format_bytes(s['cap_bytes'])}" + ("" if s.get("exact") else "; the next size was not measured"),
+        )
+    else:
+        add(target, None, "no row found a largest model")
+    if wall_seconds is not None:
+        slow = max((r.get("wall_seconds") or 0.0 for r in rows), default=0.0)
+        add("every row of the preset finishes in under 60 s", slow < 60.0, f"the slowest took {slow:.0f} s")
     return out
 
 
@@ -329,7 +467,9 @@ def plot_timelines(rows: list[dict], path: str, *, title: str = "") -> None:
 
 
 def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
-    """Activation memory saved (%) against step-time overhead (%), one point per strategy."""
+    """Activation memory saved (%) against step-time overhead (%), one point per strategy (for the
+    model-state preset, the peak saved: activations are not what its rows change)."""
+    what = "peak_change_pct" if is_finetune(rows) else "activation_change_pct"
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 6))
     marks = []
@@ -338,11 +478,15 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
         if r.get("error") or r["key"] == "baseline" or d.get("overhead_pct") is None:
             continue
         parallel = r.get("world", 1) > 1
+        st = r["strategy"]
         llm = (
-            r["strategy"]["checkpoint"] in ("every", "selective", "plan", "offload") or r["strategy"]["amp"] == "fp16"
+            st["checkpoint"] in ("every", "selective", "plan", "offload", "auto")
+            or st["amp"] == "fp16"
+            or st.get("optim", "torch") != "torch"
+            or st.get("step_in_backward")
         )
         color = "#2471a3" if parallel else ("#c0392b" if llm else "#7f8c8d")
-        marks.append((d["overhead_pct"], -d["activation_change_pct"], r["key"], parallel, color))
+        marks.append((d["overhead_pct"], -d[what], r["key"], parallel, color))
     # One far outlier (fp16 emulated on a CPU) would squeeze every other point into a corner: the
     # axis stops past the others and the outlier sits on its edge, its value in its label.
     xs = sorted(m[0] for m in marks)
@@ -388,7 +532,7 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
     ax.axhline(0, color="0.5", lw=0.8)
     ax.axvline(0, color="0.5", lw=0.8)
     ax.set_xlabel("step-time overhead vs fp32 baseline (%)")
-    ax.set_ylabel("activation memory saved vs fp32 baseline (%)")
+    ax.set_ylabel(("peak" if what == "peak_change_pct" else "activation") + " memory saved vs fp32 baseline (%)")
     ax.grid(alpha=0.3)
     handles = [
         plt.Line2D([], [], marker="o", ls="", color="#c0392b"),
@@ -418,11 +562,15 @@ def main(argv=None) -> int:
     out = argv[1] if len(argv) == 2 else os.path.dirname(os.path.abspath(argv[0]))
     rows = derive(results["rows"], results.get("timer", "wall"))
     print(table(rows))
-    print(
-        format_targets(
-            check_targets(rows, wall_seconds=results.get("wall_seconds"), quick=results.get("preset") == "quick")
+    if is_finetune(rows):
+        print(headline(rows))
+        print(format_targets(check_finetune_targets(rows, wall_seconds=results.get("wall_seconds"))))
+    else:
+        print(
+            format_targets(
+                check_targets(rows, wall_seconds=results.get("wall_seconds"), quick=results.get("preset") == "quick")
+            )
         )
-    )
     cfg = results.get("config", {})
     title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
     plot_timelines(rows, os.path.join(out, "memory_timeline.png"), title=title)

@@ -11,230 +11,67 @@ same batches (the first warms up and creates the optimizer state, the middle one
 last runs under :class:`~llmmem.diagnostics.live.LiveBytes` for the memory figures and the timeline),
 then search, by running steps, for the largest batch (single process) or the largest model (parallel
 rows) whose peak fits in the baseline's peak. See :mod:`llmmem.compare.measure` for what is measured.
+The rows of the model-state presets (``--preset finetune``) run :mod:`llmmem.compare.finetune`.
+What a row is built from (trainer, optimizer, planner) is in :mod:`llmmem.compare.training`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import sys
-import time
 
 import torch
 
 import llmmem
-from llmmem.compare import measure
-from llmmem.compare.corpus import BatchSampler, encode, generate_text
+from llmmem.compare import finetune, measure
+from llmmem.compare.corpus import BatchSampler
 from llmmem.compare.strategies import Strategy
+from llmmem.compare.training import (
+    PhaseClock,
+    Planned,
+    Trainer,
+    checkpoint_every_block,
+    corpus_tokens,
+    make_optimizer,
+    pick_device,
+    reference_trainer,
+    row_header,
+)
 from llmmem.models.gpt import GPT, GPTConfig
 
 __all__ = ["run_single", "rank_main", "main"]
 
 
 # ------------------------------------------------------------------------------------------------
-# Where a worker's own time goes
-
-
-class PhaseClock:
-    """Wall-clock seconds of a worker's phases, for ``result["seconds"]``: ``start`` (from the moment
-    the orchestrator launched the process, ``spec["launched_at"]``, to the first line of work:
-    interpreter start and imports), then each :meth:`lap` since the previous one."""
-
-    def __init__(self, spec: dict) -> None:
-        self.seconds: dict[str, float] = {}
-        launched = spec.get("launched_at")
-        if launched is not None:
-            self.seconds["start"] = round(max(0.0, time.time() - float(launched)), 3)
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 3)
-        self._last = now
-
-
-# ------------------------------------------------------------------------------------------------
-# Techniques
-
-
-def _block_runner(kind: str):
-    """``run(fn, x)`` that runs one block's forward under the chosen checkpointing, or None."""
-    if kind == "torch":
-        import torch.utils.checkpoint as tuc
-
-        return lambda fn, x: tuc.checkpoint(fn, x, use_reentrant=False)
-    if kind == "every":
-        return lambda fn, x: llmmem.checkpoint(fn, x)
-    if kind == "selective":
-        return lambda fn, x: llmmem.checkpoint(fn, x, context_fn=llmmem.selective_context_fn)
-    if kind == "offload":
-        return lambda fn, x: llmmem.checkpoint(fn, x, offload=True)
-    return None
-
-
-def checkpoint_every_block(blocks, kind: str) -> None:
-    """Run every block of ``blocks`` under checkpointing ``kind``, in place (an instance-level
-    ``forward``, so parameters and ``state_dict`` keys are unchanged)."""
-    run = _block_runner(kind)
-    if run is None:
-        return
-    for block in blocks:
-        block.forward = functools.partial(run, type(block).forward.__get__(block))
-
-
-def amp_context(amp: str, device: torch.device):
-    if amp == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
-
-
-class Trainer:
-    """A model, its optimizer (and scaler), and one training step; the same for every strategy."""
-
-    def __init__(self, model, optimizer, strategy: Strategy, device, *, sp_model=None, grad_group=None) -> None:
-        self.model, self.optimizer, self.strategy, self.device = model, optimizer, strategy, device
-        self.scaler = llmmem.GradScaler(device.type) if strategy.amp == "fp16" else None
-        self.sp_model = sp_model  # sequence-parallel grads to sum over the TP group after backward
-        self.grad_group = grad_group
-
-    def tracked(self) -> list:
-        """What exists before a step and lives through it: parameters, gradients, optimizer state."""
-        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeRO: this rank's shard of the state
-        return [self.model, opt]
-
-    def step(self, x, y, marks=None) -> float:
-        with amp_context(self.strategy.amp, self.device):
-            _, loss = self.model(x, y)
-        if marks is not None:
-            marks("forward")
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        if self.sp_model is not None:
-            from llmmem.parallel import allreduce_sequence_parallel_grads
-
-            allreduce_sequence_parallel_grads(self.sp_model, self.grad_group)
-        if marks is not None:
-            marks("backward")
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        # Gradients stay allocated between steps, so a step's memory is (parameters + gradients +
-        # optimizer state, constant) + what the step itself makes.
-        self.optimizer.zero_grad(set_to_none=False)
-        if marks is not None:
-            marks("optimizer")
-        return float(loss.detach())
-
-    def prime(self) -> None:
-        """Create gradients and optimizer state without a forward pass (an update with zero
-        gradients), so that the next step measures the steady state."""
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-
-
-def make_optimizer(params, lr: float, *, zero_group=None):
-    params = list(params)
-    kwargs = dict(lr=lr, weight_decay=0.0, fused=True)
-    if zero_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=zero_group, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
-
-
-# ------------------------------------------------------------------------------------------------
 # Single process
 
 
-def _tokens():
-    return encode(generate_text())
-
-
-def _device(spec: dict) -> torch.device:
-    want = spec.get("device", "auto")
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    return torch.device("cpu")
-
-
-class _Planned:
-    """The llmmem plan of a strategy with ``checkpoint='plan'``: ``llmmem.auto_checkpoint`` on the
-    whole model with a budget on the step's activation peak. The planner measures the rest of the
-    step (embedding, head, loss) itself on a sample step: forward and backward of a batch drawn apart
-    from the training batches, in the strategy's precision."""
-
-    def __init__(self, model: GPT, strategy: Strategy, device, repeats: int) -> None:
-        self.model, self.strategy, self.device, self.repeats = model, strategy, device, repeats
-        self.plan = None
-        self.budget = None
-        self.planning_seconds = 0.0
-
-    def install(self, budget: int, x, y) -> None:
-        """Plan for ``budget`` bytes of activation peak on a sample step with batch ``(x, y)`` and run
-        the blocks by the plan. Raises llmmem.InfeasibleError when no plan fits."""
-        if self.plan is not None:
-            self.plan.remove()
-            self.plan = None
-        model, amp = self.model, self.strategy.amp
-
-        def sample_step():
-            with amp_context(amp, self.device):
-                _, loss = model(x, y)
-            loss.backward()
-
-        t0 = time.perf_counter()
-        try:
-            # under autocast, so that the blocks are profiled in the precision they train in
-            with amp_context(amp, self.device):
-                self.plan = llmmem.auto_checkpoint(
-                    model, budget=max(1, int(budget)), sample=sample_step, repeats=self.repeats
-                )
-        finally:
-            for p in model.parameters():  # the sample step's gradients are not the training's
-                if p.grad is not None:
-                    p.grad.zero_()
-        self.planning_seconds = time.perf_counter() - t0
-        self.budget = int(budget)
-
-    def least_budget_per_sample(self, batch: int) -> float:
-        return self.plan.min_budget_bytes / batch
-
-    def describe(self) -> dict:
-        return {
-            "budget_bytes": self.budget,
-            "predicted_peak_bytes": self.plan.predicted_peak_bytes if self.plan else None,
-            "least_budget_bytes": self.plan.min_budget_bytes if self.plan else None,
-            "planning_seconds": self.planning_seconds,
-            "describe": self.plan.describe() if self.plan else None,
-        }
-
-
 def run_single(spec: dict) -> dict:
+    """One single-process row: trained, measured, and its largest batch searched; a row of the
+    model-state presets (``spec["search"] == "model"``) searches the largest model instead
+    (:func:`llmmem.compare.finetune.run_row`)."""
+    if spec.get("search") == "model":
+        return finetune.run_row(spec)
     clock = PhaseClock(spec)
     strategy = Strategy(**spec["strategy"])
     torch.set_num_threads(int(spec.get("threads", 1)))
-    device = _device(spec)
+    device = pick_device(spec)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     seed, batch, steps = spec["seed"], spec["batch"], spec["steps"]
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
-    tokens = _tokens()
+    tokens = corpus_tokens()
     sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed)
-    result = _header(spec, strategy, device, model.num_parameters(), model.num_parameters())
+    result = row_header(spec, strategy, device, model.num_parameters(), model.num_parameters())
     result["seconds"] = clock.seconds
     result["parent_pid"] = os.getppid()  # the worker server's, when the row was forked from it
     clock.lap("build")
     planned = None
     if strategy.checkpoint == "plan":
-        planned = _Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
+        planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
         sample_x, sample_y = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()
         budget = int(strategy.budget_fraction * spec["baseline_activation_bytes"])
         try:
@@ -256,7 +93,9 @@ def run_single(spec: dict) -> dict:
         return x.to(device), y.to(device)
 
     # Only train_and_measure holds the reference, so that it is freed before the measured step.
-    result.update(measure.train_and_measure(trainer, batches, steps, device, reference=_reference(cfg, spec, device)))
+    result.update(
+        measure.train_and_measure(trainer, batches, steps, device, reference=reference_trainer(cfg, spec, device))
+    )
     clock.lap("train")
     if planned is not None:
         result["plan"] = planned.describe()
@@ -297,32 +136,6 @@ def run_single(spec: dict) -> dict:
     )
     clock.lap("search")
     return result
-
-
-def _reference(cfg: GPTConfig, spec: dict, device) -> Trainer:
-    """The fp32 baseline again, on its own copy of the model, to be stepped alternately with the
-    strategy: the overhead is the median ratio of the two, taken at the same moments in one process."""
-    torch.manual_seed(spec["seed"] + 3)
-    model = GPT(cfg).to(device)
-    return Trainer(model, make_optimizer(model.parameters(), spec["lr"]), Strategy("reference", "fp32"), device)
-
-
-def _header(spec: dict, strategy: Strategy, device, params: int, params_per_rank: int) -> dict:
-    return {
-        "key": strategy.key,
-        "label": strategy.label,
-        "strategy": strategy.to_dict(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(),
-        "world": strategy.world,
-        "model": spec["model"],
-        "batch": spec["batch"],
-        "steps": spec["steps"],
-        "params": params,
-        "params_per_rank": params_per_rank,
-        "error": None,
-    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -378,11 +191,11 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
     if batch % strategy.dp:
         raise ValueError(f"batch {batch} must be divisible by the data-parallel size {strategy.dp}")
     local = batch // strategy.dp
-    tokens = _tokens()
+    tokens = corpus_tokens()
     sampler = BatchSampler(tokens, batch, seq, seed=spec["seed"])
     layers = spec["model"]["layers"]
     pm = _ParallelModel(spec, strategy, device, layers)
-    result = _header(spec, strategy, device, pm.full_params, pm.params_per_rank)
+    result = row_header(spec, strategy, device, pm.full_params, pm.params_per_rank)
     result["rank"] = rank
     result["seconds"] = clock.seconds
     clock.lap("build")
