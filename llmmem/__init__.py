@@ -57,10 +57,17 @@ _LAZY = {
     "vocab_parallel_cross_entropy": "llmmem.parallel",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+# Subpackages reached as attributes (``llmmem.optim.AdamW`` after ``import llmmem``), also lazily.
+_SUBMODULES = ("optim",)
+
+__all__ = sorted(_LAZY) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"llmmem.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'llmmem' has no attribute {name!r}")
@@ -70,4 +77,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -8,9 +8,10 @@ something else:
 - clipping by global norm (``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_`` on a parameter
   it steps): the norm needs every gradient before the first update; by then they are gone;
 - gradient accumulation over several backwards: each backward is applied as an update of its
-  own. Seen when ``optimizer.step()`` is called after two or more backwards, when a backward
-  starts after a step-calling loop has not called ``step()`` since the last one, or when a DDP
-  module is inside ``no_sync()``;
+  own. Seen when ``optimizer.step()`` is called after two or more backwards, or when a backward
+  starts after a step-calling loop has not called ``step()`` since the last one;
+- DistributedDataParallel: its hook fires on the rank's own gradient, before DDP averages it (the
+  replicas would drift apart silently); refused when the model given is or holds a DDP module.
 - an enabled fp16 ``GradScaler`` (torch's or llmmem's): its inf check must see every gradient
   before any update. bf16 autocast needs no scaler and works.
 
@@ -106,16 +107,11 @@ def _remove_guards() -> None:
 class StepInBackward:
     """The handle :func:`step_in_backward` returns: ``remove()`` restores the normal step."""
 
-    def __init__(self, params: list, optimizer: torch.optim.Optimizer, scheduler, model) -> None:
+    def __init__(self, params: list, optimizer: torch.optim.Optimizer, scheduler) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._params = params
         self._ids = {id(p) for p in params}
-        self._ddp = (
-            [m for m in model.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
-            if model is not None
-            else []
-        )
         self._group_of = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -160,12 +156,6 @@ class StepInBackward:
     # ---- hooks ----------------------------------------------------------------------------
 
     def _check_accumulation(self) -> None:
-        for m in self._ddp:
-            if not m.require_backward_grad_sync:
-                raise StateError(
-                    "step_in_backward under DistributedDataParallel.no_sync(): gradient accumulation over several "
-                    "backwards cannot be stepped in backward (each backward would be an update of its own)"
-                )
         if self._step_called and self._backwards_since_step >= 1:
             raise StateError(
                 "a second backward without optimizer.step() in between, in a loop that calls optimizer.step(): "
@@ -266,4 +256,9 @@ def step_in_backward(
         )
     if not params:
         raise ValueError("step_in_backward: no parameter requires grad")
-    return StepInBackward(params, optimizer, scheduler, model)
+    if model is not None and any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in model.modules()):
+        raise NotImplementedError(
+            "step_in_backward does not support DistributedDataParallel: the accumulate hook runs on each rank's "
+            "own gradient, before DDP averages it, so the replicas would drift apart; step after backward instead"
+        )
+    return StepInBackward(params, optimizer, scheduler)

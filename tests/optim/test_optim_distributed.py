@@ -155,3 +155,24 @@ def test_zero_ddp_fsdp2_and_tensor_parallel_on_two_ranks():
     from llmmem.parallel.ranks import run_ranks
 
     run_ranks(__file__, "_worker", 2, timeout=240)
+
+
+def _ddp_in_backward_worker(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import llmmem.optim as lo
+
+    m = DDP(_model())
+    try:
+        lo.step_in_backward(m, lo.AdamW(m.parameters()))
+    except NotImplementedError as e:
+        assert "DistributedDataParallel" in str(e) and "drift" in str(e)
+    else:
+        raise AssertionError("step_in_backward accepted a DDP model")
+
+
+def test_step_in_backward_refuses_ddp():
+    # its hook would step each rank on its own gradient before DDP averages it (a new user's finding)
+    from llmmem.parallel.ranks import run_ranks
+
+    run_ranks(__file__, "_ddp_in_backward_worker", 2, timeout=120)
