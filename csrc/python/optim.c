@@ -3,8 +3,10 @@
  *
  * Tensors arrive as plain ints (data_ptr(), numel(), dtype codes), never as torch objects. A step
  * takes a list of records, one tuple per parameter:
- *   (param, grad, master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, step, numel, seed,
- *    param_dtype, grad_dtype)
+ *   (param, master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, step, numel, seed,
+ *    param_dtype, grad, grad_dtype)
+ * (the gradient last: the Python layer keeps the rest of a record from step to step and adds the
+ * gradient, which changes, at the end)
  * addresses as ints (0 = NULL), and the group's hyper-parameters. The CPU step releases the GIL
  * for its whole run; the CUDA step only queues work. Argument errors raise
  * llmmem.InvalidArgumentError (a ValueError) naming the argument.
@@ -28,7 +30,7 @@ static int record_int(PyObject *rec, Py_ssize_t i, Py_ssize_t k, unsigned long l
     PyErr_Format(PyExc_TypeError, "records[%zd][%zd] must be an int, got %.100s", i, k, Py_TYPE(v)->tp_name);
     return -1;
   }
-  if (k == 9) { /* the seed: any 64-bit pattern */
+  if (k == 8) { /* the seed: any 64-bit pattern */
     *out = PyLong_AsUnsignedLongLongMask(v);
   } else {
     long long x = PyLong_AsLongLong(v);
@@ -68,23 +70,23 @@ static int parse_records(PyObject *records, llmmem_optim_tensor_t **out, size_t 
         return -1;
       }
     }
-    if (v[8] > INT64_MAX || v[10] > INT32_MAX || v[11] > INT32_MAX) {
+    if (v[7] > INT64_MAX || v[9] > INT32_MAX || v[11] > INT32_MAX) {
       PyErr_Format(PyExc_ValueError, "records[%zd]: numel or a dtype code is out of range", i);
       PyMem_Free(t);
       return -1;
     }
     t[i] = (llmmem_optim_tensor_t){
         .param = (void *)(uintptr_t)v[0],
-        .grad = (const void *)(uintptr_t)v[1],
-        .master = (float *)(uintptr_t)v[2],
-        .exp_avg = (void *)(uintptr_t)v[3],
-        .exp_avg_sq = (void *)(uintptr_t)v[4],
-        .exp_avg_scale = (float *)(uintptr_t)v[5],
-        .exp_avg_sq_scale = (float *)(uintptr_t)v[6],
-        .step = (float *)(uintptr_t)v[7],
-        .numel = (int64_t)v[8],
-        .seed = (uint64_t)v[9],
-        .param_dtype = (int32_t)v[10],
+        .master = (float *)(uintptr_t)v[1],
+        .exp_avg = (void *)(uintptr_t)v[2],
+        .exp_avg_sq = (void *)(uintptr_t)v[3],
+        .exp_avg_scale = (float *)(uintptr_t)v[4],
+        .exp_avg_sq_scale = (float *)(uintptr_t)v[5],
+        .step = (float *)(uintptr_t)v[6],
+        .numel = (int64_t)v[7],
+        .seed = (uint64_t)v[8],
+        .param_dtype = (int32_t)v[9],
+        .grad = (const void *)(uintptr_t)v[10],
         .grad_dtype = (int32_t)v[11],
     };
   }

@@ -46,6 +46,7 @@ from llmmem.optim import formats, kernels
 from llmmem.optim.formats import Format
 from llmmem.optim.kernels import Hyper, Item
 from llmmem.optim.offload import Offload
+from llmmem.optim.records import head_of, record
 
 _FLOAT_PARAMS = (torch.float32, torch.bfloat16, torch.float16)
 _LLMMEM_KEYS = ("state_dtype", "block_size", "stochastic_rounding", "min_quantized_numel", "master_weights")
@@ -176,6 +177,22 @@ def _check_param(p: torch.Tensor, group: dict, where: str) -> None:
         )
 
 
+class _Cached:
+    """A parameter's record without its gradient (:func:`llmmem.optim.records.head_of`), and what
+    it was made from: the state dict and its first moment (a state replaced or reloaded makes it
+    stale), the parameter's version when it has a master (the master follows outside writes)."""
+
+    __slots__ = ("key", "fmt", "device", "param", "head", "state", "moment", "version", "grad_dtype")
+
+    def __init__(self, key: tuple, fmt: Format, device: torch.device, item: Item, p: torch.Tensor) -> None:
+        self.key, self.fmt, self.device, self.param = key, fmt, device, p
+        self.grad_dtype = item.grad.dtype
+        self.head = head_of(item.param, item.master, item.state, item.seed)
+        self.state = item.state
+        self.moment = item.state["exp_avg"]
+        self.version = p._version if item.master is not None else None
+
+
 class Adam(torch.optim.Optimizer):
     """Adam, or AdamW with ``decoupled_weight_decay=True``, with compact state (see the module).
 
@@ -257,6 +274,7 @@ class Adam(torch.optim.Optimizer):
             raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
         self._offload = Offload() if offload == "cpu" else None
         self._versions: dict = {}  # parameter -> its version counter when a step last saw it (masters)
+        self._cached: dict = {}  # id(parameter) -> _Cached (the hot path of _step_params)
         super().__init__(params, defaults)
 
     # ---- groups ---------------------------------------------------------------------------
@@ -313,7 +331,7 @@ class Adam(torch.optim.Optimizer):
 
     # ---- the step -------------------------------------------------------------------------
 
-    def _hyper(self, group: dict, p_dtype: torch.dtype) -> Hyper:
+    def _hyper(self, group: dict) -> Hyper:
         sr = group["stochastic_rounding"]
         return Hyper(
             lr=float(group["lr"]),
@@ -400,27 +418,70 @@ class Adam(torch.optim.Optimizer):
 
     def _step_params(self, work: list) -> None:
         """Steps the parameters of ``work`` [(group, params)], all-or-nothing: first every check
-        and every new state (which can run out of memory), then the kernels."""
+        and every new state (which can run out of memory), then the kernels.
+
+        The hot path: a parameter stepped natively before keeps its record's gradient-free part
+        (:class:`_Cached`), reused while its storage, state and (with a master) version are the
+        ones it was made from, so a step costs a few attribute reads a parameter in Python."""
         new_states: dict = {}
-        batches: dict = {}
+        batches: dict = {}  # (group, format, device) -> [group, format, device, Batch or Items, params]
+        routes: dict = {}  # device -> None (native) or why not
+        cached = self._cached
         for gi, (group, params) in enumerate(work):
             for pi, p in enumerate(params):
+                grad = p.grad
+                if grad is None:
+                    continue
+                c = cached.get(id(p))
+                if (
+                    c is not None
+                    and c.param is p
+                    and type(grad) is torch.Tensor
+                    and grad.layout is torch.strided
+                    and grad.dtype is c.grad_dtype
+                    and grad.is_contiguous()
+                    and p.is_contiguous()
+                    and grad.numel() == c.head[7]
+                    and p.data_ptr() == c.head[0]
+                    and self.state.get(p) is c.state
+                    and c.state.get("exp_avg") is c.moment
+                    and (c.version is None or p._version == c.version)
+                ):
+                    batch = batches.get(c.key)
+                    if batch is None:
+                        batch = batches[c.key] = [group, c.fmt, c.device, kernels.Batch(), []]
+                    batch[3].records.append(record(c.head, grad))
+                    batch[3].keep.append(grad)
+                    continue
                 prepared = self._prepare(p, group, f"parameter {pi} of group {gi}", new_states)
                 if prepared is None:
                     continue
                 item, fmt = prepared
-                key = (id(group), fmt, item.param.device)
-                batch = batches.setdefault(key, (group, fmt, item.param.device, [], []))
-                batch[3].append(item)
-                batch[4].append(p)
+                device = item.param.device
+                if device not in routes:
+                    routes[device] = kernels.native_route(device) if self._offload is None else "offload"
+                key = (id(group), fmt.dtype, fmt.block, device)  # plain values: hashed in C
+                batch = batches.get(key)
+                if batch is None:
+                    native = routes[device] is None
+                    batch = batches[key] = [group, fmt, device, kernels.Batch() if native else [], []]
+                if isinstance(batch[3], kernels.Batch):
+                    batch[3].add(item)
+                    if item.param is p and p.is_contiguous():
+                        cached[id(p)] = _Cached(key, fmt, device, item, p)
+                else:
+                    batch[3].append(item)
+                    batch[4].append(p)
         for p, state in new_states.items():
             self.state[p] = state
-        for group, fmt, device, items, params in batches.values():
-            hp = self._hyper(group, items[0].param.dtype)
-            if self._offload is not None:
-                self._offload.step(params, items, fmt, hp)
+        for group, fmt, device, work_items, params in batches.values():
+            hp = self._hyper(group)
+            if isinstance(work_items, kernels.Batch):
+                kernels.run(work_items, fmt, hp, device)
+            elif self._offload is not None:
+                self._offload.step(params, work_items, fmt, hp)
             else:
-                kernels.step(items, fmt, hp, device)
+                kernels.step(work_items, fmt, hp, device)
 
     # ---- state dicts ----------------------------------------------------------------------
 
@@ -480,6 +541,7 @@ class Adam(torch.optim.Optimizer):
         self.state = defaultdict(dict, new_state)
         self.param_groups = new_groups
         self._versions.clear()
+        self._cached.clear()
         if self._offload is not None:
             self._offload.forget()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

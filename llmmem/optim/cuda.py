@@ -12,6 +12,7 @@ import torch
 from llmmem._cuda_build import build_problem
 from llmmem._devices import cuda_index
 from llmmem._native import native
+from llmmem.optim.records import head_of, record
 
 _support: dict = {}  # GPU index -> None (usable) or why not
 
@@ -38,29 +39,14 @@ def _capturing() -> bool:
         return False
 
 
-_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
 def _records(ts: list, master: bool) -> list:
+    """Native step records of a case's tensors."""
     out = []
     for t in ts:
-        ms = t.get("ms")
-        out.append(
-            (
-                t["p"].data_ptr(),
-                t["g"].data_ptr(),
-                t["master"].data_ptr() if master else 0,
-                t["m"].data_ptr(),
-                t["v"].data_ptr(),
-                0 if ms is None else ms.data_ptr(),
-                0 if ms is None else t["vs"].data_ptr(),
-                t["step"].data_ptr(),
-                t["p"].numel(),
-                t["seed"],
-                _CODES[t["p"].dtype],
-                _CODES[t["g"].dtype],
-            )
-        )
+        state = {"exp_avg": t["m"], "exp_avg_sq": t["v"], "step": t["step"]}
+        if "ms" in t:
+            state["exp_avg_scale"], state["exp_avg_sq_scale"] = t["ms"], t["vs"]
+        out.append(record(head_of(t["p"], t["master"] if master else None, state, t["seed"]), t["g"]))
     return out
 
 

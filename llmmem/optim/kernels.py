@@ -25,8 +25,7 @@ from llmmem._devices import cuda_index as _cuda_index
 from llmmem._native import native
 from llmmem.optim import cuda, reference
 from llmmem.optim.formats import Format
-
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+from llmmem.optim.records import head_of, record
 
 
 @dataclass
@@ -72,8 +71,57 @@ def _warn_fallback(device: torch.device, why: str) -> None:
         )
 
 
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.data_ptr()
+def native_route(device: torch.device) -> Optional[str]:
+    """None when ``device``'s parameters go to llmmem's own kernels, else why not."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        return cuda.unsupported_reason(device)
+    return "llmmem's kernels do not cover this device"
+
+
+class Batch:
+    """The records of one native step call (one group, format and device): what the C core
+    reads, and the tensors that must stay alive and be written back around the call."""
+
+    __slots__ = ("records", "keep", "write_back")
+
+    def __init__(self) -> None:
+        self.records: list = []
+        self.keep: list = []
+        self.write_back: list = []
+
+    def add(self, it: Item) -> None:
+        """An item, made contiguous where it is strided (its weight written back after)."""
+        p, g, copied = _contiguous_views(it)
+        self.keep.append((p, g, it.master, it.state))
+        if copied:
+            self.write_back.append((it.param, p))
+        self.records.append(record(head_of(p, it.master, it.state, it.seed), g))
+
+
+def run(batch: Batch, fmt: Format, hp: Hyper, device: torch.device) -> None:
+    """One native step of a batch's records (each a :func:`head_of` tuple + the gradient's
+    address and dtype code), then the write-backs."""
+    if not batch.records:
+        return
+    native.optim_adamw_step(
+        batch.records,
+        hp.lr,
+        hp.beta1,
+        hp.beta2,
+        hp.eps,
+        hp.weight_decay,
+        hp.decoupled,
+        hp.maximize,
+        fmt.code,
+        fmt.block or 256,
+        hp.stochastic_rounding,
+        torch.get_num_threads(),
+        **cuda._launch_args(device, _cuda_index(device) if device.type == "cuda" else -1),
+    )
+    for dst, src in batch.write_back:
+        dst.copy_(src)
 
 
 def step(items: list[Item], fmt: Format, hp: Hyper, device: torch.device, reference_only: bool = False) -> None:
@@ -81,10 +129,7 @@ def step(items: list[Item], fmt: Format, hp: Hyper, device: torch.device, refere
     if not items:
         return
     if not reference_only:
-        if device.type == "cpu":
-            _step_native(items, fmt, hp, device)
-            return
-        why = cuda.unsupported_reason(device) if device.type == "cuda" else "llmmem's kernels do not cover this device"
+        why = native_route(device)
         if why is None:
             _step_native(items, fmt, hp, device)
             return
@@ -102,46 +147,10 @@ def _contiguous_views(it: Item):
 
 
 def _step_native(items: list[Item], fmt: Format, hp: Hyper, device: torch.device) -> None:
-    records, keep, write_back = [], [], []
+    batch = Batch()
     for it in items:
-        p, g, copied = _contiguous_views(it)
-        keep.append((p, g))
-        if copied:
-            write_back.append((it.param, p))
-        s = it.state
-        records.append(
-            (
-                p.data_ptr(),
-                g.data_ptr(),
-                _ptr(it.master),
-                s["exp_avg"].data_ptr(),
-                s["exp_avg_sq"].data_ptr(),
-                _ptr(s.get("exp_avg_scale")),
-                _ptr(s.get("exp_avg_sq_scale")),
-                s["step"].data_ptr(),
-                p.numel(),
-                it.seed,
-                DTYPE_CODES[p.dtype],
-                DTYPE_CODES[g.dtype],
-            )
-        )
-    native.optim_adamw_step(
-        records,
-        hp.lr,
-        hp.beta1,
-        hp.beta2,
-        hp.eps,
-        hp.weight_decay,
-        hp.decoupled,
-        hp.maximize,
-        fmt.code,
-        fmt.block or 256,
-        hp.stochastic_rounding,
-        torch.get_num_threads(),
-        **cuda._launch_args(device, _cuda_index(device) if device.type == "cuda" else -1),
-    )
-    for dst, src in write_back:
-        dst.copy_(src)
+        batch.add(it)
+    run(batch, fmt, hp, device)
 
 
 def _step_reference(it: Item, fmt: Format, hp: Hyper) -> None:
