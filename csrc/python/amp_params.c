@@ -28,26 +28,12 @@
 #include <llmmem/amp.h>
 
 /* Interned attribute names, made once. */
-static PyObject *s_params, *s_grad, *s_dtype, *s_is_cpu, *s_is_contiguous, *s_data_ptr, *s_nbytes;
+static PyObject *s_params;
 
 static int intern_names(void) {
-  if (s_nbytes) return 0;
-  struct {
-    PyObject **slot;
-    const char *name;
-  } names[] = {{&s_params, "params"},
-               {&s_grad, "grad"},
-               {&s_dtype, "dtype"},
-               {&s_is_cpu, "is_cpu"},
-               {&s_is_contiguous, "is_contiguous"},
-               {&s_data_ptr, "data_ptr"},
-               {&s_nbytes, "nbytes"}};
-  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-    if (*names[i].slot) continue;
-    *names[i].slot = PyUnicode_InternFromString(names[i].name);
-    if (!*names[i].slot) return -1;
-  }
-  return 0;
+  if (s_params) return 0;
+  s_params = PyUnicode_InternFromString("params");
+  return s_params ? 0 : -1;
 }
 
 /* The torch objects the walk compares against, handed in by the caller (llmmem/amp/cpu_unscale.py). */
@@ -57,66 +43,15 @@ typedef struct {
   int allow_fp16;
 } kinds_t;
 
-/* How the walk reads one attribute of an exact torch.Tensor (or Parameter). torch defines these
- * on its C base class as getset or method descriptors; found once on the type, they are called
- * directly, skipping the generic lookup on every read (a tenth of the walk's per-gradient cost).
- * The call is the one Python makes (TorchFunctionMode included); an instance attribute of the same
- * name, which a method lookup by name would prefer, is ignored: the walk wants torch's own answer.
- * When the type holds something else under the name, the attribute is read by name. */
-typedef struct {
-  PyObject **name;
-  int is_method;
-  PyObject *descr; /* strong; NULL: read by name */
-} reader_t;
-
-enum { R_GRAD, R_DTYPE, R_IS_CPU, R_IS_CONTIGUOUS, R_DATA_PTR, R_NBYTES, R_COUNT };
-static reader_t readers[R_COUNT] = {{&s_grad, 0, NULL},          {&s_dtype, 0, NULL},    {&s_is_cpu, 0, NULL},
-                                    {&s_is_contiguous, 1, NULL}, {&s_data_ptr, 1, NULL}, {&s_nbytes, 0, NULL}};
-static PyObject *readers_type;     /* the tensor type the descriptors were found on (strong) */
-static int grad_descr_fits_params; /* Parameter resolves `grad` to the same descriptor */
-
-/* Finds the descriptors on k->tensor_type (once per type); -1 with an exception set on failure. */
-static int resolve_readers(const kinds_t *k) {
-  if (readers_type == k->tensor_type) return 0;
-  for (int r = 0; r < R_COUNT; r++) {
-    Py_CLEAR(readers[r].descr);
-    PyObject *d = PyObject_GetAttr(k->tensor_type, *readers[r].name);
-    if (!d) {
-      PyErr_Clear(); /* read by name: the walk then meets the same error and hands the call over */
-      continue;
-    }
-    int fits =
-        readers[r].is_method ? PyObject_TypeCheck(d, &PyMethodDescr_Type) : PyObject_TypeCheck(d, &PyGetSetDescr_Type);
-    if (fits)
-      readers[r].descr = d;
-    else
-      Py_DECREF(d);
-  }
-  PyObject *pg = PyObject_GetAttr(k->param_type, s_grad);
-  if (!pg) PyErr_Clear();
-  grad_descr_fits_params = pg && pg == readers[R_GRAD].descr;
-  Py_XDECREF(pg);
-  Py_INCREF(k->tensor_type);
-  Py_XSETREF(readers_type, k->tensor_type);
-  return 0;
-}
-
-/* New reference, or NULL with an exception set. */
-static PyObject *read_attr(int r, PyObject *obj) {
-  PyObject *d = readers[r].descr;
-  if (d && readers[r].is_method) return PyObject_Vectorcall(d, &obj, 1, NULL);
-  if (d) return Py_TYPE(d)->tp_descr_get(d, obj, (PyObject *)Py_TYPE(obj));
-  return readers[r].is_method ? PyObject_CallMethodNoArgs(obj, *readers[r].name)
-                              : PyObject_GetAttr(obj, *readers[r].name);
-}
-
-/* With an exception set: whether it must reach the caller rather than send the call to the
- * general path (which reads the same attributes and reports their errors itself): running out of
- * memory, and what is no Exception (KeyboardInterrupt from a signal handler run by Python code a
- * TorchFunctionMode executes during an attribute read, SystemExit), which must not be swallowed. */
-static int must_propagate(void) {
-  return PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception);
-}
+#define read_attr(r, obj) llmmem_py_tensor_attr((r), (obj))
+#define must_propagate()  llmmem_py_must_propagate()
+enum {
+  R_DTYPE = LLMMEM_TA_DTYPE,
+  R_IS_CPU = LLMMEM_TA_IS_CPU,
+  R_IS_CONTIGUOUS = LLMMEM_TA_IS_CONTIGUOUS,
+  R_DATA_PTR = LLMMEM_TA_DATA_PTR,
+  R_NBYTES = LLMMEM_TA_NBYTES
+};
 
 /* 1: `grad` is a plain gradient, described in *out; 0: not the plain case (no exception set);
  * -1: a Python error that must propagate (see must_propagate). */
@@ -231,8 +166,7 @@ static int walk(PyObject *groups, Py_ssize_t cap, const kinds_t *k, llmmem_scale
         break;
       }
       Py_INCREF(param);
-      PyObject *grad = (PyObject *)pt == k->tensor_type || grad_descr_fits_params ? read_attr(R_GRAD, param)
-                                                                                  : PyObject_GetAttr(param, s_grad);
+      PyObject *grad = llmmem_py_param_grad(param, k->tensor_type);
       Py_DECREF(param);
       if (!grad) {
         rc = must_propagate() ? -1 : 0;
@@ -342,7 +276,7 @@ static PyObject *py_unscale_param_groups(PyObject *self, PyObject *args) {
   if (intern_names() < 0) return NULL;
   kinds_t k = {PyTuple_GET_ITEM(kinds_tuple, 0), PyTuple_GET_ITEM(kinds_tuple, 1), {0}, allow_fp16};
   for (int c = 0; c < LLMMEM_SCALER_DTYPE_COUNT_; c++) k.dtypes[c] = PyTuple_GET_ITEM(kinds_tuple, 2 + c);
-  if (resolve_readers(&k) < 0) return NULL;
+  if (llmmem_py_tensor_attrs_resolve(k.tensor_type, k.param_type) < 0) return NULL;
   /* How many gradients are unscaled, written as soon as it is known: an exception (one raised in
    * the walk, or a signal handled as this call returns, which discards its result) must not hide
    * that some are. */

@@ -38,6 +38,32 @@ int llmmem_py_arg_int(PyObject *obj, const char *what, int64_t lo, int64_t hi, i
 int llmmem_py_arg_size(PyObject *obj, const char *what, size_t min, size_t *out);
 int llmmem_py_arg_number(PyObject *obj, const char *what, double *out);
 
+/* ---- tensor attributes (tensor_attrs.c) -------------------------------------------------- */
+
+enum {
+  LLMMEM_TA_GRAD,
+  LLMMEM_TA_DTYPE,
+  LLMMEM_TA_IS_CPU,
+  LLMMEM_TA_IS_CONTIGUOUS,
+  LLMMEM_TA_DATA_PTR,
+  LLMMEM_TA_NBYTES,
+  LLMMEM_TA_VERSION,
+  LLMMEM_TA_COUNT
+};
+/* Finds the attributes' descriptors on tensor_type (once per type; param_type is checked for its
+ * `grad`); -1 with an exception set on failure. Call before the reads below. */
+int llmmem_py_tensor_attrs_resolve(PyObject *tensor_type, PyObject *param_type);
+/* obj's attribute (LLMMEM_TA_*; the methods called without arguments): a new reference, or NULL
+ * with an exception set. */
+PyObject *llmmem_py_tensor_attr(int which, PyObject *obj);
+/* param.grad (by descriptor where the type fits): a new reference, or NULL with an exception set. */
+PyObject *llmmem_py_param_grad(PyObject *param, PyObject *tensor_type);
+/* With an exception set: whether it must reach the caller rather than send a walk's call to its
+ * general path (which reads the same attributes and reports their errors itself): running out of
+ * memory, and what is no Exception (KeyboardInterrupt from a signal handler run by Python code a
+ * TorchFunctionMode executes during an attribute read, SystemExit), which must not be swallowed. */
+int llmmem_py_must_propagate(void);
+
 /* Method tables of each concern, NULL-terminated, merged by module.c. */
 extern PyMethodDef llmmem_py_info_methods[];
 extern PyMethodDef llmmem_py_errors_methods[];

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from llmmem._native import native
 from llmmem.optim import formats, kernels
 from llmmem.optim.formats import Format
 from llmmem.optim.kernels import Hyper, Item
@@ -193,6 +194,92 @@ class _Cached:
         self.version = p._version if item.master is not None else None
 
 
+class _StateDict(defaultdict):
+    """The optimizer's ``state``: a defaultdict that counts its changes (``generation``), so that
+    the C walk of a group (:class:`_GroupCache`) is not taken after an entry was replaced."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.generation = 0
+
+    def _changed(self) -> None:
+        self.generation += 1
+
+    def __setitem__(self, key, value) -> None:
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self._changed()
+        super().__delitem__(key)
+
+    def clear(self) -> None:
+        self._changed()
+        super().clear()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def update(self, *args, **kwargs) -> None:
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+    def __reduce__(self):
+        return (_StateDict, (self.default_factory, dict(self)))
+
+
+_KINDS: list = []
+
+
+def _kinds() -> tuple:
+    """What the C walk compares against: (Tensor, Parameter, float32, float16, bfloat16)."""
+    if not _KINDS:
+        _KINDS.append((torch.Tensor, torch.nn.Parameter, torch.float32, torch.float16, torch.bfloat16))
+    return _KINDS[0]
+
+
+class _GroupCache:
+    """The lists the C walk of a CPU parameter group reads (csrc/python/optim.c: optim_adamw_walk):
+    the group's parameters as they were, and for each its cached record head, state dict, first
+    moment, version (with a master; else -1) and format; None for a parameter not cached (one that
+    has no state yet, or is stepped elsewhere): it sends the walk to the general path once it has a
+    gradient. Valid while the state dict is the one it was made with and unchanged."""
+
+    __slots__ = ("lists", "state_dict", "generation")
+
+    @classmethod
+    def of(cls, group: dict, cached: dict, state: _StateDict) -> Optional[_GroupCache]:
+        params = list(group["params"])
+        heads, states, moments, versions, fmts = [], [], [], [], []
+        for p in params:
+            c = cached.get(id(p))
+            if c is not None and c.param is p and c.device.type != "cpu":
+                return None  # stepped by the device's kernels: the Python hot path takes it
+            ok = c is not None and c.param is p and state.get(p) is c.state
+            heads.append(c.head if ok else None)
+            states.append(c.state if ok else None)
+            moments.append(c.moment if ok else None)
+            versions.append(c.version if ok and c.version is not None else -1)
+            fmts.append(c.fmt.code << 16 | (c.fmt.block or 256) if ok else 0)
+        gc = cls()
+        gc.lists = (params, heads, states, moments, versions, fmts)
+        gc.state_dict, gc.generation = state, state.generation
+        return gc
+
+
 class Adam(torch.optim.Optimizer):
     """Adam, or AdamW with ``decoupled_weight_decay=True``, with compact state (see the module).
 
@@ -275,7 +362,27 @@ class Adam(torch.optim.Optimizer):
         self._offload = Offload() if offload == "cpu" else None
         self._versions: dict = {}  # parameter -> its version counter when a step last saw it (masters)
         self._cached: dict = {}  # id(parameter) -> _Cached (the hot path of _step_params)
+        self._group_caches: dict = {}  # id(group) -> _GroupCache (the C walk of a CPU group)
         super().__init__(params, defaults)
+        self.state = _StateDict(dict, self.state)
+
+    # ---- pickling (copy.deepcopy, multiprocessing) ----------------------------------------
+
+    def __getstate__(self) -> dict:
+        # torch keeps defaults, state and groups; the seed and the offload choice travel too.
+        # The caches do not: their records are addresses of this process's tensors.
+        out = super().__getstate__()
+        out["_seed"] = self._seed
+        out["_offload_kind"] = "cpu" if self._offload is not None else None
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        kind = state.pop("_offload_kind", None)
+        super().__setstate__(state)
+        self._offload = Offload() if kind == "cpu" else None
+        self._versions, self._cached, self._group_caches = {}, {}, {}
+        if not isinstance(self.state, _StateDict):
+            self.state = _StateDict(dict, self.state)
 
     # ---- groups ---------------------------------------------------------------------------
 
@@ -413,10 +520,21 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_params([(g, g["params"]) for g in self.param_groups])
+        work, walked = [], []
+        for group in self.param_groups:
+            gc = self._group_caches.get(id(group))
+            if gc is not None and gc.state_dict is self.state and gc.generation == self.state.generation:
+                w = native.optim_adamw_walk(group["params"], *gc.lists, _kinds())
+                if w is not None:
+                    walked.append((group, w))
+                    continue
+            work.append((group, group["params"]))
+        self._step_params(work, walked)
+        for group, _ in work:
+            self._group_caches[id(group)] = _GroupCache.of(group, self._cached, self.state)
         return loss
 
-    def _step_params(self, work: list) -> None:
+    def _step_params(self, work: list, walked: tuple = ()) -> None:
         """Steps the parameters of ``work`` [(group, params)], all-or-nothing: first every check
         and every new state (which can run out of memory), then the kernels.
 
@@ -463,8 +581,8 @@ class Adam(torch.optim.Optimizer):
                 key = (id(group), fmt.dtype, fmt.block, device)  # plain values: hashed in C
                 batch = batches.get(key)
                 if batch is None:
-                    native = routes[device] is None
-                    batch = batches[key] = [group, fmt, device, kernels.Batch() if native else [], []]
+                    is_native = routes[device] is None
+                    batch = batches[key] = [group, fmt, device, kernels.Batch() if is_native else [], []]
                 if isinstance(batch[3], kernels.Batch):
                     batch[3].add(item)
                     if item.param is p and p.is_contiguous():
@@ -474,6 +592,20 @@ class Adam(torch.optim.Optimizer):
                     batch[4].append(p)
         for p, state in new_states.items():
             self.state[p] = state
+        for group, w in walked:  # CPU groups the C walk read and checked (see step)
+            hp = self._hyper(group)
+            native.optim_adamw_run(
+                w,
+                hp.lr,
+                hp.beta1,
+                hp.beta2,
+                hp.eps,
+                hp.weight_decay,
+                hp.decoupled,
+                hp.maximize,
+                hp.stochastic_rounding,
+                torch.get_num_threads(),
+            )
         for group, fmt, device, work_items, params in batches.values():
             hp = self._hyper(group)
             if isinstance(work_items, kernels.Batch):
@@ -538,10 +670,11 @@ class Adam(torch.optim.Optimizer):
             ng["params"] = g["params"]
             _check_group_settings(ng)
             new_groups.append(ng)
-        self.state = defaultdict(dict, new_state)
+        self.state = _StateDict(dict, new_state)
         self.param_groups = new_groups
         self._versions.clear()
         self._cached.clear()
+        self._group_caches.clear()
         if self._offload is not None:
             self._offload.forget()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
