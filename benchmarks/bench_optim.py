@@ -18,6 +18,11 @@ CUDA (--device cuda): the same on the GPU for torch fused AdamW and llmmem's for
 peers that have CUDA kernels when installed), with CUDA events.
 
 ``--peers`` also builds DeepSpeed's CPUAdam (a C++ op compiled on first use: minutes).
+
+``--convergence`` instead trains the fixed-seed tasks of :mod:`llmmem.optim.convergence` (a
+teacher-student MLP, a small GPT on the corpus) with every format, bf16 weights with stochastic
+rounding / to nearest / with a master, and the peers' 8- and 4-bit optimizers, and prints each
+final loss and its ratio to torch's fp32 AdamW (minutes; ``--quick``: the MLP only).
 """
 
 from __future__ import annotations
@@ -162,14 +167,69 @@ def run(workload: str, device: str, quick: bool, peers: bool, threads: int) -> d
     return {"workload": workload, "params": n_params, "tensors": len(sizes), "threads": threads, "rows": rows}
 
 
+def _convergence_candidates(lr: float) -> dict:
+    """name -> (make(params), weights dtype)."""
+    bf16 = torch.bfloat16
+    c = {
+        "torch AdamW fp32": (lambda ps: torch.optim.AdamW(ps, lr=lr), torch.float32),
+        "llmmem fp32": (lambda ps: lo.AdamW(ps, lr=lr), torch.float32),
+        "llmmem bf16 state": (lambda ps: lo.AdamW(ps, lr=lr, state_dtype="bf16"), torch.float32),
+        "llmmem int8": (lambda ps: lo.AdamW(ps, lr=lr, state_dtype="int8"), torch.float32),
+        "llmmem int4": (lambda ps: lo.AdamW(ps, lr=lr, state_dtype="int4"), torch.float32),
+        "bf16 weights + fp32 master": (lambda ps: lo.AdamW(ps, lr=lr, master_weights=True), bf16),
+        "bf16 weights, stochastic rounding": (lambda ps: lo.AdamW(ps, lr=lr), bf16),
+        "bf16 weights, to nearest": (lambda ps: lo.AdamW(ps, lr=lr, stochastic_rounding=False), bf16),
+        "torch AdamW on bf16 weights": (lambda ps: torch.optim.AdamW(ps, lr=lr), bf16),
+        "bf16 weights + int8 state": (lambda ps: lo.AdamW(ps, lr=lr, state_dtype="int8"), bf16),
+    }
+    try:
+        import bitsandbytes as bnb
+
+        c["bnb AdamW8bit"] = (lambda ps: bnb.optim.AdamW8bit(ps, lr=lr), torch.float32)
+    except Exception:
+        print("bitsandbytes not installed: skipped")
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        c["torchao AdamW8bit"] = (lambda ps: AdamW8bit(ps, lr=lr), torch.float32)
+        c["torchao AdamW4bit"] = (lambda ps: AdamW4bit(ps, lr=lr), torch.float32)
+    except Exception:
+        print("torchao not installed: skipped")
+    return c
+
+
+def convergence(quick: bool) -> dict:
+    from llmmem.optim import convergence as cv
+
+    torch.set_num_threads(1)
+    tasks = [("teacher-student MLP, 400 steps, lr 1e-3", lambda m, d: cv.teacher_student(m, dtype=d), 1e-3)]
+    if not quick:
+        tasks.append(("GPT 2x64 on the corpus, 2000 steps, lr 3e-3", lambda m, d: cv.gpt(m, dtype=d), 3e-3))
+    out = {}
+    for title, task, lr in tasks:
+        rows, base = [], None
+        for name, (make, dtype) in _convergence_candidates(lr).items():
+            t0 = time.perf_counter()
+            loss = task(make, dtype)
+            base = base or loss
+            rows.append([name, loss, loss / base, time.perf_counter() - t0])
+        _harness.print_table(title, ["optimizer", "final loss", "x fp32 AdamW", "s"], rows)
+        out[title] = {r[0]: {"loss": r[1], "ratio": r[2]} for r in rows}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--peers", action="store_true", help="also build and time DeepSpeed's CPUAdam (minutes)")
     parser.add_argument("--workloads", default="8m,small")
+    parser.add_argument("--convergence", action="store_true", help="final losses of fixed-seed runs instead")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.convergence:
+        print("wrote", _harness.write_json("optim_convergence", convergence(args.quick), args.json))
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: skipped")
         return 0

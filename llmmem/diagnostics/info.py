@@ -98,6 +98,7 @@ _FEATURE_MODULES = (
     ("GradScaler", "llmmem.amp"),
     ("memory pool", "llmmem.pool"),
     ("tensor parallelism", "llmmem.parallel"),
+    ("optimizer (llmmem.optim)", "llmmem.optim"),
 )
 
 

@@ -7,5 +7,6 @@ without an fp32 master (stochastic rounding), and the step taken inside backward
 
 from llmmem.optim.adamw import Adam, AdamW
 from llmmem.optim.in_backward import StepInBackward, step_in_backward
+from llmmem.optim.kernels import feature_status
 
-__all__ = ["Adam", "AdamW", "StepInBackward", "step_in_backward"]
+__all__ = ["Adam", "AdamW", "StepInBackward", "feature_status", "step_in_backward"]

@@ -159,3 +159,22 @@ def _step_reference(it: Item, fmt: Format, hp: Hyper) -> None:
     reference.adamw_step(tensors, fmt, hp.as_dict())
     if copied:
         it.param.copy_(p)
+
+
+def feature_status() -> tuple:
+    """(usable, detail) for ``python -m llmmem info``."""
+    from llmmem._cuda_build import cuda_kernels_built
+    from llmmem._native import available, load_error
+
+    if not available():
+        return False, f"C core not loaded: {load_error!r}"
+    formats = "AdamW over fp32/bf16/int8/int4 state"
+    if not cuda_kernels_built():
+        return True, f"CPU kernel ({formats}); CUDA kernels not built: the torch-ops reference on GPUs"
+    try:
+        gpu = torch.cuda.is_available()
+    except Exception:
+        gpu = False
+    if not gpu:
+        return True, f"CPU kernel ({formats}); CUDA kernels built, but no usable GPU here"
+    return True, f"CPU + CUDA kernels ({formats}); each GPU's are checked against the C reference on first use"
