@@ -119,6 +119,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="update each parameter as soon as its gradient exists and free the gradient "
         "(llmmem.optim.step_in_backward): no moment of a step holds every gradient",
     )
+    mem.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="keep the optimizer's moments (and masters) in host memory and step them there with "
+        "llmmem.optim.AdamW(offload='cpu'); on the CPU it only adds copies",
+    )
     mem.add_argument("--offload", action="store_true", help="keep checkpointed block inputs in host memory (CUDA)")
     mem.add_argument("--pool", action="store_true", help="allocate CUDA memory from an llmmem.MemoryPool")
     par = p.add_argument_group("parallelism (under torchrun)")
@@ -453,13 +459,15 @@ def make_optimizer(args, model, d: Dist):
     each bf16 update to nearest, and lose the updates smaller than half a bf16 step); in torch's
     ZeroRedundancyOptimizer over the data-parallel ranks with ZeRO-1."""
     kwargs = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    if args.optim == "adamw" and not args.bf16_weights:
+    if args.optim == "adamw" and not args.bf16_weights and not args.offload_optimizer:
         cls = torch.optim.AdamW
     else:
         cls = llmmem.optim.AdamW
         # the stochastic rounding's seed: the same on the replicas of a shard (they must stay equal),
         # another on each tensor-parallel rank (its shards are other weights)
         kwargs.update(state_dtype=STATE_DTYPES[args.optim], seed=args.seed * 1_000_003 + d.tp_rank)
+        if args.offload_optimizer:
+            kwargs["offload"] = "cpu"
     if args.zero and d.dp > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

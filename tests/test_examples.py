@@ -287,6 +287,7 @@ def test_train_gpt_model_state_flags_train(tmp_path):
         "bf16-weights": ["--bf16-weights"],
         "in-backward": ["--step-in-backward"],
         "lean": ["--bf16-weights", "--optim", "adamw-int8", "--step-in-backward", "--checkpoint", "auto"],
+        "offload": ["--offload-optimizer"],  # llmmem's AdamW stepping host state (on the CPU: copies only)
     }
     runs = [common + f + ["--log-json", str(tmp_path / f"{k}.json")] for k, f in flags.items()]
     proc = main_runs(runs)
@@ -296,6 +297,7 @@ def test_train_gpt_model_state_flags_train(tmp_path):
     losses = {k: [v for _, v in log["losses"]] for k, log in logs.items()}
     peak = {k: log["peak_bytes"] for k, log in logs.items()}
     assert losses["in-backward"] == losses["adamw"]  # torch's AdamW, one parameter at a time
+    assert losses["offload"] == pytest.approx(losses["adamw"], rel=1e-5)  # fp32: torch's AdamW, rounded alike
     for k, rel in (("bf16-moments", 1e-2), ("int8", 2e-2), ("int4", 5e-2), ("bf16-weights", 5e-2), ("lean", 5e-2)):
         assert losses[k] == pytest.approx(losses["adamw"], rel=rel), k
     for k in ("bf16-moments", "int8", "int4", "bf16-weights", "in-backward"):
