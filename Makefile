@@ -105,7 +105,7 @@ build/ctests/clang/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)
 
 # Tests of vector loops again at -O3, the release build's level: at -O1 the compiler does not
 # vectorise, so only these compare the vector code the package ships with the references.
-CTEST_O3 := test_optim
+CTEST_O3 := test_optim test_head
 CTEST_BIN += $(addprefix build/ctests/O3/,$(CTEST_O3))
 
 build/ctests/O3/%: tests/c/%.c $(CORE_SRC) $(CORE_HDR)

@@ -55,6 +55,8 @@ _LAZY = {
     "RowParallelLinear": "llmmem.parallel",
     "VocabParallelEmbedding": "llmmem.parallel",
     "vocab_parallel_cross_entropy": "llmmem.parallel",
+    # the LM head and its loss without the logits
+    "linear_cross_entropy": "llmmem.head",
 }
 
 # Subpackages reached as attributes (``llmmem.optim.AdamW`` after ``import llmmem``), also lazily.

@@ -32,7 +32,7 @@ if shutil.which("clang"):
         "clang/" + p.stem for p in (ROOT / "tests" / "c").glob("test_*.c") if not p.stem.endswith("_openmp")
     )
 # Tests of vector loops, again built at -O3 (the Makefile's CTEST_O3): only there is the code vectorised.
-C_TESTS += ["O3/test_optim"]
+C_TESTS += ["O3/test_optim", "O3/test_head"]
 
 
 @pytest.fixture(scope="module")

@@ -73,5 +73,6 @@ extern PyMethodDef llmmem_py_plan_methods[];          /* checkpointing.c: recomp
 extern PyMethodDef llmmem_py_pool_methods[];          /* pool.c: caching allocator */
 extern PyMethodDef llmmem_py_comm_methods[];          /* parallel.c: intra-node collectives */
 extern PyMethodDef llmmem_py_optim_methods[];         /* optim.c: the AdamW step and its codes */
+extern PyMethodDef llmmem_py_head_methods[];          /* head.c: the fused LM head's passes */
 
 #endif /* LLMMEM_BINDING_H */

@@ -8,8 +8,9 @@
 #include "binding.h"
 
 static PyMethodDef *const method_tables[] = {
-    llmmem_py_info_methods, llmmem_py_errors_methods, llmmem_py_scaler_methods, llmmem_py_scaler_params_methods,
-    llmmem_py_plan_methods, llmmem_py_pool_methods,   llmmem_py_comm_methods,   llmmem_py_optim_methods,
+    llmmem_py_info_methods,          llmmem_py_errors_methods, llmmem_py_scaler_methods,
+    llmmem_py_scaler_params_methods, llmmem_py_plan_methods,   llmmem_py_pool_methods,
+    llmmem_py_comm_methods,          llmmem_py_optim_methods,  llmmem_py_head_methods,
 };
 
 static struct PyModuleDef module_def = {
