@@ -31,195 +31,49 @@ from typing import Optional
 
 import torch
 
-from llmmem.head import passes
+from llmmem.head import chunks, ops, passes
 from llmmem.head.passes import Settings
 
 _REDUCTIONS = ("mean", "sum", "none")
-_MIN_CHUNK_BYTES = 32 << 20
 
 
-def _chunk_rows(n: int, vocab: int, hidden_bytes: int, chunk_size: Optional[int]) -> int:
-    if chunk_size is not None:
-        return max(1, min(n, chunk_size))
-    target = max(_MIN_CHUNK_BYTES, hidden_bytes)
-    return max(1, min(n, target // (vocab * 4)))
-
-
-class _Setup:
-    """The validated call: flattened inputs and everything the chunk loop needs."""
-
-    def __init__(
-        self, hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, softcap, chunk_size, group
-    ):
-        self.h = hidden.reshape(-1, hidden.shape[-1])
-        self.w, self.b = weight, bias
-        self.labels = labels.reshape(-1)
-        self.shape = labels.shape
-        self.reduction = reduction
-        self.group = group
-        world, rank = 1, 0
-        if group is not None:
-            import torch.distributed as dist
-
-            world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.world, self.rank = world, rank
-        v_local = weight.shape[0]
-        self.settings = Settings(
-            vocab_start=rank * v_local,
-            vocab_total=v_local * world,
-            ignore_index=int(ignore_index),
-            label_smoothing=float(label_smoothing),
-            softcap=float(softcap or 0.0),
-        )
-        n = self.h.shape[0]
-        self.rows = _chunk_rows(n, v_local, self.h.numel() * self.h.element_size(), chunk_size)
-        self.valid = (self.labels != ignore_index).sum() if reduction == "mean" else None
-
-    def chunks(self):
-        n = self.h.shape[0]
-        for a in range(0, n, self.rows):
-            yield a, min(n, a + self.rows)
-
-    def logits(self, buf: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        out = buf[: b - a]
-        if self.b is not None:
-            torch.addmm(self.b, self.h[a:b], self.w.t(), out=out)
-        else:
-            torch.mm(self.h[a:b], self.w.t(), out=out)
-        return out
-
-    def row_stats(self, logits: torch.Tensor, labels: torch.Tensor) -> passes.Stats:
-        st = passes.stats(logits, labels, self.settings)
-        if self.world == 1:
-            return st
-        # every rank gathers every shard's statistics and combines them in shard order: the same
-        # bits of the loss on every rank
-        from llmmem.parallel import collectives
-
-        mine = torch.stack([st.max, st.sum, st.target, st.zsum]).unsqueeze(0)
-        allp = collectives.all_gather(mine.contiguous(), 0, self.group)
-        return passes.combine([passes.Stats(*allp[r]) for r in range(self.world)])
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            from llmmem.parallel import collectives
-
-            collectives.all_reduce_(t, group=self.group)
-        return t
-
-
-class _GradInForward(torch.autograd.Function):
-    """Loss forward with the gradients computed there (reduction mean or sum)."""
+class _Grads(torch.autograd.Function):
+    """The loss (mean or sum), gradients computed in the forward pass; backward scales them in
+    place and hands them over (autograd then takes them as ``.grad`` without a copy)."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, setup: _Setup):
-        s = setup
-        dtype = hidden2d.dtype
-        buf = torch.empty(s.rows, weight.shape[0], dtype=dtype, device=hidden2d.device)
-        need_h, need_w = hidden2d.requires_grad, weight.requires_grad
-        need_b = bias is not None and bias.requires_grad
-        dh = torch.zeros_like(hidden2d) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        total = torch.zeros((), dtype=torch.float64, device=hidden2d.device)
-        n_valid = s.valid.clamp(min=1).double() if s.reduction == "mean" else None
-        for a, b in s.chunks():
-            lab = s.labels[a:b]
-            logits = s.logits(buf, a, b)
-            st = s.row_stats(logits, lab)
-            loss, lse = passes.loss_rows(st, lab, s.settings)
-            total += loss.double().sum()
-            scale = torch.ones_like(lse) if n_valid is None else (1.0 / n_valid).float().expand_as(lse)
-            passes.grad_(logits, lab, s.settings, lse, scale)
-            if dh is not None:
-                torch.mm(logits, weight, out=dh[a:b])
-            if dw is not None:
-                _accumulate(dw, logits, s.h[a:b])
-            if db is not None:
-                db += logits.float().sum(dim=0)
-        if dh is not None:
-            s.all_reduce(dh)  # the hidden states meet every shard: their gradient is the sum
-        out = total / n_valid if n_valid is not None else total
-        if s.reduction == "mean" and bool(s.valid == 0):
-            out = torch.full((), float("nan"), dtype=torch.float64, device=hidden2d.device)  # as torch: 0 / 0
-        ctx.save_for_backward(
-            dh if dh is not None else torch.empty(0),
-            dw.to(weight.dtype) if dw is not None else torch.empty(0),
-            db.to(bias.dtype) if db is not None else torch.empty(0),
-        )
-        ctx.has = (dh is not None, dw is not None, db is not None)
-        return out.to(torch.float32 if dtype == torch.float64 else dtype)
+    def forward(ctx, h, w, b, plan: chunks.Plan, mean: bool):
+        need_b = b is not None and b.requires_grad
+        loss, dh, dw, db = chunks.forward_with_grads(plan, mean, h.requires_grad, w.requires_grad, need_b)
+        ctx.grads = (dh, dw, db)
+        return loss
 
     @staticmethod
-    def backward(ctx, grad_out):
-        dh, dw, db = ctx.saved_tensors
-        g = grad_out
-        return (
-            dh * g.to(dh.dtype) if ctx.has[0] else None,
-            dw * g.to(dw.dtype) if ctx.has[1] else None,
-            db * g.to(db.dtype) if ctx.has[2] else None,
-            None,
-        )
+    def backward(ctx, g):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "linear_cross_entropy: its gradients were computed in the forward pass and are used up; it cannot be "
+                "backpropagated twice (retain_graph=True). Call it with reduction='none' and reduce the result, "
+                "which recomputes in backward"
+            )
+        return tuple(t.mul_(g.to(t.dtype)) if t is not None else None for t in grads) + (None, None)
 
 
-def _accumulate(dw: torch.Tensor, logits_grad: torch.Tensor, h: torch.Tensor) -> None:
-    """dw (fp32) += logits_grad^T @ h, accumulated in fp32 whatever the inputs' dtype."""
-    if logits_grad.dtype == torch.float32:
-        dw.addmm_(logits_grad.t(), h.float() if h.dtype != torch.float32 else h)
-    elif dw.device.type == "cuda":
-        torch.addmm(dw, logits_grad.t(), h, out_dtype=torch.float32, out=dw)
-    else:
-        dw.addmm_(logits_grad.t().float(), h.float())
-
-
-class _Recompute(torch.autograd.Function):
-    """Loss per row forward, gradients by recomputing each chunk's logits in backward."""
+class _Rows(torch.autograd.Function):
+    """The loss of every row, gradients recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, setup: _Setup):
-        s = setup
-        buf = torch.empty(s.rows, weight.shape[0], dtype=hidden2d.dtype, device=hidden2d.device)
-        losses = torch.empty(hidden2d.shape[0], dtype=torch.float32, device=hidden2d.device)
-        lses = torch.empty_like(losses)
-        for a, b in s.chunks():
-            lab = s.labels[a:b]
-            logits = s.logits(buf, a, b)
-            loss, lse = passes.loss_rows(s.row_stats(logits, lab), lab, s.settings)
-            losses[a:b], lses[a:b] = loss, lse
-        ctx.setup = s
-        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else torch.empty(0), lses)
-        ctx.has_bias = bias is not None
-        return losses
+    def forward(ctx, h, w, b, plan: chunks.Plan):
+        rows, lse = chunks.forward_rows(plan)
+        ctx.plan, ctx.lse = plan, lse
+        return rows
 
     @staticmethod
-    def backward(ctx, grad_rows):
-        hidden2d, weight, bias, lses = ctx.saved_tensors
-        s = ctx.setup
-        s.h, s.w, s.b = hidden2d, weight, bias if ctx.has_bias else None
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        buf = torch.empty(s.rows, weight.shape[0], dtype=hidden2d.dtype, device=hidden2d.device)
-        dh = torch.zeros_like(hidden2d) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        g = grad_rows.float().contiguous()
-        for a, b in s.chunks():
-            lab = s.labels[a:b]
-            logits = s.logits(buf, a, b)
-            passes.grad_(logits, lab, s.settings, lses[a:b], g[a:b])
-            if dh is not None:
-                torch.mm(logits, weight, out=dh[a:b])
-            if dw is not None:
-                _accumulate(dw, logits, hidden2d[a:b])
-            if db is not None:
-                db += logits.float().sum(dim=0)
-        if dh is not None:
-            s.all_reduce(dh)
-        return (
-            dh,
-            dw.to(weight.dtype) if dw is not None else None,
-            db.to(bias.dtype) if db is not None else None,
-            None,
-        )
+    def backward(ctx, g):
+        need = ctx.needs_input_grad
+        dh, dw, db = chunks.backward_rows(ctx.plan, ctx.lse, g, need[0], need[1], need[2])
+        return dh, dw, db, None
 
 
 def _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size):
@@ -299,28 +153,47 @@ def linear_cross_entropy(
     :raises IndexError: a label outside ``[0, V)`` that is not ``ignore_index`` (as torch).
     """
     _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size)
-    if group is not None:
-        from llmmem.parallel.groups import get_tensor_parallel_group
-
-        group = get_tensor_parallel_group(group)
-    setup = _Setup(hidden, weight, bias, labels, ignore_index, reduction, label_smoothing, softcap, chunk_size, group)
-    vocab = setup.settings.vocab_total
-    if labels.numel():
-        bad = (setup.labels != ignore_index) & ((setup.labels < 0) | (setup.labels >= vocab))
-        if bool(bad.any()):
-            raise IndexError(
-                f"linear_cross_entropy: label {int(setup.labels[bad][0])} is out of bounds for a vocabulary of "
-                f"{vocab} (and is not ignore_index {ignore_index})"
-            )
+    h = hidden.reshape(-1, hidden.shape[-1])
+    flat = labels.reshape(-1)
+    rows = chunks.chunk_rows(h.shape[0], weight.shape[0], h.numel() * h.element_size(), chunk_size)
     grads = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+    cap = float(softcap or 0.0)
+    if group is None and torch.compiler.is_compiling():
+        # traced whole by torch.compile through the custom ops (llmmem.head.ops)
+        args = (int(ignore_index), float(label_smoothing), cap, rows)
+        if reduction != "none" and grads:
+            need_b = bias is not None and bias.requires_grad
+            loss, *_ = ops.lce_grads(
+                h, weight, bias, flat, args[0], reduction == "mean", args[1], cap, rows,
+                hidden.requires_grad, weight.requires_grad, need_b,
+            )  # fmt: skip
+            return loss
+        per_row, _ = ops.lce_rows(h, weight, bias, flat, *args)
+        return _reduce(per_row, flat, labels.shape, reduction, ignore_index, hidden.dtype)
+    world, rank = 1, 0
+    if group is not None:
+        import torch.distributed as dist
+
+        from llmmem.parallel.groups import get_tensor_parallel_group
+
+        group = get_tensor_parallel_group(group)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    v = weight.shape[0]
+    settings = Settings(rank * v, v * world, int(ignore_index), float(label_smoothing), cap)
+    plan = chunks.Plan(h, weight, bias, flat, settings, rows, group, world)
+    plan.check_labels()
     if reduction != "none" and grads:
-        return _GradInForward.apply(setup.h, weight, bias, setup)
-    rows = _Recompute.apply(setup.h, weight, bias, setup)
+        return _Grads.apply(h, weight, bias, plan, reduction == "mean")
+    per_row = _Rows.apply(h, weight, bias, plan)
+    return _reduce(per_row, flat, labels.shape, reduction, ignore_index, hidden.dtype)
+
+
+def _reduce(per_row, flat_labels, shape, reduction, ignore_index, dtype):
     if reduction == "none":
-        return rows.reshape(setup.shape).to(hidden.dtype)
-    total = rows.double().sum()
+        return per_row.reshape(shape).to(dtype)
+    total = per_row.double().sum()
     if reduction == "mean":
-        total = total / setup.valid  # 0 / 0 = NaN when every row is ignored, as torch
-    return total.to(hidden.dtype)
+        total = total / (flat_labels != ignore_index).sum()  # 0 / 0 = NaN when every row is ignored, as torch
+    return total.to(dtype)

@@ -1,0 +1,68 @@
+"""The fused head's peak against torch's plain head (measured: live tensor bytes on the CPU), and
+that it never holds more than one chunk of logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llmmem
+from llmmem.diagnostics.live import LiveBytes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _peak(fn, *inputs) -> int:
+    with LiveBytes() as live:
+        live.track(inputs)
+        base = live.allocated()
+        fn()
+        return live.max_allocated() - base
+
+
+def _plain(h, w, y):
+    F.cross_entropy(F.linear(h, w), y).backward()
+
+
+def test_peak_of_forward_and_backward_is_at_most_a_fifth_of_torchs():
+    torch.manual_seed(0)
+    n, hidden, vocab = 2048, 128, 16000
+    h = torch.randn(n, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) * 0.1).requires_grad_()
+    y = torch.randint(0, vocab, (n,))
+    torch_peak = _peak(lambda: _plain(h, w, y), h, w, y)
+    h.grad = w.grad = None
+    ours = _peak(lambda: llmmem.linear_cross_entropy(h, w, y).backward(), h, w, y)
+    logits = n * vocab * 4
+    assert torch_peak >= 2 * logits  # torch holds the logits and their gradient (or log-softmax) at once
+    assert ours <= 0.2 * torch_peak, (ours, torch_peak)
+    # what it does hold: the two gradients it returns and one chunk of logits (32 MiB at most here)
+    grads = h.numel() * 4 + w.numel() * 4
+    assert ours <= grads + (32 << 20) + (1 << 20), (ours, grads)
+
+
+def test_a_given_chunk_size_bounds_the_logits_held():
+    torch.manual_seed(0)
+    h = torch.randn(512, 64, requires_grad=True)
+    w = torch.randn(20000, 64, requires_grad=True)
+    y = torch.randint(0, 20000, (512,))
+    peaks = {}
+    for rows in (8, 256):
+        h.grad = w.grad = None
+        peaks[rows] = _peak(
+            lambda rows=rows: llmmem.linear_cross_entropy(h, w, y, chunk_size=rows).backward(), h, w, y
+        )
+    grads = (h.numel() + w.numel()) * 4
+    for rows, peak in peaks.items():  # the gradients it returns and one chunk of logits, nothing more
+        assert peak <= grads + rows * 20000 * 4 + (256 << 10), (rows, peak, grads)
+    assert peaks[256] - peaks[8] >= (256 - 8) * 20000 * 4 * 0.9
+
+
+def test_backward_twice_is_refused_clearly():
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    loss = llmmem.linear_cross_entropy(h, w, torch.randint(0, 10, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="reduction='none'"):
+        loss.backward()
