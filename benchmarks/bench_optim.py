@@ -212,9 +212,9 @@ def convergence(quick: bool) -> dict:
             t0 = time.perf_counter()
             loss = task(make, dtype)
             base = base or loss
-            rows.append([name, loss, loss / base, time.perf_counter() - t0])
+            rows.append([name, loss, f"{loss / base:.4f}", time.perf_counter() - t0])
         _harness.print_table(title, ["optimizer", "final loss", "x fp32 AdamW", "s"], rows)
-        out[title] = {r[0]: {"loss": r[1], "ratio": r[2]} for r in rows}
+        out[title] = {r[0]: {"loss": r[1], "ratio": float(r[2])} for r in rows}
     return out
 
 

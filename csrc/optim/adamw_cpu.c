@@ -44,20 +44,26 @@ struct piece_job_s {
 
 #define LOOP_SUFFIX _generic
 #define LOOP_TARGET
-#define LOOP_F16C 0
+#define LOOP_F16C   0
+#define LOOP_AVX512 0
 #include "adamw_loops.h"
 #undef LOOP_SUFFIX
 #undef LOOP_TARGET
 #undef LOOP_F16C
+#undef LOOP_AVX512
 
 #if LLMMEM_HAVE_X86_DISPATCH
 #define LOOP_SUFFIX _avx2
 #define LOOP_TARGET __attribute__((target("avx2,f16c")))
 #define LOOP_F16C   1
+#define LOOP_AVX512 0
 #include "adamw_loops.h"
 #undef LOOP_SUFFIX
 #undef LOOP_TARGET
 #undef LOOP_F16C
+#undef LOOP_AVX512
+
+#include "quant_avx512.h"
 
 #define LOOP_SUFFIX _avx512
 #if defined(__clang__)
@@ -65,11 +71,13 @@ struct piece_job_s {
 #else
 #define LOOP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c,prefer-vector-width=512")))
 #endif
-#define LOOP_F16C 1
+#define LOOP_F16C   1
+#define LOOP_AVX512 1
 #include "adamw_loops.h"
 #undef LOOP_SUFFIX
 #undef LOOP_TARGET
 #undef LOOP_F16C
+#undef LOOP_AVX512
 #endif
 
 /* -1: pick by CPU; else the ISA level the tests force (see _llmmem_optim_force_isa). */

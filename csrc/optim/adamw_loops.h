@@ -10,8 +10,9 @@
  * memory already, updated by one loop, then narrowed, rounded or quantized back. The buffers
  * stay in the L1/L2 cache, so memory is read and written once.
  *
- * Include with LOOP_SUFFIX (name suffix) and LOOP_TARGET (an attribute or nothing) defined, and
- * LOOP_F16C defined to 1 when the F16C intrinsics may be used.
+ * Include with LOOP_SUFFIX (name suffix) and LOOP_TARGET (an attribute or nothing) defined,
+ * LOOP_F16C defined to 1 when the F16C intrinsics may be used, and LOOP_AVX512 to 1 when the
+ * AVX-512 loops of quant_avx512.h may be (included before).
  */
 #define LOOP_CAT2(a, b) a##b
 #define LOOP_CAT(a, b)  LOOP_CAT2(a, b)
@@ -95,6 +96,16 @@ LOOP_TARGET static void LOOP_NAME(pack4)(const uint8_t *restrict u, uint8_t *res
 /* One pass decodes both moments, updates and keeps the block's two maxima (on the bits, as
  * absmax does), a second encodes both: two loops over a block in L1 rather than seven. */
 
+/* The AVX-512 instantiation runs the hand-vectorised loops of quant_avx512.h over all but the
+ * last (n mod 16) elements; the others start at 0. */
+#if LOOP_AVX512
+#define LOOP_Q_HEAD_UPDATE(NAME) i = q512_##NAME(&s, p, g, mc, rc, ms, rs, mo, ro, n, &am, &ar);
+#define LOOP_Q_HEAD_ENCODE(NAME) i = q512_##NAME(m, r, inv_m, inv_r, mc, rc, n, key, first);
+#else
+#define LOOP_Q_HEAD_UPDATE(NAME)
+#define LOOP_Q_HEAD_ENCODE(NAME)
+#endif
+
 #define LOOP_UPDATE_Q(NAME, MMAG, MM, MB, RBITS, RM, RB)                                                      \
   LOOP_TARGET static void LOOP_NAME(NAME)(const llmmem_adamw_scalars_t *sp, float *restrict p,                \
                                           const float *restrict g, const uint8_t *restrict mc,                \
@@ -102,7 +113,9 @@ LOOP_TARGET static void LOOP_NAME(pack4)(const uint8_t *restrict u, uint8_t *res
                                           float *restrict ro, int64_t n, float *amax_m, float *amax_r) {      \
     const llmmem_adamw_scalars_t s = *sp;                                                                     \
     uint32_t am = 0, ar = 0;                                                                                  \
-    for (int64_t i = 0; i < n; i++) {                                                                         \
+    int64_t i = 0;                                                                                            \
+    LOOP_Q_HEAD_UPDATE(NAME)                                                                                  \
+    for (; i < n; i++) {                                                                                      \
       float m = llmmem_q_decode_signed(mc[i], ms, MMAG, MM, MB);                                              \
       float r = llmmem_q_decode_unsigned(rc[i], rs, RBITS, RM, RB);                                           \
       float v = r * r;                                                                                        \
@@ -128,7 +141,9 @@ LOOP_UPDATE_Q(update_q4, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B, 4, LLMME
   LOOP_TARGET static void LOOP_NAME(NAME)(const float *restrict m, const float *restrict r, float inv_m, float inv_r, \
                                           uint8_t *restrict mc, uint8_t *restrict rc, int64_t n, uint32_t key,        \
                                           uint32_t first) {                                                           \
-    for (int64_t i = 0; i < n; i++) {                                                                                 \
+    int64_t i = 0;                                                                                                    \
+    LOOP_Q_HEAD_ENCODE(NAME)                                                                                          \
+    for (; i < n; i++) {                                                                                              \
       mc[i] = (uint8_t)llmmem_q_encode_signed(m[i], inv_m, MMAG, MM, MB);                                             \
       rc[i] = (uint8_t)llmmem_q_encode_unsigned_sr(r[i], inv_r, RBITS, RM, RB,                                        \
                                                    llmmem_sr_mix((first + (uint32_t)i) ^ key));                       \
@@ -224,6 +239,8 @@ LOOP_TARGET static void LOOP_NAME(run_piece)(const piece_job_t *job, size_t ti, 
   }
 }
 
+#undef LOOP_Q_HEAD_UPDATE
+#undef LOOP_Q_HEAD_ENCODE
 #undef LOOP_CAT2
 #undef LOOP_CAT
 #undef LOOP_NAME
