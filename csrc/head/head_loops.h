@@ -119,6 +119,7 @@ LOOP_TARGET static void LOOP_NAME(stats_row)(const llmmem_head_chunk_t *c, int64
     float bmax, bz;
     LOOP_NAME(max_sum)(buf, n, &bmax, &bz);
     zsum += bz;
+    if (bmax == -INFINITY) continue; /* a block of -inf logits (a masked part of the vocabulary) adds nothing */
     const float bsum = LOOP_NAME(sum_exp)(buf, n, bmax);
     /* the running sum, kept relative to the running maximum (as online softmax does) */
     if (bmax > mx) {

@@ -1,6 +1,6 @@
 """The two passes of the fused head over a chunk of logits, dispatched by device: the C core on
-the CPU, the CUDA kernels where they run, else the same arithmetic in torch ops (the reference,
-also the tests' oracle). See ``csrc/include/llmmem/head.h`` for what they compute.
+the CPU, the CUDA kernels where they run (:mod:`llmmem.head.cuda` says where), else the same
+arithmetic in torch ops (the reference, also the tests' oracle). See ``csrc/include/llmmem/head.h`` for what they compute.
 
 Every function takes a chunk ``logits`` [rows, V_shard] (fp32, bf16 or fp16; a row may be strided
 as long as its elements are contiguous), ``labels`` [rows] int64 and the settings, and returns or
@@ -46,50 +46,81 @@ _warned: set = set()
 def _native_ok(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return True
+    why = f"no llmmem kernel for {t.device.type} tensors here"
+    if t.device.type == "cuda":
+        from llmmem.head import cuda
+
+        why = cuda.unsupported_reason(t.device)
+        if why is None:
+            return True
     if t.device.type not in _warned:
         _warned.add(t.device.type)
         warnings.warn(
-            f"llmmem.linear_cross_entropy: no llmmem kernel for {t.device.type} tensors here; its passes over "
-            "the logits run as torch ops (the same results, more passes over memory)",
+            f"llmmem.linear_cross_entropy: {why}; its passes over the logits run as torch ops (the same "
+            "results, more passes over memory)",
             RuntimeWarning,
             stacklevel=4,
         )
     return False
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
+def _launch(t: torch.Tensor) -> tuple:
+    """The native calls' trailing arguments: CPU threads, or the GPU and its current stream."""
+    if t.device.type == "cpu":
+        return (torch.get_num_threads(),)
+    from llmmem._devices import cuda_index
+
+    index = cuda_index(t.device)
+    return (0, index, torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def _native_fits(logits: torch.Tensor, labels: torch.Tensor) -> bool:
+    return logits.stride(1) == 1 and labels.is_contiguous() and labels.device == logits.device
 
 
 def stats(logits: torch.Tensor, labels: torch.Tensor, s: Settings) -> Stats:
-    rows, vocab = logits.shape
-    out = [torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(4)]
-    if rows == 0:
-        return Stats(*out)
-    if logits.stride(1) == 1 and labels.is_contiguous() and _native_ok(logits):
-        native.head_stats(
-            logits.data_ptr(), labels.data_ptr(), rows, vocab, logits.stride(0), s.vocab_start, s.vocab_total,
-            s.ignore_index, s.label_smoothing, s.softcap, DTYPE_CODES[logits.dtype],
-            *(o.data_ptr() for o in out), 0, _threads(),
-        )  # fmt: skip
-        return Stats(*out)
+    if logits.shape[0] and _native_fits(logits, labels) and _native_ok(logits):
+        return stats_native(logits, labels, s)
+    if logits.shape[0] == 0:
+        return Stats(*(torch.empty(0, dtype=torch.float32, device=logits.device) for _ in range(4)))
     return stats_reference(logits, labels, s)
 
 
 def grad_(logits: torch.Tensor, labels: torch.Tensor, s: Settings, lse: torch.Tensor, scale: torch.Tensor) -> None:
     """``logits`` becomes the gradient of ``scale[i] * loss_i`` with respect to them, in place."""
-    rows, vocab = logits.shape
-    if rows == 0:
+    if logits.shape[0] == 0:
         return
-    if logits.stride(1) == 1 and labels.is_contiguous() and _native_ok(logits):
-        lse, scale = lse.contiguous(), scale.contiguous()
+    if _native_fits(logits, labels) and _native_ok(logits):
+        grad_native_(logits, labels, s, lse, scale)
+        return
+    grad_reference_(logits, labels, s, lse, scale)
+
+
+def stats_native(logits: torch.Tensor, labels: torch.Tensor, s: Settings) -> Stats:
+    """Pass 1 by the C core (CPU) or the CUDA kernel, whichever holds ``logits``; rows' elements
+    contiguous, labels contiguous on the same device. Labels are checked by the caller: a CUDA
+    kernel treats a label outside the vocabulary as ignored."""
+    rows, vocab = logits.shape
+    out = [torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(4)]
+    if rows:
+        native.head_stats(
+            logits.data_ptr(), labels.data_ptr(), rows, vocab, logits.stride(0), s.vocab_start, s.vocab_total,
+            s.ignore_index, s.label_smoothing, s.softcap, DTYPE_CODES[logits.dtype],
+            *(o.data_ptr() for o in out), 0, *_launch(logits),
+        )  # fmt: skip
+    return Stats(*out)
+
+
+def grad_native_(logits: torch.Tensor, labels: torch.Tensor, s: Settings, lse: torch.Tensor, scale: torch.Tensor):
+    """Pass 2 by the C core or the CUDA kernel (see :func:`stats_native`), in place."""
+    rows, vocab = logits.shape
+    if rows:
+        lse, scale = lse.float().contiguous(), scale.float().contiguous()
         native.head_grad(
             logits.data_ptr(), labels.data_ptr(), rows, vocab, logits.stride(0), s.vocab_start, s.vocab_total,
             s.ignore_index, s.label_smoothing, s.softcap, DTYPE_CODES[logits.dtype],
-            lse.data_ptr(), scale.data_ptr(), _threads(),
+            lse.data_ptr(), scale.data_ptr(), *_launch(logits),
         )  # fmt: skip
-        return
-    grad_reference_(logits, labels, s, lse, scale)
 
 
 # ---- the reference in torch ops ---------------------------------------------------------------

@@ -152,6 +152,25 @@ int main(void) {
     CHECK_OK(llmmem_head_stats(&c, mx, sum, zt, zs, NULL, 1));
     CHECK(isnan(mx[0] + sum[0]) && !isnan(mx[1]) && !isnan(sum[1]));
   }
+  TEST("passes: -inf logits (a masked part of the vocabulary) add nothing, in whole blocks too") {
+    enum { V = 5000 };
+    static float l[V], r[V];
+    int64_t label = 17;
+    for (int j = 0; j < V; j++) l[j] = j < 2000 ? (float)(j % 13) * 0.25f : -INFINITY;
+    l[5] = -INFINITY; /* one inside a finite block as well */
+    memcpy(r, l, sizeof l);
+    float a[4], b[4];
+    llmmem_head_chunk_t c = {l, &label, 1, V, V, 0, V, -100, 0.0f, 0.0f, LLMMEM_HEAD_F32};
+    llmmem_head_chunk_t d = c;
+    d.logits = r;
+    for (int isa = 0; isa <= 2; isa++) {
+      (void)_llmmem_head_force_isa(isa);
+      CHECK_OK(llmmem_head_stats(&c, a, a + 1, a + 2, a + 3, NULL, 1));
+      CHECK_OK(llmmem_head_stats_ref(&d, b, b + 1, b + 2, b + 3, NULL));
+      CHECK(isfinite(a[1]) && close_rel(a[0], b[0], 0.0f, 0.0f) && close_rel(a[1], b[1], 1e-5f, 0.0f));
+    }
+    (void)_llmmem_head_force_isa(-1);
+  }
   TEST("misuse: a status, nothing read") {
     float l[4] = {0};
     int64_t bad = 7, ok_label = 1;

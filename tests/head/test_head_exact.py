@@ -89,6 +89,20 @@ def test_another_ignore_index_and_every_label_in_one_row():
     torch.testing.assert_close(got, _torch(h, w, y, ignore_index=5), rtol=1e-5, atol=1e-6)
 
 
+def test_a_masked_part_of_the_vocabulary_gives_torchs_answer():
+    # -inf logits from the bias (padded or banned tokens), in whole blocks of a row and scattered
+    h, w, _, y = _inputs(shape=(2, 9), vocab=6000)
+    for masked in (slice(2500, None), slice(1, None, 2)):
+        b = torch.zeros(6000)
+        b[masked] = float("-inf")
+        y2 = y.clamp(min=0) // 2 * 2 if masked.step else y.clamp(min=0) % 2500
+        got = llmmem.linear_cross_entropy(h, w, y2, bias=b)
+        ref = _torch(h, w, y2, b)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for a, r in zip(_grads(got, (h, w), torch.tensor(1.0)), _grads(ref, (h, w), torch.tensor(1.0))):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_within_2e_2_of_fp32_math(dtype):
     h, w, b, y = _inputs(dtype=dtype, bias=True, vocab=1000)
