@@ -178,20 +178,36 @@ def _check_param(p: torch.Tensor, group: dict, where: str) -> None:
         )
 
 
+# The state entries whose addresses a record head holds (llmmem.optim.records.head_of), in the
+# order csrc/python/optim.c (optim_adamw_walk) checks them, with their fields in the head.
+_HEAD_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "step")
+_HEAD_FIELDS = (1, 2, 3, 4, 5, 6)
+
+
 class _Cached:
     """A parameter's record without its gradient (:func:`llmmem.optim.records.head_of`), and what
-    it was made from: the state dict and its first moment (a state replaced or reloaded makes it
-    stale), the parameter's version when it has a master (the master follows outside writes)."""
+    it was made from: the state dict and every state tensor whose address the record holds (one
+    replaced by hand, or moved to other storage with ``.data =``, makes it stale; holding them
+    keeps a replaced one's memory alive until the record is dropped), the parameter's version
+    when it has a master (the master follows outside writes)."""
 
-    __slots__ = ("key", "fmt", "device", "param", "head", "state", "moment", "version", "grad_dtype")
+    __slots__ = ("key", "fmt", "device", "param", "head", "state", "tensors", "version", "grad_dtype")
 
     def __init__(self, key: tuple, fmt: Format, device: torch.device, item: Item, p: torch.Tensor) -> None:
         self.key, self.fmt, self.device, self.param = key, fmt, device, p
         self.grad_dtype = item.grad.dtype
         self.head = head_of(item.param, item.master, item.state, item.seed)
         self.state = item.state
-        self.moment = item.state["exp_avg"]
+        self.tensors = tuple(item.state.get(k) for k in _HEAD_KEYS)
         self.version = p._version if item.master is not None else None
+
+    def state_unchanged(self) -> bool:
+        """Whether the state still holds, on the same storage, every tensor the head points at."""
+        get, head = self.state.get, self.head
+        for key, field, t in zip(_HEAD_KEYS, _HEAD_FIELDS, self.tensors):
+            if get(key) is not t or (t is not None and t.data_ptr() != head[field]):
+                return False
+        return True
 
 
 class _StateDict(defaultdict):
@@ -254,16 +270,17 @@ def _kinds() -> tuple:
 class _GroupCache:
     """The lists the C walk of a CPU parameter group reads (csrc/python/optim.c: optim_adamw_walk):
     the group's parameters as they were, and for each its cached record head, state dict, first
-    moment, version (with a master; else -1) and format; None for a parameter not cached (one that
-    has no state yet, or is stepped elsewhere): it sends the walk to the general path once it has a
-    gradient. Valid while the state dict is the one it was made with and unchanged."""
+    state tensors (:data:`_HEAD_KEYS`), version (with a master; else -1) and format; None for a
+    parameter not cached (one that has no state yet, or is stepped elsewhere): it sends the walk to
+    the general path once it has a gradient. Valid while the state dict is the one it was made with
+    and unchanged."""
 
     __slots__ = ("lists", "state_dict", "generation")
 
     @classmethod
     def of(cls, group: dict, cached: dict, state: _StateDict) -> Optional[_GroupCache]:
         params = list(group["params"])
-        heads, states, moments, versions, fmts = [], [], [], [], []
+        heads, states, tensors, versions, fmts = [], [], [], [], []
         for p in params:
             c = cached.get(id(p))
             if c is not None and c.param is p and c.device.type != "cpu":
@@ -271,11 +288,11 @@ class _GroupCache:
             ok = c is not None and c.param is p and state.get(p) is c.state
             heads.append(c.head if ok else None)
             states.append(c.state if ok else None)
-            moments.append(c.moment if ok else None)
+            tensors.append(c.tensors if ok else None)
             versions.append(c.version if ok and c.version is not None else -1)
             fmts.append(c.fmt.code << 16 | (c.fmt.block or 256) if ok else 0)
         gc = cls()
-        gc.lists = (params, heads, states, moments, versions, fmts)
+        gc.lists = (params, heads, states, tensors, versions, fmts)
         gc.state_dict, gc.generation = state, state.generation
         return gc
 
@@ -562,7 +579,7 @@ class Adam(torch.optim.Optimizer):
                     and grad.numel() == c.head[7]
                     and p.data_ptr() == c.head[0]
                     and self.state.get(p) is c.state
-                    and c.state.get("exp_avg") is c.moment
+                    and c.state_unchanged()
                     and (c.version is None or p._version == c.version)
                 ):
                     batch = batches.get(c.key)
