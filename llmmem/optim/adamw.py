@@ -456,8 +456,11 @@ class Adam(torch.optim.Optimizer):
     # ---- the step -------------------------------------------------------------------------
 
     def _hyper(self, group: dict) -> Hyper:
+        """The group's hyper-parameters as the kernels take them, checked: a scheduler or a hand
+        edit can change a group after add_param_group checked it, and the step must refuse a
+        bad value before it changes anything (ValueError naming the setting and the group)."""
         sr = group["stochastic_rounding"]
-        return Hyper(
+        hp = Hyper(
             lr=float(group["lr"]),
             beta1=float(group["betas"][0]),
             beta2=float(group["betas"][1]),
@@ -467,6 +470,18 @@ class Adam(torch.optim.Optimizer):
             maximize=bool(group["maximize"]),
             stochastic_rounding=True if sr is None else bool(sr),
         )
+        for name, value, ok in (
+            ("lr", hp.lr, "a finite number >= 0"),
+            ("eps", hp.eps, "a finite number >= 0"),
+            ("weight_decay", hp.weight_decay, "a finite number >= 0"),
+            ("betas[0]", hp.beta1, "in [0, 1)"),
+            ("betas[1]", hp.beta2, "in [0, 1)"),
+        ):
+            good = 0.0 <= value < 1.0 if name.startswith("betas") else value >= 0.0 and math.isfinite(value)
+            if not good:
+                gi = next((i for i, g in enumerate(self.param_groups) if g is group), "?")
+                raise ValueError(f"llmmem.optim: {name} of group {gi} must be {ok}, got {value}")
+        return hp
 
     def _prepare(self, p: torch.Tensor, group: dict, where: str, new_states: dict) -> Optional[Item]:
         """Checks ``p``'s gradient and returns its work item (its state made if it has none,
@@ -500,6 +515,10 @@ class Adam(torch.optim.Optimizer):
             state = new_states[p] = self._init_state(p, group)
         fmt = self._state_format(state, lp.numel(), where)
         kernel_state = _local_tensors(state) if _is_dtensor(p) else state
+        try:
+            formats.check_live(kernel_state, fmt, lp.numel(), self._home(lp))
+        except ValueError as e:
+            raise ValueError(f"llmmem.optim: the state of {where} cannot be stepped: {e}") from None
         master = kernel_state.get("master")
         if master is not None and self._offload is None:
             self._refresh_master(p, lp, master)
@@ -607,10 +626,15 @@ class Adam(torch.optim.Optimizer):
                 else:
                     batch[3].append(item)
                     batch[4].append(p)
+        # every group's hyper-parameters are checked before anything changes
+        hypers = {id(group): self._hyper(group) for group, _ in walked}
+        for group, *_ in batches.values():
+            if id(group) not in hypers:
+                hypers[id(group)] = self._hyper(group)
         for p, state in new_states.items():
             self.state[p] = state
         for group, w in walked:  # CPU groups the C walk read and checked (see step)
-            hp = self._hyper(group)
+            hp = hypers[id(group)]
             native.optim_adamw_run(
                 w,
                 hp.lr,
@@ -624,7 +648,7 @@ class Adam(torch.optim.Optimizer):
                 torch.get_num_threads(),
             )
         for group, fmt, device, work_items, params in batches.values():
-            hp = self._hyper(group)
+            hp = hypers[id(group)]
             if isinstance(work_items, kernels.Batch):
                 kernels.run(work_items, fmt, hp, device)
             elif self._offload is not None:
