@@ -327,6 +327,8 @@ class Adam(torch.optim.Optimizer):
         ``amsgrad``, ``capturable`` and ``differentiable`` must be False.
     """
 
+    _always_decoupled = False  # AdamW: a loaded state's groups keep decoupled_weight_decay=True
+
     def __init__(
         self,
         params: Iterable,
@@ -706,6 +708,8 @@ class Adam(torch.optim.Optimizer):
             ng = {k: deepcopy(v) for k, v in sg.items() if k != "params"}
             for key in _LLMMEM_KEYS:  # the format settings stay this optimizer's own
                 ng[key] = g[key]
+            if self._always_decoupled:  # as torch's AdamW forces it on every load
+                ng["decoupled_weight_decay"] = True
             for key, value in self.defaults.items():
                 ng.setdefault(key, value)
             ng["params"] = g["params"]
@@ -795,7 +799,10 @@ def _local_tensors(state: dict) -> dict:
 
 class AdamW(Adam):
     """AdamW: :class:`Adam` with ``decoupled_weight_decay=True`` and torch's AdamW defaults
-    (``weight_decay=1e-2``). See :class:`Adam` for the arguments."""
+    (``weight_decay=1e-2``). See :class:`Adam` for the arguments. A loaded state dict keeps
+    the decay decoupled, whatever its groups say (as ``torch.optim.AdamW`` does)."""
+
+    _always_decoupled = True
 
     def __init__(
         self,
