@@ -382,6 +382,7 @@ class Adam(torch.optim.Optimizer):
         self._versions: dict = {}  # parameter -> its version counter when a step last saw it (masters)
         self._cached: dict = {}  # id(parameter) -> _Cached (the hot path of _step_params)
         self._group_caches: dict = {}  # id(group) -> _GroupCache (the C walk of a CPU group)
+        self._index_cache = None  # (the groups' lists and lengths, {id(p): (position, p)})
         super().__init__(params, defaults)
         self.state = _StateDict(dict, self.state)
 
@@ -391,6 +392,7 @@ class Adam(torch.optim.Optimizer):
         # torch keeps defaults, state and groups; the seed and the offload choice travel too.
         # The caches do not: their records are addresses of this process's tensors.
         out = super().__getstate__()
+        out.pop("_index_cache", None)
         out["_seed"] = self._seed
         out["_offload_kind"] = "cpu" if self._offload is not None else None
         return out
@@ -400,6 +402,7 @@ class Adam(torch.optim.Optimizer):
         super().__setstate__(state)
         self._offload = Offload() if kind == "cpu" else None
         self._versions, self._cached, self._group_caches = {}, {}, {}
+        self._index_cache = None
         if not isinstance(self.state, _StateDict):
             self.state = _StateDict(dict, self.state)
 
@@ -431,10 +434,20 @@ class Adam(torch.optim.Optimizer):
         return group["master_weights"] and p.dtype != torch.float32
 
     def _param_index(self, p: torch.Tensor) -> int:
-        for i, q in enumerate(chain.from_iterable(g["params"] for g in self.param_groups)):
-            if q is p:
-                return i
-        raise ValueError("the parameter is not in this optimizer's param_groups")
+        """The position of ``p`` among all groups' parameters (its stochastic-rounding seed's
+        input). The positions are kept while the groups keep their lists and lengths: looked up
+        for every new state, a walk over all groups each time made a first step quadratic."""
+        shape = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        cache = self._index_cache
+        if cache is None or cache[0] != shape or id(p) not in cache[1]:
+            index: dict = {}
+            for i, q in enumerate(chain.from_iterable(g["params"] for g in self.param_groups)):
+                index.setdefault(id(q), (i, q))
+            cache = self._index_cache = (shape, index)
+        found = cache[1].get(id(p))
+        if found is None or found[1] is not p:
+            raise ValueError("the parameter is not in this optimizer's param_groups")
+        return found[0]
 
     def _home(self, local: torch.Tensor) -> torch.device:
         """Where a parameter's state lives: host memory when offloaded, else beside it."""

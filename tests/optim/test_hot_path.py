@@ -155,3 +155,32 @@ def test_a_master_replaced_by_hand_is_the_one_stepped():
     oa.state[a[0]]["master"] = ob.state[b[0]]["master"].clone()
     _step_both(a, b, oa, ob, 2)
     assert torch.equal(oa.state[a[0]]["master"], ob.state[b[0]]["master"])
+
+
+class _CountingList(list):
+    """A group's params list that counts how often it is walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_the_first_step_walks_the_groups_a_bounded_number_of_times():
+    # each new state's seed needs its parameter's index: found by walking every group once per
+    # parameter, the first step was quadratic (16000 tensors: 7.4 s against torch fused's 0.6 s)
+    ps = [torch.nn.Parameter(torch.randn(8)) for _ in range(400)]
+    opt = lo.AdamW(ps, lr=1e-2, seed=1)
+    opt.param_groups[0]["params"] = _CountingList(opt.param_groups[0]["params"])
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    _CountingList.walks = 0
+    opt.step()
+    assert _CountingList.walks <= 5
+    # and the seeds are those of each parameter's index, as before
+    ref = lo.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, seed=1)
+    for q in ref.param_groups[0]["params"]:
+        q.grad = torch.ones_like(q)
+    ref.step()
+    assert [opt.state[p]["seed"] for p in ps] == [ref.state[q]["seed"] for q in ref.param_groups[0]["params"]]
