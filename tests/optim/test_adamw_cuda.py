@@ -31,6 +31,30 @@ def test_self_check_catches_a_kernel_that_is_off_by_one_bit():
     assert why is not None and "known-answer check" in why and "p of" in why, why
 
 
+@pytest.mark.parametrize(
+    "broken_when",
+    [
+        pytest.param(
+            lambda rec, block: block == 256, id="int8's default block (a quantization block per thread block)"
+        ),
+        pytest.param(lambda rec, block: block > 256, id="blocks of several elements a thread"),
+        pytest.param(lambda rec, block: rec[9] == 1, id="fp16 weights with a master"),
+    ],
+)
+def test_self_check_covers_the_paths_the_cuda_kernel_takes(broken_when):
+    import ctypes
+
+    def broken(records, *args, **kwargs):
+        native.optim_adamw_step(records, *args, **kwargs)
+        for rec in records:
+            if broken_when(rec, args[8]):
+                cell = (ctypes.c_uint32 if rec[9] == 0 else ctypes.c_uint16).from_address(rec[0])
+                cell.value ^= 1
+
+    why = cuda.self_check(torch.device("cpu"), step=broken)
+    assert why is not None and "known-answer check" in why, why
+
+
 def test_self_check_reports_a_kernel_that_raises():
     def failing(*args, **kwargs):
         raise RuntimeError("no kernel image for this GPU")
