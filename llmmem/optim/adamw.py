@@ -416,8 +416,12 @@ class Adam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             _check_group_settings(group)
+            first: dict = {}
             for i, p in enumerate(group["params"]):
                 _check_param(p, group, f"parameter {i} of group {n_before}")
+                j = first.setdefault(id(p), i)
+                if j != i:  # torch only warns; stepping it twice in one call is not well defined
+                    raise ValueError(f"parameter {i} of group {n_before} is parameter {j} again; list each once")
         except BaseException:
             self.param_groups.pop()
             raise

@@ -168,3 +168,15 @@ def test_a_bad_hyper_parameter_in_a_later_group_changes_nothing():
         with pytest.raises(ValueError, match="lr of group 1"):
             opt.step()
         assert torch.equal(a, before) and float(opt.state[a]["step"]) == step
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    # torch only warns ("in future, this will cause an error"); stepped twice in one call, the
+    # first step made two states of it and the kernel's threads would write it at once
+    p = _p(100)
+    with pytest.raises(ValueError, match="parameter 1 of group 0 is parameter 0 again"):
+        lo.AdamW([p, p])
+    opt = lo.AdamW([_p()])
+    with pytest.raises(ValueError, match="of group 1"):
+        opt.add_param_group({"params": [p, _p(), p]})
+    assert len(opt.param_groups) == 1
