@@ -596,6 +596,12 @@ class Adam(torch.optim.Optimizer):
         The hot path: a parameter stepped natively before keeps its record's gradient-free part
         (:class:`_Cached`), reused while its storage, state and (with a master) version are the
         ones it was made from, so a step costs a few attribute reads a parameter in Python."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "llmmem.optim: a step cannot be captured in a CUDA graph: its step counters and bias corrections "
+                "are host values computed at each call, so every replay would repeat the captured step's "
+                "(torch's AdamW with capturable=False refuses it too). Capture the model only"
+            )
         new_states: dict = {}
         batches: dict = {}  # (group, format, device) -> [group, format, device, Batch or Items, params]
         routes: dict = {}  # device -> None (native) or why not

@@ -170,6 +170,7 @@ def test_a_bad_hyper_parameter_in_a_later_group_changes_nothing():
         assert torch.equal(a, before) and float(opt.state[a]["step"]) == step
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
 def test_a_parameter_listed_twice_in_a_group_is_refused():
     # torch only warns ("in future, this will cause an error"); stepped twice in one call, the
     # first step made two states of it and the kernel's threads would write it at once
@@ -180,3 +181,18 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
     with pytest.raises(ValueError, match="of group 1"):
         opt.add_param_group({"params": [p, _p(), p]})
     assert len(opt.param_groups) == 1
+
+
+def test_a_step_inside_a_cuda_graph_capture_is_refused(monkeypatch):
+    # the step counters and bias corrections are host values computed at each call: a captured
+    # step would replay with the captured step's; torch's AdamW (capturable=False) refuses too.
+    # (The capture is simulated: the check is what is tested, not CUDA.)
+    p = _p(100)
+    opt = lo.AdamW([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        opt.step()
+    assert torch.equal(p, before) and p not in opt.state
