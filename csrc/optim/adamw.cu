@@ -7,7 +7,8 @@
  * Launch: every tensor is cut into pieces of kPiece elements (a multiple of every block size); a
  * table of up to kMaxTensors tensors (addresses, sizes, their scalars, first piece) travels in the
  * kernel's parameters (CUDA 12.1+ allows 32 KB of them: 160 tensors; older toolkits 4 KB: 28), so
- * a launch needs no host-to-device copy and nothing breaks CUDA-graph capture. One thread block
+ * a launch needs no host-to-device copy. (A launch can be captured, but the scalars it carries are
+ * the host's at capture: the Python layer refuses a step inside a capture.) One thread block
  * takes one piece and finds its tensor by binary search in the table. The step counters live in host memory (as torch keeps them): they
  * are incremented, and the scalars computed, here on the host before the launch.
  *
