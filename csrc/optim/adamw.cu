@@ -6,9 +6,10 @@
  *
  * Launch: every tensor is cut into pieces of kPiece elements (a multiple of every block size); a
  * table of up to kMaxTensors tensors (addresses, sizes, their scalars, first piece) travels in the
- * kernel's parameters (CUDA 12.1+ allows 32 KB of them), so a launch needs no host-to-device copy
- * and nothing breaks CUDA-graph capture. One thread block takes one piece and finds its tensor by
- * binary search in the table. The step counters live in host memory (as torch keeps them): they
+ * kernel's parameters (CUDA 12.1+ allows 32 KB of them: 160 tensors; older toolkits 4 KB: 28), so
+ * a launch needs no host-to-device copy. (A launch can be captured, but the scalars it carries are
+ * the host's at capture: the Python layer refuses a step inside a capture.) One thread block
+ * takes one piece and finds its tensor by binary search in the table. The step counters live in host memory (as torch keeps them): they
  * are incremented, and the scalars computed, here on the host before the launch.
  *
  * Unquantized formats: each thread updates elements of the piece independently. Quantized: the
@@ -35,9 +36,19 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kPiece = 4096; // elements a thread block takes at a time (>= LLMMEM_OPTIM_MAX_BLOCK)
-constexpr int kMaxTensors = 160;
+constexpr int64_t kPiece = 4096;    // elements a thread block takes at a time (>= LLMMEM_OPTIM_MAX_BLOCK)
 constexpr int kMaxBlocks = 1 << 16; // blocks stride over pieces beyond this
+
+// Bytes of kernel parameters the toolkit compiles: 32764 from CUDA 12.1 (Volta and newer; the
+// driver must be 12.1's too, else the launch fails and the known-answer check falls back), 4096
+// before. (Defined from outside only to compile the small table with a new toolkit.)
+#ifndef LLMMEM_OPTIM_CUDA_PARAM_BYTES
+#if CUDART_VERSION >= 12010
+#define LLMMEM_OPTIM_CUDA_PARAM_BYTES 32764
+#else
+#define LLMMEM_OPTIM_CUDA_PARAM_BYTES 4096
+#endif
+#endif
 
 struct TensorArg {
   void *param;
@@ -53,13 +64,18 @@ struct TensorArg {
   int32_t param_dtype, grad_dtype;
 };
 
+// as many tensors as fit the parameter space with the table's other fields (24 bytes)
+constexpr int kMaxTensors = (LLMMEM_OPTIM_CUDA_PARAM_BYTES - 24) / (sizeof(TensorArg) + sizeof(int64_t)) < 160
+                                ? (int)((LLMMEM_OPTIM_CUDA_PARAM_BYTES - 24) / (sizeof(TensorArg) + sizeof(int64_t)))
+                                : 160;
+
 struct Table {
   TensorArg t[kMaxTensors];
   int64_t piece_start[kMaxTensors + 1]; // prefix sums of pieces
   int32_t n;
   int32_t state, block, stochastic;
 };
-static_assert(sizeof(Table) < 32764, "kernel parameters are limited to 32764 bytes");
+static_assert(sizeof(Table) <= LLMMEM_OPTIM_CUDA_PARAM_BYTES, "the table must fit the kernel parameter space");
 
 __device__ float load_as_float(const void *p, int32_t dtype, int64_t i) {
   if (dtype == LLMMEM_OPTIM_F32) return static_cast<const float *>(p)[i];

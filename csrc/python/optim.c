@@ -154,14 +154,48 @@ static int head_int(PyObject *head, Py_ssize_t k, unsigned long long *out) {
   return PyErr_Occurred() ? -1 : 0;
 }
 
+/* The state entries whose addresses a head holds, with their fields in the head (the order of
+ * llmmem/optim/adamw.py's _HEAD_KEYS, in which a walk's `tensors` tuples hold them). */
+#define HEAD_TENSORS 6
+static const char *const head_keys[HEAD_TENSORS] = {"master",        "exp_avg",          "exp_avg_sq",
+                                                    "exp_avg_scale", "exp_avg_sq_scale", "step"};
+static const int head_fields[HEAD_TENSORS] = {1, 2, 3, 4, 5, 6};
+
+/* 1 when `state` still holds every tensor of `tensors` (None for an absent entry) under its key,
+ * each on the storage whose address the head has; 0 otherwise; -1 on an error (set). The data_ptr
+ * reads can run Python code: `tensors` keeps the tensors alive meanwhile (the caller holds it). */
+static int state_unchanged(PyObject *state, PyObject *tensors, const unsigned long long *v) {
+  static PyObject *names[HEAD_TENSORS];
+  if (!PyTuple_CheckExact(tensors) || PyTuple_GET_SIZE(tensors) != HEAD_TENSORS) return 0;
+  for (int k = 0; k < HEAD_TENSORS; k++) {
+    PyObject *t = PyTuple_GET_ITEM(tensors, k);
+    if (t == Py_None) {
+      if (v[head_fields[k]] != 0) return 0;
+      continue;
+    }
+    PyObject *ptr = llmmem_py_tensor_attr(LLMMEM_TA_DATA_PTR, t);
+    if (!ptr) return -1;
+    unsigned long long at = PyLong_Check(ptr) ? PyLong_AsUnsignedLongLong(ptr) : 0;
+    Py_DECREF(ptr);
+    if (PyErr_Occurred()) return -1;
+    if (at != v[head_fields[k]]) return 0;
+  }
+  /* last: the lookups of str keys run no Python code, so nothing changes the state in between */
+  for (int k = 0; k < HEAD_TENSORS; k++) {
+    if (!names[k] && !(names[k] = PyUnicode_InternFromString(head_keys[k]))) return -1;
+    PyObject *have = PyDict_GetItemWithError(state, names[k]); /* borrowed; compared by identity only */
+    if (!have && PyErr_Occurred()) return -1;
+    if ((have ? have : Py_None) != PyTuple_GET_ITEM(tensors, k)) return 0;
+  }
+  return 1;
+}
+
 /* Reads one parameter for the cached walk. 1: it has a plain gradient, described in *t (its
  * head's fields and the gradient's address and dtype), the gradient held in *grad_out; 2: no
  * gradient (skipped); 0: not the cached plain case (no exception set); -1: an error that must
  * propagate. */
-static int walk_one(PyObject *param, PyObject *head, PyObject *state, PyObject *moment, long long version,
+static int walk_one(PyObject *param, PyObject *head, PyObject *state, PyObject *tensors, long long version,
                     PyObject *const *kinds, llmmem_optim_tensor_t *t, PyObject **grad_out) {
-  static PyObject *s_exp_avg;
-  if (!s_exp_avg && !(s_exp_avg = PyUnicode_InternFromString("exp_avg"))) return -1;
   PyObject *tensor_type = kinds[0], *param_type = kinds[1];
   if ((PyObject *)Py_TYPE(param) != param_type && (PyObject *)Py_TYPE(param) != tensor_type) return 0;
   PyObject *grad = llmmem_py_param_grad(param, tensor_type);
@@ -175,12 +209,12 @@ static int walk_one(PyObject *param, PyObject *head, PyObject *state, PyObject *
            *ver = NULL;
   if (head == Py_None || !PyTuple_CheckExact(head) || PyTuple_GET_SIZE(head) != 10) goto done;
   if ((PyObject *)Py_TYPE(grad) != tensor_type || !PyDict_CheckExact(state)) goto done;
-  PyObject *m = PyDict_GetItemWithError(state, s_exp_avg); /* borrowed; identity is all that is used */
-  if (m != moment) goto done;
   unsigned long long v[10];
   for (Py_ssize_t k = 0; k < 10; k++)
     if (head_int(head, k, &v[k]) < 0) goto done;
   if (v[7] > (unsigned long long)INT64_MAX || v[9] > 2) goto done;
+  /* every state tensor the head points at is still the state's, on the same storage */
+  if (state_unchanged(state, tensors, v) != 1) goto done;
   dtype = llmmem_py_tensor_attr(LLMMEM_TA_DTYPE, grad);
   if (!dtype) goto done;
   int code = dtype == kinds[2]   ? LLMMEM_OPTIM_F32
@@ -261,22 +295,23 @@ static void walked_free(PyObject *capsule) {
   PyMem_Free(w);
 }
 
-/* adamw_walk(live, params, heads, states, moments, versions, formats, kinds) -> capsule | None
+/* adamw_walk(live, params, heads, states, tensors, versions, formats, kinds) -> capsule | None
+ *   tensors[i]: the state tensors heads[i] points at (see head_keys), or None.
  *   formats[i] = state format << 16 | block size. None: a parameter is not the cached plain case
  *   (the caller takes its general path). Nothing is written: adamw_run steps what was walked. */
 static PyObject *py_adamw_walk(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *live, *params, *heads, *states, *moments, *versions, *formats, *kinds;
+  PyObject *live, *params, *heads, *states, *tensors, *versions, *formats, *kinds;
   if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!", &PyList_Type, &live, &PyList_Type, &params, &PyList_Type, &heads,
-                        &PyList_Type, &states, &PyList_Type, &moments, &PyList_Type, &versions, &PyList_Type, &formats,
+                        &PyList_Type, &states, &PyList_Type, &tensors, &PyList_Type, &versions, &PyList_Type, &formats,
                         &PyTuple_Type, &kinds))
     return NULL;
   if (PyTuple_GET_SIZE(kinds) != 5)
     return PyErr_Format(PyExc_ValueError, "kinds must be (Tensor, Parameter, float32, float16, bfloat16)");
   const Py_ssize_t n = PyList_GET_SIZE(params);
-  if (PyList_GET_SIZE(heads) != n || PyList_GET_SIZE(states) != n || PyList_GET_SIZE(moments) != n ||
+  if (PyList_GET_SIZE(heads) != n || PyList_GET_SIZE(states) != n || PyList_GET_SIZE(tensors) != n ||
       PyList_GET_SIZE(versions) != n || PyList_GET_SIZE(formats) != n)
-    return PyErr_Format(PyExc_ValueError, "params, heads, states, moments, versions and formats must have one length");
+    return PyErr_Format(PyExc_ValueError, "params, heads, states, tensors, versions and formats must have one length");
   PyObject *const kind_items[5] = {PyTuple_GET_ITEM(kinds, 0), PyTuple_GET_ITEM(kinds, 1), PyTuple_GET_ITEM(kinds, 2),
                                    PyTuple_GET_ITEM(kinds, 3), PyTuple_GET_ITEM(kinds, 4)};
   if (llmmem_py_tensor_attrs_resolve(kind_items[0], kind_items[1]) < 0) return NULL;
@@ -301,7 +336,7 @@ static PyObject *py_adamw_walk(PyObject *self, PyObject *args) {
   }
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *param = PyList_GET_ITEM(params, i), *head = PyList_GET_ITEM(heads, i);
-    PyObject *state = PyList_GET_ITEM(states, i), *moment = PyList_GET_ITEM(moments, i);
+    PyObject *state = PyList_GET_ITEM(states, i), *held = PyList_GET_ITEM(tensors, i);
     long long version = PyLong_AsLongLong(PyList_GET_ITEM(versions, i));
     long format = PyLong_AsLong(PyList_GET_ITEM(formats, i));
     if (PyErr_Occurred()) {
@@ -309,9 +344,9 @@ static PyObject *py_adamw_walk(PyObject *self, PyObject *args) {
       return NULL;
     }
     /* held while their attributes are read: the reads can run Python code */
-    Py_INCREF(param), Py_INCREF(head), Py_INCREF(state), Py_INCREF(moment);
-    int rc = walk_one(param, head, state, moment, version, kind_items, &w->t[w->count], &w->grads[w->count]);
-    Py_DECREF(param), Py_DECREF(head), Py_DECREF(state), Py_DECREF(moment);
+    Py_INCREF(param), Py_INCREF(head), Py_INCREF(state), Py_INCREF(held);
+    int rc = walk_one(param, head, state, held, version, kind_items, &w->t[w->count], &w->grads[w->count]);
+    Py_DECREF(param), Py_DECREF(head), Py_DECREF(state), Py_DECREF(held);
     if (rc < 0) {
       Py_DECREF(capsule);
       return NULL;
@@ -452,7 +487,7 @@ PyMethodDef llmmem_py_optim_methods[] = {
      "(see csrc/python/optim.c); device >= 0 queues it on the GPU. Releases the GIL on the CPU. "
      "Private and unsafe: takes raw addresses; use llmmem.optim.kernels, which validates the tensors."},
     {"optim_adamw_walk", py_adamw_walk, METH_VARARGS,
-     "optim_adamw_walk(live, params, heads, states, moments, versions, formats, kinds) -> capsule | None: reads and "
+     "optim_adamw_walk(live, params, heads, states, tensors, versions, formats, kinds) -> capsule | None: reads and "
      "checks every gradient of a CPU parameter group from its cached records (heads: llmmem.optim.records.head_of "
      "tuples, None for a parameter not cached); None when a parameter is not the cached plain case. Writes "
      "nothing. Private and unsafe: trusts the heads' addresses; use llmmem.optim.AdamW."},

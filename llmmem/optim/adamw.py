@@ -178,20 +178,36 @@ def _check_param(p: torch.Tensor, group: dict, where: str) -> None:
         )
 
 
+# The state entries whose addresses a record head holds (llmmem.optim.records.head_of), in the
+# order csrc/python/optim.c (optim_adamw_walk) checks them, with their fields in the head.
+_HEAD_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale", "step")
+_HEAD_FIELDS = (1, 2, 3, 4, 5, 6)
+
+
 class _Cached:
     """A parameter's record without its gradient (:func:`llmmem.optim.records.head_of`), and what
-    it was made from: the state dict and its first moment (a state replaced or reloaded makes it
-    stale), the parameter's version when it has a master (the master follows outside writes)."""
+    it was made from: the state dict and every state tensor whose address the record holds (one
+    replaced by hand, or moved to other storage with ``.data =``, makes it stale; holding them
+    keeps a replaced one's memory alive until the record is dropped), the parameter's version
+    when it has a master (the master follows outside writes)."""
 
-    __slots__ = ("key", "fmt", "device", "param", "head", "state", "moment", "version", "grad_dtype")
+    __slots__ = ("key", "fmt", "device", "param", "head", "state", "tensors", "version", "grad_dtype")
 
     def __init__(self, key: tuple, fmt: Format, device: torch.device, item: Item, p: torch.Tensor) -> None:
         self.key, self.fmt, self.device, self.param = key, fmt, device, p
         self.grad_dtype = item.grad.dtype
         self.head = head_of(item.param, item.master, item.state, item.seed)
         self.state = item.state
-        self.moment = item.state["exp_avg"]
+        self.tensors = tuple(item.state.get(k) for k in _HEAD_KEYS)
         self.version = p._version if item.master is not None else None
+
+    def state_unchanged(self) -> bool:
+        """Whether the state still holds, on the same storage, every tensor the head points at."""
+        get, head = self.state.get, self.head
+        for key, field, t in zip(_HEAD_KEYS, _HEAD_FIELDS, self.tensors):
+            if get(key) is not t or (t is not None and t.data_ptr() != head[field]):
+                return False
+        return True
 
 
 class _StateDict(defaultdict):
@@ -254,16 +270,17 @@ def _kinds() -> tuple:
 class _GroupCache:
     """The lists the C walk of a CPU parameter group reads (csrc/python/optim.c: optim_adamw_walk):
     the group's parameters as they were, and for each its cached record head, state dict, first
-    moment, version (with a master; else -1) and format; None for a parameter not cached (one that
-    has no state yet, or is stepped elsewhere): it sends the walk to the general path once it has a
-    gradient. Valid while the state dict is the one it was made with and unchanged."""
+    state tensors (:data:`_HEAD_KEYS`), version (with a master; else -1) and format; None for a
+    parameter not cached (one that has no state yet, or is stepped elsewhere): it sends the walk to
+    the general path once it has a gradient. Valid while the state dict is the one it was made with
+    and unchanged."""
 
     __slots__ = ("lists", "state_dict", "generation")
 
     @classmethod
     def of(cls, group: dict, cached: dict, state: _StateDict) -> Optional[_GroupCache]:
         params = list(group["params"])
-        heads, states, moments, versions, fmts = [], [], [], [], []
+        heads, states, tensors, versions, fmts = [], [], [], [], []
         for p in params:
             c = cached.get(id(p))
             if c is not None and c.param is p and c.device.type != "cpu":
@@ -271,11 +288,11 @@ class _GroupCache:
             ok = c is not None and c.param is p and state.get(p) is c.state
             heads.append(c.head if ok else None)
             states.append(c.state if ok else None)
-            moments.append(c.moment if ok else None)
+            tensors.append(c.tensors if ok else None)
             versions.append(c.version if ok and c.version is not None else -1)
             fmts.append(c.fmt.code << 16 | (c.fmt.block or 256) if ok else 0)
         gc = cls()
-        gc.lists = (params, heads, states, moments, versions, fmts)
+        gc.lists = (params, heads, states, tensors, versions, fmts)
         gc.state_dict, gc.generation = state, state.generation
         return gc
 
@@ -309,6 +326,8 @@ class Adam(torch.optim.Optimizer):
         a drop-in: ``foreach`` and ``fused`` change nothing (the step is always one fused call);
         ``amsgrad``, ``capturable`` and ``differentiable`` must be False.
     """
+
+    _always_decoupled = False  # AdamW: a loaded state's groups keep decoupled_weight_decay=True
 
     def __init__(
         self,
@@ -363,6 +382,7 @@ class Adam(torch.optim.Optimizer):
         self._versions: dict = {}  # parameter -> its version counter when a step last saw it (masters)
         self._cached: dict = {}  # id(parameter) -> _Cached (the hot path of _step_params)
         self._group_caches: dict = {}  # id(group) -> _GroupCache (the C walk of a CPU group)
+        self._index_cache = None  # (the groups' lists and lengths, {id(p): (position, p)})
         super().__init__(params, defaults)
         self.state = _StateDict(dict, self.state)
 
@@ -372,6 +392,7 @@ class Adam(torch.optim.Optimizer):
         # torch keeps defaults, state and groups; the seed and the offload choice travel too.
         # The caches do not: their records are addresses of this process's tensors.
         out = super().__getstate__()
+        out.pop("_index_cache", None)
         out["_seed"] = self._seed
         out["_offload_kind"] = "cpu" if self._offload is not None else None
         return out
@@ -381,6 +402,7 @@ class Adam(torch.optim.Optimizer):
         super().__setstate__(state)
         self._offload = Offload() if kind == "cpu" else None
         self._versions, self._cached, self._group_caches = {}, {}, {}
+        self._index_cache = None
         if not isinstance(self.state, _StateDict):
             self.state = _StateDict(dict, self.state)
 
@@ -394,8 +416,12 @@ class Adam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             _check_group_settings(group)
+            first: dict = {}
             for i, p in enumerate(group["params"]):
                 _check_param(p, group, f"parameter {i} of group {n_before}")
+                j = first.setdefault(id(p), i)
+                if j != i:  # torch only warns; stepping it twice in one call is not well defined
+                    raise ValueError(f"parameter {i} of group {n_before} is parameter {j} again; list each once")
         except BaseException:
             self.param_groups.pop()
             raise
@@ -412,10 +438,20 @@ class Adam(torch.optim.Optimizer):
         return group["master_weights"] and p.dtype != torch.float32
 
     def _param_index(self, p: torch.Tensor) -> int:
-        for i, q in enumerate(chain.from_iterable(g["params"] for g in self.param_groups)):
-            if q is p:
-                return i
-        raise ValueError("the parameter is not in this optimizer's param_groups")
+        """The position of ``p`` among all groups' parameters (its stochastic-rounding seed's
+        input). The positions are kept while the groups keep their lists and lengths: looked up
+        for every new state, a walk over all groups each time made a first step quadratic."""
+        shape = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
+        cache = self._index_cache
+        if cache is None or cache[0] != shape or id(p) not in cache[1]:
+            index: dict = {}
+            for i, q in enumerate(chain.from_iterable(g["params"] for g in self.param_groups)):
+                index.setdefault(id(q), (i, q))
+            cache = self._index_cache = (shape, index)
+        found = cache[1].get(id(p))
+        if found is None or found[1] is not p:
+            raise ValueError("the parameter is not in this optimizer's param_groups")
+        return found[0]
 
     def _home(self, local: torch.Tensor) -> torch.device:
         """Where a parameter's state lives: host memory when offloaded, else beside it."""
@@ -439,8 +475,11 @@ class Adam(torch.optim.Optimizer):
     # ---- the step -------------------------------------------------------------------------
 
     def _hyper(self, group: dict) -> Hyper:
+        """The group's hyper-parameters as the kernels take them, checked: a scheduler or a hand
+        edit can change a group after add_param_group checked it, and the step must refuse a
+        bad value before it changes anything (ValueError naming the setting and the group)."""
         sr = group["stochastic_rounding"]
-        return Hyper(
+        hp = Hyper(
             lr=float(group["lr"]),
             beta1=float(group["betas"][0]),
             beta2=float(group["betas"][1]),
@@ -450,6 +489,18 @@ class Adam(torch.optim.Optimizer):
             maximize=bool(group["maximize"]),
             stochastic_rounding=True if sr is None else bool(sr),
         )
+        for name, value, ok in (
+            ("lr", hp.lr, "a finite number >= 0"),
+            ("eps", hp.eps, "a finite number >= 0"),
+            ("weight_decay", hp.weight_decay, "a finite number >= 0"),
+            ("betas[0]", hp.beta1, "in [0, 1)"),
+            ("betas[1]", hp.beta2, "in [0, 1)"),
+        ):
+            good = 0.0 <= value < 1.0 if name.startswith("betas") else value >= 0.0 and math.isfinite(value)
+            if not good:
+                gi = next((i for i, g in enumerate(self.param_groups) if g is group), "?")
+                raise ValueError(f"llmmem.optim: {name} of group {gi} must be {ok}, got {value}")
+        return hp
 
     def _prepare(self, p: torch.Tensor, group: dict, where: str, new_states: dict) -> Optional[Item]:
         """Checks ``p``'s gradient and returns its work item (its state made if it has none,
@@ -483,6 +534,10 @@ class Adam(torch.optim.Optimizer):
             state = new_states[p] = self._init_state(p, group)
         fmt = self._state_format(state, lp.numel(), where)
         kernel_state = _local_tensors(state) if _is_dtensor(p) else state
+        try:
+            formats.check_live(kernel_state, fmt, lp.numel(), self._home(lp))
+        except ValueError as e:
+            raise ValueError(f"llmmem.optim: the state of {where} cannot be stepped: {e}") from None
         master = kernel_state.get("master")
         if master is not None and self._offload is None:
             self._refresh_master(p, lp, master)
@@ -541,6 +596,12 @@ class Adam(torch.optim.Optimizer):
         The hot path: a parameter stepped natively before keeps its record's gradient-free part
         (:class:`_Cached`), reused while its storage, state and (with a master) version are the
         ones it was made from, so a step costs a few attribute reads a parameter in Python."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "llmmem.optim: a step cannot be captured in a CUDA graph: its step counters and bias corrections "
+                "are host values computed at each call, so every replay would repeat the captured step's "
+                "(torch's AdamW with capturable=False refuses it too). Capture the model only"
+            )
         new_states: dict = {}
         batches: dict = {}  # (group, format, device) -> [group, format, device, Batch or Items, params]
         routes: dict = {}  # device -> None (native) or why not
@@ -562,7 +623,7 @@ class Adam(torch.optim.Optimizer):
                     and grad.numel() == c.head[7]
                     and p.data_ptr() == c.head[0]
                     and self.state.get(p) is c.state
-                    and c.state.get("exp_avg") is c.moment
+                    and c.state_unchanged()
                     and (c.version is None or p._version == c.version)
                 ):
                     batch = batches.get(c.key)
@@ -590,10 +651,15 @@ class Adam(torch.optim.Optimizer):
                 else:
                     batch[3].append(item)
                     batch[4].append(p)
+        # every group's hyper-parameters are checked before anything changes
+        hypers = {id(group): self._hyper(group) for group, _ in walked}
+        for group, *_ in batches.values():
+            if id(group) not in hypers:
+                hypers[id(group)] = self._hyper(group)
         for p, state in new_states.items():
             self.state[p] = state
         for group, w in walked:  # CPU groups the C walk read and checked (see step)
-            hp = self._hyper(group)
+            hp = hypers[id(group)]
             native.optim_adamw_run(
                 w,
                 hp.lr,
@@ -607,7 +673,7 @@ class Adam(torch.optim.Optimizer):
                 torch.get_num_threads(),
             )
         for group, fmt, device, work_items, params in batches.values():
-            hp = self._hyper(group)
+            hp = hypers[id(group)]
             if isinstance(work_items, kernels.Batch):
                 kernels.run(work_items, fmt, hp, device)
             elif self._offload is not None:
@@ -665,6 +731,8 @@ class Adam(torch.optim.Optimizer):
             ng = {k: deepcopy(v) for k, v in sg.items() if k != "params"}
             for key in _LLMMEM_KEYS:  # the format settings stay this optimizer's own
                 ng[key] = g[key]
+            if self._always_decoupled:  # as torch's AdamW forces it on every load
+                ng["decoupled_weight_decay"] = True
             for key, value in self.defaults.items():
                 ng.setdefault(key, value)
             ng["params"] = g["params"]
@@ -754,7 +822,10 @@ def _local_tensors(state: dict) -> dict:
 
 class AdamW(Adam):
     """AdamW: :class:`Adam` with ``decoupled_weight_decay=True`` and torch's AdamW defaults
-    (``weight_decay=1e-2``). See :class:`Adam` for the arguments."""
+    (``weight_decay=1e-2``). See :class:`Adam` for the arguments. A loaded state dict keeps
+    the decay decoupled, whatever its groups say (as ``torch.optim.AdamW`` does)."""
+
+    _always_decoupled = True
 
     def __init__(
         self,

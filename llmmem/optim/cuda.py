@@ -50,7 +50,7 @@ def _records(ts: list, master: bool) -> list:
     return out
 
 
-def _case(state: int, pdtype: torch.dtype, master: bool, device) -> list:
+def _case(state: int, pdtype: torch.dtype, master: bool, device, block: int = 128) -> list:
     """Tensors of one known-answer case, on ``device`` (built on the CPU from a fixed generator)."""
     gen = torch.Generator().manual_seed(1234 + state)
     ts = []
@@ -63,7 +63,7 @@ def _case(state: int, pdtype: torch.dtype, master: bool, device) -> list:
             dt = torch.float32 if state == 0 else torch.bfloat16
             t["m"], t["v"] = torch.zeros(n, dtype=dt), torch.zeros(n, dtype=dt)
         else:
-            nb = -(-n // 128)
+            nb = -(-n // block)
             size = n if state == 2 else (n + 1) // 2
             t["m"] = torch.zeros(size, dtype=torch.int8 if state == 2 else torch.uint8)
             t["v"] = torch.zeros(size, dtype=torch.uint8)
@@ -96,34 +96,41 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def self_check(device: torch.device, step=None) -> Optional[str]:
     """None when two steps of the kernels on ``device`` equal the C reference's bit for bit on
-    every state format and weight kind (fp32, bf16 rounded stochastically, bf16 with a master),
-    NaN gradients included; else what differed. On a CPU device it checks the vector CPU step
-    (how the tests exercise this check without a GPU); ``step`` replaces the native step call
-    (tests give it a broken kernel)."""
+    every state format, weight kind (fp32, bf16 rounded stochastically, bf16 and fp16 with a
+    master) and, quantized, block size below, at and above the CUDA kernel's thread block (32,
+    256, 1024: a quantization block then spans one warp, the whole thread block, or several
+    elements a thread), NaN gradients included; else what differed. On a CPU device it checks the
+    vector CPU step (how the tests exercise this check without a GPU); ``step`` replaces the
+    native step call (tests give it a broken kernel)."""
     device = torch.device(device)
     index = cuda_index(device) if device.type == "cuda" else -1
     step = step or native.optim_adamw_step
     where = f"cuda:{index}" if index >= 0 else "the CPU"
+    kinds = ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True))
+    cases = [
+        (state, pdtype, master, block)
+        for state in range(4)
+        for pdtype, master in kinds
+        for block in ((32, 256, 1024) if state >= 2 else (128,))
+    ]
     try:
-        for state in range(4):
-            for pdtype, master in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-                ref, gpu = _case(state, pdtype, master, "cpu"), _case(state, pdtype, master, device)
-                for _ in range(2):
-                    for r, kw in ((ref, dict(reference=True)), (gpu, _launch_args(device, index))):
-                        f = native.optim_adamw_step if kw.get("reference") else step
-                        f(_records(r, master), 1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, state, 128, True, 2, **kw)
-                if index >= 0:
-                    torch.cuda.synchronize(device)
-                for r, g in zip(ref, gpu):
-                    for key in ("p", "m", "v", "ms", "vs") + (("master",) if master else ()):
-                        if key not in r:
-                            continue
-                        if not same_bits(r[key], g[key].cpu()):
-                            return (
-                                f"the optimizer's CUDA kernels failed their known-answer check on {where} "
-                                f"(state format {state}, {pdtype}{' with a master' if master else ''}: {key} of "
-                                f"{r['p'].numel()} elements differs from the C reference)"
-                            )
+        for state, pdtype, master, block in cases:
+            ref, gpu = _case(state, pdtype, master, "cpu", block), _case(state, pdtype, master, device, block)
+            for _ in range(2):
+                for r, kw in ((ref, dict(reference=True)), (gpu, _launch_args(device, index))):
+                    f = native.optim_adamw_step if kw.get("reference") else step
+                    f(_records(r, master), 1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, state, block, True, 2, **kw)
+            if index >= 0:
+                torch.cuda.synchronize(device)
+            for r, g in zip(ref, gpu):
+                for key in ("p", "m", "v", "ms", "vs") + (("master",) if master else ()):
+                    if key in r and not same_bits(r[key], g[key].cpu()):
+                        kind = f"{pdtype}{' with a master' if master else ''}"
+                        return (
+                            f"the optimizer's CUDA kernels failed their known-answer check on {where} (state "
+                            f"format {state}, block {block}, {kind}: {key} of {r['p'].numel()} elements differs "
+                            "from the C reference)"
+                        )
     except Exception as e:  # a kernel that cannot run is a reason to fall back, not a crash
         return f"the optimizer's CUDA kernels could not run on {where} ({type(e).__name__}: {e})"
     return None

@@ -237,6 +237,48 @@ def check_saved(state: dict, fmt: Format, numel: int) -> None:
         raise ValueError("master does not have the parameter's size")
 
 
+def check_live(state: dict, fmt: Format, numel: int, device: torch.device) -> None:
+    """Raises ValueError naming the entry when a live state's (local) tensors are not what the
+    kernels read for a ``numel``-element parameter in ``fmt`` with its state on ``device``: each
+    moment, scale and master of its exact dtype and size, contiguous, on ``device``, and ``step``
+    one float32 in host memory. The kernels take their addresses and trust them; a state entry put
+    in by hand (``optimizer.state[p][key] = ...``) could otherwise be read or written out of
+    bounds."""
+    want_m, want_v = _CODE_DTYPES[fmt.dtype]
+    elems = (numel + 1) // 2 if fmt.dtype == "int4" else numel
+    wanted = [("exp_avg", want_m, elems), ("exp_avg_sq", want_v, elems)]
+    if fmt.quantized:
+        scales = state_layout(fmt, numel)[1]
+        wanted += [("exp_avg_scale", torch.float32, scales), ("exp_avg_sq_scale", torch.float32, scales)]
+    if state.get("master") is not None:
+        wanted.append(("master", torch.float32, numel))
+    for key, dtype, n in wanted:
+        t = state.get(key)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{key} is {type(t).__name__}; a {fmt.describe()} state keeps a tensor there")
+        if t.dtype != dtype:
+            raise ValueError(f"{key} is {t.dtype}; a {fmt.describe()} state keeps {dtype}")
+        if t.numel() != n:
+            raise ValueError(f"{key} has {t.numel()} elements; a {fmt.describe()} state of this parameter has {n}")
+        if t.device != device:
+            raise ValueError(f"{key} is on {t.device}; this parameter's state lives on {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{key} is not contiguous; the kernels read state tensors as flat arrays")
+    step = state.get("step")
+    if (
+        not isinstance(step, torch.Tensor)
+        or step.dtype != torch.float32
+        or step.numel() != 1
+        or step.device.type != "cpu"
+    ):
+        what = (
+            f"a {step.dtype} tensor of {step.numel()} elements on {step.device}"
+            if isinstance(step, torch.Tensor)
+            else type(step).__name__
+        )
+        raise ValueError(f"step is {what}; expected one float32 in host memory (as the optimizer makes it)")
+
+
 # the dtypes of (exp_avg, exp_avg_sq) of each format
 _CODE_DTYPES = {
     "fp32": (torch.float32, torch.float32),

@@ -13,7 +13,14 @@ something else:
 - DistributedDataParallel: its hook fires on the rank's own gradient, before DDP averages it (the
   replicas would drift apart silently); refused when the model given is or holds a DDP module.
 - an enabled fp16 ``GradScaler`` (torch's or llmmem's): its inf check must see every gradient
-  before any update. bf16 autocast needs no scaler and works.
+  before any update. bf16 autocast needs no scaler and works;
+- reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) where
+  it hides what a step in backward needs: each checkpointed segment runs a backward of its own,
+  so when the first gradient of a backward is accumulated inside one, the end of the whole
+  backward (where the scheduler steps and accumulation is counted) cannot be seen; and a
+  parameter used in two segments (or in one and outside) has its gradient accumulated twice,
+  which would step it twice on partial gradients. Non-reentrant checkpointing
+  (``use_reentrant=False``, ``llmmem.checkpoint``) is one backward and works.
 
 The optimizer's own ``step()`` and ``zero_grad()`` may still be called (they find no gradients):
 loops written for a normal step keep working. FSDP2 (DTensor) parameters are refused: FSDP2
@@ -22,6 +29,7 @@ writes its sharded gradients after its reduce-scatter, where no accumulate hook 
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Iterable, Optional, Union
 
@@ -36,6 +44,22 @@ _patched: dict = {}
 
 def _managed(params) -> bool:
     return any(h.manages(p) for h in list(_active) for p in params)
+
+
+def _in_nested_backward() -> bool:
+    """Whether the caller runs inside a backward started from a node of another backward (what
+    the reentrant ``torch.utils.checkpoint`` does): a custom autograd Function's backward is
+    then on this thread's stack (torch runs every one through ``BackwardCFunction.apply``); the
+    engine calls a leaf's accumulate hook with no Python frame of a node otherwise."""
+    from torch.autograd.function import BackwardCFunction
+
+    code = BackwardCFunction.apply.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
 
 
 def _params_of(arg) -> list:
@@ -127,6 +151,7 @@ class StepInBackward:
         self._backwards_since_step = 0
         self._step_called = False
         self._in_backward = False
+        self._stepped: set = set()  # ids of the parameters stepped in the current backward
         self._removed = False
         self._step_hook = optimizer.register_step_pre_hook(self._before_user_step)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
@@ -166,15 +191,42 @@ class StepInBackward:
     def _accumulated(self, p: torch.Tensor) -> None:
         if not self._in_backward:
             self._check_accumulation()
+            if _in_nested_backward():
+                raise StateError(
+                    "step_in_backward: the first gradient of this backward was accumulated inside a nested "
+                    "backward (reentrant activation checkpointing, torch.utils.checkpoint(..., use_reentrant=True)): "
+                    "each checkpointed segment is a backward of its own, so the end of the whole backward, where "
+                    "the scheduler steps and gradient accumulation is counted, cannot be seen. Checkpoint with "
+                    "use_reentrant=False (or llmmem.checkpoint), or step after backward"
+                )
             self._in_backward = True
+            self._stepped.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        if self._fused:
-            self.optimizer._step_params([(self._group_of[id(p)], [p])])
-        else:
-            sub = self._per_param[id(p)]
-            group = self._group_of[id(p)]
-            sub.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-            sub.step()
+        if id(p) in self._stepped:
+            self._in_backward = False  # this backward stops here (see below)
+            self._stepped.clear()
+            raise StateError(
+                f"step_in_backward: a parameter of shape {tuple(p.shape)} had its gradient accumulated twice in one "
+                "backward: it is used inside a reentrant checkpointed segment (torch.utils.checkpoint(..., "
+                "use_reentrant=True)) and outside it or in another, and each segment runs a backward of its own. "
+                "Stepping each part would not equal one step on the whole gradient. Checkpoint with "
+                "use_reentrant=False (or llmmem.checkpoint), or step after backward"
+            )
+        self._stepped.add(id(p))
+        try:
+            if self._fused:
+                self.optimizer._step_params([(self._group_of[id(p)], [p])])
+            else:
+                sub = self._per_param[id(p)]
+                group = self._group_of[id(p)]
+                sub.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+                sub.step()
+        except BaseException:
+            # the backward stops here and its end-of-backward callback never runs: the next
+            # backward must start afresh (else it would neither count itself nor step the scheduler)
+            self._in_backward = False
+            self._stepped.clear()
+            raise
         p.grad = None
 
     def _backward_done(self) -> None:

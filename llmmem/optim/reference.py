@@ -122,7 +122,7 @@ def quantize_blocks(x: torch.Tensor, code: int, block: int, rnd=None) -> tuple[t
     a = _bits(xb) & 0x7FFFFFFF
     absmax = _float(torch.where(a < 0x7F800000, a, torch.zeros_like(a)).amax(dim=1))
     ok = absmax >= _pow2(-120)
-    top = torch.tensor(max_value(code), dtype=torch.float32)
+    top = _divisor(max_value(code), absmax)
     scale = torch.where(ok, absmax / top, torch.zeros_like(absmax))
     inv = torch.where(ok, top / absmax, torch.zeros_like(absmax))
     rb = None if rnd is None else _blocks(rnd, block)
@@ -239,6 +239,13 @@ def _sqrt(v: torch.Tensor) -> torch.Tensor:
     return v.double().sqrt().float()
 
 
+def _divisor(x: float, like: torch.Tensor) -> torch.Tensor:
+    """The float32 ``x`` as a 0-dim tensor on ``like``'s device, to divide by. Not a Python
+    number nor a CPU tensor: torch's CUDA (and XPU) division by a CPU scalar multiplies by its
+    reciprocal instead, which can differ from the C code's division in the last bit."""
+    return torch.full((), x, dtype=torch.float32, device=like.device)
+
+
 def _update(s: dict, g, p, m, v, maximize: bool):
     """csrc/optim/adamw_math.h: llmmem_adamw_elem, elementwise over float32 tensors."""
     g = -g if maximize else g
@@ -249,7 +256,7 @@ def _update(s: dict, g, p, m, v, maximize: bool):
     m = g - d1 * s["one_m_w1"] if s["lerp_high"] else m + d1 * s["w1"]
     v = v * s["beta2"] + (g * s["c2"]) * g
     r = _sqrt(v)
-    den = r / s["bc2_sqrt"] + s["eps"]
+    den = r / _divisor(s["bc2_sqrt"], r) + s["eps"]
     p = p + (m * s["neg_step"]) / den
     return p, m, v, r
 

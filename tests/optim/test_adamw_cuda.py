@@ -31,6 +31,30 @@ def test_self_check_catches_a_kernel_that_is_off_by_one_bit():
     assert why is not None and "known-answer check" in why and "p of" in why, why
 
 
+@pytest.mark.parametrize(
+    "broken_when",
+    [
+        pytest.param(
+            lambda rec, block: block == 256, id="int8's default block (a quantization block per thread block)"
+        ),
+        pytest.param(lambda rec, block: block > 256, id="blocks of several elements a thread"),
+        pytest.param(lambda rec, block: rec[9] == 1, id="fp16 weights with a master"),
+    ],
+)
+def test_self_check_covers_the_paths_the_cuda_kernel_takes(broken_when):
+    import ctypes
+
+    def broken(records, *args, **kwargs):
+        native.optim_adamw_step(records, *args, **kwargs)
+        for rec in records:
+            if broken_when(rec, args[8]):
+                cell = (ctypes.c_uint32 if rec[9] == 0 else ctypes.c_uint16).from_address(rec[0])
+                cell.value ^= 1
+
+    why = cuda.self_check(torch.device("cpu"), step=broken)
+    assert why is not None and "known-answer check" in why, why
+
+
 def test_self_check_reports_a_kernel_that_raises():
     def failing(*args, **kwargs):
         raise RuntimeError("no kernel image for this GPU")
@@ -82,3 +106,44 @@ def test_cuda_step_equals_the_cpu_step(fmt, dtype, master):
         for key, t in oc.state[a].items():
             if isinstance(t, torch.Tensor):
                 assert cuda.same_bits(t, og.state[b][key].cpu()), key
+
+
+def _reference_against_c(device):
+    """The torch-ops reference run on ``device`` against the C reference on the CPU, two steps."""
+    from llmmem.optim import formats, reference
+    from llmmem.optim.kernels import Hyper
+
+    hp = Hyper(1e-2, 0.9, 0.999, 1e-8, 0.01, True, False, True)
+    for fmt in (
+        formats.Format("fp32"),
+        formats.Format("bf16"),
+        formats.Format("int8", 256),
+        formats.Format("int4", 64),
+    ):
+        for n in (33, 5000):
+            gen = torch.Generator().manual_seed(n)
+            w = torch.randn(n, generator=gen)
+            st = {"step": torch.zeros(()), **formats.new_moments(fmt, w)}
+            mine = {k: v.clone() for k, v in st.items()}
+            p_c, p_ref = w.clone(), w.to(device)
+            ref_state = {k: (v.to(device) if k != "step" else v) for k, v in mine.items()}
+            for _ in range(2):
+                g = torch.randn(n, generator=gen) * torch.logspace(-4, 1, n)
+                item = kernels.Item(param=p_c, grad=g, master=None, state=st, seed=5)
+                kernels._step_native([item], fmt, hp, torch.device("cpu"))
+                tensors = {"param": p_ref, "grad": g.to(device), "master": None, "seed": 5, **ref_state}
+                reference.adamw_step(tensors, fmt, hp.as_dict())
+            assert cuda.same_bits(p_c, p_ref.cpu()), (fmt, n)
+            for k in st:
+                assert cuda.same_bits(st[k], ref_state[k].cpu()), (fmt, n, k)
+
+
+def test_the_reference_equals_the_c_step_on_the_cpu():
+    _reference_against_c("cpu")
+
+
+@pytest.mark.cuda
+def test_the_reference_equals_the_c_step_on_a_gpu():
+    # torch's CUDA division by a CPU scalar multiplies by its reciprocal (one bit off at times):
+    # the reference divides by a tensor on the device instead
+    _reference_against_c("cuda")

@@ -121,3 +121,78 @@ def test_nan_and_inf_gradients_behave_as_in_torch():
 def test_adamw_refuses_coupled_decay():
     with pytest.raises(ValueError, match="Adam for L2"):
         lo.AdamW([_p()], decoupled_weight_decay=False)
+
+
+def _stepped(fmt="fp32", n=5000):
+    p = _p(n)
+    opt = lo.AdamW([p], lr=0.1, state_dtype=fmt, min_quantized_numel=64)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize(
+    "fmt,key,make,words",
+    [
+        # a view into a larger buffer: the kernel would write past its end into the buffer
+        ("fp32", "exp_avg", lambda t, buf: buf[:10], "exp_avg has 10 elements"),
+        ("int8", "exp_avg_scale", lambda t, buf: buf[:3], "exp_avg_scale"),
+        ("fp32", "exp_avg_sq", lambda t, buf: t.double(), "exp_avg_sq is torch.float64"),
+        ("fp32", "exp_avg", lambda t, buf: t.reshape(50, 100).t().contiguous().t(), "exp_avg is not contiguous"),
+        ("fp32", "step", lambda t, buf: torch.tensor(1, dtype=torch.int64), "step"),
+        ("fp32", "step", lambda t, buf: torch.zeros(2), "step"),
+    ],
+)
+def test_a_state_tensor_put_in_by_hand_that_the_kernel_cannot_read_is_refused(fmt, key, make, words):
+    p, opt = _stepped(fmt)
+    buf = torch.zeros(10000, dtype=opt.state[p][key].dtype)
+    opt.state[p][key] = make(opt.state[p][key], buf)
+    before = p.detach().clone()
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=words):
+        opt.step()
+    assert torch.equal(p, before) and not buf.any()
+
+
+def test_a_bad_hyper_parameter_in_a_later_group_changes_nothing():
+    # a scheduler or a hand edit can put a value in a group after it was checked
+    a, b = _p(5000), _p(5000)
+    opt = lo.AdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    for bad in (float("nan"), -1.0):
+        for _ in range(2):  # the second step takes the cached (C walk) path
+            a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+            opt.param_groups[1]["lr"] = 1e-2
+            opt.step()
+        opt.param_groups[1]["lr"] = bad
+        before, step = a.detach().clone(), float(opt.state[a]["step"])
+        with pytest.raises(ValueError, match="lr of group 1"):
+            opt.step()
+        assert torch.equal(a, before) and float(opt.state[a]["step"]) == step
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    # torch only warns ("in future, this will cause an error"); stepped twice in one call, the
+    # first step made two states of it and the kernel's threads would write it at once
+    p = _p(100)
+    with pytest.raises(ValueError, match="parameter 1 of group 0 is parameter 0 again"):
+        lo.AdamW([p, p])
+    opt = lo.AdamW([_p()])
+    with pytest.raises(ValueError, match="of group 1"):
+        opt.add_param_group({"params": [p, _p(), p]})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_step_inside_a_cuda_graph_capture_is_refused(monkeypatch):
+    # the step counters and bias corrections are host values computed at each call: a captured
+    # step would replay with the captured step's; torch's AdamW (capturable=False) refuses too.
+    # (The capture is simulated: the check is what is tested, not CUDA.)
+    p = _p(100)
+    opt = lo.AdamW([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        opt.step()
+    assert torch.equal(p, before) and p not in opt.state

@@ -184,3 +184,44 @@ def test_a_state_dict_that_does_not_fit_is_refused_before_anything_changes(what)
             if isinstance(t, torch.Tensor):
                 assert torch.equal(t, after["state"][k][key]), (what, key)
     assert [dict(g) for g in opt.param_groups] == groups_before
+
+
+def test_adamw_stays_decoupled_when_it_loads_an_adam_state():
+    # torch's AdamW forces decoupled_weight_decay=True on every load (its __setstate__); a state
+    # saved by an Adam (L2 decay) must not turn llmmem's AdamW into an Adam
+    m = _model()
+    src = torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.1)
+    _steps(m, src, 2, seed=1)
+    sd = src.state_dict()
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is False
+    a, b = _model(), _model()
+    a.load_state_dict(m.state_dict())
+    b.load_state_dict(m.state_dict())
+    ours, theirs = lo.AdamW(a.parameters()), torch.optim.AdamW(b.parameters(), foreach=False)
+    ours.load_state_dict(copy.deepcopy(sd))
+    theirs.load_state_dict(copy.deepcopy(sd))
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
+    assert theirs.param_groups[0]["decoupled_weight_decay"] is True
+    _steps(a, ours, 3, seed=2)
+    _steps(b, theirs, 3, seed=2)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-7)
+
+
+def test_a_state_dict_without_state_and_params_without_state():
+    # an optimizer that never stepped, and one whose second group has no gradient yet
+    m = _model()
+    opt = lo.AdamW([{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}], lr=1e-2)
+    empty = opt.state_dict()
+    assert empty["state"] == {}
+    fresh = lo.AdamW([{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}], lr=1e-2)
+    fresh.load_state_dict(_roundtrip(empty))
+    assert len(fresh.state) == 0
+    m(torch.randn(2, 64)).sum().backward()
+    for p in m[2].parameters():
+        p.grad = None
+    opt.step()
+    sd = _roundtrip(opt.state_dict())
+    assert sorted(sd["state"]) == [0, 1]
+    fresh.load_state_dict(sd)
+    assert all(p in fresh.state for p in m[0].parameters()) and not any(p in fresh.state for p in m[2].parameters())

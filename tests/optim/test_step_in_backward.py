@@ -1,7 +1,9 @@
 """llmmem.optim.step_in_backward: the same update as stepping after backward (bit-identical in
 fp32, for llmmem's AdamW of every format and for torch's optimizers), a peak lower by at least
 0.9 x the gradients' bytes, schedulers, remove(); and the refusals: clipping by global norm,
-gradient accumulation over several backwards, an enabled fp16 GradScaler, DTensor parameters."""
+gradient accumulation over several backwards, an enabled fp16 GradScaler, DTensor parameters,
+reentrant checkpointing where it hides the end of backward or splits a gradient; and a backward
+that failed half-way leaves the next one counting normally."""
 
 from __future__ import annotations
 
@@ -185,3 +187,86 @@ def test_remove_restores_the_normal_step():
     h.remove()  # twice is fine
     _loss(m, _batches(1)[0]).backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+def _blocks(seed=0, n=3, tie=False):
+    torch.manual_seed(seed)
+    blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(n)])
+    if tie:
+        blocks[-1].weight = blocks[0].weight  # one weight used in two segments
+    return blocks
+
+
+def _run_blocks(blocks, x, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    for b in blocks:
+        x = checkpoint(b, x, use_reentrant=reentrant) if reentrant is not None else b(x)
+    return x.square().mean()
+
+
+def test_non_reentrant_checkpointing_counts_one_backward_and_equals_stepping_after():
+    a, b = _blocks(), _blocks()
+    oa, ob = lo.AdamW(a.parameters(), lr=1e-2, seed=1), lo.AdamW(b.parameters(), lr=1e-2, seed=1)
+    sa = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, step_size=1, gamma=0.5)
+    x = torch.randn(4, 16)
+    with lo.step_in_backward(a, oa, scheduler=sa):
+        for _ in range(2):
+            _run_blocks(a, x, reentrant=False).backward()
+            oa.step()
+            ob.zero_grad()
+            _run_blocks(b, x, reentrant=None).backward()
+            ob.step()
+            sb.step()
+    assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"] == 1e-2 * 0.25
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_reentrant_checkpointing_that_hides_the_end_of_backward_is_refused():
+    # every parameter inside torch.utils.checkpoint(use_reentrant=True): each segment is a
+    # backward of its own, and the end of the whole one (where the scheduler steps) cannot be seen
+    a = _blocks()
+    oa = lo.AdamW(a.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(oa, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in a.parameters()]
+    with lo.step_in_backward(a, oa, scheduler=sched):
+        with pytest.raises(StateError, match="use_reentrant=False"):
+            x = torch.randn(4, 16, requires_grad=True)  # (reentrant segments need an input that does)
+            _run_blocks(a, x, reentrant=True).backward()
+        assert oa.param_groups[0]["lr"] == 1e-2
+        assert all(torch.equal(p, q) for p, q in zip(before, a.parameters()))
+
+
+def test_a_parameter_whose_gradient_arrives_in_two_parts_is_refused():
+    # a tied weight in two reentrant segments: its accumulate hook fires once per segment, so it
+    # would be stepped twice on partial gradients; the head outside sees the end of backward
+    torch.manual_seed(0)
+    a = _blocks(tie=True)
+    head = torch.nn.Linear(16, 1)
+    params = list(dict.fromkeys(list(a.parameters()) + list(head.parameters())))
+    oa = lo.AdamW(params, lr=1e-2)
+    with lo.step_in_backward(params, oa):
+        with pytest.raises(StateError, match="twice in one backward"):
+            from torch.utils.checkpoint import checkpoint
+
+            x = torch.randn(4, 16, requires_grad=True)  # (reentrant segments need an input that does)
+            for b in a:
+                x = checkpoint(b, x, use_reentrant=True)
+            head(x).sum().backward()
+
+
+def test_an_error_in_one_backward_does_not_stop_the_next_from_counting():
+    m = _model()
+    opt = lo.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    batches = _batches(2)
+    with lo.step_in_backward(m, opt, scheduler=sched):
+        opt.param_groups[0]["lr"] = float("nan")  # refused by the step inside backward
+        with pytest.raises(ValueError, match="lr"):
+            _loss(m, batches[0]).backward()
+        opt.param_groups[0]["lr"] = 1e-2
+        m.zero_grad(set_to_none=True)
+        _loss(m, batches[1]).backward()
+        assert opt.param_groups[0]["lr"] == 1e-2 * 0.5  # the scheduler stepped at its end
+        opt.step()

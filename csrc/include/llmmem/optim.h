@@ -5,10 +5,11 @@
  *
  * The update of one element, with t the tensor's step count after it is incremented, is torch's
  * single-tensor AdamW (torch/optim/adam.py, _single_tensor_adam) operation for operation, each
- * operation rounded to fp32 as torch's CPU kernels round it:
+ * operation rounded to fp32 on its own (torch's scalar kernels round so; its vectorised CPU lerp
+ * fuses its multiply-add, so results agree with torch's to rounding, not bit for bit):
  *   g  = maximize ? -grad : grad                      (widened to fp32)
  *   AdamW: p = p * (float)(1 - lr * wd)               Adam: g = g + (float)wd * p
- *   m  = lerp(m, g, (float)(1 - beta1))               (torch's lerp: m + w * (g - m) for w < 0.5)
+ *   m  = lerp(m, g, (float)(1 - beta1))               (torch's scalar lerp: m + w * (g - m) for w < 0.5)
  *   v  = v * (float)beta2 + ((float)(1 - beta2) * g) * g
  *   d  = sqrt(v) / (float)sqrt(1 - beta2^t) + (float)eps
  *   p  = p + (float)(-lr / (1 - beta1^t)) * (m / d)
