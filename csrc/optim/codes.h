@@ -11,10 +11,10 @@
  *
  *   M8  signed   sign + E4 M3, B 15: 7.0 % worst relative error, 2^-17 of the block's largest;
  *                0x80 (a negative zero) is NaN.
- *   R8  unsigned E4 M4, B 15, on r = sqrt(v): 3.1 %, 2^-18; 0xff is NaN.
+ *   R8  unsigned E4 M4, B 15, on r = sqrt(v): 3.1 %, 2^-18; 0xff is +inf.
  *   M4  signed   sign + E2 M1, B 1: magnitudes 0, 1/12, 1/6, 1/4, 1/3, 1/2, 2/3 and 1 of the block's
  *                largest; 0x8 is NaN.
- *   R4  unsigned E2 M2, B 3: 0, 1/24 .. 7/24, 1/3, 5/12, 1/2, 7/12, 2/3, 5/6 and 1; 0xf is NaN.
+ *   R4  unsigned E2 M2, B 3: 0, 1/24 .. 7/24, 1/3, 5/12, 1/2, 7/12, 2/3, 5/6 and 1; 0xf is +inf.
  * m is rounded to nearest, ties to even. sqrt(v) is rounded stochastically by the step (to
  * nearest by a format conversion): its running average moves by 0.1% a step at beta2 = 0.999, far
  * below a code's step, and to nearest it could never decay (measured: an 8-bit teacher-student
@@ -22,7 +22,9 @@
  * stochastically changed nothing at 8 bits and cost 1% at 4). An unsigned (R) value above zero
  * never becomes code 0: it takes code 1, so that a small r read back as 0 cannot turn
  * m / (r + eps) into m / eps.
- * Non-finite inputs become the NaN code.
+ * Non-finite inputs become the NaN code (M) or the +inf code (R: a second moment that overflowed
+ * stays +inf, as torch's does, so that the weight's updates are 0 rather than NaN; a NaN one
+ * comes with a NaN first moment, which keeps the weight NaN as in torch).
  */
 #ifndef LLMMEM_OPTIM_CODES_H
 #define LLMMEM_OPTIM_CODES_H
@@ -129,7 +131,7 @@ LLMMEM_HD float llmmem_q_decode_signed(uint32_t c, float scale, int mag, int M, 
   return c == nan_code ? llmmem_q_float(0x7fc00000u) : out;
 }
 
-/* Unsigned codes (sqrt of the second moment, x >= 0 or NaN): the all-ones code is NaN, and a
+/* Unsigned codes (sqrt of the second moment, x >= 0 or NaN): the all-ones code is +inf, and a
  * positive x never rounds to 0. */
 LLMMEM_HD uint32_t llmmem_q_encode_unsigned(float x, float inv, int bits, int M, int B) {
   const uint32_t nan_code = (1u << bits) - 1u;
@@ -159,7 +161,7 @@ LLMMEM_HD uint32_t llmmem_q_encode_unsigned_sr(float x, float inv, int bits, int
 LLMMEM_HD float llmmem_q_decode_unsigned(uint32_t c, float scale, int bits, int M, int B) {
   const uint32_t nan_code = (1u << bits) - 1u;
   float v = llmmem_q_decode_mag(c, M, B) * scale;
-  return c == nan_code ? llmmem_q_float(0x7fc00000u) : v;
+  return c == nan_code ? llmmem_q_float(0x7f800000u) : v;
 }
 
 /* The largest value of each code (scale = block maximum / this). */

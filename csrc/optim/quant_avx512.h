@@ -31,11 +31,11 @@
           _mm512_slli_epi32(_mm512_and_si512((c), _mm512_set1_epi32(1 << (MAG))), 31 - (MAG)))),            \
       _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)))
 
-/* llmmem_q_decode_unsigned */
+/* llmmem_q_decode_unsigned (the all-ones code is +inf) */
 #define Q512_DECODE_UNSIGNED(c, scale, BITS, M, B)                                         \
   _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask((c), _mm512_set1_epi32((1 << (BITS)) - 1)), \
                        _mm512_mul_ps(Q512_DECODE_MAG(c, M, B), (scale)),                   \
-                       _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)))
+                       _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000)))
 
 /* llmmem_sr_mix of 16 lanes */
 static inline __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i q512_mix(__m512i x) {

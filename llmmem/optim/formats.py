@@ -120,7 +120,7 @@ def new_moments(fmt: Format, param: torch.Tensor, device=None) -> dict:
 
 
 def code_values(code: int) -> torch.Tensor:
-    """Every value of a C code at scale 1 (256 or 16 float32; the NaN code reads NaN)."""
+    """Every value of a C code at scale 1 (256 or 16 float32; the M codes' NaN code reads NaN, the R codes' all-ones code +inf)."""
     return torch.tensor(native.optim_code_values(code), dtype=torch.float32)
 
 

@@ -103,8 +103,9 @@ def decode(c: torch.Tensor, scale: torch.Tensor, code: int) -> torch.Tensor:
         v = _decode_mag(c & (nan_code - 1), m_bits, bias) * scale
         out = _float(_bits(v) | (((c >> mag) & 1) << 31))
     else:
-        nan_code = (1 << mag) - 1
+        inf_code = (1 << mag) - 1  # a second moment that was not finite reads back as +inf (codes.h)
         out = _decode_mag(c, m_bits, bias) * scale
+        return torch.where(c == inf_code, torch.full_like(out, float("inf")), out)
     return torch.where(c == nan_code, torch.full_like(out, float("nan")), out)
 
 

@@ -131,13 +131,6 @@ def test_small_tensors_keep_fp32_moments_in_quantized_formats():
     assert opt.state[big]["exp_avg"].dtype == torch.int8 and opt.state[big]["exp_avg_sq"].dtype == torch.uint8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quantized formats store a second moment that overflowed to inf as the R code's NaN, which reads "
-    "back as NaN and turns the weight into NaN at the next step; torch keeps v = inf (updates of 0). Fix: "
-    "let the R codes' all-ones code mean +inf (encode inf and NaN r to it, decode it as +inf) in codes.h, "
-    "quantize.c, reference.py and the C tests: a NaN gradient still makes m NaN, hence the weight",
-)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_finite_gradient_whose_square_overflows_behaves_as_in_torch(fmt):
     # (c2 * g) * g overflows float32 from |g| ~ 6e20 at beta2 = 0.999; the gradient itself is finite

@@ -28,8 +28,10 @@
  *         precision, so small and large magnitudes both keep theirs.
  *   Q4    the same with 4-bit codes, two per byte (element 2i in the low nibble): ceil(n / 2)
  *         bytes each, plus the scales.
- * Quantized state: a non-finite moment is stored as the code's NaN (and reads back as NaN), so a
- * NaN or inf gradient spoils that element only, as it does in torch's AdamW; a positive r never
+ * Quantized state: a non-finite first moment is stored as the M code's NaN, a non-finite r as the
+ * R code's all-ones code, which reads back as +inf (a second moment that overflowed on a huge
+ * finite gradient stays +inf, as torch's does: that weight's updates become 0, not NaN). A NaN or
+ * inf gradient spoils that element only, as it does in torch's AdamW; a positive r never
  * rounds to 0 (it would turn m / d into m / eps), but to the smallest code above it.
  *
  * Stochastic rounding (bf16 parameters without a master, bf16 moments) adds 16 random bits below
@@ -69,9 +71,9 @@ typedef enum llmmem_optim_state_e {
 /* The quantization codes: which moment, in how many bits. */
 typedef enum llmmem_optim_code_e {
   LLMMEM_OPTIM_CODE_M8 = 0, /* first moment, 8 bits: sign + 4 exponent + 3 mantissa bits; 0x80 = NaN */
-  LLMMEM_OPTIM_CODE_R8 = 1, /* sqrt of the second moment, 8 bits: 4 exponent + 4 mantissa; 0xff = NaN */
+  LLMMEM_OPTIM_CODE_R8 = 1, /* sqrt of the second moment, 8 bits: 4 exponent + 4 mantissa; 0xff = +inf */
   LLMMEM_OPTIM_CODE_M4 = 2, /* first moment, 4 bits: sign + 3 magnitude bits; 0x8 = NaN */
-  LLMMEM_OPTIM_CODE_R4 = 3, /* sqrt of the second moment, 4 bits; 0xf = NaN */
+  LLMMEM_OPTIM_CODE_R4 = 3, /* sqrt of the second moment, 4 bits; 0xf = +inf */
   LLMMEM_OPTIM_CODE_COUNT_ = 4
 } llmmem_optim_code_t;
 
@@ -145,7 +147,7 @@ LLMMEM_API llmmem_status_t llmmem_optim_adamw_step_cuda(const llmmem_optim_tenso
 /* ---- the codes, for state conversion (load_state_dict) and tests -------------------------- */
 
 /* The value of every code of `code`, times 1 (scale 1): 256 or 16 floats written to values[0..*count)
- * (values must hold 256). The NaN code reads NaN. */
+ * (values must hold 256). The M codes' NaN code reads NaN, the R codes' all-ones code +inf. */
 LLMMEM_API llmmem_status_t llmmem_optim_code_values(int32_t code, float *values, size_t *count);
 
 /* Blockwise quantization of x[0..n) (host memory) into codes (n bytes for 8 bits, ceil(n / 2) for
