@@ -94,7 +94,8 @@ static void test_codes(void) {
       float scale, back[4];
       CHECK_OK(llmmem_optim_quantize(x, 4, code, 32, c, &scale));
       CHECK_OK(llmmem_optim_dequantize(c, &scale, 4, code, 32, back));
-      CHECK(back[0] == 1.0f && (is_r(code) ? isinf(back[1]) && isinf(back[2]) && back[1] > 0 : isnan(back[1]) && isnan(back[2])));
+      CHECK(back[0] == 1.0f &&
+            (is_r(code) ? isinf(back[1]) && isinf(back[2]) && back[1] > 0 : isnan(back[1]) && isnan(back[2])));
       if (is_r(code))
         CHECK(back[3] > 0.0f);
       else
