@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from llmmem.head import passes
-from llmmem.head.passes import Settings
+from llmmem.head.kernels import Settings
 
 _MIN_CHUNK_BYTES = 32 << 20
 

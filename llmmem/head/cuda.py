@@ -11,6 +11,7 @@ import torch
 
 from llmmem._cuda_build import build_problem
 from llmmem._devices import cuda_index
+from llmmem.head import kernels
 
 _support: dict = {}  # GPU index -> None (usable) or why not
 
@@ -41,10 +42,8 @@ def self_check(
     ignored rows, a vocabulary shard and -inf logits; else what differed. On the CPU it checks the
     C passes (how the tests exercise it without a GPU); ``stats`` and ``grad`` replace the passes
     (tests give it broken ones)."""
-    from llmmem.head import passes
-
-    stats = stats or passes.stats_native
-    grad = grad or passes.grad_native_
+    stats = stats or kernels.stats_native
+    grad = grad or kernels.grad_native_
     where = f"cuda:{cuda_index(device)}" if device.type == "cuda" else "the CPU"
     gen = torch.Generator().manual_seed(4321)
     try:
@@ -58,8 +57,8 @@ def self_check(
             logits[3, 2000:] = float("-inf")
             labels = torch.randint(start, start + 3001, (37,), generator=gen)
             labels[::5] = -100
-            s = passes.Settings(start, total, -100, eps, softcap)
-            ref = passes.stats_reference(logits, labels, s)
+            s = kernels.Settings(start, total, -100, eps, softcap)
+            ref = kernels.stats_reference(logits, labels, s)
             got = stats(logits.to(device), labels.to(device), s)
             rel = 1e-5 if dtype == torch.float32 else 1e-2
             for name in ("max", "sum", "target", "zsum"):
@@ -67,7 +66,7 @@ def self_check(
                     return f"the head's CUDA kernels failed their known-answer check on {where} ({dtype}: row {name})"
             lse, scale = ref.max + ref.sum.log() + 0.25, torch.rand(37, generator=gen) + 0.5
             want, have = logits.clone(), logits.to(device)
-            passes.grad_reference_(want, labels, s, lse, scale)
+            kernels.grad_reference_(want, labels, s, lse, scale)
             grad(have, labels.to(device), s, lse.to(device), scale.to(device))
             rel = 2e-5 if dtype == torch.float32 else 1e-2
             if not torch.allclose(have.cpu().float(), want.float(), rtol=rel, atol=1e-7):

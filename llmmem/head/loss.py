@@ -31,8 +31,8 @@ from typing import Optional
 
 import torch
 
-from llmmem.head import chunks, ops, passes
-from llmmem.head.passes import Settings
+from llmmem.head import chunks, kernels, ops
+from llmmem.head.kernels import Settings
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -81,7 +81,7 @@ def _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothin
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
-    if not hidden.is_floating_point() or hidden.dtype not in passes.DTYPE_CODES:
+    if not hidden.is_floating_point() or hidden.dtype not in kernels.DTYPE_CODES:
         raise TypeError(f"{where}: hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"{where}: weight must be [vocab, hidden], got shape {tuple(weight.shape)}")

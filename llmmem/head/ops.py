@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from llmmem.head import chunks
-from llmmem.head.passes import Settings
+from llmmem.head.kernels import Settings
 
 
 def _plan(h, w, b, labels, ignore_index, label_smoothing, softcap, rows) -> chunks.Plan:

@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 
 def _compare(*args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "llmmem", "compare", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "llmmem", "compare", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tempfile.gettempdir(),  # off the checkout: `-m` would import its unbuilt llmmem
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -24,6 +25,7 @@ def _compare(*args, timeout=600):
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=tempfile.gettempdir(),  # off the checkout: `-m` would import its unbuilt llmmem
     )
 
 

@@ -37,7 +37,7 @@ def _interrupt(tmp_path, flags, sig, *, processes):
     folder and the temporary one."""
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     proc = subprocess.Popen(
-        _argv(out, flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp)
+        _argv(out, flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp), cwd=tmp_path
     )
     seen = []
     try:
@@ -92,7 +92,9 @@ def test_sigterm_during_a_parallel_row_ends_every_process_and_resume_finishes(tm
     assert main(["compare", "--quick", "--no-charts", "--out", str(out), *flags, "--steps", "5", "--resume"]) == 2
     assert json.loads((out / "results.json").read_text()) == data
 
-    done = subprocess.run(_argv(out, flags) + ["--resume"], capture_output=True, text=True, timeout=600, env=_env(tmp))
+    done = subprocess.run(
+        _argv(out, flags) + ["--resume"], capture_output=True, text=True, timeout=600, env=_env(tmp), cwd=tmp
+    )
     assert done.returncode == 0, done.stderr
     assert f"resuming: {len(kept)} row(s)" in done.stdout
     final = json.loads((out / "results.json").read_text())

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import llmmem
-from llmmem.head import cuda, passes
+from llmmem.head import cuda, kernels, passes
 
 
 def test_self_check_passes_on_the_cpu_passes():
@@ -19,7 +19,7 @@ def test_self_check_passes_on_the_cpu_passes():
 
 def test_self_check_catches_a_pass_that_is_slightly_off():
     def off_stats(logits, labels, s):
-        st = passes.stats_native(logits, labels, s)
+        st = kernels.stats_native(logits, labels, s)
         st.sum.mul_(1.001)
         return st
 
@@ -27,7 +27,7 @@ def test_self_check_catches_a_pass_that_is_slightly_off():
     assert why is not None and "known-answer check" in why and "row sum" in why, why
 
     def off_grad(logits, labels, s, lse, scale):
-        passes.grad_native_(logits, labels, s, lse, scale * 1.001)
+        kernels.grad_native_(logits, labels, s, lse, scale * 1.001)
 
     why = cuda.self_check(torch.device("cpu"), grad=off_grad)
     assert why is not None and "the gradient" in why, why
