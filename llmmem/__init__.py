@@ -57,6 +57,7 @@ _LAZY = {
     "vocab_parallel_cross_entropy": "llmmem.parallel",
     # the LM head and its loss without the logits
     "linear_cross_entropy": "llmmem.head",
+    "patch_lm_loss": "llmmem.head",
 }
 
 # Subpackages reached as attributes (``llmmem.optim.AdamW`` after ``import llmmem``), also lazily.
