@@ -9,6 +9,7 @@ One flag per technique; they combine. CPU by default, CUDA when present.
     python examples/train_gpt.py --amp fp16                               # fp16 autocast + llmmem.GradScaler
     python examples/train_gpt.py --optim adamw-int8 --bf16-weights --step-in-backward   # the model state lean
     python examples/train_gpt.py --model hf-llama --checkpoint every      # a Hugging Face Llama (random weights)
+    python examples/train_gpt.py --model hf-llama --fused-head            # its loss without the [tokens x vocab] logits
     python examples/train_gpt.py --steps 200 --save ckpt --save-every 50  # then: --resume ckpt
     torchrun --nproc-per-node 2 examples/train_gpt.py --tp 2 --sequence-parallel
     torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --sequence-parallel   # TP 2 x DP 2 with ZeRO-1
@@ -19,6 +20,10 @@ One flag per technique; they combine. CPU by default, CUDA when present.
 fine-tune's memory is made of): Adam's moments in bf16, 8 or 4 bits (``llmmem.optim.AdamW``),
 parameters in bf16 with no fp32 master (updated with stochastic rounding), and each parameter
 updated as soon as its gradient exists, so no step holds every gradient.
+
+``--fused-head`` patches the model with ``llmmem.patch_lm_loss``: the loss comes from the last hidden
+states and the head's weight in chunks of rows, and the [tokens x vocabulary] logits (with their
+gradient) never exist whole, the largest activation of a model with a large vocabulary.
 
 ``--batch`` is the global batch of one optimizer step: it is split over the data-parallel ranks and
 then into ``--grad-accum`` micro-batches, so the losses do not depend on how many ranks train.
@@ -125,6 +130,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="keep the optimizer's moments (and masters) in host memory and step them there with "
         "llmmem.optim.AdamW(offload='cpu'); on the CPU it only adds copies",
     )
+    mem.add_argument(
+        "--fused-head",
+        action="store_true",
+        help="the LM head's loss without the [tokens x vocab] logits (llmmem.patch_lm_loss; one device: no --tp)",
+    )
     mem.add_argument("--offload", action="store_true", help="keep checkpointed block inputs in host memory (CUDA)")
     mem.add_argument("--pool", action="store_true", help="allocate CUDA memory from an llmmem.MemoryPool")
     par = p.add_argument_group("parallelism (under torchrun)")
@@ -228,6 +238,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); hf-llama trains data-parallel only")
     if a.tp > 1 and (a.heads % a.tp or (4 * a.hidden) % a.tp or VOCAB_SIZE % a.tp):
         p.error(f"--tp {a.tp} must divide --heads ({a.heads}), 4 x --hidden and the vocabulary ({VOCAB_SIZE})")
+    if a.tp > 1 and a.fused_head:
+        p.error("--fused-head patches a one-device model (llmmem.patch_lm_loss); with --tp the loss is split already")
     if a.tp > 1 and a.checkpoint == "auto":
         p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
     dp = world // a.tp
@@ -423,10 +435,13 @@ def amp_context(args):
 
 def loss_of(args, model, x, y):
     with amp_context(args):
+        if args.model == "hf-llama" and args.fused_head:
+            # y is x shifted already: shift_labels says so (labels only has to be given); no logits are made
+            return model(input_ids=x, labels=y, shift_labels=y, use_cache=False).loss
         if args.model == "hf-llama":
             logits = model(input_ids=x, use_cache=False).logits
             return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        if args.bf16_weights and args.tp == 1:
+        if args.bf16_weights and args.tp == 1 and not args.fused_head:
             # bf16 logits, the loss taken on them in fp32: a bf16 loss keeps 3 significant digits
             # (the tensor-parallel loss is computed in fp32 already)
             logits, _ = model(x)
@@ -706,6 +721,8 @@ def main(argv=None) -> int:
     d = Dist(args)
     model, inner, blocks = build_model(args, device, d)
     n_params = sum(p.numel() for p in inner.parameters())
+    if args.fused_head:  # before the planner: it then profiles the step as it trains
+        llmmem.patch_lm_loss(inner)
 
     tokens = encode(args.data.read_text(encoding="utf-8", errors="replace"))
     if tokens.numel() < args.seq_len + 2:
@@ -749,6 +766,7 @@ def main(argv=None) -> int:
             f"checkpoint={args.checkpoint} amp={args.amp} optim={args.optim}"
             + (" bf16-weights" if args.bf16_weights else "")
             + (" step-in-backward" if args.step_in_backward else "")
+            + (" fused-head" if args.fused_head else "")
             + (" offload" if args.offload else "")
             + (" pool" if args.pool else "")
             + (f"; resumed at step {start} from {chosen.path}" if chosen is not None else ""),

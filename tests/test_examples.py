@@ -259,6 +259,40 @@ def test_train_gpt_hf_llama_auto_checkpoint():
     assert "predicted peak" in proc.stdout and "step 2: loss" in proc.stdout
 
 
+def test_train_gpt_fused_head_trains_as_the_plain_head(tmp_path):
+    # --fused-head (llmmem.patch_lm_loss): the same losses as the plain head, on our GPT (alone, with
+    # every block recomputed, in fp16 under llmmem.GradScaler, whose first scale 2**16 is inf in fp16)
+    # and on a Hugging Face Llama (labels already shifted: shift_labels)
+    pytest.importorskip("transformers", reason="Hugging Face transformers is not installed")
+    common = SMALL + ["--no-progress", "--dropout", "0", "--steps", "2"]
+    flags = {
+        "gpt": [],
+        "gpt-fused": ["--fused-head"],
+        "gpt-fused-every": ["--fused-head", "--checkpoint", "every"],
+        "gpt-fp16": ["--amp", "fp16"],
+        "gpt-fp16-fused": ["--amp", "fp16", "--fused-head"],
+        "llama": ["--model", "hf-llama"],
+        "llama-fused": ["--model", "hf-llama", "--fused-head"],
+    }
+    runs = [common + f + ["--log-json", str(tmp_path / f"{k}.json")] for k, f in flags.items()]
+    proc = main_runs(runs)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.count("exit 0") == len(flags), proc.stdout
+    losses = {k: [v for _, v in json.loads((tmp_path / f"{k}.json").read_text())["losses"]] for k in flags}
+    assert losses["gpt-fused"] == pytest.approx(losses["gpt"], rel=1e-5)
+    assert losses["gpt-fused-every"] == pytest.approx(losses["gpt"], rel=1e-5)
+    assert losses["gpt-fp16-fused"] == pytest.approx(losses["gpt-fp16"], rel=1e-3)  # no step skipped either
+    assert losses["llama-fused"] == pytest.approx(losses["llama"], rel=1e-5)
+    assert "fused-head" in proc.stdout
+
+
+def test_train_gpt_fused_head_is_for_one_device_models(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        load_example().parse_args(["--fused-head", "--tp", "2"])
+    assert exc.value.code == 2 and "--fused-head patches a one-device model" in capsys.readouterr().err
+
+
 def test_train_gpt_without_transformers_says_how_to_install(tmp_path):
     blocker = tmp_path / "transformers"
     blocker.mkdir()

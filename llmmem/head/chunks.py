@@ -119,9 +119,11 @@ def _finish(plan: Plan, dh, dw, db):
     return dh, dw, db
 
 
-def forward_with_grads(plan: Plan, mean: bool, need_h: bool, need_w: bool, need_b: bool):
-    """(loss, dh, dw, db): the loss (``mean``: over the rows not ignored, else the sum) and its
-    gradients, each None where not needed."""
+def forward_with_grads(
+    plan: Plan, mean: bool, need_h: bool, need_w: bool, need_b: bool, loss_dtype: Optional[torch.dtype] = None
+):
+    """(loss, dh, dw, db): the loss (``mean``: over the rows not ignored, else the sum; in
+    ``loss_dtype``, None: the hidden states') and its gradients, each None where not needed."""
     s = plan.settings
     buf = plan.buffer()
     dh, dw, db = _grad_buffers(plan, need_h, need_w, need_b)
@@ -137,7 +139,7 @@ def forward_with_grads(plan: Plan, mean: bool, need_h: bool, need_w: bool, need_
         passes.grad_(logits, lab, s, lse, scale)
         _gradients_of_chunk(plan, logits, a, b, dh, dw, db)
     loss = total / valid if mean else total  # 0 / 0 = NaN when every row is ignored, as torch
-    return (loss.to(plan.h.dtype), *_finish(plan, dh, dw, db))
+    return (loss.to(loss_dtype or plan.h.dtype), *_finish(plan, dh, dw, db))
 
 
 def forward_rows(plan: Plan):

@@ -37,14 +37,30 @@ from llmmem.head.kernels import Settings
 _REDUCTIONS = ("mean", "sum", "none")
 
 
+_SCALE_BLOCK = 4 << 20  # elements scaled in fp32 at a time: a 16 MiB temporary
+
+
+def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``t *= g`` in place, the product rounded once to ``t``'s dtype: a half-precision ``t`` is
+    scaled in fp32 a block at a time, since ``g`` itself may not fit its dtype (a loss scaler's
+    2**16 is inf in fp16) or keep its digits there (1 / tokens in bf16)."""
+    if t.dtype == torch.float32 or g.dtype == t.dtype:
+        return t.mul_(g.to(t.dtype))
+    flat = t.view(-1)
+    for a in range(0, flat.numel(), _SCALE_BLOCK):
+        part = flat[a : a + _SCALE_BLOCK]
+        part.copy_(part.float().mul_(g.float()))
+    return t
+
+
 class _Grads(torch.autograd.Function):
     """The loss (mean or sum), gradients computed in the forward pass; backward scales them in
     place and hands them over (autograd then takes them as ``.grad`` without a copy)."""
 
     @staticmethod
-    def forward(ctx, h, w, b, plan: chunks.Plan, mean: bool):
+    def forward(ctx, h, w, b, plan: chunks.Plan, mean: bool, loss_dtype=None):
         need_b = b is not None and b.requires_grad
-        loss, dh, dw, db = chunks.forward_with_grads(plan, mean, h.requires_grad, w.requires_grad, need_b)
+        loss, dh, dw, db = chunks.forward_with_grads(plan, mean, h.requires_grad, w.requires_grad, need_b, loss_dtype)
         ctx.grads = (dh, dw, db)
         return loss
 
@@ -57,7 +73,7 @@ class _Grads(torch.autograd.Function):
                 "backpropagated twice (retain_graph=True). Call it with reduction='none' and reduce the result, "
                 "which recomputes in backward"
             )
-        return tuple(t.mul_(g.to(t.dtype)) if t is not None else None for t in grads) + (None, None)
+        return tuple(_scale_(t, g) if t is not None else None for t in grads) + (None, None, None)
 
 
 class _Rows(torch.autograd.Function):
@@ -152,6 +168,17 @@ def linear_cross_entropy(
     :returns: the loss (a 0-dim tensor, or labels' shape for ``"none"``), in hidden's dtype.
     :raises IndexError: a label outside ``[0, V)`` that is not ``ignore_index`` (as torch).
     """
+    return _linear_cross_entropy(
+        hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size, group, None
+    )
+
+
+def _linear_cross_entropy(
+    hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size, group, loss_dtype
+):
+    """:func:`linear_cross_entropy` with its loss in ``loss_dtype`` (None: hidden's dtype). A loss
+    in fp32 from half-precision inputs (``llmmem.patch_lm_loss``'s, as Hugging Face's loss is fp32)
+    also takes its upstream gradient in fp32: a loss scaler's 2**16 stays finite."""
     _check(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size)
     h = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
@@ -169,9 +196,9 @@ def linear_cross_entropy(
                 h, weight, bias, flat, args[0], reduction == "mean", args[1], cap, rows,
                 hidden.requires_grad, weight.requires_grad, need_b,
             )  # fmt: skip
-            return loss
+            return loss if loss_dtype is None else loss.to(loss_dtype)
         per_row, _ = ops.lce_rows(h, weight, bias, flat, *args)
-        return _reduce(per_row, flat, labels.shape, reduction, ignore_index, hidden.dtype)
+        return _reduce(per_row, flat, labels.shape, reduction, ignore_index, loss_dtype or hidden.dtype)
     world, rank = 1, 0
     if group is not None:
         import torch.distributed as dist
@@ -185,9 +212,9 @@ def linear_cross_entropy(
     plan = chunks.Plan(h, weight, bias, flat, settings, rows, group, world)
     plan.check_labels()
     if reduction != "none" and grads:
-        return _Grads.apply(h, weight, bias, plan, reduction == "mean")
+        return _Grads.apply(h, weight, bias, plan, reduction == "mean", loss_dtype)
     per_row = _Rows.apply(h, weight, bias, plan)
-    return _reduce(per_row, flat, labels.shape, reduction, ignore_index, hidden.dtype)
+    return _reduce(per_row, flat, labels.shape, reduction, ignore_index, loss_dtype or hidden.dtype)
 
 
 def _reduce(per_row, flat_labels, shape, reduction, ignore_index, dtype):

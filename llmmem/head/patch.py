@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmmem.head.loss import linear_cross_entropy
+from llmmem.head.loss import _linear_cross_entropy
 from llmmem.head.marker import FusedHead, fused_head, mark, unmark
 
 __all__ = ["patch_lm_loss", "unpatch_lm_loss", "LmLossPatch", "ARCHITECTURES"]
@@ -246,19 +246,19 @@ class LmLossPatch:
             )
         h, w, b = _operands(h, head)
         with torch.autocast(h.device.type, enabled=False):  # the operands' dtype is settled
-            loss = linear_cross_entropy(
+            loss = _linear_cross_entropy(
                 h,
                 w,
                 target,
-                bias=b,
-                ignore_index=int(ignore_index),
-                reduction="mean" if num_items is None else "sum",
-                softcap=_softcap(self.model, arch),
-                chunk_size=self.chunk_size,
+                b,
+                int(ignore_index),
+                "mean" if num_items is None else "sum",
+                0.0,
+                _softcap(self.model, arch),
+                self.chunk_size,
+                None,
+                torch.float32,  # as ForCausalLMLoss's; its gradient then too (a loss scale of 2**16 is inf in fp16)
             )
-        if not arch.hugging_face:
-            return loss
-        loss = loss.float()  # ForCausalLMLoss's loss is fp32 whatever the model's dtype
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         return loss
@@ -322,8 +322,9 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
     Memory: the loss holds one chunk of logits instead of the [tokens x vocabulary] logits, their fp32
     copy and their gradient; the gradients of the hidden states and of the head's weight are
     computed in the forward (see :func:`llmmem.linear_cross_entropy`). Synchronisation: one host
-    synchronisation per call on a GPU (the labels' range check). In bf16/fp16 the loss is rounded to
-    that dtype before it is returned as fp32 (the gradients are computed in fp32).
+    synchronisation per call on a GPU (the labels' range check). The loss is fp32 whatever the
+    model's dtype, as Hugging Face's (llmmem's GPT too), and so is its upstream gradient: fp16 with a
+    loss scaler works as it does unpatched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_lm_loss: model must be an nn.Module, got {type(model).__name__}")

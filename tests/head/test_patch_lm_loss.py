@@ -338,3 +338,25 @@ def test_bf16_weights():
         got = model(input_ids=ids, labels=labels).loss
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+
+
+def test_fp16_under_a_loss_scale_of_2_16_stays_finite():
+    # a loss scaler's first scale is 2**16, inf in fp16: the loss and its upstream gradient are fp32
+    model = build("llama").half()
+    ids, labels = batch()
+    scale = 2.0**16
+
+    def unscaled_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        (loss * scale).backward()
+        return loss, {n: p.grad.float() / scale for n, p in model.named_parameters()}
+
+    want_loss, want = unscaled_grads()
+    with llmmem.patch_lm_loss(model):
+        got_loss, got = unscaled_grads()
+    assert got_loss.dtype == want_loss.dtype == torch.float32
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-2, atol=0)
+    for name, g in got.items():
+        assert torch.isfinite(g).all(), name
+        assert float((g - want[name]).norm()) <= 2e-2 * float(want[name].norm()) + 1e-6, name
