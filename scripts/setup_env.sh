@@ -13,6 +13,7 @@ TORCH_VERSION=${LLMMEM_TORCH_VERSION:-2.11.0}
 TRANSFORMERS_VERSION=5.24.0
 MATPLOTLIB_VERSION=3.11.2
 TQDM_VERSION=4.70.1
+ACCELERATE_VERSION=1.15.0
 RUFF_VERSION=0.17.6
 PYTHON=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,8 +31,10 @@ fi
 "$VENV/bin/python" -c 'import pytest, numpy, setuptools, wheel' 2>/dev/null ||
   "$VENV/bin/pip" install -q pytest numpy "setuptools>=64" wheel
 # What the tests, the main job and the lint use beyond torch: Hugging Face models built from small
-# configs (nothing is downloaded), the charts, the progress bar, and the linter/formatter CI runs.
-EXTRAS=("transformers==$TRANSFORMERS_VERSION" "matplotlib==$MATPLOTLIB_VERSION" "tqdm==$TQDM_VERSION" "ruff==$RUFF_VERSION")
+# configs (nothing is downloaded) and its Trainer (which needs accelerate), the charts, the progress
+# bar, and the linter/formatter CI runs.
+EXTRAS=("transformers==$TRANSFORMERS_VERSION" "accelerate==$ACCELERATE_VERSION" "matplotlib==$MATPLOTLIB_VERSION"
+  "tqdm==$TQDM_VERSION" "ruff==$RUFF_VERSION")
 "$VENV/bin/python" - "${EXTRAS[@]}" <<'PY' 2>/dev/null || "$VENV/bin/pip" install -q "${EXTRAS[@]}"
 import sys
 from importlib.metadata import version
