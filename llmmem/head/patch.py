@@ -182,6 +182,10 @@ class LmLossPatch:
         return inspect.signature(self._original())
 
     def __call__(self, *args, **kwargs):
+        if args and args[0] is self.model:
+            # bound to the model as a method (accelerate's unwrap_model(keep_fp32_wrapper=False) rebinds
+            # the forward it wrapped so): the model is never an input of its own forward
+            args = args[1:]
         original = self._original()
         name, pos = self.arch.labels, self.labels_position
         if name in kwargs:
@@ -295,7 +299,7 @@ class PatchHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        state = "active" if isinstance(self.model.__dict__.get("forward"), LmLossPatch) else "removed"
+        state = "active" if _installed(self.model) is not None else "removed"
         return f"<patch_lm_loss of {type(self.model).__name__}: {state}>"
 
 
@@ -330,7 +334,7 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
         raise TypeError(f"patch_lm_loss: model must be an nn.Module, got {type(model).__name__}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"patch_lm_loss: chunk_size must be None or an int > 0, got {chunk_size!r}")
-    if isinstance(model.__dict__.get("forward"), LmLossPatch) or fused_head(model) is not None:
+    if _installed(model) is not None or fused_head(model) is not None:
         raise ValueError(
             f"patch_lm_loss: this {type(model).__name__} is patched already; call .remove() on the handle the "
             "first patch_lm_loss returned (or llmmem.head.unpatch_lm_loss(model)) before patching it again"
@@ -354,6 +358,14 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
     return PatchHandle(model)
 
 
+def _installed(model: nn.Module) -> Optional[LmLossPatch]:
+    """The patch that is ``model``'s forward (also bound to it as a method), else None."""
+    current = model.__dict__.get("forward")
+    if isinstance(getattr(current, "__func__", None), LmLossPatch) and current.__self__ is model:
+        current = current.__func__
+    return current if isinstance(current, LmLossPatch) else None
+
+
 def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
     """Undo :func:`patch_lm_loss` on ``model`` (or on a copy of a patched model): its forward as it
     was before the patch, and no mark.
@@ -361,7 +373,7 @@ def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
     :raises ValueError: ``model`` is not patched (unless ``missing_ok``), or its ``forward`` was
         replaced after the patch (by a wrapper that would be lost: remove that one first).
     """
-    current = model.__dict__.get("forward")
+    current = _installed(model) or model.__dict__.get("forward")
     if not isinstance(current, LmLossPatch):
         if fused_head(model) is not None and current is None:  # its forward deleted by hand: only the mark is left
             unmark(model)
@@ -369,7 +381,8 @@ def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
         if fused_head(model) is not None:
             raise ValueError(
                 f"patch_lm_loss: {type(model).__name__}.forward was replaced after patch_lm_loss (now "
-                f"{type(current).__name__}); remove that wrapper first, then the patch"
+                f"{type(current).__name__}); remove that wrapper first, then the patch (accelerate's mixed "
+                "precision wrapper: accelerator.unwrap_model(model, keep_fp32_wrapper=False))"
             )
         if missing_ok:
             return

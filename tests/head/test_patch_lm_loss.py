@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import types
 
 import pytest
 import torch
@@ -283,6 +284,22 @@ def test_remove_restores_an_earlier_instance_forward_and_refuses_a_later_one():
     model.forward = patched
     handle.remove()
     assert model.__dict__["forward"] is earlier
+
+
+def test_rebound_as_a_method_it_still_works_and_removes():
+    # accelerate's unwrap_model(keep_fp32_wrapper=False) rebinds the forward it wrapped with MethodType
+    model = build("llama")
+    ids, labels = batch()
+    want = model(input_ids=ids, labels=labels).loss
+    handle = llmmem.patch_lm_loss(model)
+    model.forward = types.MethodType(model.forward, model)
+    out = model(ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="patched already"):
+        llmmem.patch_lm_loss(model)
+    handle.remove()
+    assert "forward" not in model.__dict__ and fused_head(model) is None
 
 
 def test_copies_and_pickles_stay_patched_and_state_dict_is_unchanged(tmp_path):
