@@ -107,7 +107,7 @@ def _head(model: nn.Module, arch: Architecture) -> nn.Linear:
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         raise TypeError(
             f"patch_lm_loss: {type(model).__name__}.{arch.head} is a {type(head).__name__}, not a plain nn.Linear "
-            "(an adapter or a quantized head changes what the head computes); patch before wrapping the head"
+            "(an adapter or a quantized head computes more than weight and bias, which the fused loss would leave out)"
         )
     return head
 
