@@ -215,11 +215,16 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
     **Fused** (``llmmem.linear_cross_entropy``, gradients made in the forward): it keeps the hidden
     states' gradient (``e·sbh/r``, in place of the input the plain head keeps) and, while its
     forward runs, holds its input, one chunk of ``R`` rows of logits in the compute dtype
-    (``R·V/t·e``, ``R`` from :func:`fused_head_chunk_rows`), a few fp32 numbers a row of it, and,
-    where the weight's gradient is 16-bit, its fp32 accumulator (``4·V/t·h``; with fp32 weights
-    that buffer is the gradient itself, counted with the gradients). The passes over the logits
-    (C on the CPU, CUDA kernels) read the chunk in place; only the CPU's accumulation of a 16-bit
-    chunk into the fp32 gradient upcasts it and its rows of hidden states (``4·R·(V/t + h)``).
+    (``R·V/t·e``, ``R`` from :func:`fused_head_chunk_rows`), a few fp32 numbers a row of it, and
+    the weight's gradient, accumulated in fp32 (``4·V/t·h``) and, where the weights are 16-bit,
+    turned into their dtype as the forward ends (``e·V/t·h`` more, while the chunk's numbers are
+    gone). That gradient is counted here although the estimate's gradients count it too: the fused
+    head makes it in its forward, where the plain head's peak (the start of backward) has none yet
+    (or, accumulating over micro-batches, has it in ``.grad``, apart from this buffer); so the
+    difference of the two heads is what the fused one saves of a real peak. The passes over the
+    logits (C on the CPU, CUDA kernels) read the chunk in place; only the CPU's accumulation of a
+    16-bit chunk into the fp32 gradient upcasts it and its rows of hidden states
+    (``4·R·(V/t + h)``).
     Both keep the int64 targets (``8·sb``).
     """
     fused = st.fused_head if fused is None else fused
@@ -241,12 +246,17 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
         "fused head input (until its forward ends)": hidden,
         f"one chunk of logits ({rows} rows x {v}, {dtype})": rows * v * e,
     }
-    if e != 4 and st.device_type == "cpu":
-        tmp["its fp32 copy and its hidden rows' (the CPU accumulation)"] = 4 * rows * (v + h)
-    if e != 4:
-        tmp["fp32 accumulator of the head weight's gradient"] = 4 * v * h
     gathered = 4 * t if t > 1 else 0  # every rank's row statistics (vocabulary-parallel)
-    tmp["per-row statistics (fp32)"] = 4 * rows * (_FUSED_ROW_FLOATS + gathered)
+    in_loop = {"per-row statistics (fp32)": 4 * rows * (_FUSED_ROW_FLOATS + gathered)}
+    if e != 4 and st.device_type == "cpu":
+        in_loop["its fp32 copy and its hidden rows' (the CPU accumulation)"] = 4 * rows * (v + h)
+    if e == 4:
+        tmp["head weight's gradient (fp32, made in its forward)"] = 4 * v * h
+        tmp.update(in_loop)
+    else:
+        tmp["fp32 accumulator of the head weight's gradient"] = 4 * v * h
+        ends = {"head weight's gradient in its dtype (made as its forward ends)": e * v * h}
+        tmp.update(in_loop if sum(in_loop.values()) >= sum(ends.values()) else ends)
     return kept, tmp
 
 

@@ -297,7 +297,10 @@ class Estimate:
                 )
                 lines += [f"  {fix.describe()}" for fix in self.model_state_fixes]
             if self.fused_head_fix is not None:
-                lines.append("a change of the loss's code (the recommendation above does not make it):")
+                lines.append(
+                    "a change of how the loss is computed (the LM head and loss one chunk of logits at a time; the "
+                    "recommendation above does not make it):"
+                )
                 lines.append(f"  {self.fused_head_fix.describe()}")
         return "\n".join(lines)
 

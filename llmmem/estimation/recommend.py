@@ -288,9 +288,10 @@ def logits_are_large(head_loss: dict) -> bool:
     return plain["kept"] + plain["temporary"] >= FUSED_HEAD_MIN_SHARE * plain["total"]
 
 
-FUSED_HEAD_CHANGE = "llmmem.patch_lm_loss(model) (the LM head and loss one chunk of logits at a time)"
+FUSED_HEAD_CHANGE = "llmmem.patch_lm_loss(model)"
 FUSED_HEAD_CODE = (
-    "handle = llmmem.patch_lm_loss(model)  (or loss = llmmem.linear_cross_entropy(hidden, lm_head.weight, labels))"
+    "handle = llmmem.patch_lm_loss(model)  (a model of your own: loss = llmmem.linear_cross_entropy(hidden, "
+    "lm_head.weight, labels))"
 )
 
 
