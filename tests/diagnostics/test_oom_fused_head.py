@@ -6,7 +6,6 @@ never for a model that carries the mark, nor where the logits are small."""
 from __future__ import annotations
 
 import pytest
-import torch
 from support.diagnostics import gpt_step, tiny_gpt
 
 import llmmem
@@ -76,8 +75,8 @@ def test_large_logits_get_patch_lm_loss_with_what_the_estimator_and_a_real_step_
 
 
 def test_a_marked_model_is_never_told_to_patch_its_loss():
-    model, opt = _fused_forward(tiny_gpt(vocab_size=VOCAB)[0]), None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_gpt(vocab_size=VOCAB)
+    _fused_forward(model)
     found, report, text = _report(model, opt, 2)
     assert "fused-head" not in found and "patch_lm_loss" not in text
     assert llmmem.estimate(model, **estimate_settings(model, batch=2, seq=64, optimizer=opt)).settings.fused_head
