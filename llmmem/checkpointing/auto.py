@@ -5,6 +5,7 @@ or, for a bare chain, as a module that runs the chain itself (:class:`AutoCheckp
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 import torch
@@ -205,6 +206,28 @@ class AutoCheckpointPlan:
         self.remove()
         return False
 
+    def _fused_head_line(self) -> str | None:
+        """What the description says of a model whose loss is the fused head (it carries the mark
+        ``llmmem.patch_lm_loss`` leaves), else None. The profile measured the step as it runs, so
+        the head and loss figures are the fused head's already: nothing in the plan changes."""
+        marker = sys.modules.get("llmmem.head.marker")  # loaded wherever a model carries the mark
+        info = None if marker is None else marker.fused_head(self.model)
+        if info is None:
+            return None
+        from llmmem.head.chunks import chunk_rows  # (loaded with the mark: llmmem.head's package)
+
+        p = self.plan.profile
+        if p.hidden_rows:
+            rows = f"{chunk_rows(p.hidden_rows, info.vocab, p.input_bytes[-1], info.chunk_size)} rows"
+        elif info.chunk_size is not None:
+            rows = f"{info.chunk_size} rows"
+        else:
+            rows = "the rows of max(32 MiB, the hidden states' bytes) of fp32 logits"
+        return (
+            f"  LM head fused (llmmem.patch_lm_loss): its logits are chunked by llmmem.linear_cross_entropy, "
+            f"its peak at most one chunk of {rows} x {info.vocab} (measured with the step, below)"
+        )
+
     def describe(self) -> str:
         blocks = self.runner.blocks
         kinds = sorted({type(b).__name__ for b in blocks})
@@ -217,6 +240,9 @@ class AutoCheckpointPlan:
             head.append(
                 "  (the model changes a block's input between blocks: regions hold one block each, store-input-only)"
             )
+        fused = self._fused_head_line()
+        if fused is not None:
+            head.append(fused)
         return "\n".join(head) + "\n" + self.plan.describe()
 
     def __str__(self) -> str:

@@ -478,6 +478,10 @@ class BlockCall:
         return h.detach().clone().requires_grad_(self.input_grad and h.is_floating_point())
 
 
+def _rows(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1] if t.dim() and t.shape[-1] else 0
+
+
 def find_hidden(args: tuple, kwargs: dict, previous=None) -> tuple[int | str | None, bool]:
     """``(where, linked)``: the argument that is ``previous`` (the last block's output) if any
     (``linked``), else the first floating-point tensor among the positional then keyword arguments."""
@@ -557,6 +561,9 @@ class ChainProfile:
     # seconds of Python a mode adds beyond its work ({"checkpoint": s, "recompute-cheap": (pack,
     # unpack, operators inside the unpacks)}; {} off the CPU)
     seconds: dict | None = None
+    # rows of the last block's chain input (its elements over its last dimension: the tokens a
+    # model's LM head reads); 0: unknown (a profile made by hand)
+    hidden_rows: int = 0
 
     def to_chain(self, host_bandwidth: float = 0.0, seconds: bool = False) -> dict:
         """The dict the C planner takes (llmmem._C.plan_solve); ``host_bandwidth`` in bytes per
@@ -933,6 +940,7 @@ def profile_calls(
         device=str(device),
         chainable=chainable,
         hidden=[c.hidden for c in calls],
+        hidden_rows=_rows(calls[-1].hidden_tensor),
     )
     timed = all(c.seconds is not None for c in costs)
     seconds = {"fwd_time": [], "bwd_time": [], "fwd_nostore_time": [], "bookkeeping": [c.bookkeeping for c in costs]}

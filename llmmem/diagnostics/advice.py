@@ -6,7 +6,10 @@ the previous step), the estimator (``llmmem.estimate``: activations under checkp
 fused attention, another batch), the recompute planner (``llmmem.plan_checkpoints`` on the
 model's own blocks, profiled at the failing input shape) and the optimizer itself (its moments,
 master copies and parameters: what llmmem.optim's int8 moments, a step in backward and bf16
-weights without an fp32 master would save, :mod:`llmmem.diagnostics.state_advice`).
+weights without an fp32 master would save, :mod:`llmmem.diagnostics.state_advice`). The fused
+LM head (``llmmem.patch_lm_loss``) is offered where the estimator's plain head and loss (the
+``[tokens x vocab]`` logits, their fp32 log-probabilities and gradients) are a large part of the
+predicted peak, with what the estimator says it saves; never for a model that carries its mark.
 
 The predicted peak of a configuration is the estimator's total with the measured parameters,
 buffers and optimizer state in place of its own figures, plus tensors that outlived the previous
@@ -24,6 +27,8 @@ import torch
 
 from llmmem.diagnostics.state_advice import OptimizerInfo, inspect_optimizer
 from llmmem.estimation import estimate
+from llmmem.estimation.activations import fused_head_chunk_rows
+from llmmem.estimation.recommend import FUSED_HEAD_CHANGE, FUSED_HEAD_CODE, FUSED_HEAD_MIN_SHARE
 from llmmem.units import format_bytes
 
 __all__ = ["Suggestion", "estimate_settings", "find_blocks", "suggest", "model_state_suggestions", "OptimizerInfo"]
@@ -43,6 +48,7 @@ _COST_CLASS = {
     "checkpointing": 0,
     "attention": 1,
     "autocast": 1,
+    "fused-head": 1,  # the loss to rounding (an online log-sum-exp in fp32), about the same work
     # the model state: the same training step with rounded state, or the gradients gone before
     # clipping or accumulation could see them
     "optimizer-state": 1,
@@ -331,6 +337,9 @@ def suggest(
             with_(precision="bf16-mixed"),
             slowdown=0.0,
         )
+    suggestion = _fused_head(est0, peak0, with_)
+    if suggestion is not None:
+        add(*suggestion)
     b = settings["batch"]
     if b > 1:
         best = None
@@ -355,6 +364,26 @@ def suggest(
         out.extend(model_state_suggestions(optimizer, settings, capacity, peak0))
     out.sort(key=_rank)
     return out, basis
+
+
+def _fused_head(est0, peak0: int, with_):
+    """The arguments of ``add`` for llmmem.patch_lm_loss, or None: not for a model whose loss is
+    fused already (it carries the mark, which the estimate read), nor where the plain head and
+    loss are less than :data:`FUSED_HEAD_MIN_SHARE` of the predicted peak."""
+    if est0.settings.fused_head:
+        return None
+    plain = est0.head_loss["plain"]
+    logits = plain["kept"] + plain["temporary"]
+    if logits < FUSED_HEAD_MIN_SHARE * peak0:
+        return None
+    fused = with_(fused_head=True)
+    rows = fused_head_chunk_rows(fused.model, fused.settings)
+    note = (
+        f"the LM head and loss one chunk of {rows} rows of logits at a time (llmmem.linear_cross_entropy): the "
+        f"[tokens x vocab] logits, their fp32 log-probabilities and gradients ({format_bytes(logits)} at the peak "
+        "now) never exist whole"
+    )
+    return ("fused-head", FUSED_HEAD_CHANGE, FUSED_HEAD_CODE, fused, "estimator", 0.0, note)
 
 
 def model_state_suggestions(optimizer, settings: dict, capacity: int, peak: int | None) -> list[Suggestion]:

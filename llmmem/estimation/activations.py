@@ -13,8 +13,18 @@ __all__ = [
     "SCORE_TERMS",
     "layer_activation_terms",
     "other_activation_terms",
+    "head_loss_terms",
+    "fused_head_chunk_rows",
+    "FUSED_HEAD_MIN_CHUNK_BYTES",
     "megatron_layer_activation_bytes",
 ]
+
+# llmmem.head.chunks' memory target: a chunk's logits take at most max(this, the hidden states'
+# bytes) in fp32 (the same constant, kept here so that naming a model imports no torch)
+FUSED_HEAD_MIN_CHUNK_BYTES = 32 << 20
+# fp32 numbers a row of a chunk the fused head keeps at once beside the logits (row maximum, sum,
+# target logit and sum of logits; loss, log-sum-exp, scale and the reductions' temporaries)
+_FUSED_ROW_FLOATS = 8
 
 
 def ceil_div(x: int, t: int) -> int:
@@ -158,13 +168,11 @@ def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     Token ids and targets are int64 (``8·sb``); a learned position table also saves its ids
     (``8·s``), rotary positions their cos and sin tables, which every layer shares (``2·e·s·d``);
     the embedding dropout keeps a mask (``m·sbh/r``); the final norm keeps its input and
-    statistics (an unfused RMSNorm ``4·sbh/r`` more) and the LM head its input (``e·sbh/r``
-    each). The loss is computed in fp32 in every
-    precision (Megatron and Hugging Face upcast the logits for a stable softmax): the cross entropy's
-    log-softmax keeps its fp32 output, ``4·s·b·V/t`` bytes (vocabulary-parallel with TP). Full
-    recompute keeps all of these: they are outside the checkpointed layers.
+    statistics (an unfused RMSNorm ``4·sbh/r`` more); the LM head and loss what
+    :func:`head_loss_terms` says they keep. Full recompute keeps all of these: they are outside the
+    checkpointed layers.
     """
-    s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
+    s, b, h = st.seq, st.batch, cfg.hidden
     e, mask, r, stat = element_bytes(cfg, st)
     terms = {"token ids (int64)": 8 * s * b}
     if cfg.positions == "learned":
@@ -177,10 +185,79 @@ def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     terms["final norm statistics (fp32)"] = ceil_div(stat * s * b, r)
     if not cfg.fused_norm:
         terms["unfused final norm (fp32 input, normalized)"] = ceil_div(4 * s * b * h, r)
-    terms["lm head input"] = ceil_div(e * s * b * h, r)
-    terms["log-probabilities (fp32, loss)"] = 4 * s * b * ceil_div(cfg.vocab, t)
-    terms["targets (int64)"] = 8 * s * b
+    terms.update(head_loss_terms(cfg, st)[0])
     return terms
+
+
+def fused_head_chunk_rows(cfg: ModelConfig, st: Settings) -> int:
+    """Rows of logits a chunk of the fused head (``llmmem.head.chunks.chunk_rows``): the
+    settings' ``head_chunk_size``, else the most whose fp32 logits take
+    ``max(32 MiB, the hidden states' bytes)``; at least one, at most ``s·b``. With tensor
+    parallelism each rank's chunk spans its ``V/t`` columns of the vocabulary."""
+    n = st.seq * st.batch
+    if st.head_chunk_size is not None:
+        return max(1, min(n, st.head_chunk_size))
+    e = PRECISIONS[st.precision]["activation"]
+    target = max(FUSED_HEAD_MIN_CHUNK_BYTES, n * cfg.hidden * e)
+    return max(1, min(n, target // (ceil_div(cfg.vocab, st.tensor_parallel) * 4)))
+
+
+def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -> tuple[dict, dict]:
+    """``(kept, temporary)``: bytes the LM head and its loss keep for backward, and their largest
+    transient buffer, on one device; ``fused`` (default: the settings' ``fused_head``) says which head.
+
+    **Plain** (``F.linear`` then cross-entropy): the head keeps its input (``e·sbh/r``); the loss is
+    computed in fp32 in every precision (Megatron and Hugging Face upcast the logits for a stable
+    softmax), so the log-softmax keeps its fp32 output, ``4·s·b·V/t`` (vocabulary-parallel with TP);
+    its backward holds the fp32 gradients of the log-probabilities and of the logits together,
+    ``2·4·s·b·V/t``.
+
+    **Fused** (``llmmem.linear_cross_entropy``, gradients made in the forward): it keeps the hidden
+    states' gradient (``e·sbh/r``, in place of the input the plain head keeps) and, while its
+    forward runs, holds its input, one chunk of ``R`` rows of logits in the compute dtype
+    (``R·V/t·e``, ``R`` from :func:`fused_head_chunk_rows`), a few fp32 numbers a row of it, and
+    the weight's gradient, accumulated in fp32 (``4·V/t·h``) and, where the weights are 16-bit,
+    turned into their dtype as the forward ends (``e·V/t·h`` more, while the chunk's numbers are
+    gone). That gradient is counted here although the estimate's gradients count it too: the fused
+    head makes it in its forward, where the plain head's peak (the start of backward) has none yet
+    (or, accumulating over micro-batches, has it in ``.grad``, apart from this buffer); so the
+    difference of the two heads is what the fused one saves of a real peak. The passes over the
+    logits (C on the CPU, CUDA kernels) read the chunk in place; only the CPU's accumulation of a
+    16-bit chunk into the fp32 gradient upcasts it and its rows of hidden states
+    (``4·R·(V/t + h)``).
+    Both keep the int64 targets (``8·sb``).
+    """
+    fused = st.fused_head if fused is None else fused
+    s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
+    e, _, r, _ = element_bytes(cfg, st)
+    v = ceil_div(cfg.vocab, t)
+    hidden = ceil_div(e * s * b * h, r)
+    if not fused:
+        kept = {
+            "lm head input": hidden,
+            "log-probabilities (fp32, loss)": 4 * s * b * v,
+            "targets (int64)": 8 * s * b,
+        }
+        return kept, {"fp32 gradients of log-probabilities and logits": 2 * 4 * s * b * v}
+    rows = fused_head_chunk_rows(cfg, st)
+    kept = {"hidden states' gradient (fused head, made in its forward)": hidden, "targets (int64)": 8 * s * b}
+    dtype = {4: "fp32", 2: "16-bit"}[e]
+    tmp = {
+        "fused head input (until its forward ends)": hidden,
+        f"one chunk of logits ({rows} rows x {v}, {dtype})": rows * v * e,
+    }
+    gathered = 4 * t if t > 1 else 0  # every rank's row statistics (vocabulary-parallel)
+    in_loop = {"per-row statistics (fp32)": 4 * rows * (_FUSED_ROW_FLOATS + gathered)}
+    if e != 4 and st.device_type == "cpu":
+        in_loop["its fp32 copy and its hidden rows' (the CPU accumulation)"] = 4 * rows * (v + h)
+    if e == 4:
+        tmp["head weight's gradient (fp32, made in its forward)"] = 4 * v * h
+        tmp.update(in_loop)
+    else:
+        tmp["fp32 accumulator of the head weight's gradient"] = 4 * v * h
+        ends = {"head weight's gradient in its dtype (made as its forward ends)": e * v * h}
+        tmp.update(in_loop if sum(in_loop.values()) >= sum(ends.values()) else ends)
+    return kept, tmp
 
 
 def megatron_layer_activation_bytes(

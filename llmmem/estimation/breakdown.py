@@ -9,6 +9,7 @@ from llmmem.estimation.activations import (
     SCORE_TERMS,
     ceil_div,
     element_bytes,
+    head_loss_terms,
     layer_activation_terms,
     materialises_scores,
     other_activation_terms,
@@ -148,12 +149,12 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
     out["activations_other"] = sum(other_terms.values())
     out["activations"] = out["activations_layers"] + out["activations_other"]
 
-    # Largest transient buffer, beyond what is stored: either the loss backward (fp32 gradients of the
-    # log-probabilities and of the logits, alive together) or one layer's backward: the gradients of the
+    # Largest transient buffer, beyond what is stored: either the head and loss's (the plain head's
+    # backward holds the fp32 gradients of the log-probabilities and of the logits together; the
+    # fused head's forward one chunk of logits) or one layer's backward: the gradients of the
     # s x s probabilities and scores (explicit attention), the activations it recomputes, and under
     # ZeRO-3 its gathered parameters (one layer; prefetching more is not counted).
     s, b = st.seq, st.batch
-    loss_tmp = {"fp32 gradients of log-probabilities and logits": 2 * 4 * s * b * ceil_div(cfg.vocab, t)}
     layer_tmp = {}
     if score_bytes:
         layer_tmp["gradients of attention probabilities and scores"] = 2 * ceil_div(e * cfg.heads * s * s * b, t)
@@ -163,8 +164,19 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
         layer_tmp["one layer's recomputed attention scores"] = score_bytes
     if st.zero_stage == 3 and n_d > 1:
         layer_tmp["one layer's gathered parameters (ZeRO-3)"] = cfg.layer_parameters(t) * prec["param"]
-    tmp = loss_tmp if sum(loss_tmp.values()) >= sum(layer_tmp.values()) else layer_tmp
-    out["temporary"] = sum(tmp.values())
+    state = sum(out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state"))
+    rest = out["activations"] - sum(head_loss_terms(cfg, st)[0].values())  # all but the head and loss
+    head_loss = {}
+    for name, fused in (("plain", False), ("fused", True)):
+        kept, loss_tmp = head_loss_terms(cfg, st, fused)
+        tmp = loss_tmp if sum(loss_tmp.values()) >= sum(layer_tmp.values()) else layer_tmp
+        head_loss[name] = {
+            "kept": sum(kept.values()),
+            "temporary": sum(loss_tmp.values()),
+            "total": state + rest + sum(kept.values()) + sum(tmp.values()),
+        }
+        if fused == st.fused_head:
+            out["temporary"], temporary_terms = sum(tmp.values()), tmp
     out["total"] = sum(
         out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
     )
@@ -173,7 +185,8 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
         "bytes": out,
         "layer_terms": layer_terms,
         "other_terms": other_terms,
-        "temporary_terms": tmp,
+        "temporary_terms": temporary_terms,
+        "head_loss": head_loss,
         "state_terms": state_terms,
         "parameter_count": total_params,
         "parameters_per_device": device_params,

@@ -56,6 +56,18 @@ def register_cli(subparsers) -> None:
         action="store_true",
         help="llmmem.optim.step_in_backward: each gradient freed once its parameter is stepped",
     )
+    p.add_argument(
+        "--fused-head",
+        action="store_true",
+        help="the LM head and loss as llmmem.patch_lm_loss computes them (llmmem.linear_cross_entropy: one "
+        "chunk of logits at a time); the estimate shows the head and loss both ways either way",
+    )
+    p.add_argument(
+        "--head-chunk-size",
+        type=int,
+        default=None,
+        help="rows of logits a chunk of the fused head (default: its memory target)",
+    )
     p.add_argument("--block-size", type=int, default=None, help="elements per scale of *-int8 / *-int4 (256 / 128)")
     p.add_argument(
         "--min-quantized-numel",
@@ -163,6 +175,8 @@ def _run_cli(args) -> int:
         step_in_backward=args.step_in_backward,
         block_size=args.block_size,
         min_quantized_numel=args.min_quantized_numel,
+        fused_head=args.fused_head,
+        head_chunk_size=args.head_chunk_size,
     )
     if est.total > MAX_BYTES:
         # The figures are exact, but no memory holds them and the table has no room for them.

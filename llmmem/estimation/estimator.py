@@ -40,7 +40,11 @@ vocabulary by ``t``; norms and row-parallel biases are replicated (see :mod:`llm
 
 Activations: see :func:`layer_activation_terms` (derived from what each op saves for backward;
 Megatron-LM's ``s·b·h·(34 + 5·a·s/h)`` is its 16-bit special case, :func:`megatron_layer_activation_bytes`)
-and :func:`other_activation_terms` (embeddings, final norm, head and loss).
+and :func:`other_activation_terms` (embeddings, final norm, head and loss). The head and loss
+(:func:`~llmmem.estimation.activations.head_loss_terms`) are counted both ways, the plain head
+(``[tokens x vocab]`` logits, their fp32 log-probabilities and gradients) and the fused one
+(``llmmem.patch_lm_loss`` / ``llmmem.linear_cross_entropy``: one chunk of logits at a time), so
+that an estimate says what the fused head saves; ``fused_head`` picks the one the total counts.
 
 Assumptions: every quantity is per device and summed at once (activations are at their peak at the
 start of backward, when gradients start to appear), which is conservative; no pipeline parallelism,
@@ -55,13 +59,21 @@ import dataclasses
 
 from llmmem.estimation import model_configs
 from llmmem.estimation.activations import (
+    fused_head_chunk_rows,
     layer_activation_terms,
     megatron_layer_activation_bytes,
     other_activation_terms,
 )
 from llmmem.estimation.breakdown import compute as _compute
 from llmmem.estimation.model_configs import ModelConfig, positive_int
-from llmmem.estimation.recommend import MAX_DEVICES, Recommendation, changes_between, model_state_fixes, search
+from llmmem.estimation.recommend import (
+    MAX_DEVICES,
+    Recommendation,
+    changes_between,
+    fused_head_fix,
+    model_state_fixes,
+    search,
+)
 from llmmem.estimation.recommend import pct as _pct
 from llmmem.estimation.settings import OPTIMIZERS, PRECISIONS
 from llmmem.estimation.settings import Settings as _Settings
@@ -97,9 +109,15 @@ class Estimate:
     ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None), ``advice`` (one line)
     and ``model_state_fixes`` (:class:`~llmmem.estimation.recommend.ModelStateFix`: changes of the
     optimizer, the weights' precision and the step that save model state, largest saving first;
-    filled when the request does not fit). ``state_terms`` says what the model state is made of
-    with an llmmem optimizer or a step in backward (bytes a parameter, tensors kept in fp32, the
-    largest gradient's elements).
+    filled when the request does not fit) and ``fused_head_fix`` (the same kind of record for
+    ``llmmem.patch_lm_loss(model)`` when the request does not fit with the plain head and its
+    logits are a large part of the peak, else None). ``state_terms`` says what the model
+    state is made of with an llmmem optimizer or a step in backward (bytes a parameter, tensors
+    kept in fp32, the largest gradient's elements). ``head_loss``: the LM head and loss both ways,
+    ``{"plain": {...}, "fused": {...}}``, each with ``kept`` (activations), ``temporary`` (their
+    largest transient buffer) and ``total`` (the peak with that head; the settings'
+    ``fused_head`` says which one ``total`` is); ``fused_head_saves`` is the plain total less the
+    fused one (bytes).
     """
 
     def __init__(self, cfg: ModelConfig, st: _Settings, numbers_: dict, device_memory: int | None = None) -> None:
@@ -113,6 +131,7 @@ class Estimate:
         self.other_terms = numbers_["other_terms"]
         self.temporary_terms = numbers_["temporary_terms"]
         self.state_terms = numbers_["state_terms"]
+        self.head_loss = numbers_["head_loss"]
         self.slowdown = numbers_["slowdown"]
         self.slowdown_terms = numbers_["slowdown_terms"]
         self.device_memory = device_memory
@@ -120,12 +139,18 @@ class Estimate:
         self.recommendation: Recommendation | None = None
         self.advice = ""
         self.model_state_fixes: list = []
+        self.fused_head_fix = None
         # estimate(measure=): the measured bytes of one layer (in the module's dtype) and the factor
         # the layer terms were scaled by
         self.measured_layer_bytes: int | None = None
         self.layer_scale = 1.0
 
     _ROWS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary", "total")
+
+    @property
+    def fused_head_saves(self) -> int:
+        """Bytes of the peak the fused head saves over the plain one (llmmem.patch_lm_loss)."""
+        return self.head_loss["plain"]["total"] - self.head_loss["fused"]["total"]
 
     @property
     def model_state(self) -> int:
@@ -151,6 +176,8 @@ class Estimate:
             "other_terms": dict(self.other_terms),
             "temporary_terms": dict(self.temporary_terms),
             "state_terms": dict(self.state_terms),
+            "head_loss": {k: dict(v) for k, v in self.head_loss.items()},
+            "fused_head_saves": self.fused_head_saves,
             "slowdown": self.slowdown,
             "slowdown_terms": dict(self.slowdown_terms),
             "device_memory": self.device_memory,
@@ -158,6 +185,7 @@ class Estimate:
             "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
             "advice": self.advice,
             "model_state_fixes": [f.to_dict() for f in self.model_state_fixes],
+            "fused_head_fix": None if self.fused_head_fix is None else self.fused_head_fix.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -170,11 +198,12 @@ class Estimate:
             opt += f" (block {st.block_size})"
         if st.step_in_backward:
             opt += ", step in backward"
+        head = ", fused LM head" if st.fused_head else ""
         lines = [
             f"{cfg.name}: {self.parameter_count / 1e9:.3g} B parameters ({cfg.describe()})",
             f"batch {st.batch} x seq {st.seq}, {st.precision}, {opt}, ZeRO stage {st.zero_stage} over "
             f"{st.data_parallel} data-parallel rank(s), tensor parallel {st.tensor_parallel}{sp}, "
-            f"checkpointing {st.checkpointing}, {st.attention} attention ({st.device_type})",
+            f"checkpointing {st.checkpointing}, {st.attention} attention{head} ({st.device_type})",
             "",
             f"{'per device':<44}{'':>12}{'bytes':>20}",
         ]
@@ -219,6 +248,23 @@ class Estimate:
         row("  embeddings, head, loss", self.activations_other)
         row("largest temporary", self.temporary, "; ".join(self.temporary_terms))
         row("total", self.total, "the peak: model state (first four rows) + activations + largest temporary")
+        lines.append("LM head and loss, kept + their largest temporary, both ways:")
+        plain, fused = self.head_loss["plain"], self.head_loss["fused"]
+        used = " (this estimate)"
+        row(
+            "plain head" + ("" if st.fused_head else used),
+            plain["kept"] + plain["temporary"],
+            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, their and the "
+            f"logits' fp32 gradients {format_bytes(plain['temporary'])}",
+        )
+        rows_ = fused_head_chunk_rows(cfg, st)
+        saves = self.fused_head_saves
+        row(
+            "fused head" + (used if st.fused_head else ""),
+            fused["kept"] + fused["temporary"],
+            f"llmmem.patch_lm_loss: one chunk of {rows_} rows of logits at a time; the peak "
+            + (f"{format_bytes(saves)} lower" if saves >= 0 else f"{format_bytes(-saves)} higher"),
+        )
         if self.slowdown_terms:
             parts = ", ".join(f"{k} {_pct(v)}" for k, v in self.slowdown_terms.items())
             lines.append(f"expected slowdown {_pct(self.slowdown)} ({parts})")
@@ -250,6 +296,12 @@ class Estimate:
                     "recommendation above does not make them), largest saving first:"
                 )
                 lines += [f"  {fix.describe()}" for fix in self.model_state_fixes]
+            if self.fused_head_fix is not None:
+                lines.append(
+                    "a change of how the loss is computed (the LM head and loss one chunk of logits at a time; the "
+                    "recommendation above does not make it):"
+                )
+                lines.append(f"  {self.fused_head_fix.describe()}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -263,6 +315,7 @@ def _recommend(est: Estimate, counted: int | None, shapes) -> None:
     cfg, st, budget = est.model, est.settings, est.device_memory
     if not est.fits:
         est.model_state_fixes = model_state_fixes(cfg, counted, st, budget, est.layer_scale, shapes)
+        est.fused_head_fix = fused_head_fix(cfg, counted, st, budget, est.layer_scale, shapes)
     found = search(cfg, counted, st, budget, est.layer_scale, shapes)
     if found is None:
         est.advice = (
@@ -315,6 +368,8 @@ def estimate(
     step_in_backward: bool = False,
     block_size=None,
     min_quantized_numel=None,
+    fused_head=None,
+    head_chunk_size=None,
 ) -> Estimate:
     """Estimate the per-device memory of training ``model``; optionally, what makes it fit.
 
@@ -345,6 +400,14 @@ def estimate(
     :param block_size: elements per scale of ``*-int8`` / ``*-int4`` (default 256 / 128).
     :param min_quantized_numel: tensors with fewer elements keep fp32 moments in ``*-int8`` /
         ``*-int4`` (default 4096).
+    :param fused_head: the LM head and loss computed by ``llmmem.linear_cross_entropy`` (what
+        ``llmmem.patch_lm_loss(model)`` does): one chunk of logits at a time instead of the
+        ``[tokens x vocab]`` logits, their fp32 log-probabilities and gradients (see
+        :func:`~llmmem.estimation.activations.head_loss_terms`). None: whether ``model`` is an
+        ``nn.Module`` carrying the mark ``llmmem.patch_lm_loss`` leaves (False for a name or a
+        config). Either way the estimate shows the head and loss both ways (``head_loss``).
+    :param head_chunk_size: rows of logits a chunk of the fused head (its ``chunk_size``); None:
+        the marked model's, else the memory target ``linear_cross_entropy`` chooses by.
     :param zero_stage: 0-3, over ``data_parallel`` ranks. :param tensor_parallel: Megatron TP size;
         must divide heads, kv_heads and ffn. :param sequence_parallel: also split the norm/dropout
         activations by ``t`` (no effect when ``t = 1``).
@@ -365,6 +428,11 @@ def estimate(
     :raises ValueError: naming the argument, for any invalid input.
     """
     cfg, counted = model_configs.resolve(model)
+    mark = model_configs.fused_head_mark(model)
+    if fused_head is None:
+        fused_head = mark is not None
+    if head_chunk_size is None and fused_head is True and mark is not None:
+        head_chunk_size = mark.chunk_size
     shapes = None if counted is None else tuple(tuple(p.shape) for p in model.parameters())
     layer_scale, measured = 1.0, None
     if measure is not False:
@@ -419,6 +487,8 @@ def estimate(
         step_in_backward=step_in_backward,
         block_size=block_size,
         min_quantized_numel=min_quantized_numel,
+        fused_head=fused_head,
+        head_chunk_size=head_chunk_size,
     )
     budget = None
     if device_memory is not None:

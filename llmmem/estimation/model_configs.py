@@ -339,6 +339,17 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
     )
 
 
+def fused_head_mark(model):
+    """The :class:`llmmem.head.marker.FusedHead` mark of a model whose loss is the fused head
+    (``llmmem.patch_lm_loss`` leaves it), else None. Imports nothing: a mark exists only once
+    ``llmmem.head.marker`` is loaded, and a name, dict or config carries none."""
+    marker = sys.modules.get("llmmem.head.marker")
+    torch = sys.modules.get("torch")
+    if marker is None or torch is None or not isinstance(model, torch.nn.Module):
+        return None
+    return marker.fused_head(model)
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face configs (read without importing transformers)
 

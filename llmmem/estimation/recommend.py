@@ -1,7 +1,8 @@
 """The recommendation search: every combination of checkpointing, ZeRO stage, tensor and sequence
 parallelism and fused attention on a number of devices, and the cheapest that fits; and, apart
 from it, the changes of the model state (llmmem.optim's quantized moments, the step in backward,
-bf16 weights without a master) and what each saves."""
+bf16 weights without a master) and of the loss (the fused LM head, llmmem.patch_lm_loss), and what
+each saves."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ __all__ = [
     "ModelStateFix",
     "search",
     "model_state_fixes",
+    "fused_head_fix",
+    "logits_are_large",
+    "FUSED_HEAD_MIN_SHARE",
     "changes_between",
     "pct",
     "MAX_TENSOR_PARALLEL",
@@ -29,6 +33,10 @@ MAX_TENSOR_PARALLEL = 8
 # The recommendation first searches the user's device count (data_parallel x tensor_parallel); if
 # nothing fits it doubles the device count up to this many.
 MAX_DEVICES = 4096
+# The fused LM head is offered when the plain head and loss (their logits, fp32 log-probabilities
+# and gradients) take at least this fraction of the peak: below it, patching the model's loss buys
+# little.
+FUSED_HEAD_MIN_SHARE = 0.10
 
 
 @dataclass(frozen=True)
@@ -268,3 +276,43 @@ def model_state_fixes(
         combos.append(fix("all of: " + "; ".join(names), "each as above", merged))
     combined = next((c for c in combos if c.fits), combos[-1])
     return singles + [combined]
+
+
+# =================================================================================================
+# the fused LM head
+# =================================================================================================
+def logits_are_large(head_loss: dict) -> bool:
+    """Whether the plain head and loss (an estimate's ``head_loss``) take at least
+    :data:`FUSED_HEAD_MIN_SHARE` of the peak with the plain head."""
+    plain = head_loss["plain"]
+    return plain["kept"] + plain["temporary"] >= FUSED_HEAD_MIN_SHARE * plain["total"]
+
+
+FUSED_HEAD_CHANGE = "llmmem.patch_lm_loss(model)"
+FUSED_HEAD_CODE = (
+    "handle = llmmem.patch_lm_loss(model)  (a model of your own: loss = llmmem.linear_cross_entropy(hidden, "
+    "lm_head.weight, labels))"
+)
+
+
+def fused_head_fix(
+    cfg: ModelConfig,
+    counted: int | None,
+    st: Settings,
+    budget: int,
+    layer_scale: float = 1.0,
+    shapes=None,
+) -> ModelStateFix | None:
+    """The fused LM head as a change of the requested settings, with what it saves (the estimate's
+    total with the plain head less the one with the fused head): None when the head is fused
+    already, saves nothing, or the logits are not large (:func:`logits_are_large`)."""
+    if st.fused_head:
+        return None
+    head_loss = compute(cfg, counted, st, layer_scale, shapes)["head_loss"]
+    plain, fused = head_loss["plain"]["total"], head_loss["fused"]["total"]
+    if plain <= fused or not logits_are_large(head_loss):
+        return None
+    cand = dataclasses.replace(st, fused_head=True)
+    return ModelStateFix(
+        FUSED_HEAD_CHANGE, FUSED_HEAD_CODE, changes_between(st, cand), plain - fused, fused, fused <= budget
+    )

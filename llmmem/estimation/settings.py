@@ -1,6 +1,6 @@
 """The estimator's run settings: precision and optimizer tables, and the validation of everything
 but the model (batch, sequence, parallelism, ZeRO stage, checkpointing, attention, device type,
-the optimizer's state format, master weights, the step in backward)."""
+the optimizer's state format, master weights, the step in backward, the fused LM head)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,10 @@ class Settings:
     step_in_backward: bool = False
     block_size: int | None = None
     min_quantized_numel: int | None = None
+    # the LM head and loss as llmmem.linear_cross_entropy computes them (llmmem.patch_lm_loss), and
+    # its rows of logits a chunk (None: from its memory target)
+    fused_head: bool = False
+    head_chunk_size: int | None = None
 
     @property
     def state_dtype(self) -> str | None:
@@ -128,6 +132,8 @@ def make_settings(
     step_in_backward=False,
     block_size=None,
     min_quantized_numel=None,
+    fused_head=False,
+    head_chunk_size=None,
 ) -> Settings:
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, numbers.Integral) or not 0 <= zero_stage <= 3:
         raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -154,7 +160,20 @@ def make_settings(
         master_weights=_master(st.precision, st.optimizer, master_weights),
         step_in_backward=_step_in_backward(step_in_backward, st.data_parallel),
         **_format_settings(st.optimizer, block_size, min_quantized_numel),
+        **_head_settings(fused_head, head_chunk_size),
     )
+
+
+def _head_settings(fused_head, head_chunk_size) -> dict:
+    if not isinstance(fused_head, bool):
+        raise ValueError(f"fused_head: must be True or False, got {fused_head!r}")
+    if head_chunk_size is not None:
+        if not fused_head:
+            raise ValueError(
+                f"head_chunk_size: applies to the fused head (fused_head=True) only, got {head_chunk_size!r}"
+            )
+        head_chunk_size = positive_int(head_chunk_size, "head_chunk_size")
+    return {"fused_head": fused_head, "head_chunk_size": head_chunk_size}
 
 
 def _master(precision: str, optimizer: str, master_weights) -> bool:
