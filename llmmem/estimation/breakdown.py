@@ -173,6 +173,7 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
         head_loss[name] = {
             "kept": sum(kept.values()),
             "temporary": sum(loss_tmp.values()),
+            "temporary_terms": loss_tmp,
             "total": state + rest + sum(kept.values()) + sum(tmp.values()),
         }
         if fused == st.fused_head:

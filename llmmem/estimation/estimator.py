@@ -259,10 +259,13 @@ class Estimate:
         )
         rows_ = fused_head_chunk_rows(cfg, st)
         saves = self.fused_head_saves
+        # the plain head's weight gradient is in the gradients row; the fused head's is made early
+        wgrad = sum(v for k, v in fused["temporary_terms"].items() if "weight's gradient" in k or "accumulator" in k)
         row(
             "fused head" + (used if st.fused_head else ""),
             fused["kept"] + fused["temporary"],
-            f"llmmem.patch_lm_loss: one chunk of {rows_} rows of logits at a time; the peak "
+            f"llmmem.patch_lm_loss: one chunk of {rows_} rows of logits at a time, and the head weight's gradient "
+            f"({format_bytes(wgrad)}) made in its forward; the peak "
             + (f"{format_bytes(saves)} lower" if saves >= 0 else f"{format_bytes(-saves)} higher"),
         )
         if self.slowdown_terms:
