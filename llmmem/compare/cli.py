@@ -652,7 +652,9 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         machine = _machine(device, baseline)
         if not args.no_charts:
             t0 = time.perf_counter()
-            title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
+            title = (
+                f"{machine}: GPT {preset.layers}x{preset.hidden}{vocab}, seq {preset.seq_len}, batch {preset.batch}"
+            )
             report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
             report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
             seconds["charts"] = round(time.perf_counter() - t0, 3)

@@ -744,7 +744,8 @@ def main(argv=None) -> int:
     quick = str(results.get("preset", "")).endswith("quick")
     print(format_targets(check_preset_targets(rows, wall_seconds=results.get("wall_seconds"), quick=quick)))
     cfg = results.get("config", {})
-    title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
+    vocab = f", vocabulary {cfg.get('vocab_size')}" if preset_family(rows) == "vocab" else ""
+    title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}{vocab}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
     plot_timelines(rows, os.path.join(out, "memory_timeline.png"), title=title)
     plot_tradeoff(rows, os.path.join(out, "saved_vs_overhead.png"), title=title)
     return 0
