@@ -373,7 +373,8 @@ def plan_checkpoints(
     :param host_bandwidth: bytes per second of a host<->device copy, for ``offload=True``. Default:
         measured on a CUDA device (:func:`measure_host_bandwidth`), :data:`DEFAULT_HOST_BANDWIDTH` on the CPU.
     :raises llmmem.InfeasibleError: (a ``ValueError``) when no plan fits; the message states the
-        smallest feasible budget, also in ``.min_budget_bytes``.
+        smallest feasible budget, also in ``.min_budget_bytes`` (and the peak without checkpointing in
+        ``.no_checkpoint_peak_bytes``).
 
     Memory and time: profiling (see :func:`profile_blocks`), then the C solver (milliseconds for
     identical blocks; O(L³·slots) otherwise), which runs without the GIL.
@@ -438,6 +439,7 @@ def plan_checkpoints(
             f"{100 * least / reference:.1f}% of the {format_bytes(reference)} needed without checkpointing"
         )
         err.min_budget_bytes = least
+        err.no_checkpoint_peak_bytes = reference  # as the plan's: what a fractional budget is of
         raise err from None
     regions = [tuple(r) for r in result["regions"]]
     if any(e > L for _, e in regions):  # pragma: no cover - the head is always the last tape

@@ -36,11 +36,16 @@ gradients and Adam's moments make most of the peak, as in a full fine-tune): tor
 llmmem.optim's int8 moments, bf16 weights with stochastic rounding, the step in backward, and all
 of them with the planner; each row's peak, bytes a parameter, step time and final loss against the
 baseline's, and the largest model that fits in the baseline's peak, predicted from the row's peaks
-at two depths and verified by running it."""
+at two depths and verified by running it.
+
+--preset vocab: the LM head instead (a GPT with a vocabulary of 32,768 byte pairs, where the head's
+logits and their gradient are the largest activations): the plain head, llmmem.patch_lm_loss (the
+fused head and loss), the planner alone, and the fused head with the planner; each row's
+peak, activation memory, overhead, final loss against the baseline's and largest batch."""
 
 
 def register_cli(sub) -> None:
-    from llmmem.compare.strategies import FINETUNE_STRATEGIES, STRATEGIES
+    from llmmem.compare.strategies import FINETUNE_STRATEGIES, PRESET_FAMILIES, STRATEGIES, VOCAB_STRATEGIES
 
     p = sub.add_parser(
         "compare",
@@ -51,10 +56,11 @@ def register_cli(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a small model and few steps (CI: under 90 s on 2 cores)")
     p.add_argument(
         "--preset",
-        choices=["default", "finetune"],
+        choices=list(PRESET_FAMILIES),
         default="default",
         help="default: activation memory (checkpointing, mixed precision, parallelism); finetune: the model "
-        "state (optimizer state, bf16 weights, step in backward) on a fine-tuning-shaped GPT. With --quick, "
+        "state (optimizer state, bf16 weights, step in backward) on a fine-tuning-shaped GPT; vocab: the LM head "
+        "(llmmem.patch_lm_loss, with and without the planner) on a GPT with a 32k vocabulary. With --quick, "
         "its small version",
     )
     p.add_argument(
@@ -65,7 +71,9 @@ def register_cli(sub) -> None:
         help="comma-separated strategies to run (the baseline always runs): "
         + ", ".join(s.key for s in STRATEGIES)
         + "; with --preset finetune: "
-        + ", ".join(s.key for s in FINETUNE_STRATEGIES[1:]),
+        + ", ".join(s.key for s in FINETUNE_STRATEGIES[1:])
+        + "; with --preset vocab: "
+        + ", ".join(s.key for s in VOCAB_STRATEGIES[1:]),
     )
     p.add_argument("--out", default="llmmem-compare", help="output folder (default: ./llmmem-compare)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when present")
@@ -118,10 +126,10 @@ def _at_least(low: int):
 
 
 def _keys(text: str) -> list[str]:
-    from llmmem.compare.strategies import FINETUNE_STRATEGIES, STRATEGIES
+    from llmmem.compare.strategies import FINETUNE_STRATEGIES, STRATEGIES, VOCAB_STRATEGIES
 
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    known = list(dict.fromkeys(s.key for s in STRATEGIES + FINETUNE_STRATEGIES))
+    known = list(dict.fromkeys(s.key for s in STRATEGIES + FINETUNE_STRATEGIES + VOCAB_STRATEGIES))
     bad = [k for k in keys if k not in known]
     if not keys or bad:
         raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; choose from {', '.join(known)}")
@@ -383,14 +391,11 @@ def run(args) -> int:
     """The command: checks its flags and its folder before any work, then :func:`_run` under the
     signal handlers; an interrupted run keeps the rows it has written and says how to continue."""
     from llmmem.compare import results
-    from llmmem.compare.strategies import PRESETS, by_key, strategies_of
+    from llmmem.compare.strategies import PRESETS, by_key, preset_name, strategies_of
     from llmmem.paths import check_output_folder
 
-    finetune = getattr(args, "preset", "default") == "finetune"
-    if finetune:
-        name = "finetune-quick" if args.quick else "finetune"
-    else:
-        name = "quick" if args.quick else "full"
+    family = getattr(args, "preset", "default")
+    name = preset_name(family, args.quick)
     preset = PRESETS[name]
     if args.steps is not None:
         preset = dataclasses.replace(preset, steps=args.steps)
@@ -439,7 +444,7 @@ def run(args) -> int:
     state = {"rows": {}, "planned": len(strategies)}
     with interrupts.installed():
         try:
-            return _run(args, preset, strategies, jobs, settings, previous, interrupts, state, finetune)
+            return _run(args, preset, strategies, jobs, settings, previous, interrupts, state, family)
         except Interrupted as exc:
             done = len(state["rows"])
             if done:
@@ -458,7 +463,7 @@ def run(args) -> int:
             return 128 + exc.signum
 
 
-def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, finetune=False) -> int:
+def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, family="default") -> int:
     from llmmem.compare import report, results
 
     t_start = time.perf_counter()
@@ -525,12 +530,13 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
             device=device,
             search_trials=preset.search_trials,
             profile_repeats=preset.profile_repeats,
+            preset=settings["preset"],
+            **preset.worker_settings(),
         )
-        if finetune:  # the rows search the largest model, from a line through two depths
-            common.update(search="model", fit_layers=preset.fit_layers)
+        vocab = f", vocabulary {preset.vocab_size}" if family == "vocab" else ""
         print(
-            f"llmmem compare{' --preset finetune' if finetune else ''}: GPT {preset.layers} layers x {preset.hidden} "
-            f"hidden, {preset.heads} heads, "
+            f"llmmem compare{'' if family == 'default' else ' --preset ' + family}: GPT {preset.layers} layers x "
+            f"{preset.hidden} hidden, {preset.heads} heads{vocab}, "
             f"seq {preset.seq_len}, batch {preset.batch}, {preset.steps} steps per strategy, on {device} "
             f"({args.threads} thread{'s' if args.threads > 1 else ''} per process)",
             flush=True,
@@ -646,7 +652,9 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         machine = _machine(device, baseline)
         if not args.no_charts:
             t0 = time.perf_counter()
-            title = f"{machine}: GPT {preset.layers}x{preset.hidden}, seq {preset.seq_len}, batch {preset.batch}"
+            title = (
+                f"{machine}: GPT {preset.layers}x{preset.hidden}{vocab}, seq {preset.seq_len}, batch {preset.batch}"
+            )
             report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
             report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
             seconds["charts"] = round(time.perf_counter() - t0, 3)
@@ -654,13 +662,11 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         this_run["wall_seconds"] = round(time.perf_counter() - t_start, 3)
         this_run["seconds"] = seconds
         wall = previous_wall + this_run["wall_seconds"]
-        if finetune:
-            targets = report.check_finetune_targets(rows, wall_seconds=wall)
-        else:
-            targets = report.check_targets(rows, wall_seconds=wall, quick=args.quick)
+        targets = report.check_preset_targets(rows, wall_seconds=wall, quick=args.quick)
         extra = dict(wall_seconds=wall, seconds=seconds, targets=targets)
-        if finetune:
-            extra["headline"] = report.headline(rows)
+        line = report.headline(rows)
+        if line:
+            extra["headline"] = line
         save(partial=False, extra=extra)
     text = report.table(rows)
     print()
@@ -677,14 +683,20 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         print("offload on the CPU moves nothing: the host is the device (the row shows llmmem.checkpoint's cost).")
     if skipped:
         print(f"skipped on {device}: {', '.join(skipped)} (parallel rows run over gloo with --device cpu)")
-    if finetune:
+    if family == "finetune":
         print(
             "state B/param: what a step starts from (weights, kept gradients, optimizer state), a parameter. "
             "loss ratio: final loss over the baseline's. largest model: by depth, fitted and then run."
         )
-        print("\n" + report.headline(rows))
+    if family == "vocab":
+        print(
+            "loss ratio: final loss over the baseline's (rel. diff beside it). plan 50%: llmmem.auto_checkpoint("
+            "budget=0.5), half of the row's own activation peak, planned after the patch on the fused-head rows."
+        )
+    if extra.get("headline"):
+        print("\n" + extra["headline"])
     print(
-        f"\ntargets (issue {23 if finetune else 17}), on this run's ratios"
+        f"\ntargets (issue {report.TARGET_ISSUES[family]}), on this run's ratios"
         + (" (the quick run: indicative only)" if args.quick else "")
         + ":"
     )

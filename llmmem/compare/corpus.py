@@ -6,6 +6,8 @@ grammar of sentences over a few hundred words, with paragraphs and dialogue), so
 ``examples/data/corpus.txt`` is this text (``python -m llmmem.compare.corpus > corpus.txt``).
 
 Tokens are bytes (a vocabulary of 256), so no tokenizer is needed and any UTF-8 file works too.
+:func:`encode_pairs` reads ASCII text as byte pairs instead, ``256 * b0 + b1`` (a vocabulary of
+32,768: the LM-head preset's, ``python -m llmmem compare --preset vocab``).
 :class:`BatchSampler` draws random windows of a token sequence with its own generator, whose state
 is part of a training checkpoint so that a resumed run sees the batches an uninterrupted one would.
 """
@@ -15,10 +17,20 @@ from __future__ import annotations
 import random
 import sys
 
-__all__ = ["generate_text", "encode", "BatchSampler", "DEFAULT_BYTES", "VOCAB_SIZE"]
+__all__ = [
+    "generate_text",
+    "encode",
+    "encode_pairs",
+    "TOKENIZERS",
+    "BatchSampler",
+    "DEFAULT_BYTES",
+    "VOCAB_SIZE",
+    "PAIR_VOCAB_SIZE",
+]
 
 DEFAULT_BYTES = 300_000
 VOCAB_SIZE = 256  # byte-level tokens
+PAIR_VOCAB_SIZE = 128 * 256  # byte pairs of ASCII text: the first byte < 128
 
 _NAMES = "Ada Bram Cleo Dara Emil Fenna Gus Hana Ivo Juno Kai Lena Milo Nora Otto Pia Rafe Sela Tom Vera".split()
 _NOUNS = (
@@ -87,6 +99,26 @@ def encode(text: str):
     import torch
 
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+def encode_pairs(text: str):
+    """ASCII ``text`` as byte pairs: token ``256 * b0 + b1`` of each two bytes, in ``[0, 32768)``
+    (:data:`PAIR_VOCAB_SIZE`), as a 1-D ``torch.int32`` tensor of ``len(text) // 2`` tokens (an odd
+    last byte is dropped). Invertible, and the ids spread over the whole vocabulary: a pair of the
+    generated prose is any of 32,768 ids, of which it uses a few hundred.
+
+    :raises ValueError: ``text`` is not ASCII (a first byte >= 128 would leave the vocabulary).
+    """
+    import torch
+
+    if not text.isascii():
+        raise ValueError("encode_pairs: the text must be ASCII (byte pairs of 7-bit text stay below 32768)")
+    b = encode(text)[: len(text) // 2 * 2].to(torch.int32).view(-1, 2)
+    return b[:, 0] * 256 + b[:, 1]
+
+
+# tokeniser name (a preset's ``tokens``) -> (encode, vocabulary size)
+TOKENIZERS = {"bytes": (encode, VOCAB_SIZE), "pairs": (encode_pairs, PAIR_VOCAB_SIZE)}
 
 
 class BatchSampler:

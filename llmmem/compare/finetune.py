@@ -31,8 +31,8 @@ from llmmem.compare.training import (
     PhaseClock,
     Planned,
     Trainer,
-    checkpoint_every_block,
     corpus_tokens,
+    install_techniques,
     make_optimizer,
     pick_device,
     reference_trainer,
@@ -69,16 +69,7 @@ def build(spec: dict, strategy: Strategy, device, layers: int, sample) -> Built:
     model = GPT(cfg).to(device)
     if strategy.bf16_weights:
         model.to(torch.bfloat16)
-    planned = None
-    if strategy.checkpoint in ("plan", "auto"):
-        planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
-        if strategy.checkpoint == "auto":
-            budget = float(strategy.budget_fraction)
-        else:
-            budget = int(strategy.budget_fraction * spec["baseline_activation_bytes"])
-        planned.install(budget, *(t.to(device) for t in sample))
-    else:
-        checkpoint_every_block(model.blocks, strategy.checkpoint)
+    planned = install_techniques(model, strategy, spec, device, sample)
     optimizer = make_optimizer(model.parameters(), spec["lr"], optim=strategy.optim, seed=spec["seed"])
     return Built(model, planned, Trainer(model, optimizer, strategy, device))
 
@@ -105,7 +96,7 @@ def run_row(spec: dict) -> dict:
     if fit_layers == layers or fit_layers < 1:
         raise ValueError(f"fit_layers ({fit_layers}) must be >= 1 and differ from the model's layers ({layers})")
     cfg = GPTConfig(**spec["model"])
-    tokens = corpus_tokens()
+    tokens = corpus_tokens(spec.get("tokens", "bytes"))
     sample = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()  # the planner's, apart
     try:
         built = build(spec, strategy, device, layers, sample)

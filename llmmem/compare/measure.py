@@ -31,6 +31,12 @@ __all__ = ["measured_step", "train_and_measure", "search_largest", "decimate"]
 
 TIMELINE_POINTS = 1500
 
+# A linear guess is at most this many times the largest size measured to fit: a peak that barely
+# grows with the size (fixed costs dominate: a fused LM head's [vocab x hidden] gradients at a small
+# batch) gives a line whose slope is a few bytes a sample, which puts the cap at a batch of tens of
+# thousands; running that would take the machine's whole memory.
+MAX_GROWTH = 16
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -229,7 +235,8 @@ def search_largest(
     lower bound). The first size tried is ``first`` if given, then its neighbour; then, with
     ``linear``, where a line through the measured peaks nearest the cap crosses it (peaks grow
     linearly with the batch or the depth), else the middle of the bracket (or an eighth more than
-    the largest fit while nothing is too big). ``intercept``: the peak at size 0 (what does not grow
+    the largest fit while nothing is too big); a linear guess is at most :data:`MAX_GROWTH` times the
+    largest size measured to fit. ``intercept``: the peak at size 0 (what does not grow
     with the size, e.g. parameters, gradients and optimizer state for a batch), so that a linear
     search's first guess is a line through it and ``start`` rather than a doubling. ``known``: peaks
     measured before the search, ``{size: peak}``, which its guesses use too.
@@ -251,6 +258,8 @@ def search_largest(
                 n = lo + 1
         elif linear:
             n = _guess(points, cap, lo, hi, intercept)
+            if lo is not None:
+                n = min(n, MAX_GROWTH * lo)
         elif len(log) == 1 and first is not None:
             n = log[0][0] + 1 if log[0][0] == lo else log[0][0] - 1  # the guess's neighbour
         elif hi is None:

@@ -1,6 +1,6 @@
 """The results of ``python -m llmmem compare``: the table (text and Markdown), the targets of issue 17
-(and, for the model-state preset, of issue 23) checked on the run's own ratios, the headline of the
-model-state preset, and the two charts."""
+(for the model-state preset, of issue 23; for the LM-head preset, of issue 24) checked on the run's
+own ratios, the headline of those two presets, and the two charts."""
 
 from __future__ import annotations
 
@@ -14,13 +14,21 @@ __all__ = [
     "markdown",
     "headline",
     "is_finetune",
+    "preset_family",
+    "logits_bytes",
     "check_targets",
     "check_finetune_targets",
+    "check_vocab_targets",
+    "check_preset_targets",
+    "TARGET_ISSUES",
     "plot_timelines",
     "plot_tradeoff",
 ]
 
 MiB = 2**20
+
+# the issue whose targets each preset family checks
+TARGET_ISSUES = {"default": 17, "finetune": 23, "vocab": 24}
 
 
 def _pct(new, old):
@@ -167,10 +175,59 @@ FINETUNE_HEADERS = [
 ]
 
 
+# The LM-head preset's table: the loss beside the baseline's as a ratio too (the fused head's must be 1).
+VOCAB_HEADERS = [
+    "strategy",
+    "peak MiB",
+    "vs base",
+    "act MiB",
+    "vs base",
+    "step ms",
+    "overhead",
+    "final loss (rel. diff)",
+    "loss ratio",
+    "largest batch in base peak",
+]
+
+
 def is_finetune(rows: list[dict]) -> bool:
     """Whether ``rows`` are the model-state preset's (their largest-fit search is of the model)."""
     base = next((r for r in rows if r["key"] == "baseline"), {})
     return (base.get("search") or {}).get("kind") == "model"
+
+
+def preset_family(rows: list[dict]) -> str:
+    """``"finetune"``, ``"vocab"`` or ``"default"``: which preset's rows ``rows`` are (a key of
+    :data:`TARGET_ISSUES`)."""
+    if is_finetune(rows):
+        return "finetune"
+    base = next((r for r in rows if r["key"] == "baseline"), {})
+    return "vocab" if str(base.get("preset") or "").startswith("vocab") else "default"
+
+
+def logits_bytes(row: dict) -> int:
+    """Bytes of the plain head's fp32 logits in ``row``'s step: tokens x vocabulary x 4."""
+    return 4 * row["batch"] * row["model"]["seq_len"] * row["model"]["vocab_size"]
+
+
+def _least_budget(r: dict) -> str | None:
+    """An infeasible plan row's least budget, and its share of the activation peak without
+    checkpointing, as the planner measured them; None when not recorded."""
+    plan = r.get("plan") or {}
+    least, whole = plan.get("least_budget_bytes"), plan.get("no_checkpoint_peak_bytes")
+    if not least:
+        return None
+    return format_bytes(least) + (f", {100 * least / whole:.0f}% of {format_bytes(whole)}" if whole else "")
+
+
+def _vocab_cells(r: dict, base: dict) -> list[str]:
+    if r.get("error"):
+        least = _least_budget(r)
+        why = f"infeasible (least budget {least})" if least else "infeasible"
+        return [r["label"], why if r.get("infeasible") else "failed"] + [""] * 8
+    cells = _cells(r, base)
+    ratio = r["derived"].get("loss_ratio")
+    return cells[:8] + [f"{ratio:.6f}" if ratio is not None else "—", cells[8]]
 
 
 def _finetune_cells(r: dict, base: dict) -> list[str]:
@@ -202,8 +259,11 @@ def _finetune_cells(r: dict, base: dict) -> list[str]:
 
 def _rows(rows):
     base = next(r for r in rows if r["key"] == "baseline")
-    if is_finetune(rows):
+    family = preset_family(rows)
+    if family == "finetune":
         return FINETUNE_HEADERS, [_finetune_cells(r, base) for r in rows]
+    if family == "vocab":
+        return VOCAB_HEADERS, [_vocab_cells(r, base) for r in rows]
     return HEADERS, [_cells(r, base) for r in rows]
 
 
@@ -211,7 +271,9 @@ def table(rows: list[dict]) -> str:
     """The results as aligned text."""
     headers, cells = _rows(rows)
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    right = {1, 2, 3, 4, 5, 6} | ({7, 8} if headers is FINETUNE_HEADERS else set())
+    right = {1, 2, 3, 4, 5, 6} | (
+        {7, 8} if headers is FINETUNE_HEADERS else {8} if headers is VOCAB_HEADERS else set()
+    )
 
     def line(values):
         return "  ".join(v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(values, widths)))
@@ -232,7 +294,11 @@ def markdown(rows: list[dict]) -> str:
 
 def headline(rows: list[dict]) -> str | None:
     """The model-state preset's answer: the largest model that fits in the baseline's peak, with how
-    it was found (the fitted line) and how it was verified (its run); None for other rows."""
+    it was found (the fitted line) and how it was verified (its run); the LM-head preset's: what the
+    fused head saves against the logits' bytes, and what the planner does with and without it; None
+    for other rows."""
+    if preset_family(rows) == "vocab":
+        return _vocab_headline(rows)
     if not is_finetune(rows):
         return None
     base = next(r for r in rows if r["key"] == "baseline")
@@ -255,6 +321,46 @@ def headline(rows: list[dict]) -> str | None:
         f"{_fmt_count(s['predicted_params'])} parameters ({s['predicted_layers']} layers); verified by running "
         f"it: peak {format_bytes(s['largest_peak_bytes'])}{beyond}."
     )
+
+
+def _vocab_headline(rows: list[dict]) -> str:
+    by = {r["key"]: r for r in rows}
+    base = by["baseline"]
+    logits = logits_bytes(base)
+    tokens = base["batch"] * base["model"]["seq_len"]
+    parts = [
+        f"the LM head: {tokens} tokens x {base['model']['vocab_size']} = {format_bytes(logits)} of fp32 logits; "
+        f"the plain head's step peaks at {format_bytes(base['peak_bytes'])}"
+    ]
+    fused = by.get("fused")
+    if fused and not fused.get("error"):
+        saved = base["peak_bytes"] - fused["peak_bytes"]
+        parts.append(
+            f"the fused head's at {format_bytes(fused['peak_bytes'])}, {format_bytes(saved)} lower "
+            f"({saved / logits:.2f}x the logits)"
+        )
+    plan = by.get("plan-50")
+    if plan and plan.get("infeasible"):
+        least = _least_budget(plan)
+        parts.append(
+            f"the planner alone finds no plan at 50%{f' (its least budget: {least})' if least else ''}: it "
+            "recomputes blocks, and the head is not one"
+        )
+    elif plan and not plan.get("error"):
+        parts.append(f"the planner alone at 50%: peak {format_bytes(plan['peak_bytes'])}")
+    both = by.get("fused+plan-50")
+    if both and not both.get("error"):
+        d = both["derived"]
+        batch = (
+            f", batch {d['max_batch']} in the baseline's peak ({d['max_batch_ratio']:.1f}x)"
+            if d.get("max_batch")
+            else ""
+        )
+        parts.append(
+            f"patched first, then planned at 50%: peak {format_bytes(both['peak_bytes'])} "
+            f"({_fmt_pct(d['peak_change_pct'])}){batch}"
+        )
+    return "; ".join(parts) + "."
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,6 +490,75 @@ def check_finetune_targets(rows: list[dict], *, wall_seconds: float | None = Non
     return out
 
 
+def check_vocab_targets(rows: list[dict], *, wall_seconds: float | None = None, quick: bool = False) -> list[dict]:
+    """The LM-head preset's targets (issue 24), on this run's rows: ``[{"target", "holds",
+    "detail"}]`` as :func:`check_targets`."""
+    by = {r["key"]: r for r in rows if not r.get("error")}
+    base, fused = by.get("baseline"), by.get("fused")
+    out = []
+
+    def add(target, holds, detail):
+        out.append({"target": target, "holds": holds, "detail": detail})
+
+    target = "fused head: the step's peak lower by >= 1.5x the logits' bytes"
+    if base and fused:
+        logits = logits_bytes(base)
+        saved = base["peak_bytes"] - fused["peak_bytes"]
+        add(
+            target,
+            saved >= 1.5 * logits,
+            f"{format_bytes(base['peak_bytes'])} -> {format_bytes(fused['peak_bytes'])}: {format_bytes(saved)} lower, "
+            f"{saved / logits:.2f}x the logits' {format_bytes(logits)}",
+        )
+    else:
+        add(target, None, "row fused not run")
+    target = "fused head: the loss equal to the plain head's (fp32: relative difference <= 1e-5 at every step)"
+    if base and fused:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(fused["losses"], base["losses"])]
+        worst = max(diffs)
+        add(
+            target,
+            worst <= 1e-5 and len(diffs) == len(base["losses"]),
+            f"final {fused['final_loss']:.6f} vs {base['final_loss']:.6f}; largest relative difference over the "
+            f"{len(diffs)} steps {worst:.1e}",
+        )
+    else:
+        add(target, None, "row fused not run")
+    target = "fused head + plan 50%: the activation peak within the plan's budget"
+    both = by.get("fused+plan-50")
+    both_row = next((r for r in rows if r["key"] == "fused+plan-50"), None)
+    if both_row is not None and both_row.get("infeasible"):
+        add(target, False, both_row["error"])
+    elif both:
+        budget = both["plan"]["budget_bytes"]
+        add(
+            target,
+            both["activation_bytes"] <= budget,
+            f"activation peak {format_bytes(both['activation_bytes'])} vs budget {format_bytes(budget)} "
+            f"(half of {format_bytes(2 * budget)})",
+        )
+    else:
+        add(target, None, "row fused+plan-50 not run")
+    if wall_seconds is not None:
+        limit = 30 if quick else 60
+        add(
+            f"compare --preset vocab{' --quick' if quick else ''} finishes in under {limit} s",
+            wall_seconds < limit,
+            f"{wall_seconds:.0f} s on this machine",
+        )
+    return out
+
+
+def check_preset_targets(rows: list[dict], *, wall_seconds: float | None = None, quick: bool = False) -> list[dict]:
+    """The targets of the preset whose rows ``rows`` are (:func:`preset_family`)."""
+    family = preset_family(rows)
+    if family == "finetune":
+        return check_finetune_targets(rows, wall_seconds=wall_seconds)
+    if family == "vocab":
+        return check_vocab_targets(rows, wall_seconds=wall_seconds, quick=quick)
+    return check_targets(rows, wall_seconds=wall_seconds, quick=quick)
+
+
 def format_targets(targets: list[dict]) -> str:
     mark = {True: "holds", False: "FAILS", None: "n/a"}
     return "\n".join(f"  [{mark[t['holds']]:>5}] {t['target']}: {t['detail']}" for t in targets)
@@ -484,6 +659,7 @@ def plot_tradeoff(rows: list[dict], path: str, *, title: str = "") -> None:
             or st["amp"] == "fp16"
             or st.get("optim", "torch") != "torch"
             or st.get("step_in_backward")
+            or st.get("fused_head")
         )
         color = "#2471a3" if parallel else ("#c0392b" if llm else "#7f8c8d")
         marks.append((d["overhead_pct"], -d[what], r["key"], parallel, color))
@@ -562,17 +738,14 @@ def main(argv=None) -> int:
     out = argv[1] if len(argv) == 2 else os.path.dirname(os.path.abspath(argv[0]))
     rows = derive(results["rows"], results.get("timer", "wall"))
     print(table(rows))
-    if is_finetune(rows):
-        print(headline(rows))
-        print(format_targets(check_finetune_targets(rows, wall_seconds=results.get("wall_seconds"))))
-    else:
-        print(
-            format_targets(
-                check_targets(rows, wall_seconds=results.get("wall_seconds"), quick=results.get("preset") == "quick")
-            )
-        )
+    line = headline(rows)
+    if line:
+        print(line)
+    quick = str(results.get("preset", "")).endswith("quick")
+    print(format_targets(check_preset_targets(rows, wall_seconds=results.get("wall_seconds"), quick=quick)))
     cfg = results.get("config", {})
-    title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
+    vocab = f", vocabulary {cfg.get('vocab_size')}" if preset_family(rows) == "vocab" else ""
+    title = f"{results.get('machine', '')}: GPT {cfg.get('layers')}x{cfg.get('hidden')}{vocab}, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}"
     plot_timelines(rows, os.path.join(out, "memory_timeline.png"), title=title)
     plot_tradeoff(rows, os.path.join(out, "saved_vs_overhead.png"), title=title)
     return 0

@@ -1,6 +1,7 @@
 """What ``python -m llmmem compare`` runs: the strategies (one technique or a combination each) and
-the model, batch and step counts of the full and the quick run, and of the model-state preset
-(``--preset finetune``: its own rows, :data:`FINETUNE_STRATEGIES`).
+the model, batch and step counts of the full and the quick run, of the model-state preset
+(``--preset finetune``: its own rows, :data:`FINETUNE_STRATEGIES`) and of the LM-head preset
+(``--preset vocab``: :data:`VOCAB_STRATEGIES`).
 
 A strategy is data, so the orchestrator can hand it to a fresh worker process as JSON. No torch here.
 """
@@ -13,9 +14,13 @@ __all__ = [
     "Strategy",
     "STRATEGIES",
     "FINETUNE_STRATEGIES",
+    "VOCAB_STRATEGIES",
     "Preset",
     "FinetunePreset",
+    "VocabPreset",
     "PRESETS",
+    "PRESET_FAMILIES",
+    "preset_name",
     "strategies_of",
     "by_key",
 ]
@@ -45,6 +50,8 @@ class Strategy:
         with stochastic rounding.
     :param step_in_backward: each parameter stepped as soon as its gradient exists, the gradient
         freed at once (llmmem.optim.step_in_backward).
+    :param fused_head: the LM head and its loss fused (llmmem.patch_lm_loss, applied first: a plan
+        made after it profiles the fused head).
     """
 
     key: str
@@ -59,6 +66,7 @@ class Strategy:
     optim: str = "torch"
     bf16_weights: bool = False
     step_in_backward: bool = False
+    fused_head: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINT_KINDS:
@@ -81,6 +89,11 @@ class Strategy:
             raise ValueError(
                 f"Strategy {self.key}: step_in_backward refuses an fp16 scaler and runs single-process rows only"
             )
+        if self.fused_head and (self.parallel or self.bf16_weights):
+            raise ValueError(
+                f"Strategy {self.key}: fused_head runs single-process rows without bf16_weights only (its loss is "
+                "the patched model's, which the tensor-parallel GPT and the bf16-weights loss do not call)"
+            )
 
     @property
     def world(self) -> int:
@@ -98,6 +111,7 @@ class Strategy:
             or self.amp == "fp16"
             or self.optim != "torch"
             or self.step_in_backward
+            or self.fused_head
         )
 
     def to_dict(self) -> dict:
@@ -140,9 +154,40 @@ FINETUNE_STRATEGIES = (
 )
 
 
+# The LM-head rows (issue 24): at a large vocabulary the head's logits, their fp32 log-softmax and
+# their gradient are the step's largest activations. The planner alone recomputes blocks, never the
+# head; patched first, the fused head leaves the blocks as what a plan can halve. (No bf16 row: at
+# the preset's size the fused head's fp32 [vocab x hidden] weight gradients, which bf16 does not
+# shrink, are too large a share of a bf16 step for a plan at 50%, which a large model's blocks
+# dwarf; and a bf16 row without the plan would add a third to the run's time.)
+VOCAB_STRATEGIES = (
+    Strategy("baseline", "plain head, fp32 (baseline)"),
+    Strategy("fused", "llmmem.patch_lm_loss (fused head)", fused_head=True),
+    Strategy("plan-50", "llmmem plan 50%, plain head", checkpoint="auto", budget_fraction=0.5),
+    Strategy("fused+plan-50", "fused head + plan 50%", fused_head=True, checkpoint="auto", budget_fraction=0.5),
+)
+
+
+# --preset -> (the full run's preset, the quick run's), each a key of PRESETS
+PRESET_FAMILIES = {
+    "default": ("full", "quick"),
+    "finetune": ("finetune", "finetune-quick"),
+    "vocab": ("vocab", "vocab-quick"),
+}
+
+
+def preset_name(family: str, quick: bool) -> str:
+    """The key of :data:`PRESETS` that ``--preset family`` (with ``--quick``) runs."""
+    return PRESET_FAMILIES[family][1 if quick else 0]
+
+
 def strategies_of(preset: str) -> tuple:
     """The rows of ``preset`` (a key of :data:`PRESETS`)."""
-    return FINETUNE_STRATEGIES if preset.startswith("finetune") else STRATEGIES
+    if preset.startswith("finetune"):
+        return FINETUNE_STRATEGIES
+    if preset.startswith("vocab"):
+        return VOCAB_STRATEGIES
+    return STRATEGIES
 
 
 def by_key(keys, strategies=STRATEGIES) -> list[Strategy]:
@@ -182,6 +227,10 @@ class Preset:
             dropout=0.0,
         )
 
+    def worker_settings(self) -> dict:
+        """What each row's worker needs beyond the model and run sizes (see the subclasses)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class FinetunePreset(Preset):
@@ -190,6 +239,23 @@ class FinetunePreset(Preset):
     is the largest to fit the baseline's peak (see :mod:`llmmem.compare.finetune`)."""
 
     fit_layers: int = 2
+
+    def worker_settings(self) -> dict:
+        # the rows search the largest model, from a line through two depths
+        return {"search": "model", "fit_layers": self.fit_layers}
+
+
+@dataclass(frozen=True)
+class VocabPreset(Preset):
+    """An LM-head preset: a vocabulary of ``vocab_size`` ids, the corpus read by the tokeniser
+    ``tokens`` (a key of :data:`llmmem.compare.corpus.TOKENIZERS`), and the fused head's rows of
+    logits a chunk (``head_chunk_size``; None: ``llmmem.linear_cross_entropy``'s own choice)."""
+
+    tokens: str = "pairs"
+    head_chunk_size: int | None = None
+
+    def worker_settings(self) -> dict:
+        return {"tokens": self.tokens, "head_chunk_size": self.head_chunk_size}
 
 
 # Full: 10 layers of width 64 with 4 heads over 256 tokens: heads * seq / hidden = 16, as in GPT-3
@@ -218,5 +284,46 @@ PRESETS = {
     # The same shape at a quarter of the width, for CI (the lean row's plan is feasible at 4 layers).
     "finetune-quick": FinetunePreset(
         layers=4, hidden=64, heads=2, seq_len=16, batch=2, steps=4, search_trials=2, fit_layers=8, profile_repeats=1
+    ),
+    # Vocab: the LM head where it matters. A vocabulary of 32,768 ids (the corpus read as byte pairs,
+    # 256 * b0 + b1), so that the plain head's logits (512 tokens x 32768 x 4 B = 64 MiB), their
+    # log-softmax and their gradient are the step's largest activations: ~190 of the fp32 baseline's
+    # 289 MiB, its peak 378 MiB. 8 layers of width 128 with 16 heads over 256 tokens at batch 2, so
+    # that the blocks hold ~96 MiB: once the head is fused (its peak one 256-row chunk of logits,
+    # 32 MiB, beside the [vocab x hidden] weight gradients, 16 MiB each) a plan at 50% of the rest is
+    # feasible (least budget ~40%), as in a large model whose blocks dwarf its head; with 4 layers it
+    # is not (57%). A step costs what the head costs (three [512 x 128] x [128 x 32768] matmuls and
+    # the cross-entropy's passes over 16M logits: 0.4-0.7 s on one core), so a narrower model saves
+    # little and a wider one adds. Five steps at a learning rate of 3e-3 take the loss from
+    # ln(32768) = 10.4 to 8.8; two trials a largest-batch search. The planner profiles untimed
+    # (profile_repeats=0): it chooses on work units, so the plan is the same, and a plan row's
+    # search, which plans again at each batch it tries, takes half the time.
+    "vocab": VocabPreset(
+        layers=8,
+        hidden=128,
+        heads=16,
+        seq_len=256,
+        batch=2,
+        steps=5,
+        search_trials=2,
+        vocab_size=32768,
+        lr=3e-3,
+        profile_repeats=0,
+    ),
+    # The same vocabulary at a quarter of the width over 128 tokens, for CI; chunks of 32 rows, so that
+    # its 256 rows still make several (a default chunk would be all of its logits) and the plan at
+    # 50% is feasible.
+    "vocab-quick": VocabPreset(
+        layers=8,
+        hidden=32,
+        heads=16,
+        seq_len=128,
+        batch=2,
+        steps=3,
+        search_trials=1,
+        vocab_size=32768,
+        lr=3e-3,
+        profile_repeats=0,
+        head_chunk_size=32,
     ),
 }

@@ -1,6 +1,7 @@
-"""What every row of ``python -m llmmem compare`` is built from: the techniques applied to a GPT, its
-optimizer, one training step (:class:`Trainer`), the planner's set-up (:class:`Planned`), the fp32
-reference stepped beside a row, and a row's header. The flows that train and measure a row are in
+"""What every row of ``python -m llmmem compare`` is built from: the techniques applied to a GPT
+(:func:`install_techniques`: the fused head, then the planner or checkpointing), its optimizer, one
+training step (:class:`Trainer`), the planner's set-up (:class:`Planned`), the fp32 reference
+stepped beside a row, and a row's header. The flows that train and measure a row are in
 :mod:`llmmem.compare.worker` (batch search, parallel rows) and :mod:`llmmem.compare.finetune`
 (model-state rows, model-size search).
 """
@@ -16,13 +17,15 @@ import torch.nn.functional as F
 
 import llmmem
 import llmmem.optim
-from llmmem.compare.corpus import encode, generate_text
+from llmmem.compare.corpus import TOKENIZERS, generate_text
 from llmmem.compare.strategies import Strategy
 from llmmem.models.gpt import GPT, GPTConfig
 
 __all__ = [
     "PhaseClock",
     "checkpoint_every_block",
+    "install_techniques",
+    "plan_budget",
     "amp_context",
     "loss_of",
     "Trainer",
@@ -84,6 +87,33 @@ def checkpoint_every_block(blocks, kind: str) -> None:
         return
     for block in blocks:
         block.forward = functools.partial(run, type(block).forward.__get__(block))
+
+
+def plan_budget(strategy: Strategy, spec: dict):
+    """The planner's budget for a row: ``strategy.budget_fraction`` of the fp32 baseline's measured
+    activation memory in bytes (``checkpoint='plan'``), or the fraction itself (``'auto'``: of the
+    model's own activation peak, as a user writes ``budget=0.5``)."""
+    if strategy.checkpoint == "auto":
+        return float(strategy.budget_fraction)
+    return int(strategy.budget_fraction * spec["baseline_activation_bytes"])
+
+
+def install_techniques(model: GPT, strategy: Strategy, spec: dict, device, sample):
+    """``strategy``'s techniques on ``model``, in place, in the order a user applies them: the fused
+    head (``llmmem.patch_lm_loss``, with ``spec["head_chunk_size"]`` rows a chunk), then the planner
+    (planned on the batch ``sample`` for :func:`plan_budget`) or checkpointing around every block.
+    Returns the :class:`Planned` of a planner row, else None.
+
+    :raises llmmem.InfeasibleError: when the planner finds no plan within the budget.
+    """
+    if strategy.fused_head:
+        llmmem.patch_lm_loss(model, chunk_size=spec.get("head_chunk_size"))
+    if strategy.checkpoint not in ("plan", "auto"):
+        checkpoint_every_block(model.blocks, strategy.checkpoint)
+        return None
+    planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
+    planned.install(plan_budget(strategy, spec), *(t.to(device) for t in sample))
+    return planned
 
 
 def amp_context(amp: str, device: torch.device):
@@ -187,8 +217,12 @@ def make_optimizer(params, lr: float, *, zero_group=None, optim: str = "torch", 
 # Data, device, the planner
 
 
-def corpus_tokens():
-    return encode(generate_text())
+def corpus_tokens(tokens: str = "bytes"):
+    """The generated corpus read by the tokeniser ``tokens`` (a key of
+    :data:`llmmem.compare.corpus.TOKENIZERS`): ``"bytes"``, or ``"pairs"`` for the LM-head preset."""
+    if tokens not in TOKENIZERS:
+        raise ValueError(f"corpus_tokens: tokens must be one of {sorted(TOKENIZERS)}, got {tokens!r}")
+    return TOKENIZERS[tokens][0](generate_text())
 
 
 def pick_device(spec: dict) -> torch.device:
@@ -269,6 +303,7 @@ def row_header(spec: dict, strategy: Strategy, device, params: int, params_per_r
     return {
         "key": strategy.key,
         "label": strategy.label,
+        "preset": spec.get("preset"),
         "strategy": strategy.to_dict(),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

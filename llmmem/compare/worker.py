@@ -11,7 +11,9 @@ same batches (the first warms up and creates the optimizer state, the middle one
 last runs under :class:`~llmmem.diagnostics.live.LiveBytes` for the memory figures and the timeline),
 then search, by running steps, for the largest batch (single process) or the largest model (parallel
 rows) whose peak fits in the baseline's peak. See :mod:`llmmem.compare.measure` for what is measured.
-The rows of the model-state presets (``--preset finetune``) run :mod:`llmmem.compare.finetune`.
+The rows of the model-state presets (``--preset finetune``) run :mod:`llmmem.compare.finetune`; the
+LM-head preset's (``--preset vocab``) run here, on byte-pair tokens, their head fused first where the
+strategy says so (:func:`llmmem.compare.training.install_techniques`).
 What a row is built from (trainer, optimizer, planner) is in :mod:`llmmem.compare.training`.
 """
 
@@ -29,12 +31,12 @@ from llmmem.compare.corpus import BatchSampler
 from llmmem.compare.strategies import Strategy
 from llmmem.compare.training import (
     PhaseClock,
-    Planned,
     Trainer,
-    checkpoint_every_block,
     corpus_tokens,
+    install_techniques,
     make_optimizer,
     pick_device,
+    plan_budget,
     reference_trainer,
     row_header,
 )
@@ -63,29 +65,27 @@ def run_single(spec: dict) -> dict:
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(seed)
     model = GPT(cfg).to(device)
-    tokens = corpus_tokens()
+    tokens = corpus_tokens(spec.get("tokens", "bytes"))
     sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed)
     result = row_header(spec, strategy, device, model.num_parameters(), model.num_parameters())
     result["seconds"] = clock.seconds
     result["parent_pid"] = os.getppid()  # the worker server's, when the row was forked from it
     clock.lap("build")
-    planned = None
-    if strategy.checkpoint == "plan":
-        planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
-        sample_x, sample_y = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()
-        budget = int(strategy.budget_fraction * spec["baseline_activation_bytes"])
-        try:
-            planned.install(budget, sample_x.to(device), sample_y.to(device))
-        except llmmem.InfeasibleError as exc:
-            # a result, not a failure: the planner says what the least feasible budget is
-            result["error"] = f"infeasible: {exc}"
-            result["infeasible"] = True
-            result["plan"] = {"budget_bytes": budget}
-            clock.lap("plan")
-            return result
+    sample = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 1).next_batch()  # the planner's, apart
+    try:
+        planned = install_techniques(model, strategy, spec, device, sample)
+    except llmmem.InfeasibleError as exc:
+        # a result, not a failure: the planner says what the least feasible budget is
+        budget = plan_budget(strategy, spec)
+        result["error"] = f"infeasible: {exc}"
+        result["infeasible"] = True
+        result["plan"] = {"budget_fraction": budget} if isinstance(budget, float) else {"budget_bytes": budget}
+        result["plan"]["least_budget_bytes"] = getattr(exc, "min_budget_bytes", None)
+        result["plan"]["no_checkpoint_peak_bytes"] = getattr(exc, "no_checkpoint_peak_bytes", None)
         clock.lap("plan")
-    else:
-        checkpoint_every_block(model.blocks, strategy.checkpoint)
+        return result
+    if planned is not None:
+        clock.lap("plan")
     trainer = Trainer(model, make_optimizer(model.parameters(), spec["lr"]), strategy, device)
 
     def batches():
@@ -191,7 +191,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
     if batch % strategy.dp:
         raise ValueError(f"batch {batch} must be divisible by the data-parallel size {strategy.dp}")
     local = batch // strategy.dp
-    tokens = corpus_tokens()
+    tokens = corpus_tokens(spec.get("tokens", "bytes"))
     sampler = BatchSampler(tokens, batch, seq, seed=spec["seed"])
     layers = spec["model"]["layers"]
     pm = _ParallelModel(spec, strategy, device, layers)
@@ -279,7 +279,14 @@ def _preload() -> None:
     not use a CUDA context made before the fork)."""
     import torch.utils.checkpoint  # noqa: F401
 
-    for name in ("checkpoint", "auto_checkpoint", "selective_context_fn", "GradScaler", "InfeasibleError"):
+    for name in (
+        "checkpoint",
+        "auto_checkpoint",
+        "selective_context_fn",
+        "GradScaler",
+        "InfeasibleError",
+        "patch_lm_loss",
+    ):
         getattr(llmmem, name)
     from llmmem.diagnostics import live  # noqa: F401
 

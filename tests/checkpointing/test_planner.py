@@ -398,6 +398,7 @@ def test_plan_object_describe_and_infeasible_message(gpt_profile):
         llmmem.plan_checkpoints(None, budget=plan.min_budget_bytes - 1, profile=prof)
     assert f"{plan.min_budget_bytes} bytes" in str(info.value)
     assert info.value.min_budget_bytes == plan.min_budget_bytes
+    assert info.value.no_checkpoint_peak_bytes == plan.no_checkpoint_peak_bytes
     assert isinstance(info.value, ValueError)
     as_string = llmmem.plan_checkpoints(None, budget=f"{plan.min_budget_bytes * 2}B", profile=prof)
     assert as_string.budget_bytes == 2 * plan.min_budget_bytes

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from llmmem.compare.corpus import DEFAULT_BYTES, BatchSampler, encode, generate_text
+from llmmem.compare.corpus import DEFAULT_BYTES, PAIR_VOCAB_SIZE, BatchSampler, encode, encode_pairs, generate_text
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,20 @@ def test_sampler_state_round_trip_and_rows():
     full = BatchSampler(tokens, 4, 8, seed=5).next_batch()[0]
     halves = [BatchSampler(tokens, 4, 8, seed=5).next_batch(rows=slice(r * 2, r * 2 + 2))[0] for r in range(2)]
     assert torch.equal(torch.cat(halves), full)
+
+
+def test_byte_pairs_are_tokens_of_a_32k_vocabulary():
+    text = generate_text(5000)
+    text = text[: len(text) // 2 * 2]
+    pairs = encode_pairs(text + "x")  # an odd last byte is dropped
+    assert pairs.shape == (len(text) // 2,) and pairs.dtype == torch.int32
+    b = encode(text)
+    assert torch.equal(pairs, b[0::2].int() * 256 + b[1::2].int())
+    assert PAIR_VOCAB_SIZE == 32768 and int(pairs.max()) < PAIR_VOCAB_SIZE and int(pairs.max()) > 256
+    tokens = BatchSampler(pairs, 2, 8, seed=0).next_batch()[0]
+    assert tokens.dtype == torch.int64
+    with pytest.raises(ValueError, match="ASCII"):
+        encode_pairs("caf\u00e9")
 
 
 def test_bad_input():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmmem.compare.measure import decimate, search_largest
+from llmmem.compare.measure import MAX_GROWTH, decimate, search_largest
 
 
 @pytest.mark.parametrize("true_largest", [4, 5, 9, 31, 200])
@@ -21,7 +21,9 @@ def test_linear_search_brackets_the_true_largest(true_largest):
 
     r = search_largest(peak_at, start=4, start_peak=state + 4 * per, cap=cap, trials=4, kind="batch")
     assert r["largest"] == true_largest and r["exact"]
-    assert len(calls) <= 3
+    # 200 from 8: the line's guess is held to MAX_GROWTH x 8 = 128 first, a trial more
+    assert len(calls) <= (3 if true_largest <= 8 * MAX_GROWTH else 4)
+    assert all(b <= MAX_GROWTH * a for a, b in zip([4] + calls, calls))
 
 
 @pytest.mark.parametrize("true_largest", [2, 5, 11, 31])
@@ -41,6 +43,13 @@ def test_linear_search_from_the_fixed_bytes_needs_two_trials(true_largest):
     )
     assert r["largest"] == true_largest and r["exact"]
     assert [t[0] for t in r["trials"]] == ([true_largest, true_largest + 1] if true_largest > 2 else [3])
+
+
+def test_a_nearly_flat_peak_grows_the_size_at_most_max_growth_times_a_trial():
+    # the peak grows by 1 byte a sample: the line puts the cap a million samples out
+    r = search_largest(lambda n: 1000 + n, start=2, start_peak=1002, cap=10**6, trials=3, kind="batch", intercept=1000)
+    assert [t[0] for t in r["trials"]] == [2 * MAX_GROWTH, 2 * MAX_GROWTH**2, 2 * MAX_GROWTH**3]
+    assert r["largest"] == 2 * MAX_GROWTH**3 and not r["exact"]
 
 
 def test_search_counts_infeasible_as_not_fitting_and_stops_at_the_budget():
