@@ -675,7 +675,8 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
     print(
         f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). overhead: "
         "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
-        "(†: ratio of medians). Memory: "
+        "(†: ratio of medians); ±: half the interquartile range of the paired ratios, the row's and the baseline's "
+        "combined, in points. Memory: "
         + ("torch.cuda.max_memory_allocated" if device == "cuda" else "live tensor bytes (llmmem LiveBytes)")
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
     )

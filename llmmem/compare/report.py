@@ -53,6 +53,18 @@ def _relative(row: dict, timer: str) -> float | None:
     return row.get("relative_cpu_step_time" if timer == "cpu" else "relative_step_time")
 
 
+def _spread_pct(row: dict, base: dict, timer: str, rel: float, base_rel: float) -> float | None:
+    """Points of overhead that the spread of the row's paired ratios and of the baseline's stands
+    for (half their interquartile ranges, combined in quadrature), or None where not recorded."""
+    key = "relative_cpu_step_time_spread" if timer == "cpu" else "relative_step_time_spread"
+    s_row, s_base = row.get(key), base.get(key)
+    if s_row is None or s_base is None:
+        return None
+    if row is base:
+        return 100.0 * s_base / base_rel
+    return 100.0 * ((s_row / base_rel) ** 2 + (rel * s_base / base_rel**2) ** 2) ** 0.5
+
+
 def derive(rows: list[dict], timer: str = "wall") -> list[dict]:
     """Each row's comparisons with the baseline (the row with key ``baseline``), added in place.
 
@@ -73,6 +85,7 @@ def derive(rows: list[dict], timer: str = "wall") -> list[dict]:
             if rel is not None and base_rel:
                 d["overhead_pct"] = 100.0 * (rel / base_rel - 1.0)
                 d["overhead_basis"] = "paired"
+                d["overhead_spread_pct"] = _spread_pct(r, base, timer, rel, base_rel)
             else:
                 d["overhead_pct"] = _pct(d["step_time"], base_time if r.get("world", 1) == 1 else base["step_time"])
                 d["overhead_basis"] = "medians"
@@ -97,6 +110,13 @@ def _fmt_pct(v, plus=True) -> str:
     if v is None:
         return "—"
     return f"{v:+.0f}%" if plus else f"{v:.0f}%"
+
+
+def _overhead_cell(d: dict) -> str:
+    """The overhead, with the spread of its paired steps where there is one: ``+17% ±3``."""
+    text = _fmt_pct(d.get("overhead_pct"))
+    spread = d.get("overhead_spread_pct")
+    return f"{text} ±{spread:.0f}" if spread is not None and d.get("overhead_pct") is not None else text
 
 
 def _fmt_count(n) -> str:
@@ -139,7 +159,7 @@ def _cells(r: dict, base: dict) -> list[str]:
         f"{r['activation_bytes'] / MiB:.1f}",
         _fmt_pct(d["activation_change_pct"]) if r is not base else "—",
         f"{1e3 * d['step_time']:.0f}{time_mark}" if d["step_time"] is not None else "—",
-        _fmt_pct(d["overhead_pct"]) if r is not base else "—",
+        _overhead_cell(d) if r is not base else "—",
         _loss(r, base),
         fit,
         f"{_fmt_count(r['params_per_rank'])} / {model}" if r.get("world", 1) > 1 else "—",
@@ -250,7 +270,7 @@ def _finetune_cells(r: dict, base: dict) -> list[str]:
         f"{r['state_bytes_per_param']:.2f}" if r.get("state_bytes_per_param") is not None else "—",
         f"{r['activation_bytes'] / MiB:.1f}",
         f"{1e3 * d['step_time']:.0f}" if d["step_time"] is not None else "—",
-        _fmt_pct(d["overhead_pct"]) if r is not base else "—",
+        _overhead_cell(d) if r is not base else "—",
         f"{r['final_loss']:.4f}",
         f"{ratio:.4f}" if ratio is not None else "—",
         model,
@@ -367,6 +387,11 @@ def _vocab_headline(rows: list[dict]) -> str:
 # Targets (issue 17), each checked on ratios of this run
 
 
+def _spread_text(row: dict) -> str:
+    spread = row["derived"].get("overhead_spread_pct")
+    return f" ±{spread:.1f}" if spread is not None else ""
+
+
 def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick: bool = False) -> list[dict]:
     """``[{"target", "holds" (True/False/None when a row is missing), "detail"}]``."""
     by = {r["key"]: r for r in rows if not r.get("error")}
@@ -384,7 +409,8 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
         add(
             "every-layer checkpoint + bf16: activation memory -82% or more, overhead below torch every-layer's",
             act >= 82.0 and over < te_over,
-            f"activation -{act:.1f}%, overhead {over:+.1f}% vs torch every-layer {te_over:+.1f}%",
+            f"activation -{act:.1f}%, overhead {over:+.1f}%{_spread_text(cb)} vs torch every-layer "
+            f"{te_over:+.1f}%{_spread_text(torch_every)}",
         )
     else:
         add("every-layer checkpoint + bf16 vs torch every-layer", None, "rows every+bf16 / torch-every not run")
@@ -399,7 +425,8 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
         add(
             "llmmem plan at 50%: overhead at most half of torch every-layer's; measured peak within budget + model state",
             over <= te_over / 2 and within,
-            f"overhead {over:+.1f}% vs half of {te_over:+.1f}% = {te_over / 2:+.1f}%; activation peak "
+            f"overhead {over:+.1f}%{_spread_text(p50)} vs half of {te_over:+.1f}%{_spread_text(torch_every)} = "
+            f"{te_over / 2:+.1f}%; activation peak "
             f"{format_bytes(p50['activation_bytes'])} vs budget {format_bytes(budget)} "
             f"(peak {format_bytes(p50['peak_bytes'])} vs budget + state {format_bytes(budget + p50['start_bytes'])})",
         )

@@ -264,7 +264,7 @@ class VocabPreset(Preset):
 # layers, not fewer, so that one block's recompute (what no plan avoids) is well under 25% of the
 # activations and a plan at 25% is feasible.
 PRESETS = {
-    "full": Preset(layers=10, hidden=64, heads=4, seq_len=256, batch=4, steps=10, search_trials=4),
+    "full": Preset(layers=10, hidden=64, heads=4, seq_len=256, batch=4, steps=20, search_trials=4),
     # Quick: a fraction of the width and length, the same heads * seq / hidden.
     "quick": Preset(layers=12, hidden=32, heads=4, seq_len=128, batch=2, steps=4, search_trials=3, profile_repeats=1),
     # Finetune: shaped like a full fine-tune, where the parameters, gradients and Adam's moments

@@ -142,3 +142,55 @@ def test_the_reference_trainer_is_freed_before_the_measured_step():
     out = train_and_measure(trainer, batches, 4, torch.device("cpu"), reference=make_reference())
     assert alive_at_step == [True, True, True, False]
     assert len(out["losses"]) == 4 and len(out["reference_step_times"]) == 2
+
+
+def test_pairs_alternate_their_order_and_report_their_spread(monkeypatch):
+    """The strategy and the fp32 reference take turns going first on a batch (the second finds it in
+    cache), and the spread of the paired ratios is recorded beside their median."""
+    from llmmem.compare.measure import half_iqr, train_and_measure
+
+    order = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, x, y):
+            order.append(self.name)
+            return 1.0
+
+    import llmmem.compare.measure as m
+
+    monkeypatch.setattr(m, "measured_step", lambda trainer, x, y, device, timeline: {"loss": 1.0})
+    out = train_and_measure(Fake("s"), lambda: (None, None), 6, torch.device("cpu"), reference=Fake("r"))
+    assert order == ["s", "r", "r", "s", "s", "r", "r", "s", "s", "r"]
+    assert len(out["reference_step_times"]) == 4
+    assert out["relative_step_time_spread"] >= 0 and out["relative_cpu_step_time_spread"] >= 0
+    assert half_iqr([]) == 0.0 and half_iqr([3.0]) == 0.0
+    assert half_iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1.0)  # quartiles 2 and 4
+
+
+def test_the_overhead_carries_the_spread_of_both_rows():
+    from llmmem.compare.report import _overhead_cell, derive
+
+    def row(key, rel, spread):
+        return {
+            "key": key,
+            "peak_bytes": 10,
+            "activation_bytes": 5,
+            "step_time": 0.1,
+            "cpu_step_time": 0.1,
+            "final_loss": 2.0,
+            "relative_cpu_step_time": rel,
+            "relative_cpu_step_time_spread": spread,
+        }
+
+    base, other = row("baseline", 1.0, 0.03), row("x", 1.2, 0.04)
+    derive([base, other], timer="cpu")
+    d = other["derived"]
+    assert d["overhead_pct"] == pytest.approx(20.0)
+    assert d["overhead_spread_pct"] == pytest.approx(100 * (0.04**2 + (1.2 * 0.03) ** 2) ** 0.5)
+    assert _overhead_cell(d) == "+20% ±5"
+    old = row("y", 1.1, None)  # results.json written before spreads were recorded
+    derive([base, old], timer="cpu")
+    assert _overhead_cell(old["derived"]) == "+10%"
