@@ -35,8 +35,8 @@ CTEST_CFLAGS := -std=c11 -g -O1 -Wall -Wextra -Werror -Wno-missing-field-initial
   -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer \
   -DLLMMEM_DEBUG=3 -Icsrc/include -Icsrc/common -Itests/c
 # The core is compiled once per build flavour (gcc, clang, gcc -O3) into objects that every test
-# program of that flavour links: each program compiling all of it again made the C tests' build
-# most of the suite's time (360 s of 1200 on the 2-core VM).
+# program of that flavour links, rather than once per program: the sanitized build of the core is
+# what takes the time.
 CORE_OBJ = $(patsubst %.c,build/ctests/obj/$(1)/%.o,$(CORE_SRC))
 
 build/ctests/obj/gcc/%.o: %.c $(CORE_HDR)
