@@ -251,16 +251,19 @@ class Estimate:
         lines.append("LM head and loss, kept + their largest temporary, both ways:")
         plain, fused = self.head_loss["plain"], self.head_loss["fused"]
         used = " (this estimate)"
+        later = (
+            f"their and the logits' fp32 gradients {format_bytes(plain['temporary'])}"
+            if "fp32 gradients of log-probabilities and logits" in plain["temporary_terms"]
+            else f"then its backward's matmuls make the head weight's gradient ({format_bytes(_weight_gradient(plain))})"
+        )
         row(
             "plain head" + ("" if st.fused_head else used),
             plain["kept"] + plain["temporary"],
-            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, their and the "
-            f"logits' fp32 gradients {format_bytes(plain['temporary'])}",
+            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, {later}",
         )
         rows_ = fused_head_chunk_rows(cfg, st)
         saves = self.fused_head_saves
-        # the plain head's weight gradient is in the gradients row; the fused head's is made early
-        wgrad = sum(v for k, v in fused["temporary_terms"].items() if "weight's gradient" in k or "accumulator" in k)
+        wgrad = _weight_gradient(fused)
         row(
             "fused head" + (used if st.fused_head else ""),
             fused["kept"] + fused["temporary"],
@@ -309,6 +312,11 @@ class Estimate:
 
     def __repr__(self) -> str:
         return f"<Estimate {self.model.name}: total {format_bytes(self.total)} per device>"
+
+
+def _weight_gradient(head: dict) -> int:
+    """Bytes of the head weight's gradient (and its fp32 accumulator) among a head's temporaries."""
+    return sum(v for k, v in head["temporary_terms"].items() if "weight's gradient" in k or "accumulator" in k)
 
 
 # =================================================================================================
