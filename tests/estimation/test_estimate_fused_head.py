@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from support.diagnostics import PeftLike, opt_model
 from support.planner import step_memory
 
 import llmmem
@@ -330,3 +331,46 @@ def test_cuda_bf16_fused_head_within_5_percent_of_the_estimate():
     expected = _head_loss(est, "fused") - n * hidden * 2 - 8 * n
     print(f"CUDA bf16: fused est {expected} measured {measured}")
     assert abs(expected - measured) <= 0.05 * measured
+
+
+class _Adapted(torch.nn.Linear):
+    """A linear head that computes more than its weight (as a LoRA-wrapped one)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_the_fix_offers_patch_lm_loss_only_where_it_takes_the_model():
+    """An architecture patch_lm_loss refuses (OPT) is offered llmmem.linear_cross_entropy by hand,
+    saying why; a PEFT wrapper the patch of the model inside it, and nothing once that one is
+    patched (the mark is read through the wrapper)."""
+    vocab, kwargs = 8192, dict(batch=2, seq=512, precision="fp32", device_type="cpu", device_memory="64MiB")
+    opt = opt_model(vocab)
+    with pytest.raises(TypeError, match="not an architecture it knows"):
+        llmmem.patch_lm_loss(opt)
+    fix = llmmem.estimate(opt, **kwargs).fused_head_fix
+    assert fix is not None and "patch_lm_loss(model)" not in fix.change + fix.code
+    assert fix.change.startswith("llmmem.linear_cross_entropy in the model's loss (llmmem.patch_lm_loss refuses it:")
+    assert "OPTForCausalLM is not an architecture it knows)" in fix.change
+    assert fix.code.startswith("loss = llmmem.linear_cross_entropy(hidden, lm_head.weight, labels)")
+
+    llama = _llama(vocab, 512, torch.float32)
+    assert llmmem.estimate(llama, **kwargs).fused_head_fix.code == "handle = llmmem.patch_lm_loss(model)"
+    wrapped = PeftLike(llama)
+    with pytest.raises(TypeError, match="not an architecture it knows"):
+        llmmem.patch_lm_loss(wrapped)
+    fix = llmmem.estimate(wrapped, **kwargs).fused_head_fix
+    assert fix.change == "llmmem.patch_lm_loss(model.get_base_model())"
+    handle = llmmem.patch_lm_loss(wrapped.get_base_model())  # what the fix says, which works
+    try:
+        est = llmmem.estimate(wrapped, **kwargs)
+        assert est.settings.fused_head and est.fused_head_fix is None
+    finally:
+        handle.remove()
+    fix = llmmem.estimate(PeftLike(opt), **kwargs).fused_head_fix  # the model inside is refused: by hand
+    assert "OPTForCausalLM is not an architecture it knows)" in fix.change
+    assert fix.code.startswith("loss = llmmem.linear_cross_entropy")
+    # a head with an adapter: its weight alone is not the head, so nothing is offered
+    llama.lm_head.__class__ = _Adapted
+    assert llmmem.estimate(wrapped, **kwargs).fused_head_fix is None
+    assert llmmem.estimate(llama, **kwargs).fused_head_fix is None
