@@ -8,6 +8,10 @@ import math
 
 from llmmem.units import format_bytes
 
+# Fewer paired ratios than this have no spread worth printing (llmmem.compare.measure.half_iqr):
+# their quartiles are the ratios themselves, and one pair would read "±0".
+MIN_SPREAD_PAIRS = 4
+
 __all__ = [
     "derive",
     "table",

@@ -166,8 +166,11 @@ def test_pairs_alternate_their_order_and_report_their_spread(monkeypatch):
     assert order == ["s", "r", "r", "s", "s", "r", "r", "s", "s", "r"]
     assert len(out["reference_step_times"]) == 4
     assert out["relative_step_time_spread"] >= 0 and out["relative_cpu_step_time_spread"] >= 0
-    assert half_iqr([]) == 0.0 and half_iqr([3.0]) == 0.0
+    # too few pairs for quartiles: no spread, rather than a "±0" that one pair would print
+    assert half_iqr([]) is None and half_iqr([3.0]) is None and half_iqr([1.0, 2.0, 3.0]) is None
     assert half_iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1.0)  # quartiles 2 and 4
+    out = train_and_measure(Fake("s"), lambda: (None, None), 3, torch.device("cpu"), reference=Fake("r"))
+    assert len(out["reference_step_times"]) == 1 and out["relative_step_time_spread"] is None
 
 
 def test_the_overhead_carries_the_spread_of_both_rows():
@@ -191,6 +194,8 @@ def test_the_overhead_carries_the_spread_of_both_rows():
     assert d["overhead_pct"] == pytest.approx(20.0)
     assert d["overhead_spread_pct"] == pytest.approx(100 * (0.04**2 + (1.2 * 0.03) ** 2) ** 0.5)
     assert _overhead_cell(d) == "+20% ±5"
-    old = row("y", 1.1, None)  # results.json written before spreads were recorded
+    old = row("y", 1.1, None)  # too few pairs (or results.json written before spreads were recorded)
     derive([base, old], timer="cpu")
     assert _overhead_cell(old["derived"]) == "+10%"
+    derive([row("baseline", 1.0, None), other], timer="cpu")  # the baseline's pairs too few
+    assert _overhead_cell(other["derived"]) == "+20%"
