@@ -676,7 +676,7 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). overhead: "
         "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
         "(†: ratio of medians); ±: half the interquartile range of the paired ratios, the row's and the baseline's "
-        "combined, in points. Memory: "
+        f"combined, in points (none from fewer than {report.MIN_SPREAD_PAIRS} pairs). Memory: "
         + ("torch.cuda.max_memory_allocated" if device == "cuda" else "live tensor bytes (llmmem LiveBytes)")
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
     )

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from llmmem.compare.report import MIN_SPREAD_PAIRS
 from llmmem.diagnostics.live import LiveBytes, device_key
 
 __all__ = ["measured_step", "train_and_measure", "search_largest", "decimate"]
@@ -185,12 +186,13 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
     return out
 
 
-def half_iqr(values) -> float:
-    """Half the interquartile range of ``values`` (0 for fewer than two): how far the middle half
-    of the paired ratios lies from their median, the spread printed beside each overhead."""
+def half_iqr(values) -> float | None:
+    """Half the interquartile range of ``values``: how far the middle half of the paired ratios
+    lies from their median, the spread printed beside each overhead; None for fewer than
+    :data:`~llmmem.compare.report.MIN_SPREAD_PAIRS` values."""
     v = sorted(values)
-    if len(v) < 2:
-        return 0.0
+    if len(v) < MIN_SPREAD_PAIRS:
+        return None
     q = statistics.quantiles(v, n=4, method="inclusive")
     return (q[2] - q[0]) / 2
 

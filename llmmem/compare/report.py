@@ -8,6 +8,10 @@ import math
 
 from llmmem.units import format_bytes
 
+# Fewer paired ratios than this have no spread worth printing (llmmem.compare.measure.half_iqr):
+# their quartiles are the ratios themselves, and one pair would read "±0".
+MIN_SPREAD_PAIRS = 4
+
 __all__ = [
     "derive",
     "table",
@@ -241,10 +245,8 @@ def _least_budget(r: dict) -> str | None:
 
 
 def _vocab_cells(r: dict, base: dict) -> list[str]:
-    if r.get("error"):
-        least = _least_budget(r)
-        why = f"infeasible (least budget {least})" if least else "infeasible"
-        return [r["label"], why if r.get("infeasible") else "failed"] + [""] * 8
+    if r.get("error"):  # why: on a line of its own under the table, not widening a column
+        return [r["label"], "infeasible" if r.get("infeasible") else "failed"] + [""] * 8
     cells = _cells(r, base)
     ratio = r["derived"].get("loss_ratio")
     return cells[:8] + [f"{ratio:.6f}" if ratio is not None else "—", cells[8]]
@@ -305,11 +307,14 @@ def table(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The results as a Markdown table (for the README)."""
+    """The results as a Markdown table (for the README), and under it the least budget of each
+    infeasible plan row."""
     headers, cells = _rows(rows)
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
-    return "\n".join(out)
+    least = [(r["label"], _least_budget(r)) for r in rows if r.get("error") and r.get("infeasible")]
+    notes = [f"{label}: infeasible, least budget {budget}." for label, budget in least if budget]
+    return "\n".join(out + ([""] + notes if notes else []))
 
 
 def headline(rows: list[dict]) -> str | None:
@@ -371,8 +376,9 @@ def _vocab_headline(rows: list[dict]) -> str:
     both = by.get("fused+plan-50")
     if both and not both.get("error"):
         d = both["derived"]
+        approx = "" if (both.get("search") or {}).get("exact") else ">="  # as the table: a lower bound
         batch = (
-            f", batch {d['max_batch']} in the baseline's peak ({d['max_batch_ratio']:.1f}x)"
+            f", batch {approx}{d['max_batch']} in the baseline's peak ({d['max_batch_ratio']:.1f}x)"
             if d.get("max_batch")
             else ""
         )

@@ -287,17 +287,16 @@ PRESETS = {
     ),
     # Vocab: the LM head where it matters. A vocabulary of 32,768 ids (the corpus read as byte pairs,
     # 256 * b0 + b1), so that the plain head's logits (512 tokens x 32768 x 4 B = 64 MiB), their
-    # log-softmax and their gradient are the step's largest activations: ~190 of the fp32 baseline's
-    # 289 MiB, its peak 378 MiB. 8 layers of width 128 with 16 heads over 256 tokens at batch 2, so
-    # that the blocks hold ~96 MiB: once the head is fused (its peak one 256-row chunk of logits,
-    # 32 MiB, beside the [vocab x hidden] weight gradients, 16 MiB each) a plan at 50% of the rest is
-    # feasible (least budget ~40%), as in a large model whose blocks dwarf its head; with 4 layers it
-    # is not (57%). A step costs what the head costs (three [512 x 128] x [128 x 32768] matmuls and
-    # the cross-entropy's passes over 16M logits: 0.4-0.7 s on one core), so a narrower model saves
-    # little and a wider one adds. Five steps at a learning rate of 3e-3 take the loss from
-    # ln(32768) = 10.4 to 8.8; two trials a largest-batch search. The planner profiles untimed
-    # (profile_repeats=0): it chooses on work units, so the plan is the same, and a plan row's
-    # search, which plans again at each batch it tries, takes half the time.
+    # log-softmax and their gradient are the step's largest activations. 8 layers of width 128 with
+    # 16 heads over 256 tokens at batch 2, so that once the head is fused (its peak one chunk of
+    # logits beside the [vocab x hidden] weight gradients) the blocks are most of what is left and a
+    # plan at 50% of it is feasible, as in a large model whose blocks dwarf its head; with 4 layers it
+    # is not. A step costs what the head costs (three [512 x 128] x [128 x 32768] matmuls and the
+    # cross-entropy's passes over the logits), so a narrower model saves little time and a wider one
+    # adds. Five steps at a learning rate of 3e-3 move the loss well below ln(32768) = 10.4; two
+    # trials a largest-batch search. The planner profiles untimed (profile_repeats=0): it chooses on
+    # work units, so the plan is the same, and a plan row's search, which plans again at each batch
+    # it tries, is spared the timed repeats. Figures: benchmarks/README.md, "compare --preset vocab".
     "vocab": VocabPreset(
         layers=8,
         hidden=128,

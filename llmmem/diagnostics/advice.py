@@ -28,7 +28,7 @@ import torch
 from llmmem.diagnostics.state_advice import OptimizerInfo, inspect_optimizer
 from llmmem.estimation import estimate
 from llmmem.estimation.activations import fused_head_chunk_rows
-from llmmem.estimation.recommend import FUSED_HEAD_CHANGE, FUSED_HEAD_CODE, FUSED_HEAD_MIN_SHARE
+from llmmem.estimation.recommend import FUSED_HEAD_MIN_SHARE, fused_head_offer
 from llmmem.units import format_bytes
 
 __all__ = ["Suggestion", "estimate_settings", "find_blocks", "suggest", "model_state_suggestions", "OptimizerInfo"]
@@ -337,7 +337,7 @@ def suggest(
             with_(precision="bf16-mixed"),
             slowdown=0.0,
         )
-    suggestion = _fused_head(est0, peak0, with_)
+    suggestion = _fused_head(model, est0, peak0, with_)
     if suggestion is not None:
         add(*suggestion)
     b = settings["batch"]
@@ -366,15 +366,20 @@ def suggest(
     return out, basis
 
 
-def _fused_head(est0, peak0: int, with_):
-    """The arguments of ``add`` for llmmem.patch_lm_loss, or None: not for a model whose loss is
-    fused already (it carries the mark, which the estimate read), nor where the plain head and
-    loss are less than :data:`FUSED_HEAD_MIN_SHARE` of the predicted peak."""
+def _fused_head(model, est0, peak0: int, with_):
+    """The arguments of ``add`` for the fused head (llmmem.patch_lm_loss where it takes ``model``,
+    else llmmem.linear_cross_entropy by hand: :func:`~llmmem.estimation.recommend.fused_head_offer`),
+    or None: not for a model whose loss is fused already (it carries the mark, which the estimate
+    read), nor one whose head is not a plain linear layer, nor where the plain head and loss are
+    less than :data:`FUSED_HEAD_MIN_SHARE` of the predicted peak."""
     if est0.settings.fused_head:
         return None
     plain = est0.head_loss["plain"]
     logits = plain["kept"] + plain["temporary"]
     if logits < FUSED_HEAD_MIN_SHARE * peak0:
+        return None
+    offer = fused_head_offer(model)
+    if offer is None:
         return None
     fused = with_(fused_head=True)
     rows = fused_head_chunk_rows(fused.model, fused.settings)
@@ -383,7 +388,7 @@ def _fused_head(est0, peak0: int, with_):
         f"[tokens x vocab] logits, their fp32 log-probabilities and gradients ({format_bytes(logits)} at the peak "
         "now) never exist whole"
     )
-    return ("fused-head", FUSED_HEAD_CHANGE, FUSED_HEAD_CODE, fused, "estimator", 0.0, note)
+    return ("fused-head", *offer, fused, "estimator", 0.0, note)
 
 
 def model_state_suggestions(optimizer, settings: dict, capacity: int, peak: int | None) -> list[Suggestion]:

@@ -206,11 +206,19 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
     """``(kept, temporary)``: bytes the LM head and its loss keep for backward, and their largest
     transient buffer, on one device; ``fused`` (default: the settings' ``fused_head``) says which head.
 
+    Like the rest of the estimate, these take the gradients row as already there (as under gradient
+    accumulation), so the weight gradient either head makes is a new buffer beside it
+    (``g·V/t·h``, ``g`` the precision's bytes a gradient): the fused head makes it in its forward,
+    the plain one in its backward. In a fresh step it is that row's own, made early by both heads
+    alike: where the head makes the step's peak, what the fused head saves is the same either way.
+
     **Plain** (``F.linear`` then cross-entropy): the head keeps its input (``e·sbh/r``); the loss is
     computed in fp32 in every precision (Megatron and Hugging Face upcast the logits for a stable
     softmax), so the log-softmax keeps its fp32 output, ``4·s·b·V/t`` (vocabulary-parallel with TP);
     its backward holds the fp32 gradients of the log-probabilities and of the logits together,
-    ``2·4·s·b·V/t``.
+    ``2·4·s·b·V/t``, then, the log-probabilities freed, the logits' gradient in the compute dtype
+    (``e·s·b·V/t``) while the head's matmuls make the weight's gradient and the hidden states'
+    (``e·sbh/r``): the larger of the two moments.
 
     **Fused** (``llmmem.linear_cross_entropy``, gradients made in the forward): it keeps the hidden
     states' gradient (``e·sbh/r``, in place of the input the plain head keeps) and, while its
@@ -218,13 +226,11 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
     (``R·V/t·e``, ``R`` from :func:`fused_head_chunk_rows`), a few fp32 numbers a row of it, and
     the weight's gradient, accumulated in fp32 (``4·V/t·h``) and, where the weights are 16-bit,
     turned into their dtype as the forward ends (``e·V/t·h`` more, while the chunk's numbers are
-    gone). That gradient is counted here although the estimate's gradients count it too: the fused
-    head makes it in its forward, where the plain head's peak (the start of backward) has none yet
-    (or, accumulating over micro-batches, has it in ``.grad``, apart from this buffer); so the
-    difference of the two heads is what the fused one saves of a real peak. The passes over the
-    logits (C on the CPU, CUDA kernels) read the chunk in place; only the CPU's accumulation of a
-    16-bit chunk into the fp32 gradient upcasts it and its rows of hidden states
-    (``4·R·(V/t + h)``).
+    gone). The passes over the logits (C on the CPU, CUDA kernels) read the chunk in place; only the
+    CPU's accumulation of a 16-bit chunk into the fp32 gradient upcasts it and its rows of hidden
+    states (``4·R·(V/t + h)``). Under ``*-mixed`` (fp32 weights under autocast, what Hugging Face's
+    ``bf16=True`` runs) the fused head's operand is a 16-bit copy of the weight (``e·V/t·h``) beside
+    the one autocast caches for the head's own (empty) matmul, which the parameters row counts.
     Both keep the int64 targets (``8·sb``).
     """
     fused = st.fused_head if fused is None else fused
@@ -232,20 +238,27 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
     e, _, r, _ = element_bytes(cfg, st)
     v = ceil_div(cfg.vocab, t)
     hidden = ceil_div(e * s * b * h, r)
+    weight_grad = PRECISIONS[st.precision]["grad"] * v * h
+    dtype = {4: "fp32", 2: "16-bit"}[e]
     if not fused:
         kept = {
             "lm head input": hidden,
             "log-probabilities (fp32, loss)": 4 * s * b * v,
             "targets (int64)": 8 * s * b,
         }
-        return kept, {"fp32 gradients of log-probabilities and logits": 2 * 4 * s * b * v}
+        softmax = {"fp32 gradients of log-probabilities and logits": 2 * 4 * s * b * v}
+        matmuls = {"head weight's gradient (made in its backward)": weight_grad, "hidden states' gradient": hidden}
+        if e != 4:  # the logits' gradient in their dtype outlives the fp32 log-probabilities, freed by then
+            matmuls["logits' 16-bit gradient, less the fp32 log-probabilities"] = (e - 4) * s * b * v
+        return kept, softmax if sum(softmax.values()) >= sum(matmuls.values()) else matmuls
     rows = fused_head_chunk_rows(cfg, st)
     kept = {"hidden states' gradient (fused head, made in its forward)": hidden, "targets (int64)": 8 * s * b}
-    dtype = {4: "fp32", 2: "16-bit"}[e]
     tmp = {
         "fused head input (until its forward ends)": hidden,
         f"one chunk of logits ({rows} rows x {v}, {dtype})": rows * v * e,
     }
+    if st.precision.endswith("-mixed"):
+        tmp["16-bit copy of the fp32 head weight (the fused head's operand under autocast)"] = e * v * h
     gathered = 4 * t if t > 1 else 0  # every rank's row statistics (vocabulary-parallel)
     in_loop = {"per-row statistics (fp32)": 4 * rows * (_FUSED_ROW_FLOATS + gathered)}
     if e != 4 and st.device_type == "cpu":

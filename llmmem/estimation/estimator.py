@@ -110,8 +110,9 @@ class Estimate:
     and ``model_state_fixes`` (:class:`~llmmem.estimation.recommend.ModelStateFix`: changes of the
     optimizer, the weights' precision and the step that save model state, largest saving first;
     filled when the request does not fit) and ``fused_head_fix`` (the same kind of record for
-    ``llmmem.patch_lm_loss(model)`` when the request does not fit with the plain head and its
-    logits are a large part of the peak, else None). ``state_terms`` says what the model
+    ``llmmem.patch_lm_loss(model)``, or ``llmmem.linear_cross_entropy`` by hand for a model it does
+    not patch, when the request does not fit with the plain head and its logits are a large part
+    of the peak, else None). ``state_terms`` says what the model
     state is made of with an llmmem optimizer or a step in backward (bytes a parameter, tensors
     kept in fp32, the largest gradient's elements). ``head_loss``: the LM head and loss both ways,
     ``{"plain": {...}, "fused": {...}}``, each with ``kept`` (activations), ``temporary`` (their
@@ -251,16 +252,19 @@ class Estimate:
         lines.append("LM head and loss, kept + their largest temporary, both ways:")
         plain, fused = self.head_loss["plain"], self.head_loss["fused"]
         used = " (this estimate)"
+        later = (
+            f"their and the logits' fp32 gradients {format_bytes(plain['temporary'])}"
+            if "fp32 gradients of log-probabilities and logits" in plain["temporary_terms"]
+            else f"then its backward's matmuls make the head weight's gradient ({format_bytes(_weight_gradient(plain))})"
+        )
         row(
             "plain head" + ("" if st.fused_head else used),
             plain["kept"] + plain["temporary"],
-            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, their and the "
-            f"logits' fp32 gradients {format_bytes(plain['temporary'])}",
+            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, {later}",
         )
         rows_ = fused_head_chunk_rows(cfg, st)
         saves = self.fused_head_saves
-        # the plain head's weight gradient is in the gradients row; the fused head's is made early
-        wgrad = sum(v for k, v in fused["temporary_terms"].items() if "weight's gradient" in k or "accumulator" in k)
+        wgrad = _weight_gradient(fused)
         row(
             "fused head" + (used if st.fused_head else ""),
             fused["kept"] + fused["temporary"],
@@ -311,14 +315,19 @@ class Estimate:
         return f"<Estimate {self.model.name}: total {format_bytes(self.total)} per device>"
 
 
+def _weight_gradient(head: dict) -> int:
+    """Bytes of the head weight's gradient (and its fp32 accumulator) among a head's temporaries."""
+    return sum(v for k, v in head["temporary_terms"].items() if "weight's gradient" in k or "accumulator" in k)
+
+
 # =================================================================================================
 # the fit recommendation (the search is llmmem.estimation.recommend)
 # =================================================================================================
-def _recommend(est: Estimate, counted: int | None, shapes) -> None:
+def _recommend(est: Estimate, counted: int | None, shapes, model=None) -> None:
     cfg, st, budget = est.model, est.settings, est.device_memory
     if not est.fits:
         est.model_state_fixes = model_state_fixes(cfg, counted, st, budget, est.layer_scale, shapes)
-        est.fused_head_fix = fused_head_fix(cfg, counted, st, budget, est.layer_scale, shapes)
+        est.fused_head_fix = fused_head_fix(cfg, counted, st, budget, est.layer_scale, shapes, model)
     found = search(cfg, counted, st, budget, est.layer_scale, shapes)
     if found is None:
         est.advice = (
@@ -501,5 +510,5 @@ def estimate(
     est = Estimate(cfg, st, _compute(cfg, counted, st, layer_scale, shapes), budget)
     est.layer_scale, est.measured_layer_bytes = layer_scale, measured
     if budget is not None:
-        _recommend(est, counted, shapes)
+        _recommend(est, counted, shapes, model)
     return est

@@ -339,15 +339,27 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
     )
 
 
+def peft_base_model(model):
+    """The model inside a PEFT wrapper (``model.get_base_model()``), else None."""
+    get_base_model = getattr(type(model), "get_base_model", None)
+    if not callable(get_base_model):
+        return None
+    base = model.get_base_model()
+    return None if base is model else base
+
+
 def fused_head_mark(model):
     """The :class:`llmmem.head.marker.FusedHead` mark of a model whose loss is the fused head
-    (``llmmem.patch_lm_loss`` leaves it), else None. Imports nothing: a mark exists only once
-    ``llmmem.head.marker`` is loaded, and a name, dict or config carries none."""
+    (``llmmem.patch_lm_loss`` leaves it; on a PEFT wrapper, the model inside it carries it), else
+    None. Imports nothing: a mark exists only once ``llmmem.head.marker`` is loaded, and a name,
+    dict or config carries none."""
     marker = sys.modules.get("llmmem.head.marker")
     torch = sys.modules.get("torch")
     if marker is None or torch is None or not isinstance(model, torch.nn.Module):
         return None
-    return marker.fused_head(model)
+    info = marker.fused_head(model)
+    base = peft_base_model(model) if info is None else None
+    return info if base is None else marker.fused_head(base)
 
 
 # --------------------------------------------------------------------------------------------

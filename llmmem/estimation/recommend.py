@@ -7,10 +7,11 @@ each saves."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 
 from llmmem.estimation.breakdown import compute
-from llmmem.estimation.model_configs import ModelConfig
+from llmmem.estimation.model_configs import ModelConfig, peft_base_model
 from llmmem.estimation.model_state import DEFAULT_BLOCK, MIN_QUANTIZED_NUMEL
 from llmmem.estimation.settings import PRECISIONS, Settings, tp_indivisible
 from llmmem.units import format_bytes
@@ -21,6 +22,7 @@ __all__ = [
     "search",
     "model_state_fixes",
     "fused_head_fix",
+    "fused_head_offer",
     "logits_are_large",
     "FUSED_HEAD_MIN_SHARE",
     "changes_between",
@@ -293,6 +295,38 @@ FUSED_HEAD_CODE = (
     "handle = llmmem.patch_lm_loss(model)  (a model of your own: loss = llmmem.linear_cross_entropy(hidden, "
     "lm_head.weight, labels))"
 )
+BY_HAND_CODE = (
+    "loss = llmmem.linear_cross_entropy(hidden, lm_head.weight, labels)  (hidden: the last hidden states, after "
+    "the final norm; labels shifted as the model's loss shifts them)"
+)
+
+
+def fused_head_offer(model) -> tuple[str, str] | None:
+    """``(change, code)`` of the fused head for ``model``: ``llmmem.patch_lm_loss`` where it would
+    take the model (or, for a PEFT wrapper, the model inside it), else ``llmmem.linear_cross_entropy``
+    in the model's loss, saying why; None where the head is not a plain linear layer (an adapter or
+    a quantized head: its weight alone is not the head); for a name or a config, which cannot be
+    asked, both. Imports ``llmmem.head`` only for an ``nn.Module`` (torch is loaded then)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(model, torch.nn.Module):
+        return FUSED_HEAD_CHANGE, FUSED_HEAD_CODE
+    from llmmem.head.patchable import patch_refusal
+
+    refusal = patch_refusal(model)
+    if refusal is None:
+        return FUSED_HEAD_CHANGE, "handle = llmmem.patch_lm_loss(model)"
+    refused, base = model, peft_base_model(model)
+    if base is not None:
+        refused, refusal = base, patch_refusal(base)
+        if refusal is None:
+            return (
+                "llmmem.patch_lm_loss(model.get_base_model())",
+                "handle = llmmem.patch_lm_loss(model.get_base_model())  (the model inside the PEFT wrapper)",
+            )
+    if refusal.kind in ("head", "patched"):
+        return None
+    reason = refusal.message.removeprefix("patch_lm_loss: ").split(";")[0].replace(f"{type(refused).__module__}.", "")
+    return f"llmmem.linear_cross_entropy in the model's loss (llmmem.patch_lm_loss refuses it: {reason})", BY_HAND_CODE
 
 
 def fused_head_fix(
@@ -302,17 +336,20 @@ def fused_head_fix(
     budget: int,
     layer_scale: float = 1.0,
     shapes=None,
+    model=None,
 ) -> ModelStateFix | None:
     """The fused LM head as a change of the requested settings, with what it saves (the estimate's
     total with the plain head less the one with the fused head): None when the head is fused
-    already, saves nothing, or the logits are not large (:func:`logits_are_large`)."""
+    already, saves nothing, the logits are not large (:func:`logits_are_large`), or ``model`` (what
+    the estimate was asked of) has no head to fuse (:func:`fused_head_offer`)."""
     if st.fused_head:
         return None
     head_loss = compute(cfg, counted, st, layer_scale, shapes)["head_loss"]
     plain, fused = head_loss["plain"]["total"], head_loss["fused"]["total"]
     if plain <= fused or not logits_are_large(head_loss):
         return None
+    offer = fused_head_offer(model)
+    if offer is None:
+        return None
     cand = dataclasses.replace(st, fused_head=True)
-    return ModelStateFix(
-        FUSED_HEAD_CHANGE, FUSED_HEAD_CODE, changes_between(st, cand), plain - fused, fused, fused <= budget
-    )
+    return ModelStateFix(*offer, changes_between(st, cand), plain - fused, fused, fused <= budget)

@@ -166,8 +166,11 @@ def test_pairs_alternate_their_order_and_report_their_spread(monkeypatch):
     assert order == ["s", "r", "r", "s", "s", "r", "r", "s", "s", "r"]
     assert len(out["reference_step_times"]) == 4
     assert out["relative_step_time_spread"] >= 0 and out["relative_cpu_step_time_spread"] >= 0
-    assert half_iqr([]) == 0.0 and half_iqr([3.0]) == 0.0
+    # too few pairs for quartiles: no spread, rather than a "±0" that one pair would print
+    assert half_iqr([]) is None and half_iqr([3.0]) is None and half_iqr([1.0, 2.0, 3.0]) is None
     assert half_iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1.0)  # quartiles 2 and 4
+    out = train_and_measure(Fake("s"), lambda: (None, None), 3, torch.device("cpu"), reference=Fake("r"))
+    assert len(out["reference_step_times"]) == 1 and out["relative_step_time_spread"] is None
 
 
 def test_the_overhead_carries_the_spread_of_both_rows():
@@ -191,6 +194,58 @@ def test_the_overhead_carries_the_spread_of_both_rows():
     assert d["overhead_pct"] == pytest.approx(20.0)
     assert d["overhead_spread_pct"] == pytest.approx(100 * (0.04**2 + (1.2 * 0.03) ** 2) ** 0.5)
     assert _overhead_cell(d) == "+20% ±5"
-    old = row("y", 1.1, None)  # results.json written before spreads were recorded
+    old = row("y", 1.1, None)  # too few pairs (or results.json written before spreads were recorded)
     derive([base, old], timer="cpu")
     assert _overhead_cell(old["derived"]) == "+10%"
+    derive([row("baseline", 1.0, None), other], timer="cpu")  # the baseline's pairs too few
+    assert _overhead_cell(other["derived"]) == "+20%"
+
+
+def test_vocab_table_keeps_an_infeasible_rows_reason_out_of_its_columns_and_the_headline_says_a_lower_bound():
+    from llmmem.compare.report import derive, headline, markdown, table
+
+    def row(key, label, peak, largest=None, exact=True, **extra):
+        r = {
+            "key": key,
+            "label": label,
+            "preset": "vocab-quick",
+            "world": 1,
+            "model": {"seq_len": 128, "vocab_size": 32768},
+            "batch": 2,
+            "error": None,
+            "peak_bytes": peak,
+            "activation_bytes": peak // 2,
+            "step_time": 0.2,
+            "cpu_step_time": 0.1,
+            "final_loss": 10.0,
+            "relative_cpu_step_time": 1.0,
+            "relative_cpu_step_time_spread": None,
+        }
+        if largest is not None:
+            r["search"] = {"kind": "batch", "largest": largest, "exact": exact}
+        return {**r, **extra}
+
+    infeasible = row(
+        "plan-50",
+        "llmmem plan 50%, plain head",
+        0,
+        error="infeasible: auto_checkpoint: no plan fits",
+        infeasible=True,
+        plan={"least_budget_bytes": 100 << 20, "no_checkpoint_peak_bytes": 120 << 20},
+    )
+    rows = [
+        row("baseline", "plain head, fp32 (baseline)", 140 << 20, largest=2),
+        infeasible,
+        row("fused+plan-50", "fused head + plan 50%", 32 << 20, largest=19, exact=False),
+    ]
+    derive(rows, timer="cpu")
+    lines = table(rows).splitlines()
+    assert lines[0].index("vs base") - lines[0].index("peak MiB") <= len("infeasible") + 2  # a narrow column
+    assert lines[3].split() == ["llmmem", "plan", "50%,", "plain", "head", "infeasible"]
+    assert lines[-1].startswith("llmmem plan 50%, plain head: infeasible: auto_checkpoint")
+    md = markdown(rows)
+    assert "| llmmem plan 50%, plain head | infeasible |" in md
+    assert md.endswith("\n\nllmmem plan 50%, plain head: infeasible, least budget 100.00 MiB, 83% of 120.00 MiB.")
+    assert "batch >=19 in the baseline's peak (9.5x)" in headline(rows)
+    rows[2]["search"]["exact"] = True
+    assert "batch 19 in the baseline's peak (9.5x)" in headline(rows)

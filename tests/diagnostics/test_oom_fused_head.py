@@ -6,10 +6,11 @@ never for a model that carries the mark, nor where the logits are small."""
 from __future__ import annotations
 
 import pytest
-from support.diagnostics import gpt_step, tiny_gpt
+import torch
+from support.diagnostics import PeftLike, gpt_step, opt_model, tiny_gpt
 
 import llmmem
-from llmmem.diagnostics.advice import estimate_settings
+from llmmem.diagnostics.advice import estimate_settings, suggest
 from llmmem.diagnostics.tracker import MemoryTracker
 from llmmem.head import marker
 from llmmem.models.gpt import GPT
@@ -86,3 +87,26 @@ def test_small_logits_get_no_fused_head_advice():
     model, opt = tiny_gpt(vocab_size=64, hidden=128, layers=4)
     found, _, text = _report(model, opt, 8)
     assert "fused-head" not in found and "patch_lm_loss" not in text
+
+
+def _fused_head_suggestion(model, opt):
+    settings = estimate_settings(model, batch=2, seq=64, optimizer=opt)
+    found, _ = suggest(model, capacity=1 << 20, settings=settings, measured={}, plan=False, optimizer=opt)
+    return next((s for s in found if s.kind == "fused-head"), None)
+
+
+def test_the_advice_offers_patch_lm_loss_only_where_it_takes_the_model():
+    """An architecture patch_lm_loss refuses gets llmmem.linear_cross_entropy by hand; a PEFT
+    wrapper the patch of the model inside it, and nothing once that model carries the mark."""
+    model, opt = tiny_gpt(vocab_size=VOCAB)
+    assert _fused_head_suggestion(model, opt).change == "llmmem.patch_lm_loss(model)"
+    wrapped = PeftLike(model)
+    suggestion = _fused_head_suggestion(wrapped, opt)
+    assert suggestion.change == "llmmem.patch_lm_loss(model.get_base_model())"
+    _fused_forward(model)  # marked, as llmmem.patch_lm_loss(model.get_base_model()) leaves it
+    assert _fused_head_suggestion(wrapped, opt) is None
+    other = opt_model(VOCAB)
+    suggestion = _fused_head_suggestion(other, torch.optim.AdamW(other.parameters()))
+    assert "patch_lm_loss(model)" not in suggestion.change + suggestion.code
+    assert "llmmem.patch_lm_loss refuses it: OPTForCausalLM is not an architecture it knows" in suggestion.change
+    assert suggestion.code.startswith("loss = llmmem.linear_cross_entropy(hidden, lm_head.weight, labels)")

@@ -11,11 +11,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from support.diagnostics import PeftLike, opt_model
 from support.planner import step_memory
 
 import llmmem
 from llmmem.__main__ import main
 from llmmem.checkpointing.profile import ActivationMeter
+from llmmem.diagnostics.advice import estimate_settings
+from llmmem.diagnostics.live import LiveBytes
 from llmmem.estimation.activations import fused_head_chunk_rows
 from llmmem.head import chunks, marker
 from llmmem.models.gpt import GPT, GPTConfig
@@ -87,14 +90,14 @@ def test_gpt_head_and_loss_both_ways_within_5_percent_of_a_real_step(chunk_size)
     assert f"one chunk of logits ({rows} rows x {vocab}, fp32)" in est.temporary_terms
 
 
-def _llama(vocab: int, seq: int, dtype):
+def _llama(vocab: int, seq: int, dtype, hidden: int = 64, layers: int = 2):
     transformers = pytest.importorskip("transformers", reason="the Hugging Face model needs transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=seq,
@@ -135,6 +138,71 @@ def test_llama_bf16_head_and_loss_both_ways_within_5_percent_of_a_real_step():
     assert "fp32 accumulator of the head weight's gradient" in est.temporary_terms
     # what the fused head saves of the peak is what the two heads' own bytes differ by here
     assert est.fused_head_saves == _head_loss(est, "plain") - _head_loss(est, "fused") > 0.6 * (plain - fused)
+
+
+def _step_peaks(vocab, hidden, batch, seq, autocast: bool, accumulate: bool = False) -> tuple[int, int]:
+    """(plain, fused): the most bytes one forward and backward of a one-layer Llama with fp32
+    weights add to what was there before (every storage, parameter gradients included), with its own
+    loss and with llmmem.patch_lm_loss's; ``accumulate``: after a first step left its gradients."""
+    ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+
+    peaks = []
+    for patch in (False, True):
+        model = _llama(vocab, seq, torch.float32, hidden=hidden, layers=1)
+        if patch:
+            llmmem.patch_lm_loss(model)
+        with LiveBytes() as live:
+            live.track([model, ids])
+            if accumulate:
+                step(model)
+            live.reset_peak()
+            base = live.allocated()
+            step(model)
+            peaks.append(live.max_allocated() - base)
+    return peaks[0], peaks[1]
+
+
+def test_autocast_with_fp32_weights_counts_the_fused_heads_16_bit_copy_of_the_weight():
+    """Hugging Face's bf16=True: fp32 weights under autocast. The fused head's operand is a bf16
+    copy of the head's weight (2·V·H) beside the one autocast caches for the head's own call; with
+    it the estimate sees that the fused head costs a little here, as measured, instead of saving."""
+    vocab, hidden, b, s = 8192, 256, 2, 128
+    plain, fused = _step_peaks(vocab, hidden, b, s, autocast=True)
+    model = _llama(vocab, s, torch.float32, hidden=hidden, layers=1)
+    settings = estimate_settings(model, batch=b, seq=s, autocast_dtype=torch.bfloat16)
+    assert settings["precision"] == "bf16-mixed"
+    est = llmmem.estimate(model, **settings)
+    copy = "16-bit copy of the fp32 head weight (the fused head's operand under autocast)"
+    assert est.head_loss["fused"]["temporary_terms"][copy] == 2 * vocab * hidden
+    print(f"autocast: fused less plain measured {fused - plain}, estimated {-est.fused_head_saves}")
+    assert fused > plain and est.fused_head_saves < 0
+    assert abs(-est.fused_head_saves - (fused - plain)) <= 0.03 * plain
+    # 16-bit weights have no copy to make
+    assert copy not in llmmem.estimate(model, batch=b, seq=s, precision="bf16", fused_head=True).temporary_terms
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulating"])
+def test_fp32_small_loss_large_vocabulary_both_heads_make_the_weight_gradient(accumulate):
+    """A few tokens over a large vocabulary: the head weight's gradient outweighs the logits. The
+    fused head makes it in its forward, the plain one in its backward beside the logits' gradient;
+    the peaks are the same and so are the estimate's two totals."""
+    vocab, hidden, b, s = 8192, 256, 1, 32
+    plain, fused = _step_peaks(vocab, hidden, b, s, autocast=False, accumulate=accumulate)
+    est = llmmem.estimate(
+        _llama(vocab, s, torch.float32, hidden=hidden, layers=1), batch=b, seq=s, precision="fp32", device_type="cpu"
+    )
+    weight_grad = 4 * vocab * hidden
+    print(f"fp32: fused less plain measured {fused - plain}, estimated {-est.fused_head_saves}")
+    assert abs(fused - plain) <= 0.01 * weight_grad
+    assert abs(est.fused_head_saves) <= 0.01 * weight_grad
+    assert est.head_loss["plain"]["temporary_terms"]["head weight's gradient (made in its backward)"] == weight_grad
+    assert "then its backward's matmuls make the head weight's gradient (8.00 MiB)" in str(est)
+    assert est.fused_head_fix is None
 
 
 @pytest.mark.parametrize(
@@ -263,3 +331,46 @@ def test_cuda_bf16_fused_head_within_5_percent_of_the_estimate():
     expected = _head_loss(est, "fused") - n * hidden * 2 - 8 * n
     print(f"CUDA bf16: fused est {expected} measured {measured}")
     assert abs(expected - measured) <= 0.05 * measured
+
+
+class _Adapted(torch.nn.Linear):
+    """A linear head that computes more than its weight (as a LoRA-wrapped one)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_the_fix_offers_patch_lm_loss_only_where_it_takes_the_model():
+    """An architecture patch_lm_loss refuses (OPT) is offered llmmem.linear_cross_entropy by hand,
+    saying why; a PEFT wrapper the patch of the model inside it, and nothing once that one is
+    patched (the mark is read through the wrapper)."""
+    vocab, kwargs = 8192, dict(batch=2, seq=512, precision="fp32", device_type="cpu", device_memory="64MiB")
+    opt = opt_model(vocab)
+    with pytest.raises(TypeError, match="not an architecture it knows"):
+        llmmem.patch_lm_loss(opt)
+    fix = llmmem.estimate(opt, **kwargs).fused_head_fix
+    assert fix is not None and "patch_lm_loss(model)" not in fix.change + fix.code
+    assert fix.change.startswith("llmmem.linear_cross_entropy in the model's loss (llmmem.patch_lm_loss refuses it:")
+    assert "OPTForCausalLM is not an architecture it knows)" in fix.change
+    assert fix.code.startswith("loss = llmmem.linear_cross_entropy(hidden, lm_head.weight, labels)")
+
+    llama = _llama(vocab, 512, torch.float32)
+    assert llmmem.estimate(llama, **kwargs).fused_head_fix.code == "handle = llmmem.patch_lm_loss(model)"
+    wrapped = PeftLike(llama)
+    with pytest.raises(TypeError, match="not an architecture it knows"):
+        llmmem.patch_lm_loss(wrapped)
+    fix = llmmem.estimate(wrapped, **kwargs).fused_head_fix
+    assert fix.change == "llmmem.patch_lm_loss(model.get_base_model())"
+    handle = llmmem.patch_lm_loss(wrapped.get_base_model())  # what the fix says, which works
+    try:
+        est = llmmem.estimate(wrapped, **kwargs)
+        assert est.settings.fused_head and est.fused_head_fix is None
+    finally:
+        handle.remove()
+    fix = llmmem.estimate(PeftLike(opt), **kwargs).fused_head_fix  # the model inside is refused: by hand
+    assert "OPTForCausalLM is not an architecture it knows)" in fix.change
+    assert fix.code.startswith("loss = llmmem.linear_cross_entropy")
+    # a head with an adapter: its weight alone is not the head, so nothing is offered
+    llama.lm_head.__class__ = _Adapted
+    assert llmmem.estimate(wrapped, **kwargs).fused_head_fix is None
+    assert llmmem.estimate(llama, **kwargs).fused_head_fix is None

@@ -45,6 +45,42 @@ def gpt_step(model, opt, batch: int, *, seq: int | None = None, zero: bool = Tru
         opt.zero_grad(set_to_none=True)
 
 
+class PeftLike(torch.nn.Module):
+    """What llmmem reads of a PEFT model (peft is not a test dependency): a module around the model,
+    ``get_base_model()``, and the model's other attributes (``config``, ``cfg``), which PEFT forwards."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.base_model = model
+
+    def get_base_model(self):
+        return self.base_model
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self.base_model, name)
+
+
+def opt_model(vocab_size: int, seed: int = 0):
+    """A small Hugging Face OPT (an architecture llmmem.patch_lm_loss does not patch)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(seed)
+    cfg = transformers.OPTConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        ffn_dim=128,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        max_position_embeddings=512,
+    )
+    return transformers.OPTForCausalLM(cfg)
+
+
 def hf_model(kind: str, seed: int = 0):
     """A small Hugging Face causal LM (``"llama"`` or ``"gpt2"``), eager attention; skips the test
     when transformers is not importable."""
