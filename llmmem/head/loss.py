@@ -5,14 +5,20 @@ existing whole: at most one chunk of rows of logits lives at a time.
 How (the design choice, measured in ``benchmarks/README.md``, "The LM head"):
 
 - **Gradient in the forward pass** (as Liger does) when the loss will be differentiated and the
-  upstream gradient is one number (``reduction="mean"`` or ``"sum"``): per chunk of rows, the
-  logits (one matmul), the C pass that takes their row statistics, the pass that turns them in
-  place into the gradient of the loss, then the hidden states' gradient (a matmul) and the
-  weight's, accumulated (a matmul). Three matmuls in all, as the plain head's forward and backward
-  take; backward only multiplies the saved gradients by the upstream scalar.
+  upstream gradient is one number (``reduction="mean"`` or ``"sum"``) and the inputs are fp32 or
+  bf16: per chunk of rows, the logits (one matmul), the C pass that takes their row statistics,
+  the pass that turns them in place into the gradient of the loss, then the hidden states' gradient
+  (a matmul) and the weight's, accumulated (a matmul). Three matmuls in all, as the plain head's
+  forward and backward take; backward only multiplies the saved gradients by the upstream scalar.
 - **Recompute in backward** (as Cut Cross-Entropy does) for ``reduction="none"`` (a gradient per
-  row) or without grad: the forward keeps one log-sum-exp a row; backward recomputes each chunk's
-  logits (four matmuls in all).
+  row), without grad, and for fp16 inputs: the forward keeps one log-sum-exp a row; backward
+  recomputes each chunk's logits (four matmuls in all). fp16 takes this path because a gradient
+  made in the forward is rounded to fp16 before a loss scaler's factor (2**16) reaches it: the
+  logits' gradient ``softmax / tokens`` is ~1e-8 at a vocabulary of 32k and 4k tokens, under fp16's
+  smallest subnormal (6e-8), so most of the weight's gradient would be 0. In backward the upstream
+  gradient (scale / tokens a row, fp32) multiplies each chunk's gradient in fp32 before it is
+  rounded to fp16, as in the plain head, for the same memory (one chunk of logits, the fp32
+  accumulator of the weight's gradient) and one more matmul. bf16 has fp32's exponent range.
 
 The chunk's rows are chosen from a memory target (``chunk_size=None``): the chunk's logits take at
 most ``max(32 MiB, the hidden states' bytes)`` (so the loss never holds much more than what the
@@ -53,6 +59,19 @@ def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_PATCHED = "through llmmem.patch_lm_loss, remove the patch (handle.remove()) for it"
+
+
+def _refuse_double_backward() -> None:
+    # autograd runs backward with grad mode on exactly when create_graph=True
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "linear_cross_entropy: double backward (create_graph=True) is not supported: its gradients come from "
+            "passes autograd cannot differentiate. Compute the head unfused, F.cross_entropy(F.linear(...)), for "
+            f"that; {_PATCHED}"
+        )
+
+
 class _Grads(torch.autograd.Function):
     """The loss (mean or sum), gradients computed in the forward pass; backward scales them in
     place and hands them over (autograd then takes them as ``.grad`` without a copy)."""
@@ -66,12 +85,13 @@ class _Grads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        _refuse_double_backward()
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError(
                 "linear_cross_entropy: its gradients were computed in the forward pass and are used up; it cannot be "
                 "backpropagated twice (retain_graph=True). Call it with reduction='none' and reduce the result, "
-                "which recomputes in backward"
+                f"which recomputes in backward; {_PATCHED}"
             )
         return tuple(_scale_(t, g) if t is not None else None for t in grads) + (None, None, None)
 
@@ -87,6 +107,7 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        _refuse_double_backward()
         need = ctx.needs_input_grad
         dh, dw, db = chunks.backward_rows(ctx.plan, ctx.lse, g, need[0], need[1], need[2])
         return dh, dw, db, None
@@ -186,19 +207,22 @@ def _linear_cross_entropy(
     grads = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+    # fp16 recomputes in backward even for one upstream number: see the module docstring
+    in_forward = reduction != "none" and grads and hidden.dtype != torch.float16
+    out_dtype = loss_dtype or hidden.dtype
     cap = float(softcap or 0.0)
     if group is None and torch.compiler.is_compiling():
         # traced whole by torch.compile through the custom ops (llmmem.head.ops)
         args = (int(ignore_index), float(label_smoothing), cap, rows)
-        if reduction != "none" and grads:
+        if in_forward:
             need_b = bias is not None and bias.requires_grad
             loss, *_ = ops.lce_grads(
                 h, weight, bias, flat, args[0], reduction == "mean", args[1], cap, rows,
-                hidden.requires_grad, weight.requires_grad, need_b,
+                hidden.requires_grad, weight.requires_grad, need_b, out_dtype,
             )  # fmt: skip
-            return loss if loss_dtype is None else loss.to(loss_dtype)
+            return loss
         per_row, _ = ops.lce_rows(h, weight, bias, flat, *args)
-        return _reduce(per_row, flat, labels.shape, reduction, ignore_index, loss_dtype or hidden.dtype)
+        return _reduce(per_row, flat, labels.shape, reduction, ignore_index, out_dtype)
     world, rank = 1, 0
     if group is not None:
         import torch.distributed as dist
@@ -211,10 +235,10 @@ def _linear_cross_entropy(
     settings = Settings(rank * v, v * world, int(ignore_index), float(label_smoothing), cap)
     plan = chunks.Plan(h, weight, bias, flat, settings, rows, group, world)
     plan.check_labels()
-    if reduction != "none" and grads:
-        return _Grads.apply(h, weight, bias, plan, reduction == "mean", loss_dtype)
+    if in_forward:
+        return _Grads.apply(h, weight, bias, plan, reduction == "mean", out_dtype)
     per_row = _Rows.apply(h, weight, bias, plan)
-    return _reduce(per_row, flat, labels.shape, reduction, ignore_index, loss_dtype or hidden.dtype)
+    return _reduce(per_row, flat, labels.shape, reduction, ignore_index, out_dtype)
 
 
 def _reduce(per_row, flat_labels, shape, reduction, ignore_index, dtype):

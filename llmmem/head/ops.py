@@ -3,8 +3,9 @@ autograd, so that ``torch.compile`` traces ``linear_cross_entropy`` whole (``ful
 instead of breaking its graph at the C calls (eager calls use the autograd Functions of
 llmmem.head.loss, which hand the weight's gradient over without a copy):
 
-- ``llmmem::lce_grads``: loss (mean or sum) and its gradients computed in the forward pass; the
-  backward scales them by the upstream gradient.
+- ``llmmem::lce_grads``: loss (mean or sum, in the dtype asked for) and its gradients computed in
+  the forward pass; the backward scales them by the upstream gradient, in fp32 where the two
+  dtypes differ (as the eager path: a loss scaler's 2**16 is inf in fp16).
 - ``llmmem::lce_rows``: the loss of every row and its log-sum-exp; the backward is
   ``llmmem::lce_rows_backward``, which recomputes the logits chunk by chunk.
 
@@ -47,9 +48,10 @@ def lce_grads(
     need_h: bool,
     need_w: bool,
     need_b: bool,
+    loss_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     plan = _plan(h, w, b, labels, ignore_index, label_smoothing, softcap, rows)
-    loss, dh, dw, db = chunks.forward_with_grads(plan, mean, need_h, need_w, need_b and b is not None)
+    loss, dh, dw, db = chunks.forward_with_grads(plan, mean, need_h, need_w, need_b and b is not None, loss_dtype)
     return (
         loss,
         dh if dh is not None else _empty(h),
@@ -59,9 +61,9 @@ def lce_grads(
 
 
 @lce_grads.register_fake
-def _(h, w, b, labels, ignore_index, mean, label_smoothing, softcap, rows, need_h, need_w, need_b):
+def _(h, w, b, labels, ignore_index, mean, label_smoothing, softcap, rows, need_h, need_w, need_b, loss_dtype):
     return (
-        h.new_empty(()),
+        h.new_empty((), dtype=loss_dtype),
         torch.empty_like(h) if need_h else _empty(h),
         torch.empty_like(w) if need_w else _empty(w),
         w.new_empty(w.shape[0], dtype=b.dtype if b is not None else w.dtype)
@@ -75,11 +77,17 @@ def _grads_setup(ctx, inputs, output):
     ctx.has = tuple(inputs[i] for i in (9, 10)) + (inputs[11] and inputs[2] is not None,)
 
 
+def _scaled(t: Tensor, g: Tensor) -> Tensor:
+    """``t * g`` rounded once to ``t``'s dtype, the arithmetic of llmmem.head.loss's ``_scale_``
+    out of place (as a traced graph must; eager calls scale in place and avoid the copy)."""
+    if t.dtype == torch.float32 or g.dtype == t.dtype:
+        return t * g.to(t.dtype)
+    return (t.float() * g.float()).to(t.dtype)
+
+
 def _grads_backward(ctx, grad_loss, *_):
-    # Under torch.compile (the ops' use): scaled out of place, as a traced graph must. Eager calls
-    # take llmmem.head.loss's autograd Function, which scales in place and avoids the copy.
     dh, dw, db = ctx.saved_tensors
-    return tuple(t * grad_loss.to(t.dtype) if has else None for t, has in zip((dh, dw, db), ctx.has)) + (None,) * 9
+    return tuple(_scaled(t, grad_loss) if has else None for t, has in zip((dh, dw, db), ctx.has)) + (None,) * 10
 
 
 lce_grads.register_autograd(_grads_backward, setup_context=_grads_setup)

@@ -9,23 +9,28 @@ the last hidden states and the head's weight through :func:`llmmem.linear_cross_
 How: the model's own ``forward`` still runs, with ``labels=None`` (its caches, attention outputs,
 router logits and output class are its own), while a forward pre-hook on the head keeps the
 head's input (the hidden states after the final norm, sliced by ``logits_to_keep`` as the model
-slices them) and hands the head zero rows, so the head makes an empty logits tensor. The loss is
-then Hugging Face's ``ForCausalLMLoss`` on those hidden states: labels shifted by one (or
-``shift_labels`` as given), ``ignore_index`` (-100), the mean over the tokens not ignored, or the
-sum over ``num_items_in_batch`` when the Trainer passes it (gradient accumulation); Gemma 2 and 3's
+slices them) and hands the head zero rows, so the head makes an empty logits tensor. The hook is
+registered at patch time and open only during a labeled call: one registered per call is a side
+effect ``torch.compile(model, fullgraph=True)`` cannot trace. The loss is then Hugging Face's
+``ForCausalLMLoss`` on those hidden states: labels shifted by one (or ``shift_labels`` as given),
+``ignore_index`` (-100), the mean over the tokens not ignored, or the sum over
+``num_items_in_batch`` when the Trainer passes it (gradient accumulation); Gemma 2 and 3's
 ``final_logit_softcapping``; plus ``router_aux_loss_coef x aux_loss`` for Mixtral when the model
 returns its router loss. What differs per architecture is a row of :data:`ARCHITECTURES`.
 
-The patch is an instance-level ``forward`` (an object that pickles and deep-copies with the model:
-a copy stays patched; :func:`unpatch_lm_loss` undoes it there) and the mark of
-:mod:`llmmem.head.marker`; parameters, ``state_dict`` keys, ``generate`` and calls without labels are
-untouched. ``inspect.signature(model.forward)`` is the model's own (the Trainer reads it).
+The patch is an instance-level ``forward`` (an object that pickles and deep-copies with the model,
+as does the head's hook: a copy stays patched; :func:`unpatch_lm_loss` undoes it there), the hook
+and the mark of :mod:`llmmem.head.marker`; parameters, ``state_dict`` keys, ``generate`` and calls
+without labels are untouched. ``inspect.signature(model.forward)`` is the model's own (the Trainer
+reads it).
 
 Not covered: models whose head is not a plain ``nn.Linear`` (a LoRA-wrapped or quantized head:
-refused), a custom ``model.loss_function`` (refused), ``nn.DataParallel`` (its replicas share the
-instance ``forward``, which belongs to the original model: use DDP), and the Trainer's
-``label_smoothing_factor`` (it takes the labels away from the model and needs the logits: the model
-then runs unpatched, as it must).
+refused), a head under accelerate's hooks (``cpu_offload``, a ``device_map`` that offloads or
+splits the model: the weight is moved in only inside the head's forward; refused), a custom
+``model.loss_function`` (refused), double backward (``create_graph=True``: refused in backward),
+``nn.DataParallel`` (its replicas share the instance ``forward``, which belongs to the original
+model: use DDP), and the Trainer's ``label_smoothing_factor`` (it takes the labels away from the
+model and needs the logits: the model then runs unpatched, as it must).
 """
 
 from __future__ import annotations
@@ -104,10 +109,21 @@ def _architecture(model: nn.Module) -> Architecture:
 
 def _head(model: nn.Module, arch: Architecture) -> nn.Linear:
     head = getattr(model, arch.head, None)
+    where = f"{type(model).__name__}.{arch.head}"
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        cls = type(head)
         raise TypeError(
-            f"patch_lm_loss: {type(model).__name__}.{arch.head} is a {type(head).__name__}, not a plain nn.Linear "
-            "(an adapter or a quantized head computes more than weight and bias, which the fused loss would leave out)"
+            f"patch_lm_loss: {where} is a {cls.__module__}.{cls.__qualname__}, not a plain torch.nn.Linear (an "
+            "adapter or a quantized head computes more than weight and bias, which the fused loss would leave out)"
+        )
+    hook = getattr(head, "_hf_hook", None)
+    if hook is not None or "forward" in head.__dict__:
+        by = f"accelerate's {type(hook).__name__}" if hook is not None else "an instance attribute"
+        raise TypeError(
+            f"patch_lm_loss: {where}'s forward is replaced by {by} (accelerate's cpu_offload, or a device_map that "
+            "offloads or splits the model, hooks it): its weight may be on the meta device or another device until "
+            "that forward moves it, and the fused loss reads the weight itself. Load the model with the head on "
+            "the device that computes the loss, not offloaded"
         )
     return head
 
@@ -137,15 +153,31 @@ def _softcap(model: nn.Module, arch: Architecture) -> Optional[float]:
 
 
 class _Capture:
-    """Forward pre-hook on the head: keeps its input, gives the head zero rows of it."""
+    """Forward pre-hook on the head, registered once by :func:`patch_lm_loss` and open only during
+    a labeled call (a hook registered per call is a side effect ``torch.compile(fullgraph=True)``
+    cannot trace): keeps the head's input and gives the head zero rows of it."""
 
     def __init__(self) -> None:
-        self.inputs: list = []
+        self.open = False
+        self.calls = 0
+        self.hidden: Optional[torch.Tensor] = None
 
     def __call__(self, module, args):
+        if not self.open:
+            return None
         x = args[0]
-        self.inputs.append(x)
+        self.calls += 1
+        self.hidden = x
         return (x.narrow(-2, 0, 0),) + tuple(args[1:])
+
+
+def _remove_captures(model: nn.Module, capture: Optional[_Capture]) -> None:
+    """Removes ``capture`` (None: any :class:`_Capture`) from the forward pre-hooks of ``model``'s
+    modules."""
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        for key in [k for k, v in hooks.items() if v is capture or (capture is None and isinstance(v, _Capture))]:
+            del hooks[key]
 
 
 def _operands(h: torch.Tensor, head: nn.Linear):
@@ -170,11 +202,30 @@ class LmLossPatch:
         self.chunk_size = chunk_size
         self.prior = prior  # an instance-level forward that was there before (None: the class's)
         self.labels_position = _labels_position(self._original(), arch.labels)
+        self.capture = _Capture()
+        self.hooked: Optional[nn.Module] = None  # the head whose pre-hooks hold self.capture
+        self.removed = False  # removed from inside accelerate's wrapper: passes every call through
 
     def _original(self):
         if self.prior is not None:
             return self.prior
         return type(self.model).forward.__get__(self.model, type(self.model))
+
+    def _run_original(self, args, kwargs):
+        # calls the class's forward unbound: a bound method made here (function.__get__) is
+        # something torch.compile(fullgraph=True) cannot trace
+        if self.prior is not None:
+            return self.prior(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def hook(self, head: nn.Module) -> None:
+        """Puts the capture hook on ``head`` (once; again where the head was replaced)."""
+        if self.hooked is head:
+            return
+        if self.hooked is not None:
+            _remove_captures(self.hooked, self.capture)
+        head.register_forward_pre_hook(self.capture)
+        self.hooked = head
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -186,7 +237,8 @@ class LmLossPatch:
             # bound to the model as a method (accelerate's unwrap_model(keep_fp32_wrapper=False) rebinds
             # the forward it wrapped so): the model is never an input of its own forward
             args = args[1:]
-        original = self._original()
+        if self.removed:
+            return self._run_original(args, kwargs)
         name, pos = self.arch.labels, self.labels_position
         if name in kwargs:
             labels = kwargs.pop(name)
@@ -195,10 +247,10 @@ class LmLossPatch:
         else:
             labels = None
         if labels is None:
-            return original(*args, **kwargs)
-        return self._fused(original, labels, args, kwargs)
+            return self._run_original(args, kwargs)
+        return self._fused(labels, args, kwargs)
 
-    def _fused(self, original, labels, args, kwargs):
+    def _fused(self, labels, args, kwargs):
         model, arch = self.model, self.arch
         head = _head(model, arch)
         want_dict = True
@@ -209,18 +261,20 @@ class LmLossPatch:
             if want_dict is None:
                 want_dict = getattr(model.config, "return_dict", True)
             kwargs["return_dict"] = True
-        capture = _Capture()
-        hook = head.register_forward_pre_hook(capture)
+        self.hook(head)
+        capture = self.capture
+        capture.open, capture.calls, capture.hidden = True, 0, None
         try:
-            out = original(*args, **kwargs)
+            out = self._run_original(args, kwargs)
+            calls, hidden = capture.calls, capture.hidden
         finally:
-            hook.remove()
-        if len(capture.inputs) != 1:
+            capture.open, capture.hidden = False, None
+        if calls != 1:
             raise RuntimeError(
-                f"patch_lm_loss: {type(model).__name__}'s forward called its head {len(capture.inputs)} times "
+                f"patch_lm_loss: {type(model).__name__}'s forward called its head {calls} times "
                 "(expected once); its loss cannot be taken from the head's input"
             )
-        loss = self._loss(capture.inputs[0], head, labels, kwargs)
+        loss = self._loss(hidden, head, labels, kwargs)
         if not arch.hugging_face:
             return None, loss  # llmmem's GPT: (logits, loss)
         aux = getattr(out, "aux_loss", None)
@@ -299,7 +353,7 @@ class PatchHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        state = "active" if _installed(self.model) is not None else "removed"
+        state = "active" if fused_head(self.model) is not None else "removed"
         return f"<patch_lm_loss of {type(self.model).__name__}: {state}>"
 
 
@@ -319,7 +373,8 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
         :func:`llmmem.linear_cross_entropy`).
     :returns: a handle; ``handle.remove()`` undoes the patch.
     :raises TypeError: an architecture it does not know (named), a subclass that overrides the
-        forward, or a head that is not a plain ``nn.Linear``.
+        forward, a head that is not a plain ``nn.Linear``, or one whose forward accelerate hooked
+        (``cpu_offload``, an offloading or multi-device ``device_map``).
     :raises ValueError: the model is patched already (patching twice is refused: remove first), or
         its loss function is a custom one.
 
@@ -328,13 +383,16 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
     computed in the forward (see :func:`llmmem.linear_cross_entropy`). Synchronisation: one host
     synchronisation per call on a GPU (the labels' range check). The loss is fp32 whatever the
     model's dtype, as Hugging Face's (llmmem's GPT too), and so is its upstream gradient: fp16 with a
-    loss scaler works as it does unpatched.
+    loss scaler works as it does unpatched (in fp16 the head's gradients are computed in backward,
+    one more matmul: see :mod:`llmmem.head.loss`). Under ``torch.compile`` (``fullgraph=True``
+    included) the same loss and gradients.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_lm_loss: model must be an nn.Module, got {type(model).__name__}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"patch_lm_loss: chunk_size must be None or an int > 0, got {chunk_size!r}")
-    if _installed(model) is not None or fused_head(model) is not None:
+    installed = _installed(model)
+    if (installed is not None and not installed.removed) or fused_head(model) is not None:
         raise ValueError(
             f"patch_lm_loss: this {type(model).__name__} is patched already; call .remove() on the handle the "
             "first patch_lm_loss returned (or llmmem.head.unpatch_lm_loss(model)) before patching it again"
@@ -353,6 +411,7 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
         tied=_is_tied(model, head.weight),
         chunk_size=chunk_size,
     )
+    patched.hook(head)
     model.forward = patched  # nn.Module.__setattr__: a plain instance attribute (not a module)
     mark(model, info)
     return PatchHandle(model)
@@ -366,29 +425,60 @@ def _installed(model: nn.Module) -> Optional[LmLossPatch]:
     return current if isinstance(current, LmLossPatch) else None
 
 
+def _inside_accelerate(model: nn.Module) -> Optional[LmLossPatch]:
+    """The patch that accelerate's mixed-precision wrapper wraps (``Accelerator.prepare``, as the
+    Trainer's ``bf16=True``/``fp16=True`` does: it keeps the wrapped forward as ``_original_forward``
+    and reaches it through ``__wrapped__``), else None."""
+    inner = model.__dict__.get("_original_forward")
+    inner = getattr(inner, "__func__", inner)
+    if not isinstance(inner, LmLossPatch) or inner.model is not model:
+        return None
+    f = model.__dict__.get("forward")
+    for _ in range(8):  # accelerate's chain is 2-3 deep; a bound, should some __wrapped__ loop
+        f = getattr(f, "__func__", f)
+        if f is inner or f is None:
+            break
+        f = getattr(f, "__wrapped__", None)
+    return inner if f is inner else None
+
+
 def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
     """Undo :func:`patch_lm_loss` on ``model`` (or on a copy of a patched model): its forward as it
-    was before the patch, and no mark.
+    was before the patch, and no mark. Where accelerate's mixed-precision wrapper wraps the patch
+    (``Accelerator.prepare``, the Trainer with ``bf16=True`` or ``fp16=True``), the wrapper stays,
+    since it holds the autocast the Trainer's later calls rely on, and the patch inside it passes
+    every call through to the forward it replaced.
 
     :raises ValueError: ``model`` is not patched (unless ``missing_ok``), or its ``forward`` was
-        replaced after the patch (by a wrapper that would be lost: remove that one first).
+        replaced after the patch by another wrapper (which would be lost: remove that one first).
     """
-    current = _installed(model) or model.__dict__.get("forward")
-    if not isinstance(current, LmLossPatch):
-        if fused_head(model) is not None and current is None:  # its forward deleted by hand: only the mark is left
-            unmark(model)
-            return
-        if fused_head(model) is not None:
-            raise ValueError(
-                f"patch_lm_loss: {type(model).__name__}.forward was replaced after patch_lm_loss (now "
-                f"{type(current).__name__}); remove that wrapper first, then the patch (accelerate's mixed "
-                "precision wrapper: accelerator.unwrap_model(model, keep_fp32_wrapper=False))"
-            )
-        if missing_ok:
-            return
-        raise ValueError(f"patch_lm_loss: this {type(model).__name__} is not patched")
-    if current.prior is None:
-        del model.__dict__["forward"]
-    else:
-        model.__dict__["forward"] = current.prior
-    unmark(model)
+    current = _installed(model)
+    if current is not None:
+        if current.prior is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = current.prior
+        _remove_captures(model, current.capture)
+        current.hooked = None
+        unmark(model)
+        return
+    inner = _inside_accelerate(model)
+    if inner is not None and not inner.removed:
+        inner.removed = True
+        _remove_captures(model, inner.capture)
+        inner.hooked = None
+        unmark(model)
+        return
+    current = model.__dict__.get("forward")
+    if fused_head(model) is not None and current is None:  # its forward deleted by hand: only the mark is left
+        _remove_captures(model, None)
+        unmark(model)
+        return
+    if fused_head(model) is not None:
+        raise ValueError(
+            f"patch_lm_loss: {type(model).__name__}.forward was replaced after patch_lm_loss (now "
+            f"{type(current).__name__}); remove that wrapper first, then the patch"
+        )
+    if missing_ok:
+        return
+    raise ValueError(f"patch_lm_loss: this {type(model).__name__} is not patched")

@@ -21,31 +21,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB, CHUNK = 8192, 64
 
 
-class FusedGPT(GPT):
-    """llmmem's GPT with its loss computed by the fused head and marked, as llmmem.patch_lm_loss
-    leaves a model."""
-
-    def __init__(self, cfg: GPTConfig, chunk_size=None, tied: bool = True) -> None:
-        super().__init__(cfg)
-        if not tied:
-            self.head.weight = torch.nn.Parameter(self.tok_emb.weight.detach().clone())
-        self.chunk_size = chunk_size
-        marker.mark(self, marker.FusedHead(vocab=cfg.vocab_size, hidden=cfg.hidden, tied=tied, chunk_size=chunk_size))
-
-    def forward(self, idx, targets=None):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        h = self.ln_f(x)
-        if targets is None:
-            return self.head(h), None
-        return None, llmmem.linear_cross_entropy(h, self.head.weight, targets, chunk_size=self.chunk_size)
-
-
 def _model(chunk_size=CHUNK, tied=True):
+    """llmmem's GPT with its loss from the fused head (llmmem.patch_lm_loss, which marks it)."""
     torch.manual_seed(0)
     cfg = GPTConfig(layers=6, hidden=64, heads=4, seq_len=64, vocab_size=VOCAB, dropout=0.0)
-    return FusedGPT(cfg, chunk_size, tied).train(), torch.randint(0, VOCAB, (4, 64))
+    model = GPT(cfg).train()
+    if not tied:
+        model.head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
+    llmmem.patch_lm_loss(model, chunk_size=chunk_size)
+    return model, torch.randint(0, VOCAB, (4, 64))
 
 
 def test_the_description_says_the_head_is_fused_and_how_many_rows_a_chunk_holds():

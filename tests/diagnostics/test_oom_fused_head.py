@@ -12,7 +12,6 @@ from support.diagnostics import PeftLike, gpt_step, opt_model, tiny_gpt
 import llmmem
 from llmmem.diagnostics.advice import estimate_settings, suggest
 from llmmem.diagnostics.tracker import MemoryTracker
-from llmmem.head import marker
 from llmmem.models.gpt import GPT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,21 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 16384  # over 2 x 64 tokens and a hidden size of 64: the logits make the plain step's peak
 
 
-def _fused_forward(model: GPT):
-    """Makes ``model`` compute its loss with the fused head, as llmmem.patch_lm_loss would, and
-    marks it: ``(None, loss)`` with targets."""
-
-    def forward(idx, targets=None):
-        x = model.embed(idx)
-        for block in model.blocks:
-            x = block(x)
-        h = model.ln_f(x)
-        if targets is None:
-            return model.head(h), None
-        return None, llmmem.linear_cross_entropy(h, model.head.weight, targets)
-
-    model.forward = forward
-    marker.mark(model, marker.FusedHead(vocab=model.cfg.vocab_size, hidden=model.cfg.hidden, tied=True))
+def _patched(model: GPT) -> GPT:
+    llmmem.patch_lm_loss(model)  # its loss from the fused head, and the mark: (None, loss) with targets
     return model
 
 
@@ -70,14 +56,14 @@ def test_large_logits_get_patch_lm_loss_with_what_the_estimator_and_a_real_step_
     # applied: the same step with the loss computed by the fused head
     plain_peak, _ = _peak(model, opt, 2)
     twin, twin_opt = tiny_gpt(vocab_size=VOCAB)
-    fused_peak, _ = _peak(_fused_forward(twin), twin_opt, 2)
+    fused_peak, _ = _peak(_patched(twin), twin_opt, 2)
     print(f"fused head: predicted saving {fused.saves}, measured peak drop {plain_peak - fused_peak}")
     assert abs((plain_peak - fused_peak) - fused.saves) <= 0.05 * fused.saves
 
 
 def test_a_marked_model_is_never_told_to_patch_its_loss():
     model, opt = tiny_gpt(vocab_size=VOCAB)
-    _fused_forward(model)
+    _patched(model)
     found, report, text = _report(model, opt, 2)
     assert "fused-head" not in found and "patch_lm_loss" not in text
     assert llmmem.estimate(model, **estimate_settings(model, batch=2, seq=64, optimizer=opt)).settings.fused_head

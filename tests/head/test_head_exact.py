@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import llmmem
 from llmmem.head import kernels, passes
+from llmmem.head.loss import _linear_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -145,3 +146,32 @@ def test_c_passes_equal_the_torch_reference(softcap):
         kernels.grad_reference_(g2, labels, s, lse, scale)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(g1.float(), g2.float(), rtol=tol, atol=1e-7)
+
+
+def test_fp16_under_a_loss_scale_of_2_16_keeps_torchs_small_gradients():
+    # at 2k tokens and a 32k vocabulary the logits' gradient softmax / tokens (~1.5e-8) is under
+    # fp16's smallest subnormal: only the scale (2**16) keeps it, as it does in the plain head
+    torch.manual_seed(0)
+    n, hidden, vocab = 2048, 4, 32000
+    h32, w32 = torch.randn(n, hidden), torch.randn(vocab, hidden) * 0.02
+    y = torch.randint(0, vocab, (n,))
+    y[::9] = -100
+
+    def unscaled_grads(fn, dtype, scale):
+        h, w = h32.to(dtype, copy=True).requires_grad_(), w32.to(dtype, copy=True).requires_grad_()
+        (fn(h, w) * scale).backward()
+        return [t.grad.float() / scale for t in (h, w)]
+
+    def plain(h, w):
+        return F.cross_entropy(F.linear(h, w).float(), y)
+
+    def fused(h, w):  # patch_lm_loss's call: an fp32 loss, so 2**16 is finite upstream
+        return _linear_cross_entropy(h, w, y, None, -100, "mean", 0.0, None, None, None, torch.float32)
+
+    want = unscaled_grads(fused, torch.float32, 1.0)  # torch's within 1e-4 (above), and faster
+    torchs = unscaled_grads(plain, torch.float16, 2.0**16)
+    ours = unscaled_grads(fused, torch.float16, 2.0**16)
+    for name, r, t, o in zip(("hidden", "weight"), want, torchs, ours):
+        assert float((o == 0).float().mean()) <= float((t == 0).float().mean()) + 1e-3, name
+        err, torch_err = float((o - r).norm() / r.norm()), float((t - r).norm() / r.norm())
+        assert err <= 1.5 * torch_err + 1e-5, (name, err, torch_err)

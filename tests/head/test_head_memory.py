@@ -64,5 +64,15 @@ def test_backward_twice_is_refused_clearly():
     w = torch.randn(10, 8, requires_grad=True)
     loss = llmmem.linear_cross_entropy(h, w, torch.randint(0, 10, (4,)))
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="reduction='none'"):
+    with pytest.raises(RuntimeError, match="reduction='none'.*remove the patch"):
         loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_double_backward_is_refused_clearly(reduction):
+    # create_graph=True would get gradients without a graph: the passes are not differentiable
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    loss = llmmem.linear_cross_entropy(h, w, torch.randint(0, 10, (4,)), reduction=reduction).sum()
+    with pytest.raises(RuntimeError, match="create_graph=True.*remove the patch"):
+        torch.autograd.grad(loss, [w], create_graph=True)

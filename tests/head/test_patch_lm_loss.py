@@ -240,9 +240,23 @@ def test_what_it_cannot_reproduce_is_refused():
     handle = llmmem.patch_lm_loss(model)
     model.lm_head = nn.Sequential(nn.Linear(32, VOCAB))  # wrapped after the patch (an adapter, say)
     ids, labels = batch()
-    with pytest.raises(TypeError, match="not a plain nn.Linear"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.modules\.container\.Sequential, not a plain torch\.nn\.Linear"):
         model(input_ids=ids, labels=labels)
     handle.remove()
+
+
+def test_a_head_under_accelerate_hooks_is_refused_at_patch_time():
+    # cpu_offload leaves the head's weight on the meta device until its hooked forward runs
+    accelerate = pytest.importorskip("accelerate")
+    model = build("llama")
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(TypeError, match="lm_head's forward is replaced by accelerate's AlignDevicesHook"):
+        llmmem.patch_lm_loss(model)
+    assert fused_head(model) is None
+    model = build("llama")
+    model.lm_head.forward = lambda x: x  # any instance-level wrapper of the head
+    with pytest.raises(TypeError, match="replaced by an instance attribute"):
+        llmmem.patch_lm_loss(model)
 
 
 def test_patching_twice_is_refused_and_remove_is_idempotent():
@@ -323,6 +337,26 @@ def test_copies_and_pickles_stay_patched_and_state_dict_is_unchanged(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(loaded(input_ids=ids, labels=labels).loss, want, rtol=1e-6, atol=0)
     handle.remove()
+
+
+def test_fullgraph_compile_equals_eager():
+    # the head's capture hook is registered once at patch time and opened per call: a hook
+    # registered inside the forward would break the graph
+    model = build("llama")
+    ids, labels = batch()
+    handle = llmmem.patch_lm_loss(model)
+    want, want_grads = run(model, input_ids=ids, labels=labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # fullgraph: no graph break, or it raises
+    got, got_grads = run(compiled, input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    assert_same_grads({n.removeprefix("_orig_mod."): g for n, g in got_grads.items()}, want_grads)
+    assert not model.forward.capture.open  # closed again after the compiled call: no labels, the logits
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape == (*ids.shape, VOCAB)
+    handle.remove()
+    assert not any(m._forward_pre_hooks for m in model.modules())
 
 
 def test_generate_is_unchanged():

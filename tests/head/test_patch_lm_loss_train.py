@@ -135,3 +135,41 @@ def test_peak_drops_by_more_than_the_logits():
     assert plain_peak - fused_peak >= 1.5 * logits, (plain_peak, fused_peak, logits)
     torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=0)
     assert_same_grads(fused_grads, plain_grads)
+
+
+def test_remove_after_a_bf16_trainer_keeps_accelerates_autocast(tmp_path):
+    # Trainer(bf16=True) wraps the patched forward in accelerate's autocast wrapper: remove()
+    # switches the patch off inside it rather than dropping the autocast the Trainer relies on
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    transformers = transformers_or_skip()
+    from accelerate.utils import extract_model_from_parallel
+
+    model = build("llama").train()
+    handle = llmmem.patch_lm_loss(model)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        bf16=True,
+        optim="sgd",
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=_Examples(2)).train()
+    wrapper = model.__dict__["forward"]
+    handle.remove()
+    assert "removed" in repr(handle) and model.__dict__["forward"] is wrapper
+    head_dtypes = []
+    model.lm_head.register_forward_hook(lambda m, a, out: head_dtypes.append(out.dtype))
+    ids, labels = batch()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.logits.shape == (*ids.shape, VOCAB)
+    assert head_dtypes == [torch.bfloat16]  # accelerate's autocast still on
+    with llmmem.patch_lm_loss(model):  # patchable again, over accelerate's wrapper
+        assert model(input_ids=ids, labels=labels).logits is None
+    extract_model_from_parallel(model, keep_fp32_wrapper=False)  # accelerate's own unwrap: the switched-off patch
+    handle.remove()  # now takes it out as well
+    assert "forward" not in model.__dict__ and model(input_ids=ids, labels=labels).logits is not None
