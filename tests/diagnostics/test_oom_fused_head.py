@@ -89,7 +89,7 @@ def test_the_advice_offers_patch_lm_loss_only_where_it_takes_the_model():
     wrapped = PeftLike(model)
     suggestion = _fused_head_suggestion(wrapped, opt)
     assert suggestion.change == "llmmem.patch_lm_loss(model.get_base_model())"
-    _fused_forward(model)  # marked, as llmmem.patch_lm_loss(model.get_base_model()) leaves it
+    _patched(model)  # as llmmem.patch_lm_loss(model.get_base_model()) leaves it
     assert _fused_head_suggestion(wrapped, opt) is None
     other = opt_model(VOCAB)
     suggestion = _fused_head_suggestion(other, torch.optim.AdamW(other.parameters()))
