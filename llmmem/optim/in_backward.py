@@ -516,13 +516,17 @@ def step_in_backward(
         ``optimizer``.
     :param optimizer: a :class:`llmmem.optim.AdamW`/``Adam`` (stepped natively, one parameter at a
         time), or any torch optimizer built as ``cls(params, **defaults)`` (one optimizer per
-        parameter is made from its group settings, sharing its state, as torchtune does; a
-        group's lr and other settings are read at every step, so schedulers work).
+        parameter is made from its group settings, sharing its state, as torchtune does). Every
+        step reads the optimizer's groups and state as they are then (schedulers, a hand-set lr,
+        ``load_state_dict`` before or after this call). Held weakly: keep a reference to it.
     :param scheduler: stepped once at the end of every backward, if given.
     :returns: a handle; ``handle.remove()`` (or leaving it as a context manager) undoes it.
+    :raises StateError: when an active handle already steps some of the parameters.
 
     Memory: at most the gradients of the parameters whose hooks have not yet run exist at once,
-    instead of all of them. Refusals are listed in the module docstring.
+    instead of all of them, plus one 0-d fp32 tensor a parameter (its gradient's squared norm, for
+    ``clip_grad_norm_(params, float("inf"))``, which returns the last backward's gradient norm).
+    Refusals are listed in the module docstring. No host synchronisation beyond the step's own.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
