@@ -277,24 +277,41 @@ class _Hooks:
         )
 
 
+class _Tables:
+    """What a handle reads its optimizer's groups through: ``optimizer.param_groups`` as last mapped
+    (``groups``, and its dicts in ``group_list``), each parameter's group by id (``group_of``), and
+    the one-parameter optimizers of a torch optimizer (``per_param``). Emptied when the optimizer is
+    collected: they hold its parameters and state."""
+
+    __slots__ = ("groups", "group_list", "group_of", "per_param")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.groups, self.group_list, self.group_of, self.per_param = None, [], {}, {}
+
+
 class StepInBackward:
     """The handle :func:`step_in_backward` returns: ``remove()`` restores the normal step.
 
     ``optimizer`` is the optimizer it steps with (None once that was collected: the handle holds
-    it weakly), ``scheduler`` the scheduler it steps at the end of each backward."""
+    it weakly), ``scheduler`` the scheduler it steps at the end of each backward (held, and
+    through it the optimizer: a scheduler is often made in the call)."""
 
     def __init__(self, params: list, optimizer: torch.optim.Optimizer, scheduler) -> None:
         self._optimizer = weakref.ref(optimizer)
         self.scheduler = scheduler
-        self._params = params
-        self._ids = {id(p) for p in params}
+        # ids, not the parameters: a handle the user keeps must not keep a dropped model alive. They
+        # stay unique while the handle is active (its optimizer, alive, holds the parameters)
+        self._id_list = [id(p) for p in params]
+        self._ids = set(self._id_list)
         self._removed = False
-        self._groups: Optional[list] = None  # optimizer.param_groups as last mapped (see _map_groups)
-        self._group_list: list = []
-        self._group_of: dict = {}
+        self._t = _Tables()
         self._map_groups(optimizer, where="step_in_backward")
         self._fused = hasattr(optimizer, "_step_params")  # llmmem's Adam/AdamW step one parameter natively
-        self._per_param = {} if self._fused else {id(p): self._sub_optimizer(optimizer, p) for p in params}
+        if not self._fused:
+            self._t.per_param = {id(p): self._sub_optimizer(optimizer, p) for p in params}
         self._backwards_since_step = 0
         self._step_called = False
         self._in_backward = False
@@ -333,6 +350,9 @@ class StepInBackward:
             _registrations.add(self._hooks)
         weakref.finalize(self, _forget)
         weakref.finalize(optimizer, _forget)
+        # the tables hold groups, parameters and state: they go with the optimizer (not with the
+        # handle, which its user may keep)
+        weakref.finalize(optimizer, self._t.clear)
 
     @property
     def optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -350,7 +370,7 @@ class StepInBackward:
         opt = self.optimizer
         what = type(opt).__name__ if opt is not None else "a collected optimizer"
         state = "removed" if self._removed else ("active" if opt is not None else "inactive")
-        return f"<StepInBackward of {what} over {len(self._params)} parameters, {state}, at {id(self):#x}>"
+        return f"<StepInBackward of {what} over {len(self._id_list)} parameters, {state}, at {id(self):#x}>"
 
     def _map_groups(self, optimizer, where: str = "step_in_backward") -> None:
         """Which of ``optimizer.param_groups`` (as they are now) holds each parameter."""
@@ -359,27 +379,27 @@ class StepInBackward:
         for g in groups:
             for p in g["params"]:
                 group_of[id(p)] = g
-        missing = [i for i, p in enumerate(self._params) if id(p) not in group_of]
+        missing = [i for i, pid in enumerate(self._id_list) if pid not in group_of]
         if missing:
             raise (ValueError if where == "step_in_backward" else StateError)(
                 f"{where}: {len(missing)} parameter(s) requiring grad (the first at position {missing[0]}) "
                 "are not in the optimizer's param_groups; pass the optimizer that holds them all"
                 + ("" if where == "step_in_backward" else " (were its groups replaced by others?)")
             )
-        self._groups, self._group_list, self._group_of = groups, list(groups), group_of
+        self._t.groups, self._t.group_list, self._t.group_of = groups, list(groups), group_of
 
     def _group(self, optimizer, p) -> dict:
         """``p``'s group in the optimizer's current param_groups: ``load_state_dict`` replaces the
         list and its dicts, and a group's settings must be read from the new ones."""
-        if optimizer.param_groups is not self._groups:
+        if optimizer.param_groups is not self._t.groups:
             self._map_groups(optimizer, where="step_in_backward (after the optimizer's param_groups changed)")
-        return self._group_of[id(p)]
+        return self._t.group_of[id(p)]
 
     def _sub_optimizer(self, optimizer, p) -> torch.optim.Optimizer:
         """A one-parameter optimizer of the user's class and group settings (refreshed from the
         user's optimizer at every step), sharing its state dict (so ``optimizer.state_dict()``
         sees every parameter's state)."""
-        g = self._group_of[id(p)]
+        g = self._t.group_of[id(p)]
         settings = {k: v for k, v in g.items() if k != "params"}
         try:
             sub = type(optimizer)([{"params": [p], **settings}])
@@ -416,9 +436,9 @@ class StepInBackward:
                 "use_reentrant=False (or llmmem.checkpoint), or step after backward"
             )
         groups = optimizer.param_groups
-        if groups is not self._groups or len(groups) != len(self._group_list):
+        if groups is not self._t.groups or len(groups) != len(self._t.group_list):
             self._map_groups(optimizer, where="step_in_backward (after the optimizer's param_groups changed)")
-        elif any(a is not b for a, b in zip(groups, self._group_list)):  # a group replaced in place
+        elif any(a is not b for a, b in zip(groups, self._t.group_list)):  # a group replaced in place
             self._map_groups(optimizer, where="step_in_backward (after the optimizer's param_groups changed)")
         self._in_backward = True
         self._stepped.clear()
@@ -448,7 +468,7 @@ class StepInBackward:
             if self._fused:
                 optimizer._step_params([(group, [p])])
             else:
-                sub = self._per_param[id(p)]
+                sub = self._t.per_param[id(p)]
                 if sub.state is not optimizer.state:  # replaced by load_state_dict
                     sub.state = optimizer.state
                 sub.param_groups[0].update({k: v for k, v in group.items() if k != "params"})

@@ -353,21 +353,23 @@ def test_lr_zero_after_load_state_dict_moves_nothing(kind):
 
 
 @pytest.mark.parametrize("kind", ["llmmem-int8", "torch-adamw"])
-@pytest.mark.parametrize("with_scheduler", [False, True])
-def test_dropping_the_model_and_optimizer_frees_them_without_remove(kind, with_scheduler):
+@pytest.mark.parametrize("kept", ["nothing", "the handle", "a scheduler"])
+def test_dropping_the_model_and_optimizer_frees_them_without_remove(kind, kept):
     def run():
         m = _model()
         opt = OPTIMIZERS[kind](m.parameters())
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1) if with_scheduler else None
-        lo.step_in_backward(m, opt, scheduler=sched)  # the handle dropped too, never removed
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1) if kept == "a scheduler" else None
+        handle = lo.step_in_backward(m, opt, scheduler=sched)  # never removed
         _loss(m, _batches(1)[0]).backward()
-        return [weakref.ref(x) for x in (m, opt, m[0].weight)] + [
-            weakref.ref(t) for t in opt.state[m[0].weight].values() if torch.is_tensor(t)
-        ]
+        tensors = [t for t in opt.state[m[0].weight].values() if torch.is_tensor(t)]
+        refs = [weakref.ref(x) for x in [m, opt, m[0].weight, *tensors]]
+        return refs, handle if kept == "the handle" else None
 
-    refs = run()
-    gc.collect()  # the optimizer and its handle hold each other (its step pre-hook)
+    refs, handle = run()
+    gc.collect()  # (with a scheduler: the optimizer, its handle and the scheduler hold each other)
     assert all(r() is None for r in refs)
+    if handle is not None:
+        assert handle.optimizer is None and not handle.active
     if not any(h.active for h in lo.in_backward._active):  # (no other test's handle left active)
         assert not hasattr(torch.nn.utils.clip_grad_norm_, "_llmmem_guard")  # the guards went with the last one
 
