@@ -432,3 +432,15 @@ def test_clip_grad_norm_inf_returns_the_last_backwards_norm_and_clips_nothing():
             a[0].weight.data[0, 0] = float("nan")
             _loss(a, _batches(1)[0]).backward()
             torch.nn.utils.clip_grad_norm_(a.parameters(), float("inf"), error_if_nonfinite=True)
+
+
+def test_a_sparse_gradient_is_stepped_and_counted_in_the_norm():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    before = emb.weight.detach().clone()
+    with lo.step_in_backward(emb, opt):
+        emb(torch.tensor([1, 2, 2])).sum().backward()  # row 2 twice: its gradient is 2
+        norm = torch.nn.utils.clip_grad_norm_(emb.parameters(), float("inf"))
+    torch.testing.assert_close(norm, torch.tensor(20.0).sqrt(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(emb.weight[2], before[2] - 0.2)
+    assert torch.equal(emb.weight[0], before[0])
