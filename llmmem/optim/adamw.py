@@ -532,6 +532,13 @@ class Adam(torch.optim.Optimizer):
         state = self.state.get(p)
         if not state:
             state = new_states[p] = self._init_state(p, group)
+        elif formats.SAVED_CODE_KEYS["exp_avg"] in state:
+            # a saved state put in as it was saved (ZeroRedundancyOptimizer.load_state_dict does so):
+            # the same tensors, under the keys the kernels read
+            try:
+                state = self.state[p] = formats.from_saved_layout(state)
+            except ValueError as e:
+                raise ValueError(f"llmmem.optim: the state of {where} cannot be stepped: {e}") from None
         fmt = self._state_format(state, lp.numel(), where)
         kernel_state = _local_tensors(state) if _is_dtensor(p) else state
         try:
@@ -683,8 +690,20 @@ class Adam(torch.optim.Optimizer):
 
     # ---- state dicts ----------------------------------------------------------------------
 
+    def state_dict(self) -> dict:
+        """torch's ``Optimizer.state_dict()``, with each quantized (int8/int4) state's codes under
+        ``exp_avg_codes``/``exp_avg_sq_codes`` instead of torch's moment keys, so that
+        ``torch.optim.AdamW.load_state_dict`` cannot take them for moments (its first step then
+        fails on the missing ``exp_avg``); give torch's optimizer :meth:`full_precision_state_dict`.
+        fp32 and bf16 moments keep torch's keys and load into torch's AdamW. The tensors are the
+        optimizer's own, not copies (as torch's)."""
+        sd = super().state_dict()
+        sd["state"] = {k: formats.to_saved_layout(st) if isinstance(st, dict) else st for k, st in sd["state"].items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads a state dict of this class or of ``torch.optim.Adam``/``AdamW``.
+        """Loads a state dict of this class (either key layout of its quantized codes: see
+        :meth:`state_dict`) or of ``torch.optim.Adam``/``AdamW``.
 
         Hyper-parameters (lr, betas, eps, weight_decay, ...) come from the saved groups, as with
         torch; the state format settings (``state_dtype``, ``block_size``, ``min_quantized_numel``,
@@ -757,6 +776,7 @@ class Adam(torch.optim.Optimizer):
         n = local.numel()
         saved = _local_tensors(saved)
         try:
+            saved = formats.from_saved_layout(saved)
             src = formats.infer_format(saved, n, group["block_size"])
             formats.check_saved(saved, src, n)
         except (ValueError, TypeError) as e:
@@ -795,14 +815,16 @@ class Adam(torch.optim.Optimizer):
 
     def full_precision_state_dict(self) -> dict:
         """``state_dict()`` with every moment as float32 in torch's layout and no llmmem-only
-        keys: what ``torch.optim.AdamW.load_state_dict`` reads correctly. (Loading a quantized
-        state into torch's optimizer directly would read its codes as numbers.)"""
+        keys: what ``torch.optim.AdamW.load_state_dict`` reads correctly, whatever the format.
+        (A quantized :meth:`state_dict` keeps its codes under keys of its own, which torch's
+        optimizer does not read: its first step fails.) Memory: two float32 moments of every
+        parameter at once, on the parameter's device."""
         sd = self.state_dict()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         state = {}
         for k in sd["state"]:
             p = params[k]
-            live, local = _local_tensors(self.state[p]), _local(p)
+            live, local = formats.from_saved_layout(_local_tensors(self.state[p])), _local(p)
             m, v = formats.moments_as_float(formats.infer_format(live, local.numel()), live, local.numel())
             state[k] = {
                 "step": live["step"].clone(),

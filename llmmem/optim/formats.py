@@ -19,6 +19,14 @@ format      ``exp_avg`` / ``exp_avg_sq``                          bytes per para
 The codes are described in ``csrc/optim/codes.h``. The second moment of the quantized formats
 is stored as sqrt(v): its range is the square root of v's, so small elements of a block keep
 their precision, and sqrt(v) is what the update divides by.
+
+In a saved state (``state_dict()``) the codes of the quantized formats are under keys of their own,
+``exp_avg_codes`` / ``exp_avg_sq_codes`` (:func:`to_saved_layout`), never under torch's moment keys:
+``torch.optim.AdamW.load_state_dict`` casts whatever it finds under ``exp_avg``/``exp_avg_sq`` to
+float and would train on the codes read as numbers. Without those keys its first step fails
+(``KeyError: 'exp_avg'``) instead. fp32 and bf16 moments keep torch's keys: they are numbers and
+load into torch's AdamW as they are. The earlier layout (codes under ``exp_avg``, recognised by the
+``state_dtype`` record beside them) still loads.
 """
 
 from __future__ import annotations
@@ -117,6 +125,35 @@ def new_moments(fmt: Format, param: torch.Tensor, device=None) -> dict:
         "exp_avg_scale": torch.zeros(scales, dtype=torch.float32, **like),
         "exp_avg_sq_scale": torch.zeros(scales, dtype=torch.float32, **like),
     }
+
+
+# where a saved quantized state keeps its codes (live state keeps the kernels' keys, the left ones)
+SAVED_CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}
+
+
+def to_saved_layout(state: dict) -> dict:
+    """``state`` as ``state_dict()`` saves it: a quantized state (one whose ``state_dtype`` record
+    says int8/int4) a new dict with its codes under :data:`SAVED_CODE_KEYS`; any other the same
+    dict. The tensors are not copied."""
+    if state.get("state_dtype") not in QUANTIZED or not any(k in state for k in SAVED_CODE_KEYS):
+        return state
+    return {SAVED_CODE_KEYS.get(k, k): v for k, v in state.items()}
+
+
+def from_saved_layout(state: dict) -> dict:
+    """A saved state with the kernels' keys: codes saved under :data:`SAVED_CODE_KEYS` back under
+    ``exp_avg``/``exp_avg_sq`` (a new dict); a state without them (the earlier layout, torch's
+    state, fp32/bf16) the same dict. Codes without a quantized ``state_dtype`` record are refused:
+    nothing says how to read them."""
+    if not any(k in state for k in SAVED_CODE_KEYS.values()):
+        return state
+    if state.get("state_dtype") not in QUANTIZED:
+        raise ValueError(
+            f"it holds {'/'.join(SAVED_CODE_KEYS.values())} but its state_dtype is {state.get('state_dtype')!r}, "
+            f"not one of {', '.join(map(repr, QUANTIZED))}"
+        )
+    back = {v: k for k, v in SAVED_CODE_KEYS.items()}
+    return {back.get(k, k): v for k, v in state.items() if k not in SAVED_CODE_KEYS}
 
 
 def code_values(code: int) -> torch.Tensor:

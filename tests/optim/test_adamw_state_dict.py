@@ -1,7 +1,9 @@
 """State dicts of llmmem.optim.AdamW: save -> new optimizer -> training continues bit-identically
-(every format); torch's AdamW state loads (quantized on load) and our fp32 state loads into
-torch's AdamW; a saved run can switch state_dtype; a state dict that does not fit (other groups,
-sizes, dtypes, damaged scales) is refused before anything changes."""
+(every format, and from the earlier key layout of quantized codes); torch's AdamW state loads
+(quantized on load) and our fp32 state loads into torch's AdamW, while a quantized one cannot be
+trained on by torch's AdamW (its codes are under keys of their own); a saved run can switch
+state_dtype; a state dict that does not fit (other groups, sizes, dtypes, damaged scales) is
+refused before anything changes."""
 
 from __future__ import annotations
 
@@ -134,9 +136,14 @@ def _damage(sd, what):
     elif what == "unknown id":
         sd["state"][99] = st
     elif what == "moment size":
-        st["exp_avg"] = st["exp_avg"].reshape(-1)[:-5]
+        st["exp_avg_codes"] = st["exp_avg_codes"].reshape(-1)[:-5]
     elif what == "moment dtype":
-        st["exp_avg"] = st["exp_avg"].float()
+        st["exp_avg_codes"] = st["exp_avg_codes"].float()
+    elif what == "old layout moment dtype":  # the earlier layout: codes under torch's keys
+        st["exp_avg"] = st.pop("exp_avg_codes").float()
+        st["exp_avg_sq"] = st.pop("exp_avg_sq_codes")
+    elif what == "codes without a quantized state_dtype":
+        st["state_dtype"] = "fp32"
     elif what == "nan scale":
         st["exp_avg_scale"][1] = float("nan")
     elif what == "negative scale":
@@ -144,7 +151,7 @@ def _damage(sd, what):
     elif what == "scale count":
         st["exp_avg_scale"] = st["exp_avg_scale"][:-1]
     elif what == "missing moment":
-        del st["exp_avg_sq"]
+        del st["exp_avg_sq_codes"]
     elif what == "step":
         st["step"] = torch.tensor(float("nan"))
     elif what == "bad state_dtype":
@@ -162,6 +169,8 @@ def _damage(sd, what):
         "unknown id",
         "moment size",
         "moment dtype",
+        "old layout moment dtype",
+        "codes without a quantized state_dtype",
         "nan scale",
         "negative scale",
         "scale count",
@@ -225,3 +234,69 @@ def test_a_state_dict_without_state_and_params_without_state():
     assert sorted(sd["state"]) == [0, 1]
     fresh.load_state_dict(sd)
     assert all(p in fresh.state for p in m[0].parameters()) and not any(p in fresh.state for p in m[2].parameters())
+
+
+def _old_layout(sd):
+    """A state dict as llmmem saved it before quantized codes had keys of their own."""
+    sd = copy.deepcopy(sd)
+    back = {"exp_avg_codes": "exp_avg", "exp_avg_sq_codes": "exp_avg_sq"}
+    sd["state"] = {k: {back.get(key, key): v for key, v in st.items()} for k, st in sd["state"].items()}
+    return sd
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_codes_are_saved_under_keys_of_their_own(fmt):
+    a, opt = _trained(fmt)
+    sd = opt.state_dict()
+    w, bias = sd["state"][0], sd["state"][3]  # a quantized weight, a 10-element bias (fp32 moments)
+    assert w["state_dtype"] == fmt and "exp_avg" not in w and "exp_avg_sq" not in w
+    assert w["exp_avg_codes"] is opt.state[a[0].weight]["exp_avg"]  # not copies, as torch's state_dict
+    assert bias["state_dtype"] == "fp32" and {"exp_avg", "exp_avg_sq"} <= set(bias)
+    assert "exp_avg" in opt.state[a[0].weight]  # the live state keeps the kernels' keys
+
+
+def test_torch_adamw_cannot_train_on_quantized_codes():
+    # torch's load_state_dict takes any keys; without exp_avg its first step fails rather than
+    # reading the codes as moments. full_precision_state_dict() is what it can use.
+    a, opt = _trained("int8")
+    theirs = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    theirs.load_state_dict(_roundtrip(opt.state_dict()))
+    a(torch.randn(2, 64)).sum().backward()
+    before = [p.detach().clone() for p in a.parameters()]
+    with pytest.raises(KeyError, match="exp_avg"):
+        theirs.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, a.parameters()))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_earlier_key_layout_resumes_bit_identically(fmt):
+    kw = dict(lr=1e-2, state_dtype=fmt, min_quantized_numel=64)
+    a = _model()
+    opt = lo.AdamW(a.parameters(), **kw)
+    _steps(a, opt, 3, seed=1)
+    saved_model, saved_opt = copy.deepcopy(a.state_dict()), _old_layout(_roundtrip(opt.state_dict()))
+    assert "exp_avg" in saved_opt["state"][0] and "exp_avg_codes" not in saved_opt["state"][0]
+    tail = _steps(a, opt, 3, seed=2)
+    b = _model(seed=99)
+    b.load_state_dict(saved_model)
+    opt_b = lo.AdamW(b.parameters(), **kw)
+    opt_b.load_state_dict(saved_opt)
+    assert _steps(b, opt_b, 3, seed=2) == tail
+
+
+def test_a_saved_state_put_in_directly_is_stepped():
+    # ZeroRedundancyOptimizer.load_state_dict writes each saved state into its local optimizer's
+    # state as it was saved, codes keys included, without the optimizer's load_state_dict
+    kw = dict(lr=1e-2, state_dtype="int8", min_quantized_numel=64)
+    a = _model()
+    opt = lo.AdamW(a.parameters(), **kw)
+    _steps(a, opt, 2, seed=1)
+    saved_model, saved_opt = copy.deepcopy(a.state_dict()), _roundtrip(opt.state_dict())
+    tail = _steps(a, opt, 2, seed=2)
+    b = _model(seed=99)
+    b.load_state_dict(saved_model)
+    opt_b = lo.AdamW(b.parameters(), **kw)
+    for i, p in enumerate(b.parameters()):
+        opt_b.state[p] = saved_opt["state"][i]
+    assert opt_b.full_precision_state_dict()["state"][0]["exp_avg"].dtype == torch.float32
+    assert _steps(b, opt_b, 2, seed=2) == tail

@@ -3,9 +3,16 @@ fp32, for llmmem's AdamW of every format and for torch's optimizers), a peak low
 0.9 x the gradients' bytes, schedulers, remove(); and the refusals: clipping by global norm,
 gradient accumulation over several backwards, an enabled fp16 GradScaler, DTensor parameters,
 reentrant checkpointing where it hides the end of backward or splits a gradient; and a backward
-that failed half-way leaves the next one counting normally."""
+that failed half-way leaves the next one counting normally. The hooks read the optimizer's current
+groups and state (a resume's load_state_dict), hold the optimizer weakly (dropping a model and its
+optimizer frees them), refuse a second registration, and answer clip_grad_norm_(max_norm=inf)
+with the last backward's gradient norm (as transformers' Trainer asks)."""
 
 from __future__ import annotations
+
+import gc
+import io
+import weakref
 
 import pytest
 import torch
@@ -121,8 +128,10 @@ def test_clipping_by_global_norm_is_refused():
     with lo.step_in_backward(m, opt):
         with pytest.raises(StateError, match="clip_grad_norm_"):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        with pytest.raises(StateError, match="clip_grad_value_"):
+        with pytest.raises(StateError, match="unclipped values"):
             torch.nn.utils.clip_grad_value_(m.parameters(), 1.0)
+        with pytest.raises(StateError, match="norm_type=2.0"):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"), norm_type=1.0)
         other = torch.nn.Linear(3, 3)  # parameters it does not step may still be clipped
         other(torch.randn(2, 3)).sum().backward()
         torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
@@ -137,14 +146,16 @@ def test_gradient_accumulation_is_refused():
     with lo.step_in_backward(m, opt):
         _loss(m, batches[0]).backward()
         _loss(m, batches[1]).backward()
-        with pytest.raises(StateError, match="2 backward passes"):
+        with pytest.raises(
+            StateError, match="2 backward passes(.|\n)*2 partial updates(.|\n)*Restore the last checkpoint"
+        ):
             opt.step()
         # once the loop is known to call step(), a second backward without one is stopped before it updates
         _loss(m, batches[2]).backward()
         opt.step()
         _loss(m, batches[3]).backward()
         before = [p.detach().clone() for p in m.parameters()]
-        with pytest.raises(StateError, match="second backward"):
+        with pytest.raises(StateError, match="second backward(.|\n)*1 partial update since"):
             _loss(m, batches[0]).backward()
         assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
 
@@ -270,3 +281,166 @@ def test_an_error_in_one_backward_does_not_stop_the_next_from_counting():
         _loss(m, batches[1]).backward()
         assert opt.param_groups[0]["lr"] == 1e-2 * 0.5  # the scheduler stepped at its end
         opt.step()
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+OPTIMIZERS = {
+    "llmmem-fp32": lambda ps: lo.AdamW(ps, lr=1e-2, seed=3),
+    "llmmem-int8": lambda ps: lo.AdamW(ps, lr=1e-2, state_dtype="int8", min_quantized_numel=64, seed=3),
+    "torch-adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_resume_registered_before_load_state_dict_steps_with_the_loaded_groups(kind):
+    # a resumed run: new model, optimizer and scheduler, step_in_backward registered, then the
+    # saved states loaded (which replaces the optimizer's param_groups and state), the lr set by
+    # hand and the scheduler stepping on: bit-identical to an uninterrupted run stepping after
+    make = OPTIMIZERS[kind]
+    batches = _batches(6)
+
+    def sched(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+
+    ref = _model()
+    ro = make(ref.parameters())
+    rs = sched(ro)
+    a = _model()
+    oa = make(a.parameters())
+    sa = sched(oa)
+    handle = lo.step_in_backward(a, oa, scheduler=sa)
+    for i, batch in enumerate(batches):
+        if i == 3:  # save, drop, resume
+            saved = _roundtrip({"model": a.state_dict(), "opt": oa.state_dict(), "sched": sa.state_dict()})
+            handle.remove()
+            a = _model(seed=7)
+            oa = make(a.parameters())
+            sa = sched(oa)
+            handle = lo.step_in_backward(a, oa, scheduler=sa)
+            a.load_state_dict(saved["model"])
+            oa.load_state_dict(saved["opt"])
+            sa.load_state_dict(saved["sched"])
+            for opt in (oa, ro):
+                opt.param_groups[0]["lr"] *= 3.0  # a hand-set lr, over the scheduler's
+        _loss(a, batch).backward()
+        ro.zero_grad()
+        _loss(ref, batch).backward()
+        ro.step()
+        rs.step()
+    handle.remove()
+    assert oa.param_groups[0]["lr"] == ro.param_groups[0]["lr"]
+    for pa, pb in zip(a.parameters(), ref.parameters()):
+        assert torch.equal(_bits(pa), _bits(pb))
+
+
+@pytest.mark.parametrize("kind", ["llmmem-fp32", "torch-adamw"])
+def test_lr_zero_after_load_state_dict_moves_nothing(kind):
+    m = _model()
+    opt = OPTIMIZERS[kind](m.parameters())
+    with lo.step_in_backward(m, opt):
+        opt.load_state_dict(opt.state_dict())
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        before = [p.detach().clone() for p in m.parameters()]
+        _loss(m, _batches(1)[0]).backward()
+    assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["llmmem-int8", "torch-adamw"])
+@pytest.mark.parametrize("kept", ["nothing", "the handle", "a scheduler"])
+def test_dropping_the_model_and_optimizer_frees_them_without_remove(kind, kept):
+    def run():
+        m = _model()
+        opt = OPTIMIZERS[kind](m.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1) if kept == "a scheduler" else None
+        handle = lo.step_in_backward(m, opt, scheduler=sched)  # never removed
+        _loss(m, _batches(1)[0]).backward()
+        tensors = [t for t in opt.state[m[0].weight].values() if torch.is_tensor(t)]
+        refs = [weakref.ref(x) for x in [m, opt, m[0].weight, *tensors]]
+        return refs, handle if kept == "the handle" else None
+
+    refs, handle = run()
+    gc.collect()  # (with a scheduler: the optimizer, its handle and the scheduler hold each other)
+    assert all(r() is None for r in refs)
+    if handle is not None:
+        assert handle.optimizer is None and not handle.active
+    if not any(h.active for h in lo.in_backward._active):  # (no other test's handle left active)
+        assert not hasattr(torch.nn.utils.clip_grad_norm_, "_llmmem_guard")  # the guards went with the last one
+
+
+def test_a_collected_optimizer_is_said_once_and_a_new_registration_replaces_it():
+    m = _model()
+    lo.step_in_backward(m, lo.AdamW(m.parameters(), lr=1e-2))  # nothing keeps this optimizer
+    gc.collect()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(StateError, match="no longer exists(.|\n)*Keep a reference to the optimizer"):
+        _loss(m, _batches(1)[0]).backward()
+    assert all(torch.equal(b, p) for b, p in zip(before, m.parameters()))
+    m.zero_grad(set_to_none=True)
+    _loss(m, _batches(1)[0]).backward()  # the hooks are gone: a plain backward
+    assert all(p.grad is not None for p in m.parameters())
+    # a new registration on a model whose earlier optimizer was collected before any backward
+    lo.step_in_backward(m, lo.AdamW(m.parameters()))
+    gc.collect()
+    opt = lo.AdamW(m.parameters(), lr=1e-2)
+    with lo.step_in_backward(m, opt):
+        m.zero_grad(set_to_none=True)
+        _loss(m, _batches(1)[0]).backward()
+    assert all(p.grad is None for p in m.parameters()) and len(opt.state) == len(before)
+
+
+def test_a_second_registration_on_the_same_parameters_is_refused():
+    m = _model()
+    opt = lo.AdamW(m.parameters())
+    first = lo.step_in_backward(m, opt)
+    for other in (opt, torch.optim.SGD(m.parameters(), lr=0.1)):
+        with pytest.raises(
+            StateError,
+            match=f"already stepped in backward by <StepInBackward of AdamW over 6 parameters, active, at {id(first):#x}>",
+        ):
+            lo.step_in_backward(m[0], other)
+    first.remove()
+    with lo.step_in_backward(m, opt):  # once removed, a new one is fine
+        _loss(m, _batches(1)[0]).backward()
+
+
+def test_clip_grad_norm_inf_returns_the_last_backwards_norm_and_clips_nothing():
+    a, b = _model(), _model()
+    oa, ob = lo.AdamW(a.parameters(), lr=1e-2, seed=3), lo.AdamW(b.parameters(), lr=1e-2, seed=3)
+    extra = torch.nn.Parameter(torch.ones(5))  # a parameter not stepped in backward, with a gradient
+    with lo.step_in_backward(a, oa):
+        assert float(torch.nn.utils.clip_grad_norm_(a.parameters(), float("inf"))) == 0.0  # no backward yet
+        for batch in _batches(3):
+            _loss(a, batch).backward()
+            ob.zero_grad()
+            _loss(b, batch).backward()
+            want = torch.nn.utils.clip_grad_norm_(b.parameters(), float("inf"))  # b: torch's own
+            got = torch.nn.utils.clip_grad_norm_(a.parameters(), float("inf"))
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+            ob.step()
+        extra.grad = torch.full((5,), 2.0)
+        both = torch.nn.utils.clip_grad_norm_([*a.parameters(), extra], float("inf"))
+        torch.testing.assert_close(both, torch.sqrt(want.double() ** 2 + 20.0).float(), rtol=1e-6, atol=0)
+        with pytest.raises(RuntimeError, match="non-finite"):
+            a[0].weight.data[0, 0] = float("nan")
+            _loss(a, _batches(1)[0]).backward()
+            torch.nn.utils.clip_grad_norm_(a.parameters(), float("inf"), error_if_nonfinite=True)
+
+
+def test_a_sparse_gradient_is_stepped_and_counted_in_the_norm():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    before = emb.weight.detach().clone()
+    with lo.step_in_backward(emb, opt):
+        emb(torch.tensor([1, 2, 2])).sum().backward()  # row 2 twice: its gradient is 2
+        norm = torch.nn.utils.clip_grad_norm_(emb.parameters(), float("inf"))
+    torch.testing.assert_close(norm, torch.tensor(20.0).sqrt(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(emb.weight[2], before[2] - 0.2)
+    assert torch.equal(emb.weight[0], before[0])
