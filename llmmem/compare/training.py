@@ -191,7 +191,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)
 
     def close(self) -> None:
-        """Removes the step in backward (its hooks hold the model and the optimizer)."""
+        """Removes the step in backward, so that a row trained after this one in the same worker
+        steps nothing of this model."""
         if self.in_backward is not None:
             self.in_backward.remove()
             self.in_backward = None
