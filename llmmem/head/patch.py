@@ -9,10 +9,13 @@ the last hidden states and the head's weight through :func:`llmmem.linear_cross_
 How: the model's own ``forward`` still runs, with ``labels=None`` (its caches, attention outputs,
 router logits and output class are its own), while a forward pre-hook on the head keeps the
 head's input (the hidden states after the final norm, sliced by ``logits_to_keep`` as the model
-slices them) and hands the head zero rows, so the head makes an empty logits tensor. The loss is
-then Hugging Face's ``ForCausalLMLoss`` on those hidden states: labels shifted by one (or
-``shift_labels`` as given), ``ignore_index`` (-100), the mean over the tokens not ignored, or the
-sum over ``num_items_in_batch`` when the Trainer passes it (gradient accumulation); Gemma 2 and 3's
+slices them) and hands the head zero rows, so the head makes an empty logits tensor. The hook
+stays on the head while the patch is on and acts only during a call with labels, so that
+``torch.compile`` of the patched model traces one graph (``fullgraph=True`` works: registering a
+hook inside a traced call would break the graph). The loss is then Hugging Face's
+``ForCausalLMLoss`` on those hidden states: labels shifted by one (or ``shift_labels`` as given),
+``ignore_index`` (-100), the mean over the tokens not ignored, or the sum over
+``num_items_in_batch`` when the Trainer passes it (gradient accumulation); Gemma 2 and 3's
 ``final_logit_softcapping``; plus ``router_aux_loss_coef x aux_loss`` for Mixtral when the model
 returns its router loss. What differs per architecture is a row of :data:`ARCHITECTURES`.
 
@@ -137,15 +140,31 @@ def _softcap(model: nn.Module, arch: Architecture) -> Optional[float]:
 
 
 class _Capture:
-    """Forward pre-hook on the head: keeps its input, gives the head zero rows of it."""
+    """Forward pre-hook on the head, registered for the patch's life: while armed (``inputs`` a
+    list, during a call with labels) it keeps the head's input and gives the head zero rows of it;
+    otherwise it leaves the call alone. Registered once rather than per call because registering
+    a hook inside ``torch.compile`` breaks the graph, and a hook added to the module's dict while
+    tracing is not seen by the traced call at all."""
 
-    def __init__(self) -> None:
-        self.inputs: list = []
+    def __init__(self, head: nn.Module) -> None:
+        self.head = head
+        self.inputs: Optional[list] = None
 
     def __call__(self, module, args):
+        if self.inputs is None:
+            return None
         x = args[0]
         self.inputs.append(x)
         return (x.narrow(-2, 0, 0),) + tuple(args[1:])
+
+    def attach(self, head: nn.Module) -> None:
+        self.head = head
+        head.register_forward_pre_hook(self)
+
+    def detach(self) -> None:
+        hooks = self.head._forward_pre_hooks
+        for key in [k for k, h in hooks.items() if h is self]:
+            del hooks[key]
 
 
 def _operands(h: torch.Tensor, head: nn.Linear):
@@ -164,12 +183,19 @@ class LmLossPatch:
     """The instance-level ``forward`` of a patched model (see the module docstring). Its state is
     plain data, so the model pickles and deep-copies with it."""
 
-    def __init__(self, model: nn.Module, arch: Architecture, chunk_size: Optional[int], prior) -> None:
+    def __init__(self, model: nn.Module, arch: Architecture, chunk_size: Optional[int], prior, capture) -> None:
         self.model = model
         self.arch = arch
         self.chunk_size = chunk_size
         self.prior = prior  # an instance-level forward that was there before (None: the class's)
+        self.capture = capture  # the pre-hook on the head
         self.labels_position = _labels_position(self._original(), arch.labels)
+
+    def _call_original(self, *args, **kwargs):
+        # called with the model rather than bound to it: torch.compile cannot trace function.__get__
+        if self.prior is not None:
+            return self.prior(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
 
     def _original(self):
         if self.prior is not None:
@@ -186,7 +212,7 @@ class LmLossPatch:
             # bound to the model as a method (accelerate's unwrap_model(keep_fp32_wrapper=False) rebinds
             # the forward it wrapped so): the model is never an input of its own forward
             args = args[1:]
-        original = self._original()
+        original = self._call_original
         name, pos = self.arch.labels, self.labels_position
         if name in kwargs:
             labels = kwargs.pop(name)
@@ -209,18 +235,23 @@ class LmLossPatch:
             if want_dict is None:
                 want_dict = getattr(model.config, "return_dict", True)
             kwargs["return_dict"] = True
-        capture = _Capture()
-        hook = head.register_forward_pre_hook(capture)
+        capture = self.capture
+        if capture.head is not head:
+            # a new head since the patch (resize_token_embeddings makes one): the hook moves to it; under
+            # torch.compile that registration breaks the graph, in this call only (fullgraph=True refuses it)
+            capture.detach()
+            capture.attach(head)
+        capture.inputs = []
         try:
             out = original(*args, **kwargs)
         finally:
-            hook.remove()
-        if len(capture.inputs) != 1:
+            inputs, capture.inputs = capture.inputs, None
+        if len(inputs) != 1:
             raise RuntimeError(
-                f"patch_lm_loss: {type(model).__name__}'s forward called its head {len(capture.inputs)} times "
+                f"patch_lm_loss: {type(model).__name__}'s forward called its head {len(inputs)} times "
                 "(expected once); its loss cannot be taken from the head's input"
             )
-        loss = self._loss(capture.inputs[0], head, labels, kwargs)
+        loss = self._loss(inputs[0], head, labels, kwargs)
         if not arch.hugging_face:
             return None, loss  # llmmem's GPT: (logits, loss)
         aux = getattr(out, "aux_loss", None)
@@ -344,7 +375,8 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
     if arch.hugging_face:
         _check_loss_function(model)
     prior = model.__dict__.get("forward")
-    patched = LmLossPatch(model, arch, chunk_size, prior)
+    capture = _Capture(head)
+    patched = LmLossPatch(model, arch, chunk_size, prior, capture)
     vocab, hidden = head.weight.shape
     info = FusedHead(
         vocab=int(vocab),
@@ -354,6 +386,7 @@ def patch_lm_loss(model: nn.Module, *, chunk_size: Optional[int] = None) -> Patc
         chunk_size=chunk_size,
     )
     model.forward = patched  # nn.Module.__setattr__: a plain instance attribute (not a module)
+    capture.attach(head)
     mark(model, info)
     return PatchHandle(model)
 
@@ -366,6 +399,13 @@ def _installed(model: nn.Module) -> Optional[LmLossPatch]:
     return current if isinstance(current, LmLossPatch) else None
 
 
+def _drop_captures(model: nn.Module) -> None:
+    """Takes the patch's pre-hook off the head (off any module of ``model`` it is on)."""
+    for module in model.modules():
+        for key in [k for k, h in module._forward_pre_hooks.items() if isinstance(h, _Capture)]:
+            del module._forward_pre_hooks[key]
+
+
 def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
     """Undo :func:`patch_lm_loss` on ``model`` (or on a copy of a patched model): its forward as it
     was before the patch, and no mark.
@@ -376,6 +416,7 @@ def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
     current = _installed(model) or model.__dict__.get("forward")
     if not isinstance(current, LmLossPatch):
         if fused_head(model) is not None and current is None:  # its forward deleted by hand: only the mark is left
+            _drop_captures(model)
             unmark(model)
             return
         if fused_head(model) is not None:
@@ -391,4 +432,6 @@ def unpatch_lm_loss(model: nn.Module, *, missing_ok: bool = False) -> None:
         del model.__dict__["forward"]
     else:
         model.__dict__["forward"] = current.prior
+    current.capture.detach()  # also off a head the model no longer holds
+    _drop_captures(model)
     unmark(model)
