@@ -30,6 +30,10 @@ For each candidate:
 
 ``--chunk-sizes 64,512`` adds llmmem with those rows of logits a chunk (its default picks them
 from a memory target: ``llmmem.head.chunks.chunk_rows``), to compare chunk sizes in one run.
+
+``--profile`` also splits one llmmem call (CPU) into its matmuls (torch.profiler's self time of
+``aten::mm``, ``aten::addmm`` and ``aten::addmm_``), its two C passes over the logits (timed around
+``llmmem.head.passes.stats`` and ``grad_``) and the rest (Python and small torch ops).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -291,6 +296,48 @@ def run_workload(workload: str, dtype: str, device: str, repeats: int, names, pe
     return rows
 
 
+def profile_llmmem(workload: str, dtype: str) -> dict:
+    """Seconds of one llmmem call (CPU) in its matmuls, its C passes and the rest."""
+    from llmmem.head import passes
+
+    h, w, y = _inputs(*WORKLOADS[workload], DTYPES[dtype], "cpu")
+    fn = _llmmem()
+    _step(fn, h, w, y)  # warm-up
+    spent = {"passes": 0.0}
+    originals = passes.stats, passes.grad_
+
+    def timed(f):
+        def call(*args):
+            t0 = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                spent["passes"] += time.perf_counter() - t0
+
+        return call
+
+    passes.stats, passes.grad_ = timed(originals[0]), timed(originals[1])
+    try:
+        with (
+            warnings.catch_warnings(),
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+        ):
+            warnings.simplefilter("ignore")  # torch's note that a profiler clears its events each cycle
+            t0 = time.perf_counter()
+            _step(fn, h, w, y)
+            total = time.perf_counter() - t0
+    finally:
+        passes.stats, passes.grad_ = originals
+    matmuls = ("aten::mm", "aten::addmm", "aten::addmm_")
+    matmul = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in matmuls) / 1e6  # us -> s
+    return {
+        "total_s": total,
+        "matmul_s": matmul,
+        "passes_s": spent["passes"],
+        "rest_s": total - matmul - spent["passes"],
+    }
+
+
 def _mib(r: dict, key: str) -> str:
     return "n/a" if r.get(key) is None else f"{r[key] / _MIB:.1f}"
 
@@ -309,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--peak", default=None, choices=["fresh", "inprocess", "none"], help="CPU peak memory")
+    parser.add_argument("--profile", action="store_true", help="split one llmmem call's time (CPU)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--peak-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -374,6 +422,14 @@ def main(argv: list[str] | None = None) -> int:
             table,
         )
         print("\n".join(skipped))
+        if args.profile and args.device == "cpu":
+            p = profile_llmmem(wl, args.dtype)
+            results[wl + " llmmem profile"] = p
+            print(
+                f"  llmmem, one call profiled: {p['total_s']:.2f} s = matmuls {p['matmul_s']:.2f} s "
+                f"({p['matmul_s'] / p['total_s']:.0%}), C passes {p['passes_s']:.2f} s "
+                f"({p['passes_s'] / p['total_s']:.0%}), the rest {p['rest_s']:.2f} s ({p['rest_s'] / p['total_s']:.0%})"
+            )
     load["end"] = os.getloadavg()
     print(f"\nload average (1, 5, 15 min): at start {load['start']}, at end {load['end']}")
     payload = {"device": args.device, "dtype": args.dtype, "peak": peak, "load": load, "results": results}

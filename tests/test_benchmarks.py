@@ -49,8 +49,9 @@ def test_hf_bench_reports_an_infeasible_budget_and_goes_on(tmp_path):
 
 def test_head_bench_quick_compares_every_eager_candidate_with_torch(tmp_path):
     path = tmp_path / "head.json"
-    out = _run("bench_head.py", "--quick", "--json", str(path))
+    out = _run("bench_head.py", "--quick", "--profile", "--json", str(path))
     assert "torch.compile: skipped" in out  # compiling is left out of --quick
+    assert "llmmem, one call profiled" in out
     rows = {r["candidate"]: r for r in json.loads(path.read_text())["results"]["n256-h64-v4k"]}
     for name in ("torch", "llmmem", "llmmem none->mean"):
         r = rows[name]
