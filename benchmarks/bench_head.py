@@ -20,8 +20,9 @@ For each candidate:
   pinned at 128 KiB so that a freed large block leaves the resident set (glibc otherwise raises the
   threshold after the first such free and keeps later blocks on its heap, resident, where the next
   call reuses them unseen). Each candidate is measured in a fresh process (``--peak fresh``, the
-  default: nothing else has touched its heap) or in this one (``--peak inprocess``, --quick's
-  default). Beside it, for the candidates that run eagerly, the live tensor bytes that
+  default: nothing else has touched its heap) or in this one (``--peak inprocess``, which pins the
+  threshold for the rest of the process; --quick measures none). Beside it, for the candidates
+  that run eagerly (--quick too), the live tensor bytes that
   llmmem.diagnostics.LiveBytes counts (every storage made and freed; compiled code allocates
   outside the dispatcher, so it is not counted there): the two agree when nothing but tensors
   takes memory. On a GPU, ``torch.cuda.max_memory_allocated``;
@@ -171,7 +172,8 @@ def _rss_peak(fn, h, w, y) -> int:
 def _peak_child(name: str, workload: str, dtype: str) -> None:
     """In a fresh process: :func:`_rss_peak` of one candidate. Prints one JSON line."""
     torch.set_num_threads(1)
-    _pin_mmap_threshold()
+    if not _pin_mmap_threshold():
+        raise RuntimeError("glibc's mallopt is not usable here")
     fn = _candidate_by_name(name, "cpu")
     h, w, y = _inputs(*WORKLOADS[workload], DTYPES[dtype], "cpu")
     print("PEAK " + json.dumps({"peak_bytes": _rss_peak(fn, h, w, y)}), flush=True)
@@ -366,8 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_head: --device cuda, but no CUDA GPU is usable here: skipped")
         return 0
+    threads = torch.get_num_threads()
     if args.device == "cpu":
         torch.set_num_threads(1)
+    try:
+        return _bench(args, parser)
+    finally:
+        torch.set_num_threads(threads)  # benchmarks/run.py runs every benchmark in one process
+
+
+def _bench(args, parser) -> int:
     workloads = args.workloads.split(",") if args.workloads else (QUICK if args.quick else FULL)
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
@@ -383,11 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         left_out = "compiles for ~20 s: not in --quick unless named in --candidates"
         names = {k: (left_out if args.quick and compiles else None) for k, (_, _, compiles) in every.items()}
-    peak = args.peak or ("inprocess" if args.quick else "fresh")
-    pinned = args.device == "cpu" and peak != "none" and _pin_mmap_threshold()
-    if args.device == "cpu" and peak != "none" and not (pinned and os.path.exists("/proc/self/clear_refs")):
-        print("bench_head: no glibc mallopt or /proc/self/clear_refs here: resident-set peaks not measured")
-        peak = "none"
+    peak = args.peak or ("none" if args.quick else "fresh")
+    if args.device == "cpu" and peak != "none":
+        usable = os.path.exists("/proc/self/clear_refs") and (peak == "fresh" or _pin_mmap_threshold())
+        if not usable:
+            print("bench_head: no /proc/self/clear_refs or glibc mallopt here: resident-set peaks not measured")
+            peak = "none"
     repeats = args.repeats or (3 if args.quick else 5)
     results, load = {}, {"start": os.getloadavg()}
     for wl in workloads:
