@@ -1,5 +1,5 @@
-"""The planner's benchmark scripts run (tiny sizes, one or two rounds): they back the figures of
-benchmarks/README.md, and nothing else would notice them break."""
+"""Benchmark scripts run (tiny sizes, one or two rounds): the planner's and the LM head's back the
+figures of benchmarks/README.md, and nothing else would notice them break."""
 
 from __future__ import annotations
 
@@ -45,3 +45,16 @@ def test_hf_bench_reports_an_infeasible_budget_and_goes_on(tmp_path):
     assert "no plan fits" in out  # 25% is below the least feasible budget at this size
     rows = json.loads(path.read_text())["hf"]
     assert rows and all(r["measured_peak_bytes"] <= r["budget_bytes"] for r in rows)
+
+
+def test_head_bench_quick_compares_every_eager_candidate_with_torch(tmp_path):
+    path = tmp_path / "head.json"
+    out = _run("bench_head.py", "--quick", "--profile", "--json", str(path))
+    assert "torch.compile: skipped" in out  # compiling is left out of --quick
+    assert "llmmem, one call profiled" in out
+    rows = {r["candidate"]: r for r in json.loads(path.read_text())["results"]["n256-h64-v4k"]}
+    for name in ("torch", "llmmem", "llmmem none->mean"):
+        r = rows[name]
+        assert abs(r["loss_minus_torch"]) < 1e-4 and r["grad_rel_diff"] < 1e-4, r
+        assert r["live_peak_bytes"] > 0 and r["time_vs_torch"] > 0
+    assert rows["llmmem"]["live_peak_bytes"] < rows["torch"]["live_peak_bytes"]

@@ -222,7 +222,7 @@ class AutoCheckpointPlan:
         elif info.chunk_size is not None:
             rows = f"{info.chunk_size} rows"
         else:
-            rows = "the rows of max(32 MiB, the hidden states' bytes) of fp32 logits"
+            rows = "the rows of max(32 MiB, the hidden states' bytes) of fp32 logits (at least 256)"
         return (
             f"  LM head fused (llmmem.patch_lm_loss): its logits are chunked by llmmem.linear_cross_entropy, "
             f"its peak at most one chunk of {rows} x {info.vocab} (measured with the step, below)"

@@ -16,12 +16,15 @@ __all__ = [
     "head_loss_terms",
     "fused_head_chunk_rows",
     "FUSED_HEAD_MIN_CHUNK_BYTES",
+    "FUSED_HEAD_MIN_CHUNK_ROWS",
     "megatron_layer_activation_bytes",
 ]
 
 # llmmem.head.chunks' memory target: a chunk's logits take at most max(this, the hidden states'
-# bytes) in fp32 (the same constant, kept here so that naming a model imports no torch)
+# bytes) in fp32, but a chunk has at least FUSED_HEAD_MIN_CHUNK_ROWS rows (the same constants,
+# kept here so that naming a model imports no torch)
 FUSED_HEAD_MIN_CHUNK_BYTES = 32 << 20
+FUSED_HEAD_MIN_CHUNK_ROWS = 256
 # fp32 numbers a row of a chunk the fused head keeps at once beside the logits (row maximum, sum,
 # target logit and sum of logits; loss, log-sum-exp, scale and the reductions' temporaries)
 _FUSED_ROW_FLOATS = 8
@@ -191,15 +194,16 @@ def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
 
 def fused_head_chunk_rows(cfg: ModelConfig, st: Settings) -> int:
     """Rows of logits a chunk of the fused head (``llmmem.head.chunks.chunk_rows``): the
-    settings' ``head_chunk_size``, else the most whose fp32 logits take
-    ``max(32 MiB, the hidden states' bytes)``; at least one, at most ``s·b``. With tensor
+    settings' ``head_chunk_size``, else the most whose fp32 logits take ``max(32 MiB, the
+    hidden states' bytes)`` but at least 256; at least one, at most ``s·b``. With tensor
     parallelism each rank's chunk spans its ``V/t`` columns of the vocabulary."""
     n = st.seq * st.batch
     if st.head_chunk_size is not None:
         return max(1, min(n, st.head_chunk_size))
     e = PRECISIONS[st.precision]["activation"]
     target = max(FUSED_HEAD_MIN_CHUNK_BYTES, n * cfg.hidden * e)
-    return max(1, min(n, target // (ceil_div(cfg.vocab, st.tensor_parallel) * 4)))
+    rows = target // (ceil_div(cfg.vocab, st.tensor_parallel) * 4)
+    return max(1, min(n, max(FUSED_HEAD_MIN_CHUNK_ROWS, rows)))
 
 
 def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -> tuple[dict, dict]:

@@ -12,15 +12,20 @@ from llmmem.head import passes
 from llmmem.head.kernels import Settings
 
 _MIN_CHUNK_BYTES = 32 << 20
+# Each chunk's matmuls read the whole weight [V, H] (and read and write its fp32 gradient) for
+# their rows: with fewer rows than this they run slower (the CPU's took 1.6x as long at 64 rows as
+# at 256 or more, V 128256: benchmarks/README.md, "The LM head"). 256 rows of fp32 logits are at
+# most the weight's fp32 gradient, which the call makes anyway, when H >= 256.
+_MIN_CHUNK_ROWS = 256
 
 
 def chunk_rows(n: int, vocab: int, hidden_bytes: int, chunk_size: Optional[int]) -> int:
     """Rows of logits a chunk: ``chunk_size``, else the most whose logits (fp32) take
-    ``max(32 MiB, the hidden states' bytes)``; at least one."""
+    ``max(32 MiB, the hidden states' bytes)`` but at least 256; at most ``n``, at least one."""
     if chunk_size is not None:
         return max(1, min(n, chunk_size))
     target = max(_MIN_CHUNK_BYTES, hidden_bytes)
-    return max(1, min(n, target // (vocab * 4)))
+    return max(1, min(n, max(_MIN_CHUNK_ROWS, target // (vocab * 4))))
 
 
 class Plan:

@@ -20,9 +20,10 @@ How (the design choice, measured in ``benchmarks/README.md``, "The LM head"):
   rounded to fp16, as in the plain head, for the same memory (one chunk of logits, the fp32
   accumulator of the weight's gradient) and one more matmul. bf16 has fp32's exponent range.
 
-The chunk's rows are chosen from a memory target (``chunk_size=None``): the chunk's logits take at
-most ``max(32 MiB, the hidden states' bytes)`` (so the loss never holds much more than what the
-step already does), at least one row. Logits are computed in the inputs' dtype (fp32, bf16, fp16)
+The chunk's rows are chosen from a memory target (``chunk_size=None``): the most rows whose logits
+take ``max(32 MiB, the hidden states' bytes)`` (so the loss never holds much more than what the
+step already does), but at least 256 rows (at most N): fewer make the chunk's matmuls slow, and
+256 rows of fp32 logits are no more than the weight's fp32 gradient when H >= 256. Logits are computed in the inputs' dtype (fp32, bf16, fp16)
 and the passes read them in fp32; the weight's gradient is accumulated in fp32.
 
 Memory: the hidden states' gradient [N, H] and the weight's [V, H] (fp32 while accumulated),

@@ -207,7 +207,14 @@ def test_fp32_small_loss_large_vocabulary_both_heads_make_the_weight_gradient(ac
 
 @pytest.mark.parametrize(
     "n, vocab, hidden, e, chunk_size",
-    [(1, 10, 8, 4, None), (512, 32768, 64, 2, None), (16384, 128256, 4096, 2, None), (100, 50, 8, 4, 7)],
+    [
+        (1, 10, 8, 4, None),
+        (512, 32768, 64, 2, None),
+        (16384, 128256, 4096, 2, None),
+        (8192, 128256, 256, 4, None),  # 32 MiB would be 65 rows: the 256-row floor
+        (100, 128256, 8, 4, None),
+        (100, 50, 8, 4, 7),
+    ],
 )
 def test_chunk_rows_are_linear_cross_entropys(n, vocab, hidden, e, chunk_size):
     est = llmmem.estimate(

@@ -59,6 +59,16 @@ def test_a_given_chunk_size_bounds_the_logits_held():
     assert peaks[256] - peaks[8] >= (256 - 8) * 20000 * 4 * 0.9
 
 
+def test_chunk_rows_follow_the_memory_target_but_are_never_fewer_than_256():
+    from llmmem.head.chunks import chunk_rows
+
+    assert chunk_rows(4096, 32000, 4096 * 256 * 4, None) == 262  # 32 MiB of fp32 logits
+    assert chunk_rows(16384, 128256, 16384 * 4096 * 2, None) == 261  # the hidden states' 128 MiB
+    assert chunk_rows(8192, 128256, 8192 * 256 * 4, None) == 256  # 32 MiB would be 65 rows
+    assert chunk_rows(100, 128256, 100 * 256 * 4, None) == 100  # at most every row
+    assert chunk_rows(8192, 128256, 0, 7) == 7
+
+
 def test_backward_twice_is_refused_clearly():
     h = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(10, 8, requires_grad=True)
