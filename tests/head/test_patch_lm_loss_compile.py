@@ -74,7 +74,8 @@ def test_the_head_hook_is_on_while_patched_acts_only_with_labels_and_follows_a_n
     old = model.lm_head
     (hook,) = _captures(old)
     assert model(input_ids=ids).logits.shape == (2, 12, VOCAB)  # without labels it leaves the head alone
-    assert model(input_ids=ids, labels=labels).logits is None and hook.inputs is None  # disarmed after
+    assert model(input_ids=ids, labels=labels).logits is None  # disarmed after, holding nothing
+    assert not hook.open and hook.hidden is None
     torch.manual_seed(3)
     model.lm_head = torch.nn.Linear(32, VOCAB, bias=False)  # as resize_token_embeddings replaces it
     logits = model(input_ids=ids).logits  # the new head's own logits (the hook is still on the old one)
