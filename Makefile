@@ -69,8 +69,13 @@ demo: env
 
 # pytest builds and runs the C tests too (tests/test_c_core.py), so this is the one test command.
 # The pytest script (not `python -m pytest`) keeps the checkout off sys.path: the installed llmmem is tested.
+# The test files are spread over one worker a core (at most 4: many tests start ranks of their own),
+# each file on one worker, so that a file's module-scoped set-up (the C tests' build) runs once.
+# PYTEST_ARGS= runs them in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile
 test: env lint
-	$(LLMMEM_VENV)/bin/pytest
+	$(LLMMEM_VENV)/bin/pytest $(PYTEST_ARGS)
 
 # Style is checked, never fixed, by the test command: ruff (lint + format) on Python, clang-format
 # on C/CUDA. `make format` fixes what it can.

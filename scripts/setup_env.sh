@@ -28,8 +28,8 @@ if [ "$have" != "$TORCH_VERSION" ]; then
   echo "setup: installing torch==$TORCH_VERSION (a few GB, once)"
   "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
 fi
-"$VENV/bin/python" -c 'import pytest, numpy, setuptools, wheel' 2>/dev/null ||
-  "$VENV/bin/pip" install -q pytest numpy "setuptools>=64" wheel
+"$VENV/bin/python" -c 'import pytest, xdist, numpy, setuptools, wheel' 2>/dev/null ||
+  "$VENV/bin/pip" install -q pytest pytest-xdist numpy "setuptools>=64" wheel
 # What the tests, the main job and the lint use beyond torch: Hugging Face models built from small
 # configs (nothing is downloaded) and its Trainer (which needs accelerate), the charts, the progress
 # bar, and the linter/formatter CI runs.
