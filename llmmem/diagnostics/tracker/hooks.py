@@ -235,8 +235,9 @@ class ModuleHooks:
                 tracker._label(t, saved=True)
         # A saved output returned as itself would hold its own grad_fn: a reference cycle through C++
         # that leaks when a forward is abandoned (an out-of-memory error). Detached: same storage and
-        # version counter, so backward computes the same thing.
-        return t if t.grad_fn is None else t.detach()
+        # version counter, so backward computes the same thing. The version goes with it: torch
+        # checks it only for tensors saved without hooks (see unpack).
+        return (t if t.grad_fn is None else t.detach()), (None if t.is_inference() else t._version)
 
     def _kept(self, t: torch.Tensor) -> None:
         if self._active:
@@ -273,8 +274,21 @@ def call_method(ref, method: str) -> None:
         getattr(obj, method)()
 
 
-def unpack(x):
-    return x
+def unpack(packed):
+    """The tracker's unpack hook: the saved tensor, after autograd's check that it was not modified
+    in place since it was saved (torch makes that check only for tensors saved without hooks, so
+    without this a tracked backward would compute a wrong gradient where an untracked one raises)."""
+    t, version = packed
+    if version is not None and t._version != version:
+        shape = ", ".join(str(n) for n in t.shape)
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} [{shape}]] is at version {t._version}; expected version {version} instead "
+            "(checked by llmmem's MemoryTracker, whose saved-tensor hooks stand in for autograd's own check). "
+            "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
+            "torch.autograd.set_detect_anomaly(True)."
+        )
+    return t
 
 
 def pop_module(stack: list, name: str, close) -> None:
