@@ -52,7 +52,9 @@ class ModuleHooks:
                 if p.grad is not None:
                     self._label(p.grad, "gradients", module=owner)
                 if p.requires_grad:
-                    self._param_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                    handle = p.register_post_accumulate_grad_hook(self._grad_hook)
+                    run_first(p, handle)
+                    self._param_handles.append(handle)
             for b in sub.buffers(recurse=False):
                 self._label(b, "buffers", module=owner)
 
@@ -266,6 +268,24 @@ class BackwardMark:
         tracker = self.tracker()
         if tracker is not None:
             tracker._bw_mark(self.name, self.push)
+
+
+def run_first(p: torch.Tensor, handle) -> None:
+    """Puts the post-accumulate-grad hook of ``handle`` before ``p``'s other ones, so that it sees the
+    gradient before a hook that steps and frees it (``llmmem.optim.step_in_backward``, torch's
+    optimizer-in-backward recipe): a gradient never labelled as one would count as a temporary.
+    torch runs them in the order of the underlying dict (an ``OrderedDict``'s ``move_to_end`` does
+    not change it), so the same dict is refilled: the other hooks' handles still remove theirs."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    if not isinstance(hooks, dict) or len(hooks) < 2 or next(iter(hooks)) == handle.id:
+        return
+    mine = hooks.pop(handle.id, None)
+    if mine is None:
+        return
+    others = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = mine
+    hooks.update(others)
 
 
 def call_method(ref, method: str) -> None:
