@@ -84,12 +84,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types counted; subclasses w
 
 class _Writes:
     """What an operator writes in place: the positions and names of its ``Tensor(a!)`` arguments,
-    and whether the mode bumps their version counters (see the module docstring)."""
+    whether the mode bumps their version counters (see the module docstring), and whether it may
+    grow or swap the storage of its first argument (``resize_``, ``set_``: re-read after it)."""
 
-    __slots__ = ("arguments", "bump")
+    __slots__ = ("arguments", "bump", "reread")
 
-    def __init__(self, arguments: tuple, bump: bool) -> None:
-        self.arguments, self.bump = arguments, bump
+    def __init__(self, arguments: tuple, bump: bool, reread: bool = False) -> None:
+        self.arguments, self.bump, self.reread = arguments, bump, reread
 
     def tensors(self, args, kwargs) -> list:
         # kwarg-only arguments (out=) come in kwargs; a positional one left out takes its default
@@ -140,7 +141,7 @@ def _writes_of(func):
             bump = not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "ADInplaceOrView")
         except RuntimeError:
             pass
-    return _Writes(arguments, bump)
+    return _Writes(arguments, bump, reread=name in ("resize_", "set_"))
 
 
 def _bump_unbumped(tensors: list, versions: list) -> None:
@@ -159,9 +160,11 @@ def _increment_version(tensors: list) -> None:
             torch._C._increment_version(t)
 
 
-def _version_or_none(t: torch.Tensor):
-    # inference tensors have no version counter (reading it raises)
-    return None if t.is_inference() else t._version
+def _versions(tensors: list) -> list:
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference tensor has no version counter (reading it raises)
+        return [None if t.is_inference() else t._version for t in tensors]
 
 
 class _StorageRef(weakref.ref):
@@ -355,18 +358,20 @@ class LiveBytes(TorchDispatchMode):
         writes = _WRITES.get(func, _UNKNOWN)
         if writes is _UNKNOWN:
             writes = _WRITES[func] = _writes_of(func)
-        if writes is not None:
+        written = None
+        # the written arguments are only read when there is something to do with them
+        if writes is not None and (writes.bump or self.write_listeners):
             written = writes.tensors(args, kwargs)
-            versions = [_version_or_none(t) for t in written] if writes.bump else None
+            versions = _versions(written) if writes.bump else None
         try:
             out = func(*args, **(kwargs or {}))
         except BaseException as exc:
-            if writes is not None:  # it may have written some before it failed (a foreach loop)
+            if written:  # it may have written some before it failed (a foreach loop)
                 self._wrote(func, written, versions)
             for listener in self.error_listeners:
                 listener(func, exc)
             raise
-        if writes is not None:
+        if written:
             self._wrote(func, written, versions)
         kind = type(out)
         if kind in _PLAIN:  # most operators return one tensor or a flat tuple of them: no pytree walk
@@ -383,16 +388,11 @@ class LiveBytes(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._see(t)
-        # resize_ and set_ may grow or swap the storage they write: re-read (only writers can)
-        if writes is not None and (
-            func is torch.ops.aten.resize_.default or func.overloadpacket is torch.ops.aten.set_
-        ):
+        if writes is not None and writes.reread:
             self._see(args[0])
         return out
 
     def _wrote(self, func, written: list, versions) -> None:
-        if not written:  # an optional output left out, batch norm in eval
-            return
         if versions is not None:
             _bump_unbumped(written, versions)
         for listener in self.write_listeners:

@@ -106,3 +106,14 @@ def test_write_listeners_hear_what_each_operator_writes():
     # training: the running statistics (and the batch count, by add_); eval: nothing written, not heard
     assert [ids for n, ids in heard if n == "native_batch_norm.default"] == [[id(bn.running_mean), id(bn.running_var)]]
     assert heard[-1] == ("_fused_adamw_.default", [id(t) for t in (*params, *grads, *m, *v)])
+
+
+def test_inference_tensors_written_by_foreach_operators_are_left_alone():
+    """They have no version counter to bump (reading it raises)."""
+    with torch.inference_mode():
+        a, b = torch.ones(4), torch.ones(4)
+    normal = torch.ones(4)
+    with LiveBytes(), torch.inference_mode():
+        torch._foreach_mul_([a, b], 2.0)
+        torch._foreach_mul_([a, normal], 2.0)  # a normal tensor written in inference mode is bumped
+    assert torch.equal(a, torch.full((4,), 4.0)) and normal._version == 1
