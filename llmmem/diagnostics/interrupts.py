@@ -10,6 +10,12 @@ signal handlers wrapped by :func:`defer_signals` only note the signal, and the e
 outermost guard calls them, so the exception (``KeyboardInterrupt``) is raised there, with the books
 complete. Guards on other threads defer nothing: Python handles signals on the main thread only.
 
+Other code's weak-reference callbacks run Python too: the ``remove`` of every ``WeakValueDictionary``,
+``WeakKeyDictionary`` and ``WeakSet`` (torch's and the standard library's), ``weakref.finalize``.
+A signal that lands in one of them is not run there: a helper thread has it run again once the
+callback has returned (18% of the interrupts sent to a loop that fills and empties a
+``WeakValueDictionary`` were lost without this).
+
 While a counter entered on the main thread is open, ``signal.getsignal`` returns the wrapper of
 each Python-level handler (``__wrapped__`` is the original); a handler installed meanwhile is not
 deferred. Each guard costs two Python calls.
@@ -18,8 +24,12 @@ deferred. Each guard costs two Python calls.
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import sys
 import threading
+import time
+import weakref
 
 __all__ = ["Guard", "defer_signals", "restore_signals"]
 
@@ -35,11 +45,90 @@ _users = 0  # counters open on the main thread: the first wraps, the last restor
 _setup = threading.Lock()
 
 
+def _callback_codes() -> frozenset:
+    """The code of the weak-reference callbacks that run Python: the standard containers' (each
+    instance makes a closure, all of one code) and torch's, if it is imported."""
+    codes = {
+        weakref.WeakValueDictionary()._remove.__code__,
+        weakref.WeakKeyDictionary()._remove.__code__,
+        weakref.WeakSet()._remove.__code__,
+        weakref.finalize.__call__.__code__,  # the finalizer's function runs inside it
+    }
+    weak = sys.modules.get("torch.utils.weak")
+    if weak is not None:
+        codes.add(weak.WeakIdKeyDictionary()._remove.__code__)
+    return frozenset(codes)
+
+
+_callbacks: frozenset = frozenset()  # set by defer_signals, read by the handlers
+
+
+def _in_callback(frame, depth: int = 64) -> bool:
+    while frame is not None and depth:
+        if frame.f_code in _callbacks:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+class _Again:
+    """A thread that has the interpreter run a signal's handler again once the main thread has left
+    the weak-reference callback the signal landed in (it looks at the main thread's frames between
+    short sleeps). Re-arming from the handler itself would run it again at once, inside the
+    handler, without end; so would re-arming as soon as this thread runs. The main thread only
+    writes a byte to a pipe: no Python lock is taken where the signal landed."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        self._pid = os.getpid()  # a child forked meanwhile has no such thread: its handlers run
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, name="llmmem-signals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import _thread
+
+        while True:
+            data = os.read(self._read, 64)
+            if not data:  # the write end was closed
+                os.close(self._read)
+                return
+            for signum in data:
+                self._wait_for_callbacks()
+                try:
+                    _thread.interrupt_main(signum)
+                except TypeError:  # Python 3.9: interrupt_main takes no signal number
+                    signal.pthread_kill(self._main, signum)
+
+    def _wait_for_callbacks(self) -> None:
+        frames = getattr(sys, "_current_frames", None)  # CPython's; elsewhere, a moment's wait
+        if frames is None:
+            time.sleep(0.001)
+            return
+        while _in_callback(frames().get(self._main)):
+            time.sleep(0.0002)  # lets the main thread run
+
+    def send(self, signum: int) -> bool:
+        if os.getpid() != self._pid:
+            return False
+        os.write(self._write, bytes((signum,)))
+        return True
+
+    def close(self) -> None:
+        os.close(self._write)
+
+
+_again = None  # an _Again while a counter is open on the main thread
+
+
 def _deferring(handler):
     @functools.wraps(handler)
     def deferred(signum, frame):
         if _here.depth:
             _pending.append((handler, signum, frame))
+            return None
+        again = _again
+        if again is not None and _in_callback(frame) and again.send(signum):
             return None
         return handler(signum, frame)
 
@@ -88,13 +177,15 @@ class Guard:
 def defer_signals() -> None:
     """Called as a counter is entered: on the main thread, the first open counter wraps every
     Python-level signal handler so that a guard defers it. Elsewhere it does nothing."""
-    global _users
+    global _users, _callbacks, _again
     if threading.current_thread() is not threading.main_thread():
         return
     with _setup:
         _users += 1
         if _users > 1:
             return
+        _callbacks = _callback_codes()
+        _again = _Again()
         for signum in signal.valid_signals():
             try:
                 handler = signal.getsignal(signum)
@@ -110,13 +201,16 @@ def restore_signals() -> None:
     """Called as a counter is left (on the thread it was entered on): the last counter open on the
     main thread puts the original handlers back (not over one set since) and delivers any signal
     still noted."""
-    global _users
+    global _users, _again
     if threading.current_thread() is not threading.main_thread():
         return
     with _setup:
         _users -= 1
         if _users > 0:
             return
+        again, _again = _again, None
+        if again is not None:
+            again.close()
         for signum, (handler, wrapper) in list(_wrapped.items()):
             if signal.getsignal(signum) is wrapper:
                 signal.signal(signum, handler)
