@@ -162,6 +162,11 @@ class AutoCheckpointPlan:
     ``predicted_peak_bytes``, ...) are readable here too. :meth:`remove` gives the blocks their own
     ``forward`` back (``with llmmem.auto_checkpoint(...):`` removes it on exit). ``planning_time`` is
     the seconds profiling and solving took.
+
+    A planned model is saved, loaded and copied whole with its plan (``torch.save(model)`` and
+    ``torch.load(..., weights_only=False)``, ``pickle``, ``copy.deepcopy``): the copy runs the plan
+    on its own blocks, and :meth:`of` finds it there. ``state_dict`` keys are the model's own, so
+    ``save_pretrained`` / ``from_pretrained`` and ``load_state_dict`` give a model without the plan.
     """
 
     def __init__(
@@ -179,6 +184,15 @@ class AutoCheckpointPlan:
         self.plan = plan
         self.planning_time = planning_time
         self.watch = watch
+
+    @classmethod
+    def of(cls, model: nn.Module) -> AutoCheckpointPlan | None:
+        """The plan running on ``model``'s blocks (also on a model loaded or copied whole), or None."""
+        for module in model.modules():
+            chain = module.__dict__.get("_llmmem_chain")
+            if chain is not None and isinstance(getattr(chain[0], "owner", None), cls):
+                return chain[0].owner
+        return None
 
     @property
     def active(self) -> bool:
@@ -374,7 +388,8 @@ def auto_checkpoint(
     for i, b in enumerate(block_list):
         if "_llmmem_chain" in b.__dict__:
             raise ValueError(
-                f"auto_checkpoint: block {i} of {name!r} already runs a plan; call .remove() on that plan first"
+                f"auto_checkpoint: block {i} of {name!r} already runs a plan; call .remove() on that plan first "
+                "(llmmem.AutoCheckpointPlan.of(model) finds it, also on a model loaded or copied with its plan)"
             )
     if profile is None and sample is None:
         raise TypeError(
@@ -403,4 +418,6 @@ def auto_checkpoint(
     if profile.step_frees_output:
         # profiled as model(**batch).loss.backward(): a loop keeping the output breaks the budget
         watch = OutputWatch(model, block_list[-1], plan.predicted_peak_bytes, plan.budget_bytes)
-    return AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start, watch)
+    planned = AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start, watch)
+    runner.owner = planned  # what AutoCheckpointPlan.of finds, in the model and in its copies
+    return planned

@@ -29,6 +29,7 @@ the layers it checkpoints (with gradients off, for generation, blocks run as the
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import types
 import warnings
@@ -273,7 +274,9 @@ def restore_flags(blocks, saved: list) -> None:
 
 
 def _planned_forward(self, *args, **kwargs):
-    """The instance-level ``forward`` of a planned block (bound with types.MethodType)."""
+    """The instance-level ``forward`` of a planned block, as ``functools.partial(_planned_forward,
+    block)``: a bound method would be pickled as a lookup of its name on the loaded block, which has
+    no such attribute; a partial of a module-level function pickles (and deep-copies) as itself."""
     runner, index = self.__dict__["_llmmem_chain"]
     return runner.call(index, args, kwargs)
 
@@ -320,6 +323,28 @@ class ChainRunner:
         self._pass: _Pass | None = None
         self._warned: set = set()
         self.active = False
+        self.owner = None  # the AutoCheckpointPlan that runs it, if any
+
+    # saving --------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """A planned model pickled whole (``torch.save(model)``, ``copy.deepcopy``) keeps its plan.
+        A block's own class ``forward`` is kept as None: pickled as a bound method it would be looked
+        up by name on the loaded block, and found to be the planned one. A forward pass under way is
+        not kept (it holds weak references to tensors)."""
+        state = self.__dict__.copy()
+        state["originals"] = [
+            None if isinstance(f, types.MethodType) and f.__func__ is type(b).forward and f.__self__ is b else f
+            for f, b in zip(self.originals, self.blocks)
+        ]
+        state["_pass"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        # the blocks may not have their state yet (they are being loaded): only their type is read
+        self.originals = [
+            types.MethodType(type(b).forward, b) if f is None else f for f, b in zip(self.originals, self.blocks)
+        ]
 
     # installing --------------------------------------------------------------------------------
     def install(self) -> None:
@@ -334,7 +359,7 @@ class ChainRunner:
             own = block.__dict__.get("forward")
             self.originals.append(own if own is not None else types.MethodType(type(block).forward, block))
             block.__dict__["_llmmem_chain"] = (self, i)
-            block.__dict__["forward"] = types.MethodType(_planned_forward, block)
+            block.__dict__["forward"] = functools.partial(_planned_forward, block)
         self.active = True
 
     def remove(self) -> None:

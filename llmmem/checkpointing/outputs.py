@@ -48,6 +48,11 @@ class OutputWatch:
             model.register_forward_hook(self._on_model_output),
         ]
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["outputs"] = []  # weak references (of a forward under way) are not kept by a copy
+        return state
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

@@ -222,4 +222,3 @@ def _helper_gone() -> bool:
             return True
         time.sleep(0.01)
     return False
-
