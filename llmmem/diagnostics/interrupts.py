@@ -14,7 +14,12 @@ Other code's weak-reference callbacks run Python too: the ``remove`` of every ``
 ``WeakKeyDictionary`` and ``WeakSet`` (torch's and the standard library's), ``weakref.finalize``.
 A signal that lands in one of them is not run there: a helper thread has it run again once the
 callback has returned (18% of the interrupts sent to a loop that fills and empties a
-``WeakValueDictionary`` were lost without this).
+``WeakValueDictionary`` were lost without this). The same holds inside a backward pass run by
+autograd's engine (the counters' mode and hooks run Python there, which untracked CPU backward does
+not): a ``KeyboardInterrupt`` that ended it midway would leave the nodes not yet run, with their saved
+tensors and incoming gradients, in the engine's queue for the calling thread until its next backward
+(torch does not empty that queue when a backward raises); the signal takes effect once the backward
+has returned, as it does without a counter.
 
 While a counter entered on the main thread is open, ``signal.getsignal`` returns the wrapper of
 each Python-level handler (``__wrapped__`` is the original); a handler installed meanwhile is not
@@ -57,6 +62,10 @@ def _callback_codes() -> frozenset:
     weak = sys.modules.get("torch.utils.weak")
     if weak is not None:
         codes.add(weak.WeakIdKeyDictionary()._remove.__code__)
+    graph = sys.modules.get("torch.autograd.graph")  # backward() and grad() call the engine through it
+    run_backward = getattr(graph, "_engine_run_backward", None)
+    if run_backward is not None:
+        codes.add(run_backward.__code__)
     return frozenset(codes)
 
 
@@ -138,6 +147,9 @@ def _deferring(handler):
 def _deliver() -> None:
     while _pending:
         handler, signum, frame = _pending.pop(0)
+        again = _again
+        if again is not None and _in_callback(frame) and again.send(signum):
+            continue  # noted inside a callback or a backward pass: run again once it has returned
         handler(signum, frame)  # raises (KeyboardInterrupt): what is left waits for the next exit
 
 
