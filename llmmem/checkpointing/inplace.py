@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
+import sys
 import types
 import warnings
 import weakref
@@ -50,6 +52,32 @@ __all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "restore_
 
 # llmmem.checkpoint options a plan on a whole model can take
 RUNNER_OPTIONS = ("preserve_rng_state", "determinism_check", "early_stop")
+
+_MODULE_CALLS = frozenset(
+    f.__code__ for f in (torch.nn.Module._call_impl, getattr(torch.nn.Module, "_wrapped_call_impl", None)) if f
+)
+_INSIDE = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # llmmem
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def _model_caller_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` made by this function's caller that points at the
+    line that called the outermost module running (the user's ``model(**batch)``), past the model's
+    own code (a Hugging Face modeling file calling its layers), llmmem's and torch's: where the user
+    can change the call. Without a module call on the stack (a recompute on autograd's thread), the
+    first frame outside llmmem and torch, as ``llmmem.errors.user_stacklevel`` finds it."""
+    frame, level = sys._getframe(2), 2
+    outermost = None
+    while frame is not None:
+        if frame.f_code in _MODULE_CALLS:
+            outermost = (frame.f_back, level + 1)
+        frame, level = frame.f_back, level + 1
+    frame, level = outermost if outermost is not None else (sys._getframe(2), 2)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 class _Keep(torch.autograd.Function):
@@ -377,10 +405,11 @@ class ChainRunner:
         self.active = False
 
     # running -------------------------------------------------------------------------------------
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, *, at_model_call: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=user_stacklevel())
+            level = _model_caller_stacklevel() if at_model_call else user_stacklevel()
+            warnings.warn(message, stacklevel=level)
 
     def _hidden(self, j: int, args: tuple, kwargs: dict):
         where = self.hidden[j]
@@ -400,6 +429,7 @@ class ChainRunner:
                 "cache",
                 f"llmmem.auto_checkpoint: caching is incompatible with recomputing {type(self.blocks[j]).__name__}: "
                 f"{', '.join(changed)} for the planned blocks while gradients are on",
+                at_model_call=True,  # the user's call of the model is where use_cache=False goes
             )
         return args, kwargs
 

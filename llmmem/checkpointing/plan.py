@@ -345,6 +345,22 @@ def _price_by_work(chain: dict, profile: ChainProfile) -> None:
             )
 
 
+def _distinct_sizes(a: int, b: int) -> tuple[str, str]:
+    """``format_bytes`` of two different sizes, with as many more decimals as it takes for them not
+    to read the same (a budget just under the least feasible one: "25.3274 MiB" < "25.3345 MiB",
+    not "25.33 MiB" twice)."""
+    shown_a, shown_b = format_bytes(a), format_bytes(b)
+    if shown_a != shown_b or a == b:
+        return shown_a, shown_b
+    unit = shown_a.split()[1]
+    scale = 1024 ** ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB").index(unit)
+    for digits in range(3, 10):  # 9 decimals of a GiB are single bytes; the messages give bytes too
+        shown_a, shown_b = f"{a / scale:.{digits}f} {unit}", f"{b / scale:.{digits}f} {unit}"
+        if shown_a != shown_b:
+            break
+    return shown_a, shown_b
+
+
 def plan_checkpoints(
     blocks,
     sample_input=None,
@@ -433,9 +449,10 @@ def plan_checkpoints(
     except InfeasibleError:
         least = max(native.plan_min_budget(chain) + static, outside)
         with_offload = " with offloading" if offload else " (offload=True may lower it on a CUDA device)"
+        shown_budget, shown_least = _distinct_sizes(budget_bytes, least)
         err = InfeasibleError(
-            f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); the smallest "
-            f"feasible budget for these blocks and this input{with_offload} is {least} bytes ({format_bytes(least)}), "
+            f"plan_checkpoints: no plan fits a budget of {budget_bytes} bytes ({shown_budget}); the smallest "
+            f"feasible budget for these blocks and this input{with_offload} is {least} bytes ({shown_least}), "
             f"{100 * least / reference:.1f}% of the {format_bytes(reference)} needed without checkpointing"
         )
         err.min_budget_bytes = least

@@ -16,7 +16,18 @@ threads inherit it; other threads do not).
 Hooks for tools built on it (:class:`llmmem.diagnostics.tracker.MemoryTracker`): ``listeners``
 hear every change of a counted storage; ``tensor_listeners`` hear, once per new storage, the tensor
 that revealed it (its shape and dtype, where it is being made); ``error_listeners`` hear an operator
-that raised inside the mode (an out-of-memory error, before the stack unwinds).
+that raised inside the mode (an out-of-memory error, before the stack unwinds); ``write_listeners``
+hear the tensors an operator writes in place (its schema's ``Tensor(a!)`` arguments, lists
+included), after it ran or failed.
+
+Version counters: under any dispatch mode, torch's in-place foreach operators (``_foreach_mul_``,
+the whole step of a ``foreach=True`` optimizer) bump no version counter, though they do without
+one: their per-tensor work runs below the mode, where the bump is skipped. Unbumped, autograd would
+not see a tensor saved for backward being modified in place (a wrong gradient instead of its
+error), and a counter could not show what a failed optimizer step wrote. So the mode bumps the
+counters of what such an operator wrote, when the operator has not (torch's own bump happens above
+the mode for every other in-place operator). Operators that bump none without a mode either
+(``_fused_adamw_``, batch norm's running statistics) are left so; ``write_listeners`` hear them.
 
 Frees are counted lazily but in order: a storage's weak-reference callback only queues it (it
 runs no Python code, so a ``KeyboardInterrupt`` cannot land in it and be lost), and the queue is
@@ -27,10 +38,11 @@ after, with the counts complete.
 A counter counts the thread it is entered on and must be left there; counters nested on one thread
 may be left in any order (see :mod:`llmmem.diagnostics.mode_stacks`).
 
-Cost: a Python call per operator and, per live storage, about 230 bytes of host memory (its weak
-reference, which holds its device and size, its key, and the storage's Python object, which counting
-makes: ``benchmarks/bench_tracker_memory.py``), so it is a diagnostic, not something to leave on in
-production; it never changes what the operators compute.
+Cost: a Python call per operator (for one that writes in place, also a pass over its written
+arguments, once its schema has been read) and, per live storage, about 230 bytes of host memory
+(its weak reference, which holds its device and size, its key, and the storage's Python object,
+which counting makes: ``benchmarks/bench_tracker_memory.py``), so it is a diagnostic, not something
+to leave on in production; it never changes what the operators compute.
 """
 
 from __future__ import annotations
@@ -56,6 +68,8 @@ Listener = Callable[[str, int, str, int], None]
 TensorListener = Callable[[torch.Tensor, int, str, int], None]
 # (operator, exception): an operator run inside the mode raised; called before the exception propagates
 ErrorListener = Callable[[object, BaseException], None]
+# (operator, tensors it wrote in place): after the operator returned or raised (it may have written some)
+WriteListener = Callable[[object, list], None]
 
 
 def device_key(device: torch.device) -> str:
@@ -66,6 +80,91 @@ def device_key(device: torch.device) -> str:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types counted; subclasses wrap counted tensors
+
+
+class _Writes:
+    """What an operator writes in place: the positions and names of its ``Tensor(a!)`` arguments,
+    whether the mode bumps their version counters (see the module docstring), and whether it may
+    grow or swap the storage of its first argument (``resize_``, ``set_``: re-read after it)."""
+
+    __slots__ = ("arguments", "bump", "reread")
+
+    def __init__(self, arguments: tuple, bump: bool, reread: bool = False) -> None:
+        self.arguments, self.bump, self.reread = arguments, bump, reread
+
+    def tensors(self, args, kwargs) -> list:
+        # kwarg-only arguments (out=) come in kwargs; a positional one left out takes its default
+        out = []
+        for i, name in self.arguments:
+            value = args[i] if i < len(args) else (kwargs.get(name) if kwargs else None)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out.extend(t for t in value if isinstance(t, torch.Tensor))
+        return out
+
+
+class _RunningStatistics(_Writes):
+    """Batch norm's kernels write the running mean and variance (arguments 3 and 4) when training
+    (argument 5), though their schemas mark no argument written."""
+
+    def tensors(self, args, kwargs) -> list:
+        if len(args) > 5 and args[5]:
+            return [t for t in args[3:5] if isinstance(t, torch.Tensor)]
+        return []
+
+
+_BATCH_NORMS = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"})
+_UNKNOWN = object()
+_WRITES: dict = {}  # operator overload -> its _Writes, or None when it writes nothing
+
+
+def _writes_of(func):
+    schema = func._schema
+    if schema.name in _BATCH_NORMS:
+        return _RunningStatistics((), False)
+    if not schema.is_mutable:
+        return None
+    arguments = tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+    if not arguments:
+        return None
+    # Only torch's in-place foreach operators are bumped: without a mode they bump (per tensor), under
+    # one they do not. Others that bump none without a mode either (fused optimizers, batch norm's
+    # running statistics, which its backward saves) stay as torch leaves them: a bump there would
+    # make autograd refuse a backward that works without the mode.
+    name = schema.name.split("::")[-1]
+    bump = schema.name.startswith("aten::_foreach_") and name.endswith("_")
+    if bump:
+        try:
+            bump = not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "ADInplaceOrView")
+        except RuntimeError:
+            pass
+    return _Writes(arguments, bump, reread=name in ("resize_", "set_"))
+
+
+def _bump_unbumped(tensors: list, versions: list) -> None:
+    """Bumps the version counter of each tensor whose counter still reads as before the operator
+    (a nested mode, or a kernel that bumps its own (CUDA's foreach), has bumped the others)."""
+    stale = [t for t, v in zip(tensors, versions) if v is not None and t._version == v]
+    if stale:
+        _increment_version(stale)
+
+
+def _increment_version(tensors: list) -> None:
+    try:
+        torch._C._increment_version(tensors)  # a list: torch >= 2.6
+    except TypeError:
+        for t in tensors:
+            torch._C._increment_version(t)
+
+
+def _versions(tensors: list) -> list:
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference tensor has no version counter (reading it raises)
+        return [None if t.is_inference() else t._version for t in tensors]
 
 
 class _StorageRef(weakref.ref):
@@ -110,6 +209,7 @@ class LiveBytes(TorchDispatchMode):
         self.listeners: list[Listener] = []
         self.tensor_listeners: list[TensorListener] = []
         self.error_listeners: list[ErrorListener] = []
+        self.write_listeners: list[WriteListener] = []
 
     # -- counting -------------------------------------------------------------------------------
     def track(self, tensors: Iterable) -> None:
@@ -255,12 +355,24 @@ class LiveBytes(TorchDispatchMode):
         restore_signals()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        writes = _WRITES.get(func, _UNKNOWN)
+        if writes is _UNKNOWN:
+            writes = _WRITES[func] = _writes_of(func)
+        written = None
+        # the written arguments are only read when there is something to do with them
+        if writes is not None and (writes.bump or self.write_listeners):
+            written = writes.tensors(args, kwargs)
+            versions = _versions(written) if writes.bump else None
         try:
             out = func(*args, **(kwargs or {}))
         except BaseException as exc:
+            if written:  # it may have written some before it failed (a foreach loop)
+                self._wrote(func, written, versions)
             for listener in self.error_listeners:
                 listener(func, exc)
             raise
+        if written:
+            self._wrote(func, written, versions)
         kind = type(out)
         if kind in _PLAIN:  # most operators return one tensor or a flat tuple of them: no pytree walk
             self._see(out)
@@ -276,9 +388,15 @@ class LiveBytes(TorchDispatchMode):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self._see(t)
-        if func is torch.ops.aten.resize_.default or func.overloadpacket is torch.ops.aten.set_:
+        if writes is not None and writes.reread:
             self._see(args[0])
         return out
+
+    def _wrote(self, func, written: list, versions) -> None:
+        if versions is not None:
+            _bump_unbumped(written, versions)
+        for listener in self.write_listeners:
+            listener(func, written)
 
 
 def _as_key(device) -> str:

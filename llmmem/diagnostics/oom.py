@@ -18,7 +18,7 @@ inside ``optimizer.step()`` (any ``torch.optim.Optimizer``) after it has written
 or their state leaves the model half-updated: the report names the parameters it updated, says
 the state is inconsistent, and that the step must be restored from a checkpoint, not retried.
 "Untouched" is said only when the version counters of every known parameter and state tensor
-show no write.
+show no write, and (with ``track=True``) no operator that writes in place wrote their storage.
 """
 
 from __future__ import annotations
@@ -358,7 +358,8 @@ class oom_report(contextlib.ContextDecorator):
             return self  # nested use of the same report (a decorated function calling itself)
         model = self.model or (self.tracker.roots()[0] if self.tracker.roots() else None)
         self._grads_none = None if model is None else {id(p) for p in model.parameters() if p.grad is None}
-        self._watch = StepWatch(model, self.optimizer).__enter__()
+        # With the tracker on, the watch also hears the in-place writes its dispatch mode sees.
+        self._watch = StepWatch(model, self.optimizer, live=self.tracker.live if self.track else None).__enter__()
         if self.track:
             self.tracker.failure = self.tracker._failure_exc = None
             self.tracker.__enter__()

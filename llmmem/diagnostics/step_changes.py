@@ -10,14 +10,21 @@ when the block begins and again when each optimizer step begins (torch's global 
 began and never finished, and wrote some parameters or state before it failed, leaves the model
 half-updated, and the report says so and which.
 
-What it cannot see: writes that bypass version counters — fused kernels (``fused=True``: torch's
-``_fused_adamw_`` bumps none), BatchNorm's running statistics, C extensions writing through
-``data_ptr()`` — so a step that failed with no write seen is reported as not proven unchanged,
+Given a :class:`~llmmem.diagnostics.live.LiveBytes` (the tracker's, as ``oom_report`` does), it
+also hears every operator that writes in place, from the operator's schema, and marks the watched
+storages it wrote. That sees what version counters miss: fused kernels (``fused=True``: torch's
+``_fused_adamw_`` bumps none), BatchNorm's running statistics, writes through ``p.data`` (a
+tensor with a version counter of its own). (Foreach kernels, which bump none under a dispatch mode,
+are bumped by the mode itself.)
+
+What it cannot see: C extensions writing through ``data_ptr()``, and, without a ``LiveBytes``,
+the writes above — so a step that failed with no write seen is reported as not proven unchanged,
 never as untouched; and optimizers that are not ``torch.optim.Optimizer`` subclasses (their
 writes to the parameters are still seen, as writes outside a step).
 
 Cost: a few attribute reads per parameter and per state tensor at the block's start and at each
-optimizer step; no tensor is made, copied or synchronised.
+optimizer step; with a ``LiveBytes``, a set lookup per tensor an operator writes in place. No
+tensor is made, copied or synchronised.
 """
 
 from __future__ import annotations
@@ -30,6 +37,21 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 __all__ = ["StepWatch"]
 
 _SHOWN = 8  # names listed in the text; the dict has them all
+
+
+def _key(t: torch.Tensor):
+    """The id of ``t``'s storage (stable while it lives; views and ``.data`` share it), or None."""
+    try:
+        return id(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass, a meta tensor)
+        return None
+
+
+def _state_keys(opt, p) -> list:
+    state = opt.state.get(p)
+    if not isinstance(state, dict):
+        return []
+    return [k for k in (_key(v) for v in state.values() if isinstance(v, torch.Tensor)) if k is not None]
 
 
 def _marker(t: torch.Tensor):
@@ -66,18 +88,36 @@ def _groups_of(opt):
 
 
 class _OptimizerMarks:
-    """Markers of an optimizer's parameters and state at one moment."""
+    """Markers of an optimizer's parameters and state at one moment (``epoch``: the watch's count of
+    marks taken then; writes heard since carry it or a later one)."""
 
-    def __init__(self, opt) -> None:
+    def __init__(self, opt, watch: StepWatch) -> None:
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.param_marks = [_marker(p) for p in self.params]
         self.state_marks = [_state_of(opt, p) for p in self.params]
         self.groups = _groups_of(opt)
+        self.epoch = watch._new_epoch()
+        if watch.live is not None:
+            self.param_keys = [_key(p) for p in self.params]
+            self.state_keys = [_state_keys(opt, p) for p in self.params]
+            watch._watch_keys(self.param_keys)
+            for keys in self.state_keys:
+                watch._watch_keys(keys)
 
-    def diff(self, opt) -> tuple[list[int], list[int], bool]:
+    def diff(self, opt, watch: StepWatch) -> tuple[list[int], list[int], bool]:
         """(indices of parameters written, indices whose state changed, group settings changed)."""
-        written = [i for i, p in enumerate(self.params) if _marker(p) != self.param_marks[i]]
-        state = [i for i, p in enumerate(self.params) if _state_of(opt, p) != self.state_marks[i]]
+        written = [
+            i
+            for i, p in enumerate(self.params)
+            if _marker(p) != self.param_marks[i]
+            or (watch.live is not None and watch._written_since(self.param_keys[i], self.epoch))
+        ]
+        state = [
+            i
+            for i, p in enumerate(self.params)
+            if _state_of(opt, p) != self.state_marks[i]
+            or (watch.live is not None and any(watch._written_since(k, self.epoch) for k in self.state_keys[i]))
+        ]
         return written, state, _groups_of(opt) != self.groups
 
 
@@ -106,10 +146,16 @@ class StepWatch:
     :param model: its parameters and buffers are marked on entry (optional).
     :param optimizer: its parameters, state and settings are marked on entry (optional); every
         other optimizer is marked when its step begins.
+    :param live: a :class:`~llmmem.diagnostics.live.LiveBytes` whose writes to watched storages are
+        recorded while the watch is entered (optional; see the module docstring). The watch does
+        not enter it.
     """
 
-    def __init__(self, model=None, optimizer=None) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model=None, optimizer=None, *, live=None) -> None:
+        self.model, self.optimizer, self.live = model, optimizer, live
+        self._epoch = 0
+        self._watched: set[int] = set()  # storage ids of the parameters, buffers and state marked
+        self._written: dict[int, int] = {}  # storage id -> the epoch of its last write heard
         self._handles: list = []
         self._thread = None
         self._entry_params: dict[int, tuple] = {}  # id -> (parameter, marker)
@@ -121,13 +167,19 @@ class StepWatch:
     def __enter__(self):
         self._thread = threading.get_ident()
         self._running, self._completed = {}, {}
+        self._watched, self._written = set(), {}
+        self._entry_epoch = self._new_epoch()
         if self.model is not None:
             self._entry_params = {id(p): (p, _marker(p)) for p in self.model.parameters()}
             self._entry_buffers = {n: (b, _marker(b)) for n, b in self.model.named_buffers()}
         if self.optimizer is not None:
-            self._entry_opt = _OptimizerMarks(self.optimizer)
+            self._entry_opt = _OptimizerMarks(self.optimizer, self)
             for p in self._entry_opt.params:
                 self._entry_params.setdefault(id(p), (p, _marker(p)))
+        if self.live is not None:
+            self._watch_keys(_key(p) for p, _ in self._entry_params.values())
+            self._watch_keys(_key(b) for b, _ in self._entry_buffers.values())
+            self.live.write_listeners.append(self._on_write)
         self._handles = [
             register_optimizer_step_pre_hook(self._pre_step),
             register_optimizer_step_post_hook(self._post_step),
@@ -138,11 +190,37 @@ class StepWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.live is not None and self._on_write in self.live.write_listeners:
+            self.live.write_listeners.remove(self._on_write)
         return False
+
+    # -- writes heard from the dispatch mode (any thread it runs on: autograd's too) -------------
+    def _new_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def _watch_keys(self, keys) -> None:
+        self._watched.update(k for k in keys if k is not None)
+
+    def _on_write(self, func, tensors) -> None:
+        # Only watched storages are remembered: a long block writes many temporaries in place.
+        watched, epoch = self._watched, self._epoch
+        for t in tensors:
+            key = _key(t)
+            if key in watched:
+                self._written[key] = epoch
+
+    def _written_since(self, key, epoch: int) -> bool:
+        return key is not None and self._written.get(key, 0) >= epoch
+
+    def _changed_since_entry(self, t: torch.Tensor, mark) -> bool:
+        if _marker(t) != mark:
+            return True
+        return self.live is not None and self._written_since(_key(t), self._entry_epoch)
 
     def _pre_step(self, opt, args, kwargs) -> None:
         if threading.get_ident() == self._thread:
-            self._running[id(opt)] = (opt, _OptimizerMarks(opt))
+            self._running[id(opt)] = (opt, _OptimizerMarks(opt, self))
 
     def _post_step(self, opt, args, kwargs) -> None:
         if threading.get_ident() == self._thread:
@@ -157,9 +235,11 @@ class StepWatch:
         state (restore the step from a checkpoint); True when no optimizer step was cut short and
         no parameter was written outside one; None when it cannot be told: nothing known to watch,
         parameters written outside any optimizer step, or a step that failed with no write seen
-        (a fused kernel or a C extension writes without version counters). ``failed_steps``: one
-        dict per optimizer whose step began and did not finish (``optimizer``, ``parameters``,
-        ``updated`` and ``state_changed`` names, ``settings_changed``, ``fused``).
+        (a C extension writes without version counters or an operator; without a ``live``, so does
+        a fused kernel). ``failed_steps``: one dict per optimizer whose step began and did not
+        finish (``optimizer``, ``parameters``, ``updated`` and ``state_changed`` names,
+        ``settings_changed``, ``fused``, ``writes_heard``: whether operators' in-place writes were
+        watched, not only version counters).
         ``completed_steps``: ``{optimizer class: steps}``. ``changed_outside_steps``: parameters
         written while no optimizer step ran on them. ``buffers_changed``: names of buffers
         written in place."""
@@ -174,7 +254,7 @@ class StepWatch:
         stepped: set[int] = set()  # parameters an optimizer step ran on
         for opt, marks in self._running.values():
             names = _names(model, opt)
-            written, state, settings = marks.diff(opt)
+            written, state, settings = marks.diff(opt, self)
             stepped.update(id(p) for p in marks.params)
             out["failed_steps"].append(
                 {
@@ -184,6 +264,7 @@ class StepWatch:
                     "state_changed": [names[id(marks.params[i])] for i in state],
                     "settings_changed": settings,
                     "fused": any(g.get("fused") for g in opt.param_groups),
+                    "writes_heard": self.live is not None,
                 }
             )
         for opt, count in self._completed.values():
@@ -194,20 +275,23 @@ class StepWatch:
         out["changed_outside_steps"] = [
             names.get(pid, "?")
             for pid, (p, mark) in self._entry_params.items()
-            if pid not in stepped and _marker(p) != mark
+            if pid not in stepped and self._changed_since_entry(p, mark)
         ]
-        out["buffers_changed"] = [n for n, (b, mark) in self._entry_buffers.items() if _marker(b) != mark]
+        out["buffers_changed"] = [
+            n for n, (b, mark) in self._entry_buffers.items() if self._changed_since_entry(b, mark)
+        ]
         optimizer_untouched = True
         if self.optimizer is not None and id(self.optimizer) not in self._completed:
             if id(self.optimizer) not in self._running:
-                _, state, settings = self._entry_opt.diff(self.optimizer)
+                _, state, settings = self._entry_opt.diff(self.optimizer, self)
                 optimizer_untouched = not (state or settings)
         partial = [f for f in out["failed_steps"] if f["updated"] or f["state_changed"] or f["settings_changed"]]
         known = bool(self._entry_params) or bool(self._running) or bool(self._completed)
         if partial:
             out["consistent"] = False
         elif out["failed_steps"] or not known or out["changed_outside_steps"] or not optimizer_untouched:
-            # a step that failed with no write seen may still have written through a fused or C kernel
+            # a step that failed with no write seen may still have written through a C extension (or,
+            # with no LiveBytes to hear it, a fused kernel)
             out["consistent"] = None
         else:
             out["consistent"] = True
@@ -228,11 +312,18 @@ def _text(out: dict, known: bool, optimizer_untouched: bool, optimizer_known: bo
                     what += f" ({len(only)} without a write to their parameter seen: {_listed(only)})"
             if f["settings_changed"]:
                 what += ", its param_groups settings changed"
-            if f["fused"]:
+            if f["fused"] and not f["writes_heard"]:
                 what += " (a fused kernel writes parameters without their version counters: more may be updated)"
             parts.append(
                 f"the failure came inside {f['optimizer']}.step(): {what}; optimizer state inconsistent: "
                 "restore the step from a checkpoint; do not retry"
+            )
+        elif f["writes_heard"]:
+            parts.append(
+                f"the failure came inside {f['optimizer']}.step() before any write seen (version counters and "
+                "every operator that writes in place were watched); a C extension writing through data_ptr() is "
+                "seen by neither, so this does not prove the parameters unchanged: restore the step from a "
+                f"checkpoint unless {f['optimizer']}.step() is all-or-nothing"
             )
         else:
             parts.append(

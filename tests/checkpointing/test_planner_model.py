@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import warnings
 
 import pytest
@@ -525,8 +526,8 @@ def test_hand_made_profiles_send_one_forward_transient():
 
 
 def test_planner_warnings_point_at_the_model_code_not_at_llmmem():
-    """The use_cache warning of a planned block is reported at the model's own loop (line 56 of this
-    file calls the layer), not inside llmmem or torch's module call."""
+    """The use_cache warning of a planned block is reported at the call of the model (here, in this
+    file), not inside llmmem or torch's module call."""
     model, idx = _kw_model()
     plan = llmmem.auto_checkpoint(model, budget=1.0, sample=lambda: model(idx).backward())
     with warnings.catch_warnings(record=True) as caught:
@@ -535,6 +536,44 @@ def test_planner_warnings_point_at_the_model_code_not_at_llmmem():
     plan.remove()
     cache = [w for w in caught if "caching is incompatible" in str(w.message)]
     assert cache and all(w.filename == __file__ for w in cache)
+
+
+def test_the_use_cache_warning_points_at_the_users_call_not_the_models_loop():
+    """A Hugging Face model calls its layers from its own file: the warning names the line that
+    called the model, where use_cache=False can be passed."""
+    model = tiny_llama("sdpa", layers=2)  # skips without transformers
+    batch = lm_batch(seq=16)
+    plan = llmmem.auto_checkpoint(model, budget=1.0, sample=batch, repeats=0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(**batch).loss.backward()
+    finally:
+        plan.remove()
+    cache = [w for w in caught if "caching is incompatible" in str(w.message)]
+    assert [w.filename for w in cache] == [__file__]
+
+
+def test_an_infeasible_budget_and_the_least_feasible_one_read_differently():
+    """Bytes below the least feasible budget: both sizes get the decimals that tell them apart."""
+    from llmmem.checkpointing.profile import ChainProfile
+
+    mib = 2**20
+    prof = ChainProfile(
+        modes=("store-all",),
+        fwd_time=[[1.0]] * 3,
+        fwd_nostore_time=[1.0] * 3,
+        bwd_time=[[2.0]] * 3,
+        input_bytes=[3 * mib] * 4,
+        saved_bytes=[[9 * mib]] * 3,
+        fwd_tmp_bytes=[mib] * 3,
+        bwd_tmp_bytes=[[mib]] * 3,
+    )
+    least = llmmem.plan_checkpoints(None, budget=10**9, profile=prof).min_budget_bytes
+    with pytest.raises(llmmem.InfeasibleError) as info:
+        llmmem.plan_checkpoints(None, budget=least - 1000, profile=prof)
+    shown = re.findall(r"bytes \(([0-9.]+) MiB\)", str(info.value))
+    assert len(shown) == 2 and shown[0] != shown[1] and float(shown[0]) < float(shown[1]), str(info.value)
 
 
 def test_auto_checkpoint_errors_name_auto_checkpoint():

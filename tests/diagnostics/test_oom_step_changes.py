@@ -41,6 +41,16 @@ class PlainSGD(torch.optim.Optimizer):
                 p.sub_(p.grad * group["lr"])  # p.grad * lr: a temporary the size of p
 
 
+class DataSGD(PlainSGD):
+    """Writes through ``p.data``: a tensor with a version counter of its own, so ``p``'s stays put."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.sub_(p.grad * group["lr"])
+
+
 class AllOrNothingSGD(PlainSGD):
     """Makes every temporary before it writes anything: a failure leaves everything as it was."""
 
@@ -55,6 +65,7 @@ class AllOrNothingSGD(PlainSGD):
 OPTIMIZERS = {
     "torch AdamW": lambda params: torch.optim.AdamW(params, foreach=False),
     "a plain Optimizer subclass": PlainSGD,
+    "writes through p.data": DataSGD,
 }
 
 
@@ -132,8 +143,68 @@ def test_a_step_that_fails_before_any_write_seen_is_not_called_untouched():
     changes = info.value.report.changes
     assert changes["consistent"] is None and changes["failed_steps"][0]["updated"] == []
     text = str(info.value)
-    assert "inside AllOrNothingSGD.step() before any write that version counters record" in text
+    assert "inside AllOrNothingSGD.step() before any write seen (version counters and every operator" in text
+    assert "a C extension writing through data_ptr() is seen by neither" in text
     assert "untouched" not in info.value.report.state and "INCONSISTENT" not in text
+
+
+def test_a_foreach_step_names_every_parameter_it_updated():
+    """foreach=True (torch's default on CUDA): its in-place foreach kernels bump no version counter
+    under a dispatch mode; the report must still name what the step wrote before it failed."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=0.01, foreach=True)
+    x = torch.randn(2, 32)
+    _step(model, opt, x)
+    budget = _budget_inside_the_optimizer_step(model, opt, x)
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    state_before = _state_copy(opt)
+    with pytest.raises(llmmem.OutOfMemoryError) as info:
+        with llmmem.oom_report(model, opt, budget=budget, plan=False):
+            _step(model, opt, x)
+    updated = [n for n, p in params.items() if not torch.equal(p, before[n])]
+    state_changed = [n for n, p in params.items() if not _same(_state_copy(opt)[id(p)], state_before[id(p)])]
+    assert updated and state_changed  # the failure came after the foreach kernels wrote
+    assert info.value.report.failure["phase"] == "optimizer"
+    (failed,) = info.value.report.changes["failed_steps"]
+    assert failed["updated"] == updated and failed["state_changed"] == state_changed
+    assert f"{len(updated)} of {len(params)} parameters updated" in str(info.value)
+    assert info.value.report.changes["consistent"] is False
+
+
+def _fail_after_the_kernels(opt, args, kwargs):
+    raise llmmem.OutOfMemoryError("simulated: out of memory after the optimizer's kernels ran")
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_a_fused_step_that_wrote_is_named_when_the_tracker_hears_it(track):
+    """torch's fused AdamW bumps no version counter: with the tracker on, its writes are heard from
+    the operator's schema; without, the report says it cannot tell."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    x = torch.randn(2, 32)
+    _step(model, opt, x)
+    names = [n for n, _ in model.named_parameters()]
+    handle = opt.register_step_post_hook(_fail_after_the_kernels)  # runs before the global post hooks
+    try:
+        with pytest.raises(llmmem.OutOfMemoryError) as info:
+            with llmmem.oom_report(model, opt, plan=False, track=track):
+                _step(model, opt, x)
+    finally:
+        handle.remove()
+    (failed,) = info.value.report.changes["failed_steps"]
+    text = str(info.value)
+    assert failed["fused"] and failed["writes_heard"] is track
+    if track:
+        assert failed["updated"] == names and failed["state_changed"] == names
+        assert "a fused kernel writes parameters without their version counters" not in text
+        assert info.value.report.changes["consistent"] is False
+    else:
+        # the parameters' writes are unseen; the step counts' (a foreach add, which bumps) are seen
+        assert failed["updated"] == [] and failed["state_changed"] == names
+        assert "a fused kernel writes parameters without their version counters: more may be updated" in text
+        assert info.value.report.changes["consistent"] is False
+    assert "untouched" not in info.value.report.state
 
 
 def test_a_fused_step_is_never_called_untouched():
@@ -152,11 +223,7 @@ def test_a_fused_step_is_never_called_untouched():
     assert 0 < len(made) < len(list(model.parameters()))
     (failed,) = info.value.report.changes["failed_steps"]
     assert failed["fused"] and failed["state_changed"] == made
-    text = str(info.value)
-    assert (
-        "untouched" not in info.value.report.state
-        and "a fused kernel writes parameters without their version counters" in text
-    )
+    assert "untouched" not in info.value.report.state
 
 
 def test_a_failure_in_the_backward_leaves_the_parameters_untouched():
@@ -209,9 +276,9 @@ def test_parameters_written_outside_a_step_and_buffers_are_named():
             torch.empty(2**20)
     changes = info.value.report.changes
     assert changes["changed_outside_steps"] == ["0.bias"] and changes["consistent"] is None
-    # the running mean and variance are written by a kernel that bumps no version counter; the
-    # count of batches is added to in place
-    assert changes["buffers_changed"] == ["1.num_batches_tracked"]
+    # the running mean and variance are written by a kernel that bumps no version counter (heard
+    # from the tracker's dispatch mode); the count of batches is added to in place
+    assert changes["buffers_changed"] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
     text = str(info.value)
     assert "1 parameter(s) written in place outside any optimizer step (0.bias)" in text
     assert "untouched" not in info.value.report.state

@@ -426,3 +426,27 @@ def test_a_live_storage_costs_the_tracker_about_400_bytes():
         assert ra.shape is rb.shape and ra.stack is rb.stack and ra.stack
         refs = list(tracker.live._entries.values())
         assert len({id(r.__callback__) for r in refs}) == 1
+
+
+def test_gradients_stepped_in_backward_are_counted_as_gradients():
+    """llmmem.optim.step_in_backward steps each parameter and frees its gradient in a hook that runs
+    when the gradient is accumulated: the tracker's own hook must see the gradient first. A tied
+    embedding's gradient is summed through the whole backward before that."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(512, 64), torch.nn.Linear(64, 512, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, torch.nn.Linear(64, 64), head)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    ids = torch.randint(0, 512, (4, 16))
+    handle = llmmem.optim.step_in_backward(model, opt)  # its hooks come before the tracker's
+    try:
+        with MemoryTracker(model, opt) as tracker:
+            model(ids).logsumexp(-1).mean().backward()
+        before = emb.weight.detach().clone()
+        model(ids).logsumexp(-1).mean().backward()  # the tracker's hook is gone, step_in_backward's still steps
+        assert not torch.equal(before, emb.weight)
+    finally:
+        handle.remove()
+    _, ys = tracker.timeline()
+    assert max(ys["gradients"]) >= emb.weight.numel() * 4  # the tied weight's, 128 KiB
+    assert tracker.current()["gradients"] == 0 and all(p.grad is None for p in model.parameters())

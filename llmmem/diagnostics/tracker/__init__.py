@@ -42,6 +42,11 @@ Not seen: memory no tensor storage owns (allocator caches, kernels' scratch buff
 CUDA samples), tensors made on threads the mode is not active on, tensors saved by other
 ``saved_tensors_hooks`` of the user (they count as temporaries), double backward through saved
 intermediates (the pack hook keeps them detached, as checkpointing does).
+
+What it does not change: what autograd computes or refuses. torch skips its check that a saved
+tensor was not modified in place when saved-tensor hooks are set, so the tracker's hooks keep the
+tensor's version and make that check themselves; and the counting mode bumps the version counters
+that torch's foreach kernels leave unbumped under a dispatch mode (:mod:`llmmem.diagnostics.live`).
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ class ModuleHooks:
                 if p.grad is not None:
                     self._label(p.grad, "gradients", module=owner)
                 if p.requires_grad:
-                    self._param_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                    handle = p.register_post_accumulate_grad_hook(self._grad_hook)
+                    run_first(p, handle)
+                    self._param_handles.append(handle)
             for b in sub.buffers(recurse=False):
                 self._label(b, "buffers", module=owner)
 
@@ -235,8 +237,9 @@ class ModuleHooks:
                 tracker._label(t, saved=True)
         # A saved output returned as itself would hold its own grad_fn: a reference cycle through C++
         # that leaks when a forward is abandoned (an out-of-memory error). Detached: same storage and
-        # version counter, so backward computes the same thing.
-        return t if t.grad_fn is None else t.detach()
+        # version counter, so backward computes the same thing. The version goes with it: torch
+        # checks it only for tensors saved without hooks (see unpack).
+        return (t if t.grad_fn is None else t.detach()), (None if t.is_inference() else t._version)
 
     def _kept(self, t: torch.Tensor) -> None:
         if self._active:
@@ -267,14 +270,45 @@ class BackwardMark:
             tracker._bw_mark(self.name, self.push)
 
 
+def run_first(p: torch.Tensor, handle) -> None:
+    """Puts the post-accumulate-grad hook of ``handle`` before ``p``'s other ones, so that it sees the
+    gradient before a hook that steps and frees it (``llmmem.optim.step_in_backward``, torch's
+    optimizer-in-backward recipe): a gradient never labelled as one would count as a temporary.
+    torch runs them in the order of the underlying dict (an ``OrderedDict``'s ``move_to_end`` does
+    not change it), so the same dict is refilled: the other hooks' handles still remove theirs."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    if not isinstance(hooks, dict) or len(hooks) < 2 or next(iter(hooks)) == handle.id:
+        return
+    mine = hooks.pop(handle.id, None)
+    if mine is None:
+        return
+    others = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = mine
+    hooks.update(others)
+
+
 def call_method(ref, method: str) -> None:
     obj = ref()
     if obj is not None:
         getattr(obj, method)()
 
 
-def unpack(x):
-    return x
+def unpack(packed):
+    """The tracker's unpack hook: the saved tensor, after autograd's check that it was not modified
+    in place since it was saved (torch makes that check only for tensors saved without hooks, so
+    without this a tracked backward would compute a wrong gradient where an untracked one raises)."""
+    t, version = packed
+    if version is not None and t._version != version:
+        shape = ", ".join(str(n) for n in t.shape)
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} [{shape}]] is at version {t._version}; expected version {version} instead "
+            "(checked by llmmem's MemoryTracker, whose saved-tensor hooks stand in for autograd's own check). "
+            "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
+            "torch.autograd.set_detect_anomaly(True)."
+        )
+    return t
 
 
 def pop_module(stack: list, name: str, close) -> None:
