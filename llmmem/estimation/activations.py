@@ -146,7 +146,19 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     if cfg.hidden_dropout > 0:
         terms["attention residual dropout mask"] = ceil_div(mask * sbh, r)
     terms["mlp input"] = ceil_div(e * sbh, r)
-    act, sbf = cfg.activation, s * b * f
+    if cfg.experts:
+        terms.update(_expert_terms(cfg, st, e, t))
+    else:
+        terms.update(_mlp_terms(cfg, e, s * b, f, t))
+    if cfg.hidden_dropout > 0:
+        terms["mlp residual dropout mask"] = ceil_div(mask * sbh, r)
+    return terms
+
+
+def _mlp_terms(cfg: ModelConfig, e: int, rows: int, f: int, t: int, what: str = "mlp") -> dict:
+    """What an MLP of width ``f`` keeps for ``rows`` tokens, past its input."""
+    terms = {}
+    act, sbf = cfg.activation, rows * f
     if cfg.mlp == "gelu":
         if _ACTIVATION_SAVES[act]:
             terms[f"{act} input" + (", tanh, x/2, 1 + tanh" if act == "gelu_new" else "")] = ceil_div(
@@ -160,8 +172,30 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
         terms[f"mlp down-projection input ({act}·up)"] = ceil_div(e * sbf, t)
         if act == "gelu_new":
             terms["gelu_new tanh, x/2, 1 + tanh"] = ceil_div(3 * e * sbf, t)
-    if cfg.hidden_dropout > 0:
-        terms["mlp residual dropout mask"] = ceil_div(mask * sbh, r)
+    if what != "mlp":
+        terms = {f"{what}: {k.removeprefix('mlp ')}": v for k, v in terms.items()}
+    return terms
+
+
+def _expert_terms(cfg: ModelConfig, st: Settings, e: int, t: int) -> dict:
+    """A mixture-of-experts MLP (Hugging Face's Mixtral and Qwen-MoE blocks): the router's fp32
+    softmax and top-k indices and weights, each token's copy gathered for each of the
+    ``experts_per_token`` experts it runs, those experts' MLP activations (``k`` rows a token, of
+    width ``expert_ffn``), their outputs kept for the routing weight's gradient, and the shared
+    experts as a dense MLP (with its gate's sigmoid)."""
+    rows, h, k, n = st.seq * st.batch, cfg.hidden, cfg.experts_per_token, cfg.experts
+    terms = {
+        "router probabilities (fp32 softmax)": 4 * rows * n,
+        "routing indices (int64) and weights": rows * k * (8 + e),
+        "expert inputs (a token's copy for each of its experts)": e * rows * k * h,
+    }
+    for key, v in _mlp_terms(cfg, e, rows * k, cfg.expert_ffn, t, "experts").items():
+        terms[key] = v
+    terms["expert outputs (for the routing weights' gradient)"] = e * rows * k * h
+    if cfg.shared_ffn:
+        terms.update(_mlp_terms(cfg, e, rows, cfg.shared_ffn, t, "shared experts"))
+        if cfg.shared_gate:
+            terms["shared experts' gate (sigmoid output)"] = e * rows
     return terms
 
 

@@ -69,6 +69,15 @@ class ModelConfig:
     ``hidden_dropout`` overrides the former. ``attention`` is how the model computes attention:
     ``"explicit"`` (scores materialised, as Megatron's formula assumes; grouped key/value heads
     repeated to every head) or ``"sdpa"`` (a fused kernel that keeps no ``s x s`` tensor).
+
+    Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): ``experts`` routed experts per layer (0, the
+    default: a dense MLP of width ``ffn``), each a ``mlp`` of width ``expert_ffn`` (default ``ffn``),
+    ``experts_per_token`` of them run for each token (top-k) after a router (``h x experts``, no
+    bias); ``shared_ffn`` the width of the shared experts that every token runs (0: none), with a
+    one-output sigmoid gate when ``shared_gate``; ``dense_layers`` of the ``layers`` have the dense
+    MLP of width ``ffn`` instead (Qwen2-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``).
+    Parameters and model state count every expert; activations the ``experts_per_token`` an
+    average token runs (capacity is not capped: Hugging Face's experts drop no token).
     """
 
     layers: int
@@ -90,6 +99,13 @@ class ModelConfig:
     head_dim: int | None = None
     attention_dropout: float | None = None
     hidden_dropout: float | None = None
+    qkv_bias: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn: int | None = None
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    dense_layers: int = 0
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -137,27 +153,81 @@ class ModelConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{key}: must be a probability in [0, 1), got {value!r}")
-        for key in ("tied_embeddings", "bias"):
+        for key in ("tied_embeddings", "bias", "qkv_bias"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: must be True or False, got {getattr(self, key)!r}")
+        self._check_experts(set_)
+
+    def _check_experts(self, set_) -> None:
+        for key in ("experts", "experts_per_token", "shared_ffn", "dense_layers"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"{key}: must be an integer >= 0, got {v!r}")
+            set_(self, key, int(v))
+        if not isinstance(self.shared_gate, bool):
+            raise ValueError(f"shared_gate: must be True or False, got {self.shared_gate!r}")
+        if not self.experts:
+            if self.experts_per_token or self.expert_ffn is not None or self.shared_ffn or self.dense_layers:
+                raise ValueError(
+                    "experts: experts_per_token, expert_ffn, shared_ffn and dense_layers describe a mixture of "
+                    "experts; give its number of experts too"
+                )
+            return
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(
+                f"experts_per_token: must be between 1 and experts ({self.experts}), got {self.experts_per_token!r}"
+            )
+        if self.dense_layers > self.layers:
+            raise ValueError(f"dense_layers: {self.dense_layers} is more than the {self.layers} layers")
+        set_(self, "expert_ffn", self.ffn if self.expert_ffn is None else positive_int(self.expert_ffn, "expert_ffn"))
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with experts (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.experts else 0
 
     # -- parameter counts (elements) -------------------------------------------------------------
-    def layer_parameters(self, tensor_parallel: int = 1) -> int:
+    def _mlp_parameters(self, width: int, t: int) -> tuple[int, int]:
+        """(sharded, replicated) parameters of one ``mlp`` of ``width`` (Megatron's split)."""
+        h = self.hidden
+        mats = 2 if self.mlp == "gelu" else 3
+        sharded, replicated = mats * h * width, 0
+        if self.bias:
+            sharded += (mats - 1) * width  # column-parallel biases
+            replicated += h  # the row-parallel down projection's bias
+        return sharded, replicated
+
+    def layer_parameters(self, tensor_parallel: int = 1, moe: bool | None = None) -> int:
         """Parameters of one transformer layer held by one tensor-parallel rank.
 
         Megatron's split (Shoeybi et al. 2019): the Q/K/V and first MLP projections are
         column-parallel (weights and biases divided by ``t``), the attention output and MLP down
         projections row-parallel (weights divided, biases replicated); norms are replicated.
+        ``moe``: a layer with experts (the default for a mixture of experts: the largest layer),
+        whose router and shared-expert gate are replicated and experts split as MLPs are.
         """
-        h, f, t = self.hidden, self.ffn, tensor_parallel
+        h, t = self.hidden, tensor_parallel
+        moe = bool(self.experts) if moe is None else moe and bool(self.experts)
         width = self.heads * self.head_dim  # h unless head_dim is set otherwise
         qkv_out = width + 2 * self.kv_heads * self.head_dim
-        mlp_mats = 2 if self.mlp == "gelu" else 3
-        sharded = h * qkv_out + width * h + mlp_mats * h * f
+        sharded = h * qkv_out + width * h
         replicated = 2 * self._norm_parameters()
+        if self.bias or self.qkv_bias:
+            sharded += qkv_out  # column-parallel biases
         if self.bias:
-            sharded += qkv_out + (mlp_mats - 1) * f  # column-parallel biases
-            replicated += 2 * h  # row-parallel biases (attention output, MLP down)
+            replicated += h  # the attention output's (row-parallel)
+        if moe:
+            mlp, rep = self._mlp_parameters(self.expert_ffn, t)
+            sharded += self.experts * mlp
+            replicated += self.experts * rep + h * self.experts  # the router
+            if self.shared_ffn:
+                mlp, rep = self._mlp_parameters(self.shared_ffn, t)
+                sharded += mlp
+                replicated += rep + (h if self.shared_gate else 0)
+        else:
+            mlp, rep = self._mlp_parameters(self.ffn, t)
+            sharded += mlp
+            replicated += rep
         return -(-sharded // t) + replicated
 
     def _norm_parameters(self) -> int:
@@ -171,7 +241,9 @@ class ModelConfig:
         """
         t = tensor_parallel
         vocab_rows = -(-self.vocab // t)
-        n = self.layers * self.layer_parameters(t) + self._norm_parameters()
+        moe = self.moe_layers
+        n = moe * self.layer_parameters(t, moe=True) + (self.layers - moe) * self.layer_parameters(t, moe=False)
+        n += self._norm_parameters()
         n += vocab_rows * self.hidden * (1 if self.tied_embeddings else 2)
         if self.positions == "learned":
             n += max(self.max_positions, seq) * self.hidden
@@ -180,10 +252,15 @@ class ModelConfig:
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
         act = "" if self.activation == ("gelu" if self.mlp == "gelu" else "silu") else f", {self.activation}"
-        return (
-            f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
-            f"ffn {self.ffn} ({self.mlp}{act}), vocab {self.vocab}"
-        )
+        mlp = f"ffn {self.ffn} ({self.mlp}{act})"
+        if self.experts:
+            shared = f" + shared {self.shared_ffn}" if self.shared_ffn else ""
+            dense = f", {self.dense_layers} dense layers of ffn {self.ffn}" if self.dense_layers else ""
+            mlp = (
+                f"{self.experts} experts of ffn {self.expert_ffn} ({self.mlp}{act}), top-{self.experts_per_token}"
+                f"{shared}{dense}"
+            )
+        return f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, {mlp}, vocab {self.vocab}"
 
 
 def _gpt2(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
@@ -448,6 +525,7 @@ def from_hf_config(config) -> ModelConfig:
     if callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()
     raw = config.to_dict()
+    _refuse_non_decoders(config, raw)
     sizes = {
         "layers": ("num_hidden_layers", "n_layer", "num_layers"),
         "hidden": ("hidden_size", "n_embd", "d_model"),
@@ -480,12 +558,21 @@ def from_hf_config(config) -> ModelConfig:
     # HF picks sdpa when none is asked for, and eager for a model class that has no SDPA path (BLOOM)
     impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
     bias = get("attention_bias", "bias")
+    qkv_bias = bool(raw.get("qkv_bias", False)) or model_type in ("qwen2", "qwen2_moe")  # q/k/v only
+    if bias is None:
+        bias = not rms  # GPT-2's family has biases; the RMSNorm family (Llama, Mixtral, Qwen) none past q/k/v
+    heads = get("num_attention_heads", "n_head")
+    kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
+    if raw.get("multi_query") and not raw.get("new_decoder_architecture"):
+        kv_heads = 1  # Falcon's multi-query attention: one key/value head
+    elif kv_heads is None and raw.get("multi_query"):
+        kv_heads = 1
     return ModelConfig(
         layers=get("num_hidden_layers", "n_layer", "num_layers"),
         hidden=get("hidden_size", "n_embd", "d_model"),
-        heads=get("num_attention_heads", "n_head"),
+        heads=heads,
         vocab=get("vocab_size"),
-        kv_heads=get("num_key_value_heads"),
+        kv_heads=kv_heads,
         ffn=get("intermediate_size", "n_inner", "ffn_dim"),
         mlp="swiglu" if gated else "gelu",
         activation=activation,
@@ -493,13 +580,68 @@ def from_hf_config(config) -> ModelConfig:
         tied_embeddings=bool(get("tie_word_embeddings", default=True)),
         positions="rotary" if rotary else "learned",
         max_positions=int(get("max_position_embeddings", "n_positions", default=0) or 0),
-        bias=True if bias is None else bool(bias),
+        bias=bool(bias),
         dropout=float(hidden_dropout or 0.0),
         hidden_dropout=float(hidden_dropout or 0.0),
         attention_dropout=float(attention_dropout or 0.0),
         attention=_HF_ATTENTION.get(impl, "sdpa"),
         head_dim=get("head_dim"),
+        qkv_bias=qkv_bias,
+        **_hf_experts(raw, get),
         name=str(getattr(config, "name_or_path", "") or model_type or type(config).__name__),
+    )
+
+
+# Encoder-only model types (classifiers, masked LMs, vision encoders): read as a decoder-only LM,
+# they would get a vocabulary head they do not have
+_ENCODER_TYPES = frozenset(
+    "albert bert camembert convbert deberta deberta-v2 deit distilbert electra ernie ibert layoutlm "
+    "megatron-bert modernbert mpnet nezha roberta roberta-prelayernorm roformer squeezebert vit "
+    "xlm-roberta xlm-roberta-xl yoso beit swin convnext dinov2 clip_vision_model siglip_vision_model".split()
+)
+
+
+def _refuse_non_decoders(config, raw: dict) -> None:
+    model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    if raw.get("is_encoder_decoder"):
+        kind = "an encoder-decoder model (two stacks, cross-attention)"
+    elif model_type in _ENCODER_TYPES:
+        kind = "an encoder (no causal LM head)"
+    else:
+        return
+    raise ValueError(
+        f"model: a Hugging Face config of model_type {model_type!r}, {kind}: the estimator reads decoder-only "
+        "transformers and their mixtures of experts, and does not guess one from this config"
+    )
+
+
+def _hf_experts(raw: dict, get) -> dict:
+    """The mixture-of-experts fields of :class:`ModelConfig` from a Hugging Face config (Mixtral's
+    ``num_local_experts``; Qwen-MoE's ``num_experts``, ``moe_intermediate_size``, shared expert,
+    ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's ``n_routed_experts``,
+    ``n_shared_experts`` and ``first_k_dense_replace``); empty for a dense model."""
+    experts = get("num_local_experts", "num_experts", "n_routed_experts")
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
+        return {}
+    layers = get("num_hidden_layers", "n_layer", "num_layers")
+    top_k = get("num_experts_per_tok", "num_experts_per_token", "moe_topk", default=1)
+    expert_ffn = get("moe_intermediate_size")
+    shared, gate = raw.get("shared_expert_intermediate_size") or 0, False
+    if shared:
+        gate = True  # Qwen2-MoE's shared expert has a sigmoid gate
+    elif raw.get("n_shared_experts") and expert_ffn:
+        shared = int(raw["n_shared_experts"]) * int(expert_ffn)
+    only = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    dense = sum(1 for i in range(layers) if i in only or (i + 1) % step or i < first_dense)
+    return dict(
+        experts=experts,
+        experts_per_token=top_k,
+        expert_ffn=expert_ffn,
+        shared_ffn=int(shared),
+        shared_gate=gate,
+        dense_layers=dense,
     )
 
 

@@ -108,28 +108,42 @@ def config_tensors(cfg: ModelConfig, seq: int = 0, tensor_parallel: int = 1) -> 
 
 
 def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
-    h, f = cfg.hidden, cfg.ffn
+    h = cfg.hidden
     width, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     fused_qkv = cfg.positions == "learned"
     norm = [h, h] if cfg.norm == "layernorm" else [h]
     layer: list[int] = []
     if fused_qkv:
         layer.append(h * (width + 2 * kv) // t)
-        layer += [(width + 2 * kv) // t] if cfg.bias else []
+        layer += [(width + 2 * kv) // t] if cfg.bias or cfg.qkv_bias else []
     else:
         layer += [h * width // t, h * kv // t, h * kv // t]
-        layer += [width // t, kv // t, kv // t] if cfg.bias else []
+        layer += [width // t, kv // t, kv // t] if cfg.bias or cfg.qkv_bias else []
     layer.append(width * h // t)  # attention output (row-parallel)
     layer += [h] if cfg.bias else []
-    up = 1 if cfg.mlp == "gelu" else 2  # GELU: up; SwiGLU: gate and up
-    layer += [h * f // t] * up + [f * h // t]
-    layer += ([f // t] * up + [h]) if cfg.bias else []
     layer += norm * 2
-    out = layer * cfg.layers + norm
+    dense = layer + _mlp_layout(cfg, cfg.ffn, t)
+    out = dense * (cfg.layers - cfg.moe_layers)
+    if cfg.moe_layers:
+        # the router, then each projection of all the experts as one tensor (Hugging Face's
+        # [experts, out, in] parameters), then the shared experts and their gate
+        moe = layer + [h * cfg.experts] + [cfg.experts * n for n in _mlp_layout(cfg, cfg.expert_ffn, t)]
+        if cfg.shared_ffn:
+            moe += _mlp_layout(cfg, cfg.shared_ffn, t) + ([h] if cfg.shared_gate else [])
+        out += moe * cfg.moe_layers
+    out += norm
     vocab_rows = -(-cfg.vocab // t)
     out += [vocab_rows * h] * (1 if cfg.tied_embeddings else 2)
     if cfg.positions == "learned":
         out.append(max(cfg.max_positions, seq) * h)
+    return out
+
+
+def _mlp_layout(cfg: ModelConfig, f: int, t: int) -> list[int]:
+    h = cfg.hidden
+    up = 1 if cfg.mlp == "gelu" else 2  # GELU: up; SwiGLU: gate and up
+    out = [h * f // t] * up + [f * h // t]
+    out += ([f // t] * up + [h]) if cfg.bias else []
     return out
 
 
