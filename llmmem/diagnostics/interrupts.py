@@ -128,6 +128,26 @@ class _Again:
 
 
 _again = None  # an _Again while a counter is open on the main thread
+# Without a signal number to hand to interrupt_main (Python 3.9) or pthread_kill (Windows), a signal
+# cannot be run again later: it is run where it lands, as before.
+_CAN_AGAIN = sys.version_info >= (3, 10) or hasattr(signal, "pthread_kill")
+
+
+def _forget_in_child() -> None:
+    """A child forked while a counter is open has no helper thread, and its copy of the pipe's write
+    end would keep the parent's thread from seeing the pipe closed."""
+    global _again
+    again, _again = _again, None
+    if again is not None:
+        for fd in (again._read, again._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _deferring(handler):
@@ -197,7 +217,7 @@ def defer_signals() -> None:
         if _users > 1:
             return
         _callbacks = _callback_codes()
-        _again = _Again()
+        _again = _Again() if _CAN_AGAIN else None
         for signum in signal.valid_signals():
             try:
                 handler = signal.getsignal(signum)

@@ -522,6 +522,7 @@ def from_hf_config(config) -> ModelConfig:
     ``sdpa`` and flash attention do not; when the config names none, Hugging Face's default for the
     model class, :func:`hf_default_attention`). Multimodal configs are read through their text config.
     """
+    _refuse_non_decoders(config, config.to_dict())  # an encoder-decoder's text config is one of its stacks
     if callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()
     raw = config.to_dict()
@@ -579,7 +580,7 @@ def from_hf_config(config) -> ModelConfig:
         norm="rmsnorm" if rms else "layernorm",
         tied_embeddings=bool(get("tie_word_embeddings", default=True)),
         positions="rotary" if rotary else "learned",
-        max_positions=int(get("max_position_embeddings", "n_positions", default=0) or 0),
+        max_positions=max(0, int(get("max_position_embeddings", "n_positions", default=0) or 0)),
         bias=bool(bias),
         dropout=float(hidden_dropout or 0.0),
         hidden_dropout=float(hidden_dropout or 0.0),
@@ -592,21 +593,44 @@ def from_hf_config(config) -> ModelConfig:
     )
 
 
-# Encoder-only model types (classifiers, masked LMs, vision encoders): read as a decoder-only LM,
-# they would get a vocabulary head they do not have
+# Model types that transformers also maps to a causal LM (as a decoder, with ``is_decoder=True``) but
+# that are encoders, or no transformer decoder, as configured by default
 _ENCODER_TYPES = frozenset(
-    "albert bert camembert convbert deberta deberta-v2 deit distilbert electra ernie ibert layoutlm "
-    "megatron-bert modernbert mpnet nezha roberta roberta-prelayernorm roformer squeezebert vit "
-    "xlm-roberta xlm-roberta-xl yoso beit swin convnext dinov2 clip_vision_model siglip_vision_model".split()
+    "albert bert bert-generation big_bird camembert convbert data2vec-text deberta deberta-v2 deit distilbert "
+    "electra ernie ibert layoutlm megatron-bert modernbert mpnet nezha rembert roberta roberta-prelayernorm "
+    "roformer squeezebert vit xlm xlm-roberta xlm-roberta-xl xmod yoso beit swin convnext dinov2 "
+    "clip_vision_model siglip_vision_model".split()
 )
+_ATTENTION_LAYERS = ("attention", "full_attention", "sliding_attention", "chunked_attention")
+
+
+def _causal_lm_types():
+    """(every model type transformers knows, those it maps to a causal LM), or None without it."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except Exception:  # not installed, or another layout: the lists above only
+        return None
+    return CONFIG_MAPPING_NAMES, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def _refuse_non_decoders(config, raw: dict) -> None:
+    """ValueError, naming the model type and why, for a config that is not a decoder-only
+    transformer (or its mixture of experts): an encoder-decoder, an encoder, a model type that
+    transformers has no causal LM for, a hybrid with state-space or linear-attention layers. A
+    model type transformers does not know (remote code) is read as a decoder."""
     model_type = str(getattr(config, "model_type", "") or type(config).__name__)
+    kinds = raw.get("layer_types") or raw.get("layers_block_type") or []
+    other = sorted({str(k) for k in kinds if str(k) not in _ATTENTION_LAYERS}) if isinstance(kinds, list) else []
+    known = _causal_lm_types()
     if raw.get("is_encoder_decoder"):
         kind = "an encoder-decoder model (two stacks, cross-attention)"
-    elif model_type in _ENCODER_TYPES:
+    elif model_type in _ENCODER_TYPES and not raw.get("is_decoder"):
         kind = "an encoder (no causal LM head)"
+    elif known is not None and model_type in known[0] and model_type not in known[1]:
+        kind = "not a causal language model (transformers maps no *ForCausalLM to it)"
+    elif other or any(k.startswith("mamba_") for k in raw) or "attn_layer_period" in raw:
+        kind = f"a hybrid whose layers are not all attention ({', '.join(other) or 'state-space layers'})"
     else:
         return
     raise ValueError(
@@ -620,17 +644,21 @@ def _hf_experts(raw: dict, get) -> dict:
     ``num_local_experts``; Qwen-MoE's ``num_experts``, ``moe_intermediate_size``, shared expert,
     ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's ``n_routed_experts``,
     ``n_shared_experts`` and ``first_k_dense_replace``); empty for a dense model."""
-    experts = get("num_local_experts", "num_experts", "n_routed_experts")
+    experts = get("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
         return {}
     layers = get("num_hidden_layers", "n_layer", "num_layers")
-    top_k = get("num_experts_per_tok", "num_experts_per_token", "moe_topk", default=1)
+    top_k = get("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", default=1)
     expert_ffn = get("moe_intermediate_size")
     shared, gate = raw.get("shared_expert_intermediate_size") or 0, False
     if shared:
         gate = True  # Qwen2-MoE's shared expert has a sigmoid gate
-    elif raw.get("n_shared_experts") and expert_ffn:
-        shared = int(raw["n_shared_experts"]) * int(expert_ffn)
+    elif raw.get("shared_intermediate_size"):  # GraniteMoeShared: no gate
+        shared = raw["shared_intermediate_size"]
+    else:
+        count = raw.get("n_shared_experts") or raw.get("moe_num_shared_experts")
+        if count and (expert_ffn or raw.get("intermediate_size")):
+            shared = int(count) * int(expert_ffn or raw["intermediate_size"])
     only = set(raw.get("mlp_only_layers") or [])
     step = int(raw.get("decoder_sparse_step") or 1)
     first_dense = int(raw.get("first_k_dense_replace") or 0)

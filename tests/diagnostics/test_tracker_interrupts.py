@@ -255,3 +255,22 @@ def _helper_gone() -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_counter_is_open_does_not_keep_the_helper_thread_alive():
+    """A child forked inside a counter (a DataLoader's workers) closes its copy of the helper's pipe:
+    the helper thread ends when the counter is left, not when the child exits."""
+    with LiveBytes():
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: waits for the parent's check, then leaves without cleanup
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+    try:
+        assert _helper_gone()
+    finally:
+        os.close(w)  # the child reads the end of the pipe and exits
+        os.waitpid(pid, 0)

@@ -92,7 +92,7 @@ def test_reading_needs_no_network_nor_transformers(tmp_path):
         ("[1, 2]", ["model", "JSON list"]),
         (
             json.dumps({"model_type": "resnet", "num_channels": 3, "hidden_sizes": [64]}),
-            ["model", "resnet", "does not know"],
+            ["model", "resnet", "not a causal language model"],
         ),
         (json.dumps({"model_type": "mystery", "num_hidden_layers": 2, "hidden_size": 8}), ["model", "vocab_size"]),
     ],

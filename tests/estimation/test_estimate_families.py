@@ -67,6 +67,17 @@ FAMILIES = {
             num_key_value_heads=2,
         ),
     ),
+    "granitemoe-shared": (
+        "GraniteMoeSharedForCausalLM",
+        "GraniteMoeSharedConfig",
+        dict(
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=40,
+            num_key_value_heads=2,
+        ),
+    ),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(intermediate_size=64, num_key_value_heads=2)),
     "falcon-mqa": ("FalconForCausalLM", "FalconConfig", dict(multi_query=True)),
     "falcon-gqa": ("FalconForCausalLM", "FalconConfig", dict(new_decoder_architecture=True, num_kv_heads=2)),
@@ -144,6 +155,11 @@ def test_a_mixture_of_experts_layer_keeps_what_the_estimate_says():
         ("T5Config", ["'t5'", "encoder-decoder"]),
         ("BartConfig", ["'bart'", "encoder-decoder"]),
         ("BertConfig", ["'bert'", "an encoder"]),
+        ("T5GemmaConfig", ["'t5gemma'", "encoder-decoder"]),
+        ("HubertConfig", ["'hubert'", "not a causal language model"]),
+        ("BigBirdConfig", ["'big_bird'", "an encoder"]),
+        ("JambaConfig", ["'jamba'", "hybrid"]),
+        ("Qwen3NextConfig", ["'qwen3_next'", "hybrid", "linear_attention"]),
     ],
 )
 def test_encoder_decoders_and_encoders_are_refused_naming_them_by_the_api_and_the_cli(
