@@ -604,8 +604,20 @@ _ENCODER_TYPES = frozenset(
 _ATTENTION_LAYERS = ("attention", "full_attention", "sliding_attention", "chunked_attention")
 
 
+# Model types transformers maps to no causal LM that a config reader could take for one (the
+# command line reads config.json files without importing transformers, which imports torch)
+_NON_CAUSAL_TYPES = frozenset(
+    "canine clip_text_model data2vec-audio esm fnet funnel hubert layoutlmv2 layoutlmv3 lilt longformer luke "
+    "markuplm mobilebert mra nomic_bert nystromformer sew sew-d siglip_text_model splinter tapas unispeech "
+    "unispeech-sat visual_bert wav2vec2 wav2vec2-bert wav2vec2-conformer wavlm".split()
+)
+
+
 def _causal_lm_types():
-    """(every model type transformers knows, those it maps to a causal LM), or None without it."""
+    """(every model type transformers knows, those it maps to a causal LM), or None where asking
+    would import transformers' model mappings (and torch) for this (the command line)."""
+    if "torch" not in sys.modules or "transformers" not in sys.modules:
+        return None
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -627,7 +639,9 @@ def _refuse_non_decoders(config, raw: dict) -> None:
         kind = "an encoder-decoder model (two stacks, cross-attention)"
     elif model_type in _ENCODER_TYPES and not raw.get("is_decoder"):
         kind = "an encoder (no causal LM head)"
-    elif known is not None and model_type in known[0] and model_type not in known[1]:
+    elif model_type in _NON_CAUSAL_TYPES or (
+        known is not None and model_type in known[0] and model_type not in known[1]
+    ):
         kind = "not a causal language model (transformers maps no *ForCausalLM to it)"
     elif other or any(k.startswith("mamba_") for k in raw) or "attn_layer_period" in raw:
         kind = f"a hybrid whose layers are not all attention ({', '.join(other) or 'state-space layers'})"
