@@ -411,6 +411,28 @@ class ChainRunner:
             level = _model_caller_stacklevel() if at_model_call else user_stacklevel()
             warnings.warn(message, stacklevel=level)
 
+    def _check_shape(self, h: torch.Tensor) -> None:
+        """Warns once if the chain's input is larger than the one the plan was made for: the plan's
+        peak grows with the tokens of a batch, past its budget. Smaller inputs fit."""
+        profile = getattr(self.plan, "profile", None)
+        planned = int(profile.input_bytes[0]) if profile is not None and len(profile.input_bytes) else 0
+        now = h.numel() * h.element_size()
+        if not planned or now <= planned * 1.05 or "shape" in self._warned:
+            return
+        from llmmem.units import format_bytes
+
+        ratio = now / planned
+        peak = getattr(self.plan, "predicted_peak_bytes", 0) * ratio
+        self._warn_once(
+            "shape",
+            f"llmmem.auto_checkpoint: the plan was made for a first block input of {format_bytes(planned)}; this "
+            f"forward's ({list(h.shape)}, {h.dtype}) is {format_bytes(now)}, {ratio:.2f}x as large. The step's "
+            f"activations grow with it: expect a peak of about {format_bytes(peak)} (more where attention keeps "
+            f"s x s scores) against the budget of {format_bytes(self.plan.budget_bytes)}. Plan with a batch of the "
+            "largest shape the loop will see (warned once).",
+            at_model_call=True,
+        )
+
     def _hidden(self, j: int, args: tuple, kwargs: dict):
         where = self.hidden[j]
         if isinstance(where, int) and where < len(args) and isinstance(args[where], torch.Tensor):
@@ -442,6 +464,8 @@ class ChainRunner:
         if h is None:
             self._pass = None
             return fn(*args, **kwargs)
+        if j == 0:
+            self._check_shape(h)
         st = self._pass
         if st is None or j != st.last + 1 or st.last_out is None or st.last_out() is not h:
             st = self._pass = _Pass()
