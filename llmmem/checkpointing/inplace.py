@@ -47,6 +47,7 @@ from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
 from llmmem.checkpointing.profile import find_hidden, hidden_of, run_call, without_cache
 from llmmem.checkpointing.replay import RngState, accelerator_type, autocast_state
 from llmmem.errors import user_stacklevel
+from llmmem.units import format_bytes
 
 __all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "restore_flags"]
 
@@ -414,15 +415,14 @@ class ChainRunner:
     def _check_shape(self, h: torch.Tensor) -> None:
         """Warns once if the chain's input is larger than the one the plan was made for: the plan's
         peak grows with the tokens of a batch, past its budget. Smaller inputs fit."""
-        profile = getattr(self.plan, "profile", None)
-        planned = int(profile.input_bytes[0]) if profile is not None and len(profile.input_bytes) else 0
-        now = h.numel() * h.element_size()
-        if not planned or now <= planned * 1.05 or "shape" in self._warned:
+        if "shape" in self._warned:
             return
-        from llmmem.units import format_bytes
-
+        planned = int(self.plan.profile.input_bytes[0]) if self.plan.profile.input_bytes else 0
+        now = h.numel() * h.element_size()
+        if not planned or now <= planned * 1.05:
+            return
         ratio = now / planned
-        peak = getattr(self.plan, "predicted_peak_bytes", 0) * ratio
+        peak = self.plan.predicted_peak_bytes * ratio
         self._warn_once(
             "shape",
             f"llmmem.auto_checkpoint: the plan was made for a first block input of {format_bytes(planned)}; this "

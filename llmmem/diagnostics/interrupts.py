@@ -82,14 +82,13 @@ def _in_callback(frame, depth: int = 64) -> bool:
 
 class _Again:
     """A thread that has the interpreter run a signal's handler again once the main thread has left
-    the weak-reference callback the signal landed in (it looks at the main thread's frames between
-    short sleeps). Re-arming from the handler itself would run it again at once, inside the
+    the weak-reference callback or backward pass the signal landed in (it looks at the main
+    thread's frames between short sleeps). Re-arming from the handler itself would run it again at once, inside the
     handler, without end; so would re-arming as soon as this thread runs. The main thread only
     writes a byte to a pipe: no Python lock is taken where the signal landed."""
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
-        self._pid = os.getpid()  # a child forked meanwhile has no such thread: its handlers run
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="llmmem-signals", daemon=True)
         self._thread.start()
@@ -117,11 +116,8 @@ class _Again:
         while _in_callback(frames().get(self._main)):
             time.sleep(0.0002)  # lets the main thread run
 
-    def send(self, signum: int) -> bool:
-        if os.getpid() != self._pid:
-            return False
+    def send(self, signum: int) -> None:
         os.write(self._write, bytes((signum,)))
-        return True
 
     def close(self) -> None:
         os.close(self._write)
@@ -150,14 +146,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def _put_off(signum: int, frame) -> bool:
+    """Hands the signal to the helper thread if it landed in a callback or a backward pass."""
+    again = _again
+    if again is None or not _in_callback(frame):
+        return False
+    again.send(signum)
+    return True
+
+
 def _deferring(handler):
     @functools.wraps(handler)
     def deferred(signum, frame):
         if _here.depth:
             _pending.append((handler, signum, frame))
             return None
-        again = _again
-        if again is not None and _in_callback(frame) and again.send(signum):
+        if _put_off(signum, frame):
             return None
         return handler(signum, frame)
 
@@ -167,8 +171,7 @@ def _deferring(handler):
 def _deliver() -> None:
     while _pending:
         handler, signum, frame = _pending.pop(0)
-        again = _again
-        if again is not None and _in_callback(frame) and again.send(signum):
+        if _put_off(signum, frame):
             continue  # noted inside a callback or a backward pass: run again once it has returned
         handler(signum, frame)  # raises (KeyboardInterrupt): what is left waits for the next exit
 

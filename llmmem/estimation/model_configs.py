@@ -522,11 +522,12 @@ def from_hf_config(config) -> ModelConfig:
     ``sdpa`` and flash attention do not; when the config names none, Hugging Face's default for the
     model class, :func:`hf_default_attention`). Multimodal configs are read through their text config.
     """
-    _refuse_non_decoders(config, config.to_dict())  # an encoder-decoder's text config is one of its stacks
-    if callable(getattr(config, "get_text_config", None)):
-        config = config.get_text_config()
     raw = config.to_dict()
-    _refuse_non_decoders(config, raw)
+    _refuse_non_decoders(config, raw)  # before the text config: an encoder-decoder's is one of its stacks
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if text is not config:
+        config, raw = text, text.to_dict()
+        _refuse_non_decoders(config, raw)
     sizes = {
         "layers": ("num_hidden_layers", "n_layer", "num_layers"),
         "hidden": ("hidden_size", "n_embd", "d_model"),
@@ -564,10 +565,8 @@ def from_hf_config(config) -> ModelConfig:
         bias = not rms  # GPT-2's family has biases; the RMSNorm family (Llama, Mixtral, Qwen) none past q/k/v
     heads = get("num_attention_heads", "n_head")
     kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
-    if raw.get("multi_query") and not raw.get("new_decoder_architecture"):
+    if raw.get("multi_query") and (kv_heads is None or not raw.get("new_decoder_architecture")):
         kv_heads = 1  # Falcon's multi-query attention: one key/value head
-    elif kv_heads is None and raw.get("multi_query"):
-        kv_heads = 1
     return ModelConfig(
         layers=get("num_hidden_layers", "n_layer", "num_layers"),
         hidden=get("hidden_size", "n_embd", "d_model"),
