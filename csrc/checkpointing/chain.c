@@ -22,6 +22,7 @@ void plan_costs_free(plan_costs_t *c) {
   free(c->fnt);
   free(c->bt);
   free(c->kept);
+  free(c->reach);
   memset(c, 0, sizeof *c);
 }
 
@@ -75,6 +76,10 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
       LLMMEM_CHECK_ARG(chain->mode_nestable[k] <= 1, "mode_nestable[%d] must be 0 or 1, got %u", k,
                        (unsigned)chain->mode_nestable[k]);
 
+  if (chain->cut_before)
+    for (int32_t i = 0; i < L; i++)
+      LLMMEM_CHECK_ARG(chain->cut_before[i] <= 1, "cut_before[%d] must be 0 or 1, got %u", i,
+                       (unsigned)chain->cut_before[i]);
   if (chain->output_kept)
     for (size_t i = 0; i < LK; i++)
       LLMMEM_CHECK_ARG(chain->output_kept[i] <= 1, "output_kept[%zu] must be 0 or 1, got %u", i,
@@ -94,7 +99,9 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->fnt = calloc((size_t)L, sizeof(uint64_t));
   out->bt = calloc(LK, sizeof(uint64_t));
   out->kept = calloc(LK, 1);
-  if (!out->f || !out->fn || !out->b || !out->x || !out->s || !out->ft || !out->fnt || !out->bt || !out->kept) {
+  out->reach = malloc((size_t)L * sizeof(int32_t));
+  if (!out->f || !out->fn || !out->b || !out->x || !out->s || !out->ft || !out->fnt || !out->bt || !out->kept ||
+      !out->reach) {
     plan_costs_free(out);
     return LLMMEM_FAIL(LLMMEM_ERR_NOMEM, "cannot allocate the planner's copy of a %d-block chain", L);
   }
@@ -117,6 +124,11 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   if (chain->output_kept) memcpy(out->kept, chain->output_kept, LK);
   out->bw = chain->host_bandwidth;
   for (int32_t k = 0; k < K; k++) out->nest[k] = chain->mode_nestable ? chain->mode_nestable[k] : (uint8_t)(k == 0);
+  int cuts = 0;
+  for (int32_t i = L - 1, next = L; i >= 0; i--) {
+    out->reach[i] = next;
+    if (i > 0 && chain->cut_before && chain->cut_before[i]) next = i, cuts = 1;
+  }
 
   /* No recompute holds the last block or a_L, so the fast path needs only blocks 0..L-2 and
    * a_0..a_{L-1} alike: the last block may differ (a model's head and loss, from the Python side). */
@@ -126,7 +138,7 @@ llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *
   out->identical = same_x && all_rows_equal_d(out->f, Lr, K) && all_rows_equal_d(out->fn, Lr, 1) &&
                    all_rows_equal_d(out->b, Lr, K) && all_rows_equal_u(out->s, Lr, K) &&
                    all_rows_equal_u(out->ft, Lr, K) && all_rows_equal_u(out->fnt, Lr, 1) &&
-                   all_rows_equal_u(out->bt, Lr, K);
+                   all_rows_equal_u(out->bt, Lr, K) && !cuts; /* a cut makes R(s, e) depend on s */
   /* (kept is not part of it: it only matters in the top-level rows, which are per block anyway) */
   return LLMMEM_OK;
 }

@@ -66,7 +66,7 @@ static void need_segment(const plan_costs_t *c, int32_t s, int32_t e, uint64_t *
   }
   uint64_t fneed = 0;
   double fsum = 0.0;
-  for (int32_t q = s + 1; q < e; q++) {
+  for (int32_t q = s + 1; q < e && plan_region_ok(c, s, q); q++) {
     fneed = MAXU(fneed, (q - 1 > s ? c->x[q - 1] : 0) + c->x[q] + c->fnt[q - 1]);
     fsum += c->fn[q - 1];
     const uint64_t rest = top ? needT[q] : needR[rowR(c, q, e)];

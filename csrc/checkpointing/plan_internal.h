@@ -13,19 +13,23 @@
  * Owns its arrays (plan_chain_free). */
 typedef struct plan_costs_s {
   int32_t L, K;
-  double *f;     /* [i*K+k] tape forward time */
-  double *fn;    /* [i] no-store forward time */
-  double *b;     /* [i*K+k] backward time */
-  uint64_t *x;   /* [i], i = 0..L */
-  uint64_t *s;   /* [i*K+k] saved bytes beyond the input */
-  uint64_t *ft;  /* [i*K+k] forward transient keeping a tape in mode k */
-  uint64_t *fnt; /* [i] forward transient inside a region (no tape) */
-  uint64_t *bt;  /* [i*K+k] backward transient */
-  uint8_t *kept; /* [i*K+k] block i's tape in mode k keeps a_{i+1} */
-  double bw;     /* host<->device bytes per time unit; 0: no offloading */
+  double *f;      /* [i*K+k] tape forward time */
+  double *fn;     /* [i] no-store forward time */
+  double *b;      /* [i*K+k] backward time */
+  uint64_t *x;    /* [i], i = 0..L */
+  uint64_t *s;    /* [i*K+k] saved bytes beyond the input */
+  uint64_t *ft;   /* [i*K+k] forward transient keeping a tape in mode k */
+  uint64_t *fnt;  /* [i] forward transient inside a region (no tape) */
+  uint64_t *bt;   /* [i*K+k] backward transient */
+  uint8_t *kept;  /* [i*K+k] block i's tape in mode k keeps a_{i+1} */
+  double bw;      /* host<->device bytes per time unit; 0: no offloading */
+  int32_t *reach; /* [i] the end of the longest region that may start at block i: the next cut, or L */
   uint8_t nest[LLMMEM_PLAN_MAX_MODES];
   int identical; /* 1 when blocks 0..L-2 have the same costs and a_0..a_{L-1} the same size (chain.c) */
 } plan_costs_t;
+
+/* May region [s, e) exist? Not across a cut (checkpointing.h: cut_before). */
+static inline int plan_region_ok(const plan_costs_t *c, int32_t s, int32_t e) { return e <= c->reach[s]; }
 
 /* Checks every field (names the bad one in the error detail) and copies it into *out. */
 llmmem_status_t plan_costs_load(const llmmem_plan_chain_t *chain, plan_costs_t *out);

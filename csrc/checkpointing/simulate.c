@@ -164,6 +164,12 @@ llmmem_status_t plan_simulate_costs(const plan_costs_t *c, const llmmem_plan_t *
                            regs[r].start, regs[r].end, L);
       goto done;
     }
+    if (!plan_region_ok(c, regs[r].start, regs[r].end)) {
+      status = LLMMEM_FAIL(LLMMEM_ERR_INVALID,
+                           "plan region [%d, %d) spans a cut: block %d's input is not block %d's output (cut_before)",
+                           regs[r].start, regs[r].end, c->reach[regs[r].start], c->reach[regs[r].start] - 1);
+      goto done;
+    }
   }
   qsort(regs, (size_t)R, sizeof *regs, region_order);
   /* node 0 is the whole chain; region r is node r + 1 */

@@ -98,7 +98,7 @@ static void fill_offload(dp_t *dp, int32_t s, float *best) {
   const int32_t L = c->L;
   const int64_t W = dp->M + 1;
   int64_t fneed = 0;
-  for (int32_t q = s + 1; q <= L - 1; q++) {
+  for (int32_t q = s + 1; q <= L - 1 && plan_region_ok(c, s, q); q++) {
     fneed = region_fneed(dp, s, q, fneed);
     const int64_t xq = dp->x[q];
     const int64_t lo = max64(fneed, xq);
@@ -144,7 +144,7 @@ static void fill_row(dp_t *dp, int32_t s, int32_t e) {
    * region length e - q then rest q - s; the shorter region re-runs fewer forwards (and needs no
    * more memory: its forward need is the same for any length >= 2), so lengths <= half suffice. */
   const int32_t q_last = (c->identical && !top) ? s + (e - s) / 2 : e - 1;
-  for (int32_t q = s + 1; q <= q_last; q++) {
+  for (int32_t q = s + 1; q <= q_last && plan_region_ok(c, s, q); q++) {
     fneed = region_fneed(dp, s, q, fneed);
     const int64_t xq = dp->x[q];
     const int64_t lo = max64(fneed, xq);
@@ -180,7 +180,7 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m, int allow
     if (isfinite(v) && fabsf(v - target) < best_gap) best_gap = fabsf(v - target), best_choice = k;
   }
   int64_t fneed = 0;
-  for (int32_t q = s + 1; q < e; q++) {
+  for (int32_t q = s + 1; q < e && plan_region_ok(c, s, q); q++) {
     fneed = region_fneed(dp, s, q, fneed);
     const int64_t xq = dp->x[q];
     if (m < max64(fneed, xq)) continue;
@@ -190,7 +190,7 @@ static int32_t choose(const dp_t *dp, int32_t s, int32_t e, int64_t m, int allow
   }
   if (top && allow_offload && plan_offload_ok(c, s)) {
     fneed = 0;
-    for (int32_t q = s + 1; q < e; q++) {
+    for (int32_t q = s + 1; q < e && plan_region_ok(c, s, q); q++) {
       fneed = region_fneed(dp, s, q, fneed);
       const int64_t xq = dp->x[q];
       if (m < max64(fneed, xq)) continue;

@@ -138,8 +138,10 @@ llmmem_status_t plan_best_uniform(const plan_costs_t *c, uint64_t budget, llmmem
   }
   double best_time = *found ? pred->time : INFINITY;
   int won = 0;
-  /* regions hold their blocks in mode 0, which must be nestable for them to be plans at all */
-  const int regions_ok = c->nest[0] && L >= 2;
+  /* regions hold their blocks in mode 0, which must be nestable for them to be plans at all; the
+   * uniform regions are cut nowhere, so a chain with cuts has only the one-mode plans here */
+  int regions_ok = c->nest[0] && L >= 2;
+  for (int32_t i = 0; i < L; i++) regions_ok &= c->reach[i] == L;
   for (int family = FAMILY_MODE; family <= FAMILY_SEGMENTS; family++) {
     if (family != FAMILY_MODE && !regions_ok) break;
     const int32_t k_first = family == FAMILY_MODE ? 1 : family == FAMILY_EVERY ? 1 : 2;

@@ -264,6 +264,7 @@ void _llmmem_args_chain_free(args_chain_t *c) {
   free(c->bt);
   free(c->nest);
   free(c->kept);
+  free(c->cut);
   memset(c, 0, sizeof *c);
 }
 
@@ -347,13 +348,33 @@ int _llmmem_args_chain(const args_value_t *dict, args_chain_t *cs, args_error_t 
       goto fail;
     }
   }
+  const args_value_t *cut = chain_key(dict, "cut_before", 0, e);
+  if (cut) {
+    uint64_t *tmp = malloc(L * sizeof *tmp);
+    if (!tmp || !(cs->cut = malloc(L))) {
+      free(tmp);
+      goto nomem;
+    }
+    const int bad = read_key(cut, "cut_before", L, 0, 1, tmp, e);
+    size_t at = L;
+    for (size_t i = 0; bad == 0 && i < L; i++) {
+      if (tmp[i] > 1 && at == L) at = i;
+      cs->cut[i] = (uint8_t)(tmp[i] != 0);
+    }
+    free(tmp);
+    if (bad < 0) goto fail;
+    if (at < L) {
+      fail(e, ARGS_VALUE, "plan: chain['cut_before'][%zu] must be 0 or 1", at);
+      goto fail;
+    }
+  }
   double host_bandwidth = 0.0;
   if (bw && _llmmem_args_number(bw, "plan: chain['host_bandwidth']", &host_bandwidth, e) < 0) {
     e->status = ARGS_VALUE; /* a malformed chain is a ValueError throughout */
     goto fail;
   }
-  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,   cs->b,          cs->x,   cs->s,
-                                    cs->ft,     cs->bt,     cs->nest, cs->kept, host_bandwidth, cs->fnt, cs->ftk};
+  cs->chain = (llmmem_plan_chain_t){(int32_t)L, (int32_t)K, cs->f,    cs->fn,         cs->b,   cs->x,   cs->s,  cs->ft,
+                                    cs->bt,     cs->nest,   cs->kept, host_bandwidth, cs->fnt, cs->ftk, cs->cut};
   return 0;
 nomem:
   fail(e, ARGS_NOMEM, "plan: no memory for a chain of %zu blocks", L);

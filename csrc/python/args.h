@@ -109,7 +109,7 @@ typedef struct args_chain_s {
   llmmem_plan_chain_t chain;
   double *f, *fn, *b;
   uint64_t *x, *s, *ft, *fnt, *ftk, *bt;
-  uint8_t *nest, *kept;
+  uint8_t *nest, *kept, *cut;
 } args_chain_t;
 
 /* On failure nothing stays allocated. Free a parsed store with _llmmem_args_chain_free. */

@@ -6,7 +6,7 @@
  *   fwd_time [L][K], bwd_time [L][K], input_bytes [L+1], saved_bytes [L][K] (required);
  *   fwd_nostore_time [L], fwd_tmp_bytes [L], fwd_nostore_tmp_bytes [L] and fwd_tape_tmp_bytes [L][K]
  *   (absent: fwd_tmp_bytes),
- *   bwd_tmp_bytes [L][K], mode_nestable [K], output_kept [L][K],
+ *   bwd_tmp_bytes [L][K], mode_nestable [K], output_kept [L][K], cut_before [L],
  *   host_bandwidth (a number, bytes per time unit; 0 or absent: no offloading) (optional).
  * Regions come back as (start, end) pairs, with the offloaded ones listed again under "offloaded";
  * plan_simulate takes (start, end) or (start, end, offload) tuples.

@@ -16,7 +16,9 @@ from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpoint
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, check_distinct, profile_model, run_mode
+from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
+from llmmem.checkpointing.reshape import ShapePlans
+from llmmem.checkpointing.stacks import Stack, find_blocks, resolve_blocks
 from llmmem.units import format_bytes
 
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
@@ -99,60 +101,6 @@ class AutoCheckpointed(nn.ModuleList):
         return iter([_Step(self, firsts.get(i)) for i in range(len(self))])
 
 
-def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
-    """``(name, blocks)``: the chain of repeated blocks of ``model``.
-
-    ``blocks=None``: the longest ``nn.ModuleList`` or ``nn.Sequential`` whose children (at least two)
-    are all of one class, the first found (outermost) on a tie (a transformer's layers). Or name it:
-    a dotted path (``"model.layers"``), the container itself, or a list of ``model``'s submodules.
-    """
-    name, found = _find_blocks(model, blocks)
-    check_distinct(found, f"auto_checkpoint: {name!r}")
-    return name, found
-
-
-def _find_blocks(model: nn.Module, blocks) -> tuple[str, list]:
-    if blocks is None:
-        best = None
-        for name, m in model.named_modules():
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and len({type(c) for c in m}) == 1:
-                if best is None or len(m) > len(best[1]):
-                    best = (name, list(m))
-        if best is None:
-            raise ValueError(
-                f"auto_checkpoint: found no nn.ModuleList or nn.Sequential of two or more blocks of one class in "
-                f"{type(model).__name__}; name the blocks with blocks= (a path such as 'model.layers', or the modules)"
-            )
-        return best
-    if isinstance(blocks, str):
-        try:
-            container = model.get_submodule(blocks)
-        except AttributeError as e:
-            raise ValueError(
-                f"auto_checkpoint: blocks={blocks!r} is not a submodule of {type(model).__name__} ({e})"
-            ) from None
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
-            raise ValueError(
-                f"auto_checkpoint: blocks={blocks!r} is a {type(container).__name__}; expected a non-empty "
-                "nn.ModuleList or nn.Sequential"
-            )
-        return blocks, list(container)
-    if isinstance(blocks, (nn.ModuleList, nn.Sequential, list, tuple)):
-        found = list(blocks)
-        if not found or not all(isinstance(b, nn.Module) for b in found):
-            raise TypeError("auto_checkpoint: blocks must hold one or more nn.Module")
-        names = {id(m): n for n, m in model.named_modules()}
-        name = names.get(id(blocks))
-        outside = [i for i, b in enumerate(found) if id(b) not in names]
-        if outside:
-            raise ValueError(f"auto_checkpoint: blocks[{outside[0]}] is not a submodule of {type(model).__name__}")
-        return (name if name is not None else f"{len(found)} blocks"), found
-    raise TypeError(
-        f"auto_checkpoint: blocks must be None, a dotted submodule path, an nn.ModuleList/nn.Sequential or a list "
-        f"of modules, got {type(blocks).__name__}"
-    )
-
-
 class AutoCheckpointPlan:
     """A plan running in place on a model's blocks (what :func:`auto_checkpoint` returns for a model).
 
@@ -177,9 +125,12 @@ class AutoCheckpointPlan:
         plan: CheckpointPlan,
         planning_time: float,
         watch: OutputWatch | None = None,
+        stacks: tuple = (),
     ):
         self.model = model
         self.blocks_name = name
+        # every stack found: those planned (in the order the model runs them), then those left out
+        self.stacks = tuple(stacks) or (Stack(name, tuple(runner.blocks)),)
         self.runner = runner
         self.plan = plan
         self.planning_time = planning_time
@@ -201,6 +152,21 @@ class AutoCheckpointPlan:
     @property
     def profile(self) -> ChainProfile:
         return self.plan.profile
+
+    @property
+    def current(self):
+        """The :class:`~llmmem.checkpointing.plan.CheckpointPlan` the last forward pass ran: ``plan``,
+        or the one made for that pass's shape (``replan=True``)."""
+        return self.runner.plan
+
+    @property
+    def replans(self) -> dict:
+        """The plans made for other shapes than the sample's: ``{ratio of the chain input's bytes to
+        the sample's (the bucket's largest): plan}``."""
+        shapes = self.runner.shapes
+        if shapes is None:
+            return {}
+        return {shapes.ratio(k): p for k, p in sorted(shapes.plans.items()) if k != 0}
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name in ("plan", "runner", "watch"):
@@ -246,18 +212,35 @@ class AutoCheckpointPlan:
         blocks = self.runner.blocks
         kinds = sorted({type(b).__name__ for b in blocks})
         state = "" if self.active else " (removed)"
+        planned = [s for s in self.stacks if s.planned]
+        where = (
+            f"at {self.blocks_name!r}"
+            if len(planned) == 1
+            else f"in {len(planned)} stacks, {', '.join(s.describe() for s in planned)}"
+        )
         head = [
             f"llmmem.auto_checkpoint on {type(self.model).__name__}: {len(blocks)} blocks "
-            f"({', '.join(kinds)}) at {self.blocks_name!r}{state}; planned in {self.planning_time:.2f} s",
+            f"({', '.join(kinds)}) {where}{state}; planned in {self.planning_time:.2f} s",
         ]
-        if not self.plan.profile.chainable:
+        head += [f"  left out: {s.describe()}" for s in self.stacks if not s.planned]
+        cuts = [i for i, c in enumerate(self.plan.profile.cuts) if c]
+        if cuts:
             head.append(
-                "  (the model changes a block's input between blocks: regions hold one block each, store-input-only)"
+                f"  (the model changes the chain's input before block(s) {', '.join(map(str, cuts))}: no region "
+                "spans them)"
+            )
+        if not self.plan.profile.chainable:
+            between = "stacks" if len(planned) > 1 else "blocks"
+            head.append(
+                f"  (the model changes a block's input between {between}: regions hold one block each, "
+                "store-input-only)"
             )
         fused = self._fused_head_line()
         if fused is not None:
             head.append(fused)
-        return "\n".join(head) + "\n" + self.plan.describe()
+        shapes = self.runner.shapes
+        tail = "" if shapes is None else "".join("\n" + line for line in shapes.describe())
+        return "\n".join(head) + "\n" + self.plan.describe() + tail
 
     def __str__(self) -> str:
         return self.describe()
@@ -297,6 +280,7 @@ def auto_checkpoint(
     offload: bool = False,
     host_bandwidth: float | None = None,
     repeats: int = 5,
+    replan: bool = True,
     **options,
 ):
     """Plan activation checkpointing for a memory budget and run it.
@@ -331,6 +315,11 @@ def auto_checkpoint(
     :param profile: a :class:`ChainProfile` to plan from instead of profiling (e.g. ``plan.profile``
         of an earlier call, for another budget).
     :param repeats: timed repeats (median) that turn the planner's work units into seconds.
+    :param replan: for a model: at a batch of another size or length than the sample's, plan again
+        from the profile, scaled (no new profiling; a fractional budget is re-derived at that shape,
+        bytes stay bytes), once per bucket of shapes within 1.25x of each other
+        (:mod:`llmmem.checkpointing.reshape`); ``False``: keep the plan, and warn once when an input
+        is larger than the sample's.
     :param options: for a model: ``preserve_rng_state``, ``determinism_check``, ``early_stop`` (as in
         :func:`llmmem.checkpoint`); for a bare chain, any :func:`llmmem.checkpoint` option.
     :raises llmmem.InfeasibleError: (a ``ValueError``) stating the smallest feasible budget.
@@ -384,7 +373,13 @@ def auto_checkpoint(
         )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
         raise ValueError(f"auto_checkpoint: repeats must be an int >= 0, got {repeats!r}")
-    name, block_list = find_blocks(model, blocks)
+    if not isinstance(replan, bool):
+        raise TypeError(f"auto_checkpoint: replan must be True or False, got {replan!r}")
+    stacks = resolve_blocks(model, blocks)
+    planned = [s for s in stacks if s.planned]
+    block_list = [b for s in planned for b in s.blocks]
+    name = " + ".join(s.name for s in planned)
+    starts = [sum(len(s.blocks) for s in planned[:i]) for i in range(len(planned))]
     for i, b in enumerate(block_list):
         if "_llmmem_chain" in b.__dict__:
             raise ValueError(
@@ -404,13 +399,19 @@ def auto_checkpoint(
     flags = checkpointing_flags_off(block_list)  # the plan takes over from Hugging Face's own checkpointing
     try:
         if profile is None:
-            profile = profile_model(model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0)
+            profile = profile_model(
+                model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0, stack_starts=starts
+            )
         with _errors_say_auto_checkpoint():
             plan = plan_checkpoints(
                 None, budget=budget, profile=profile, slots=slots, offload=offload, host_bandwidth=host_bandwidth
             )
-        runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags)
+        shapes = None
+        if replan:
+            shapes = ShapePlans(plan, budget, {"slots": slots, "offload": offload, "host_bandwidth": host_bandwidth})
+        runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags, shapes=shapes)
         runner.install()
+        runner.guard(model)
     except BaseException:
         restore_flags(block_list, flags)
         raise
@@ -418,6 +419,6 @@ def auto_checkpoint(
     if profile.step_frees_output:
         # profiled as model(**batch).loss.backward(): a loop keeping the output breaks the budget
         watch = OutputWatch(model, block_list[-1], plan.predicted_peak_bytes, plan.budget_bytes)
-    planned = AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start, watch)
-    runner.owner = planned  # what AutoCheckpointPlan.of finds, in the model and in its copies
-    return planned
+    result = AutoCheckpointPlan(model, name, runner, plan, time.perf_counter() - start, watch, stacks)
+    runner.owner = result  # what AutoCheckpointPlan.of finds, in the model and in its copies
+    return result

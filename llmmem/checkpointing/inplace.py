@@ -302,6 +302,16 @@ def restore_flags(blocks, saved: list) -> None:
             block.__dict__.pop("gradient_checkpointing", None)
 
 
+def _flags_guard(runner, module, args) -> None:
+    """The model's forward pre-hook of :meth:`ChainRunner.guard` (a module-level function, so that
+    a model saved whole keeps it)."""
+    if runner.active and torch.is_grad_enabled():
+        for j, block in enumerate(runner.blocks):
+            if block.__dict__.get("gradient_checkpointing") is True:
+                runner._hf_checkpointing_on_again(j, before_step=True)
+                return
+
+
 def _planned_forward(self, *args, **kwargs):
     """The instance-level ``forward`` of a planned block, as ``functools.partial(_planned_forward,
     block)``: a bound method would be pickled as a lookup of its name on the loaded block, which has
@@ -319,7 +329,7 @@ class ChainRunner:
     :param options: :data:`RUNNER_OPTIONS` of :func:`llmmem.checkpoint`.
     """
 
-    def __init__(self, blocks, plan, hidden, options: dict, saved_flags: list | None = None) -> None:
+    def __init__(self, blocks, plan, hidden, options: dict, saved_flags: list | None = None, shapes=None) -> None:
         unknown = set(options) - set(RUNNER_OPTIONS)
         if unknown:
             raise TypeError(
@@ -327,9 +337,20 @@ class ChainRunner:
                 f"{list(RUNNER_OPTIONS)}"
             )
         self.blocks = list(blocks)
-        self.plan = plan
         self.hidden = list(hidden) if hidden else [0] * len(self.blocks)
         self.options = dict(options)
+        self.shapes = shapes  # a llmmem.checkpointing.reshape.ShapePlans: re-plans at other shapes
+        self._use(plan)
+        self.originals: list = []
+        self._saved_flags = saved_flags
+        self._pass: _Pass | None = None
+        self._warned: set = set()
+        self.active = False
+        self.owner = None  # the AutoCheckpointPlan that runs it, if any
+
+    def _use(self, plan) -> None:
+        """Run ``plan`` from the next forward pass on (the regions of a pass under way keep theirs)."""
+        self.plan = plan
         self.modes = list(plan.modes)
         self.offloaded = set(plan.offloaded)
         regions = sorted({tuple(r) for r in plan.regions}, key=lambda r: (r[0], -r[1]))
@@ -347,12 +368,6 @@ class ChainRunner:
                     direct[rs] = re_
                     reach = re_
             self.children[(s, e)] = direct
-        self.originals: list = []
-        self._saved_flags = saved_flags
-        self._pass: _Pass | None = None
-        self._warned: set = set()
-        self.active = False
-        self.owner = None  # the AutoCheckpointPlan that runs it, if any
 
     # saving --------------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -395,6 +410,12 @@ class ChainRunner:
         """Give every block its own ``forward`` back (and Hugging Face's checkpointing flag)."""
         if not self.active:
             return
+        model = self.__dict__.pop("guarded", None)
+        if model is not None:
+            hooks = model._forward_pre_hooks
+            for key, hook in list(hooks.items()):
+                if isinstance(hook, functools.partial) and hook.func is _flags_guard and hook.args[0] is self:
+                    del hooks[key]
         for block, original in zip(self.blocks, self.originals):
             block.__dict__.pop("_llmmem_chain", None)
             if isinstance(original, types.MethodType) and original.__func__ is type(block).forward:
@@ -411,6 +432,53 @@ class ChainRunner:
             self._warned.add(key)
             level = _model_caller_stacklevel() if at_model_call else user_stacklevel()
             warnings.warn(message, stacklevel=level)
+
+    def guard(self, model) -> None:
+        """Check Hugging Face's checkpointing flags of the blocks at each call of ``model``, before
+        any block runs (a forward pre-hook, removed with the plan)."""
+        model.register_forward_pre_hook(functools.partial(_flags_guard, self))
+        self.guarded = model
+
+    def _hf_checkpointing_on_again(self, j: int, before_step: bool) -> None:
+        """Hugging Face's checkpointing was turned on after planning (``gradient_checkpointing_enable()``,
+        which the Trainer's ``activation_checkpointing=True`` calls): it would wrap each planned block's
+        call in a checkpoint of its own, recomputing the blocks twice. Turned off again (``remove()``
+        turns it back on)."""
+        self._saved_flags = checkpointing_flags_off(self.blocks)
+        when = (
+            "before this step: the plan alone recomputes them"
+            if before_step
+            else "(this step recomputes them twice, the next ones follow the plan)"
+        )
+        self._warn_once(
+            "hf-checkpointing",
+            f"llmmem.auto_checkpoint: Hugging Face's gradient checkpointing was enabled on the planned blocks "
+            f"({type(self.blocks[j]).__name__}) after planning; the plan turns it off again {when}; plan.remove() "
+            "turns it back on. With a plan leave it off: Trainer's activation_checkpointing (gradient_checkpointing) False",
+            at_model_call=True,
+        )
+
+    def _adapt(self, h: torch.Tensor) -> None:
+        """At the start of a forward pass: the plan for this input's shape (re-planned from the
+        profile the first time its bucket is met), or, without re-planning, a warning when the input
+        is larger than the plan's."""
+        if self.shapes is None:
+            self._check_shape(h)
+            return
+        now = h.numel() * h.element_size()
+        plan, new = self.shapes.plan_for(now)
+        if plan is not self.plan:
+            self._use(plan)
+        k = self.shapes.bucket(now)
+        if new and k in self.shapes.infeasible:
+            self._warn_once(
+                f"infeasible{k}",
+                f"llmmem.auto_checkpoint: at this forward's input ({list(h.shape)}, {h.dtype}, {format_bytes(now)}; "
+                f"the plan was made for {format_bytes(self.shapes.input_bytes)}) {self.shapes.infeasible[k][1]}. Running "
+                f"the plan of least memory, predicted peak {format_bytes(plan.predicted_peak_bytes)} (warned once per "
+                "shape)",
+                at_model_call=True,
+            )
 
     def _check_shape(self, h: torch.Tensor) -> None:
         """Warns once if the chain's input is larger than the one the plan was made for: the plan's
@@ -464,8 +532,10 @@ class ChainRunner:
         if h is None:
             self._pass = None
             return fn(*args, **kwargs)
+        if self.blocks[j].__dict__.get("gradient_checkpointing") is True:
+            self._hf_checkpointing_on_again(j, before_step=False)
         if j == 0:
-            self._check_shape(h)
+            self._adapt(h)
         st = self._pass
         if st is None or j != st.last + 1 or st.last_out is None or st.last_out() is not h:
             st = self._pass = _Pass()

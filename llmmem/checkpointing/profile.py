@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import statistics
 import threading
 import time
@@ -564,6 +565,9 @@ class ChainProfile:
     # rows of the last block's chain input (its elements over its last dimension: the tokens a
     # model's LM head reads); 0: unknown (a profile made by hand)
     hidden_rows: int = 0
+    # [L] 1 where block i's input is not block i - 1's output (a second stack of blocks starts
+    # there: a decoder after an encoder): regions end before it. Empty: none.
+    cuts: list = field(default_factory=list)
 
     def to_chain(self, host_bandwidth: float = 0.0, seconds: bool = False) -> dict:
         """The dict the C planner takes (llmmem._C.plan_solve); ``host_bandwidth`` in bytes per
@@ -584,6 +588,8 @@ class ChainProfile:
             "output_kept": [list(r) for r in self.output_kept] if self.output_kept else None,
             "host_bandwidth": float(host_bandwidth),
         }
+        if any(self.cuts):
+            chain["cut_before"] = [int(c) for c in self.cuts]
         if self.head is not None:
             K = len(self.modes)
             chain["fwd_time"].append([0.0] * K)
@@ -601,6 +607,8 @@ class ChainProfile:
             chain["bwd_tmp_bytes"].append([int(self.head["bwd_tmp_bytes"])] * K)
             if chain["output_kept"] is not None:
                 chain["output_kept"].append([0] * K)
+            if "cut_before" in chain:
+                chain["cut_before"].append(0)
         return chain
 
     @property
@@ -1222,7 +1230,7 @@ class StepRecord:
     """What one real step of a model says about its chain of blocks (bytes, measured)."""
 
     calls: list
-    chainable: bool
+    links: list  # [L] block i's input is block i - 1's output (links[0]: True)
     output_bytes: int
     static_bytes: int
     head: dict
@@ -1252,16 +1260,18 @@ def _no_backward_error(model, blocks: list, differentiated: list) -> ValueError:
     )
 
 
-def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRecord:
+def record_step(model, blocks: list, step: Callable[[], None], device, stack_starts: Sequence[int] = ()) -> StepRecord:
     """Run ``step`` once with hooks on ``blocks``: each block's first call (copied), whether each
     block's input is the previous block's output (identity), and the activation bytes of the step
     around the chain (:class:`ActivationMeter` marks: the chain's start and end, the start of the
     backward, the end of the head's backward, the end of the chain's backward). The blocks run
     without a graph and unmetered (:class:`_PassThrough`): their own costs are profiled one by one
     afterwards. Parameter gradients are not activations; the caller restores them and the random
-    state."""
+    state. ``stack_starts``: where each stack of ``blocks`` starts (an encoder's, then a decoder's):
+    the step must run them in that order, one after the other."""
     L = len(blocks)
     calls: list = [None] * L
+    order: list = [None] * L  # when each block was first called
     links = [False] * L
     outs: list = [None] * L
     memo: dict = {}
@@ -1277,6 +1287,8 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
     # What the blocks' tapes would hold until the chain's backward (their inputs made before the
     # chain: the first block's input, masks, position embeddings); without tapes here, held by hand.
     held: dict = {}
+    side: dict = {}  # storage -> bytes of the tensors blocks make for later blocks (beyond the chain input)
+    own = {_storage_key(t) for t in itertools.chain(model.parameters(), model.buffers())}
 
     def on_chain_grad(_grad):
         if "chain_done" not in done:
@@ -1298,15 +1310,23 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
             done["block_started"] = True
             if calls[i] is not None:
                 return
+            order[i] = len(done.setdefault("called", []))
+            done["called"].append(i)
             previous = outs[i - 1]() if i > 0 and outs[i - 1] is not None else None
             where, linked = find_hidden(args, kwargs, previous)
             if where is None:
                 raise TypeError(f"auto_checkpoint: block {i} ({type(module).__name__}) was called with no tensor")
             links[i] = linked
-            for t in pytree.tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and meter.counted_bytes(t):
-                    held[id(t)] = t
             h = args[where] if isinstance(where, int) else kwargs[where]
+            for t in pytree.tree_leaves((args, kwargs)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if meter.counted_bytes(t):
+                    held[id(t)] = t
+                elif t is not h and t.numel() and _storage_key(t) not in own:
+                    # made by an earlier block (which runs unmetered here) and given to later ones,
+                    # as T5's position bias: held until the chain's backward, by their tapes
+                    side[_storage_key(t)] = t.untyped_storage().nbytes()
             call = BlockCall(tuple(args), dict(kwargs), where, input_grad=h.requires_grad)
             if i == 0:
                 meter.mark("chain_start")
@@ -1344,8 +1364,15 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
         where = calls[i].hidden
         h = args[where] if isinstance(where, int) else kwargs[where]
         args, kwargs, _ = without_cache(args, kwargs)
-        with torch.no_grad(), _disable_current_modes():
+        with _disable_current_modes():
             out = forward(*args, **kwargs)
+        # The block's graph goes at once; its other outputs keep whether they need a gradient (T5's
+        # position bias, made by a layer for the layers after it: a block keeps more for backward
+        # when it does, so the later blocks' calls are recorded as they run).
+        y = hidden_of(out)
+        out = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t is not y) if t.requires_grad else t, out
+        )
         y = hidden_of(out)
         others = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t is not h]
         if isinstance(h, torch.Tensor) and h.requires_grad:
@@ -1403,6 +1430,14 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
             f"auto_checkpoint: the sample step did not call block(s) {missing[:8]} of the {L} blocks; give the "
             "blocks the step runs (blocks=...)"
         )
+    for k in stack_starts:
+        if 0 < k < L and order[k] < order[k - 1]:
+            raise ValueError(
+                f"auto_checkpoint: the step ran block {k} ({type(blocks[k]).__name__}, the first of a stack) before "
+                f"block {k - 1} ({type(blocks[k - 1]).__name__}, the last of the stack before it): the planner needs "
+                "stacks the model runs one after the other; give them in that order as blocks=[path, ...], or one "
+                "stack as blocks="
+            )
     if not all(differentiated):
         raise _no_backward_error(model, blocks, differentiated)
     marks = meter.marks
@@ -1418,7 +1453,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
     static = max(0, live_p - sizes.get("x0", 0))
     # After the head's backward the planner has the chain's forward state back, with the gradient of
     # a_L; anything more (an output the step still holds) is held through the chain's backward too.
-    static += max(0, live_c - live_a - out)
+    static += max(0, live_c - live_a - out) + sum(side.values())
     head = {
         "saved_bytes": max(0, live_b - live_a),
         "fwd_tmp_bytes": max(0, peak_ab - live_b),
@@ -1428,7 +1463,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device) -> StepRe
     tail = marks.get("backward_end", marks["end"])
     return StepRecord(
         calls=calls,
-        chainable=all(links[1:]),
+        links=[True] + links[1:],
         output_bytes=out,
         static_bytes=static,
         head=head,
@@ -1447,6 +1482,7 @@ def profile_model(
     repeats: int = 5,
     warmup: int = 1,
     runs: Sequence[Callable] | None = None,
+    stack_starts: Sequence[int] = (),
 ) -> ChainProfile:
     """Profile the chain ``blocks`` of ``model`` as one real step on ``sample`` runs it (see
     :func:`sample_step`): each block called with the arguments the model gave it, and the bytes the
@@ -1461,7 +1497,11 @@ def profile_model(
     step = sample_step(model, sample)
     params = list(model.parameters())
     with kept_state(params, {device, *(p.device for p in params)}):
-        rec = record_step(model, blocks, step, device)
+        rec = record_step(model, blocks, step, device, stack_starts)
+        # Regions span the blocks that feed each other; where no two do, each block is checkpointed
+        # alone (the store-input-only mode), else regions end where the chain is cut.
+        linked = rec.links[1:]
+        chainable = all(linked) or any(linked)
         stripped = []
         for c in rec.calls:
             args, kwargs, _ = without_cache(c.args, c.kwargs)
@@ -1472,11 +1512,13 @@ def profile_model(
             modes=modes,
             repeats=repeats,
             warmup=warmup,
-            chainable=rec.chainable,
+            chainable=chainable,
             runs=runs,
             output_bytes=rec.output_bytes,
         )
     prof.head = rec.head
+    if chainable and not all(linked):
+        prof.cuts = [0] + [int(not link) for link in linked]
     prof.step_frees_output = not is_step(sample)
     prof.static_bytes = rec.static_bytes
     prof.outside_peak_bytes = rec.outside_peak_bytes

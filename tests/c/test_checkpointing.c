@@ -19,7 +19,7 @@
 typedef struct chain_buf_s {
   double f[MAXL * MAXK], fn[MAXL], b[MAXL * MAXK];
   uint64_t x[MAXL + 1], s[MAXL * MAXK], ft[MAXL], fnt[MAXL], ftk[MAXL * MAXK], bt[MAXL * MAXK];
-  uint8_t nest[MAXK], kept[MAXL * MAXK];
+  uint8_t nest[MAXK], kept[MAXL * MAXK], cut[MAXL];
   llmmem_plan_chain_t chain;
 } chain_buf_t;
 
@@ -204,6 +204,42 @@ int main(void) {
       }
     }
     CHECK(cases == 30 * NBUDGETS);
+  }
+
+  TEST("with cuts (a second stack starts): the DP equals brute force over the plans that span none") {
+    long refused = 0;
+    for (int32_t trial = 0; trial < 16; trial++) {
+      const int32_t L = trial == 0 ? 6 : 2 + (int32_t)(th_rand(&rng) % 4);
+      const int32_t K = trial == 0 ? 1 : 1 + (int32_t)(th_rand(&rng) % 2);
+      chain_buf_t cb;
+      random_chain(&cb, L, K, &rng, trial % 4 == 3);
+      for (int32_t i = 1; i < L; i++) cb.cut[i] = trial == 0 ? i == 3 : th_rand(&rng) % 3 == 0;
+      cb.chain.cut_before = cb.cut;
+      uint64_t least = 0;
+      CHECK_OK(llmmem_plan_min_budget(&cb.chain, &least));
+      uint64_t budgets[NBUDGETS] = {least, least + th_rand(&rng) % (least + 2), least + 1, 4 * least};
+      brute_t bf;
+      brute_force(&cb.chain, budgets, &bf); /* plans across a cut are refused by the simulator */
+      refused += bf.sim_failures;
+      CHECK(bf.plans > 0 && least == bf.least_peak);
+      for (int i = 0; i < NBUDGETS; i++) {
+        int32_t mode[64];
+        llmmem_plan_region_t regions[128];
+        llmmem_plan_t plan = {mode, regions, 128, 0};
+        llmmem_plan_prediction_t p;
+        CHECK_OK(llmmem_plan_solve(&cb.chain, budgets[i], (int32_t)budgets[i], 0, &plan, &p, NULL));
+        CHECK(p.peak_bytes <= budgets[i] && close_enough(p.time, bf.best_time[i]));
+        for (int32_t r = 0; r < plan.n_regions; r++)
+          for (int32_t c = regions[r].start + 1; c < regions[r].end; c++) CHECK(!cb.cut[c]);
+      }
+    }
+    CHECK(refused > 0);
+    chain_buf_t cb;
+    random_chain(&cb, 3, 1, &rng, 0);
+    cb.cut[1] = 2;
+    cb.chain.cut_before = cb.cut;
+    uint64_t least = 0;
+    CHECK(llmmem_plan_min_budget(&cb.chain, &least) == LLMMEM_ERR_INVALID);
   }
 
   TEST("more budget never gives more predicted time; the peak always fits") {

@@ -125,6 +125,47 @@ def test_takes_over_hugging_face_checkpointing_and_gives_it_back():
     assert all("forward" not in layer.__dict__ for layer in model.transformer.h)
 
 
+def _mlp_calls(model, step) -> int:
+    """How many times the layers' MLPs ran in ``step``: once each without checkpointing, once more
+    per recompute."""
+    calls = []
+    handles = [layer.mlp.register_forward_pre_hook(lambda *_: calls.append(1)) for layer in model.model.layers]
+    try:
+        step_memory(model, step)
+    finally:
+        for h in handles:
+            h.remove()
+    return len(calls)
+
+
+def test_hugging_face_checkpointing_enabled_after_planning_is_turned_off_again():
+    """What ``Trainer(gradient_checkpointing=True)`` does to a model planned before it: warned once,
+    Hugging Face's checkpointing off again before the step, the plan's recomputes only, gradients
+    exact; ``remove()`` gives the user's switch back."""
+    batch = lm_batch()
+    model = tiny_llama("sdpa", dropout=0.0)
+    ref = copy.deepcopy(model)
+    step_memory(ref, _step(ref, batch))
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=0)
+    planned_calls = _mlp_calls(model, _step(model, batch))
+    assert planned_calls > len(model.model.layers)  # the plan recomputes some
+    model.gradient_checkpointing_enable()
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            calls = _mlp_calls(model, _step(model, batch))
+        said = [w for w in caught if "enabled on the planned blocks" in str(w.message)]
+        assert len(said) == (1 if step == 0 else 0)
+        if said:
+            assert "before this step" in str(said[0].message) and said[0].filename == __file__
+        assert calls == planned_calls  # never Hugging Face's checkpoint around the plan's
+        assert same_grads(grads(model), grads(ref))
+        assert not any(layer.gradient_checkpointing for layer in model.model.layers)  # the truth
+    plan.remove()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)  # as the user asked
+    assert not model._forward_pre_hooks
+
+
 @pytest.mark.cuda
 def test_hugging_face_llama_on_cuda():
     """On a GPU: the measured peak (tensor bytes, and the allocator's) within the budget."""

@@ -45,8 +45,9 @@ def random_chain(L, K, rnd, identical=False):
     }
 
 
-def all_plans(L, K, nestable, offloadable=(), kept=None):
-    """Every plan: properly nested regions (no region twice) and a mode per block; a top-level
+def all_plans(L, K, nestable, offloadable=(), kept=None, cuts=None):
+    """Every plan: properly nested regions (no region twice, none across a cut: ``cuts[i]`` set
+    where block i's input is not block i - 1's output) and a mode per block; a top-level
     region starting at a block in ``offloadable`` comes both plain and offloaded ((s, q, 1)),
     unless the item before it is a top-level tape that keeps its output (``kept[i][k]``).
 
@@ -63,6 +64,8 @@ def all_plans(L, K, nestable, offloadable=(), kept=None):
         for q in range(s + 1, e + 1):
             if body and q == e:
                 continue
+            if cuts and any(cuts[s + 1 : q]):
+                break
             inner = listed(s, q, True, True, False)
             kinds = ((s, q), (s, q, 1)) if not nested and not pinned and s in offloadable else ((s, q),)
             for region in kinds:
@@ -103,7 +106,8 @@ def brute_force(chain, budgets, offloadable=()):
     best = dict.fromkeys(budgets, math.inf)
     least_peak, n_plans = math.inf, 0
     simulate = _C.plan_simulate
-    for modes, regions in all_plans(L, K, chain["mode_nestable"], offloadable, chain.get("output_kept")):
+    plans = all_plans(L, K, chain["mode_nestable"], offloadable, chain.get("output_kept"), chain.get("cut_before"))
+    for modes, regions in plans:
         n_plans += 1
         sim = simulate(chain, modes, regions)
         peak, t = sim["peak_bytes"], sim["time"]
@@ -166,6 +170,38 @@ def test_dp_with_own_forward_transients_is_optimal_against_brute_force():
             same[1] if trial % 3 == 2 else [[rnd.randint(0, 6) for _ in range(K)] for _ in range(L)]
         )
         check_against_brute_force(chain, rnd)
+
+
+def test_dp_with_cuts_is_optimal_against_brute_force():
+    """Cuts (a second stack of blocks starts: the model changes the chain's input there) bound the
+    regions: the DP, the least budget and the simulator agree with every plan that spans none, with
+    and without offloading; a plan across a cut and a malformed cut are refused."""
+    rnd = random.Random(33)
+    seen_cut_regions = 0
+    for trial in range(10):
+        L, K = (6, 2) if trial < 2 else (rnd.randint(2, 5), rnd.randint(1, 3))
+        chain = random_chain(L, K, rnd, identical=trial % 4 == 3)
+        chain["cut_before"] = [0] + [int(rnd.random() < 0.35) for _ in range(L - 1)]
+        if trial < 2:
+            chain["cut_before"] = [0, 0, 0, 1, 0, 0]  # two stacks of three
+        offloadable = with_offload(chain, rnd) if trial % 2 else ()
+        check_against_brute_force(chain, rnd, offloadable)
+        cuts = [i for i, c in enumerate(chain["cut_before"]) if c]
+        for b in (_C.plan_min_budget(chain), 10**6):
+            for start, end in _C.plan_solve(chain, b, min(b, 10000))["regions"]:
+                assert not any(start < c < end for c in cuts)
+                seen_cut_regions += end - start > 1
+        without = dict(chain, cut_before=[0] * L)
+        assert _C.plan_min_budget(without) <= _C.plan_min_budget(chain)  # cuts only take plans away
+    assert seen_cut_regions > 0
+    chain = random_chain(4, 1, rnd)
+    chain["cut_before"] = [0, 0, 1, 0]
+    with pytest.raises(ValueError, match=r"region \[1, 3\) spans a cut: block 2's input"):
+        _C.plan_simulate(chain, [0] * 4, [(1, 3)])
+    _C.plan_simulate(chain, [0] * 4, [(0, 2), (2, 4)])
+    for bad, match in (([0, 2, 0, 0], r"cut_before'\]\[1\] must be 0 or 1"), ([0, 1], "cut_before")):
+        with pytest.raises(ValueError, match=match):
+            _C.plan_solve(dict(chain, cut_before=bad), 10**6, 100)
 
 
 def test_forward_transients_absent_mean_the_one_figure():

@@ -73,3 +73,50 @@ def lm_batch(seed: int = 0, batch: int = 2, seq: int = 64, vocab: int = 256) -> 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return {"input_ids": ids, "labels": ids}
+
+
+def tiny_t5(layers: int = 4, dropout: float = 0.1, seed: int = 0):
+    """An encoder-decoder with relative position biases (made by each stack's first layer)."""
+    transformers = transformers_or_skip()
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(
+        vocab_size=256,
+        d_model=64,
+        d_kv=16,
+        d_ff=256,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=4,
+        dropout_rate=dropout,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(cfg).train()
+
+
+def tiny_bart(layers: int = 4, dropout: float = 0.1, seed: int = 0):
+    transformers = transformers_or_skip()
+    torch.manual_seed(seed)
+    cfg = transformers.BartConfig(
+        vocab_size=256,
+        d_model=64,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=256,
+        decoder_ffn_dim=256,
+        max_position_embeddings=128,
+        dropout=dropout,
+        attention_dropout=dropout,
+    )
+    return transformers.BartForConditionalGeneration(cfg).train()
+
+
+def seq2seq_batch(seed: int = 0, batch: int = 2, seq: int = 64, target: int = 48, vocab: int = 256) -> dict:
+    """Source and target of different lengths, so that a mix-up of the two shows."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(3, vocab, (batch, seq), generator=g),
+        "labels": torch.randint(3, vocab, (batch, target), generator=g),
+    }

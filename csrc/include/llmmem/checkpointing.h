@@ -80,6 +80,10 @@ typedef struct llmmem_plan_chain_s {
    * meaning. [i] transient peak of the forward inside a region (no tape kept); NULL: fwd_tmp_bytes[i]. */
   const uint64_t *fwd_nostore_tmp_bytes;
   const uint64_t *fwd_tape_tmp_bytes; /* [i][k] of the forward keeping its tape in mode k; NULL: fwd_tmp_bytes[i] */
+  /* [i] 1 where block i's input is not block i - 1's output (the model changes it in between, or a
+   * second stack of blocks starts there): no region holds both blocks, since a recompute feeds each
+   * block the previous one's output. NULL: none (cut_before[0] is ignored). */
+  const uint8_t *cut_before;
 } llmmem_plan_chain_t;
 
 typedef struct llmmem_plan_region_s {

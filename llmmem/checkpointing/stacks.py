@@ -1,0 +1,157 @@
+"""Where a model's repeated blocks are: :func:`find_blocks` (one chain) and :func:`find_stacks` (every
+stack a step runs one after the other: the encoder and decoder of T5, BART or Whisper, a vision
+tower before a language model), and what :func:`llmmem.auto_checkpoint` left out and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from llmmem.checkpointing.profile import check_distinct
+
+__all__ = ["Stack", "find_blocks", "find_stacks", "resolve_blocks"]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A container of repeated blocks: its dotted path in the model, its blocks, and whether it is
+    planned (``reason`` says why not)."""
+
+    name: str
+    blocks: tuple
+    planned: bool = True
+    reason: str = ""
+
+    @property
+    def kinds(self) -> str:
+        return ", ".join(sorted({type(b).__name__ for b in self.blocks}))
+
+    def describe(self) -> str:
+        text = f"{self.name!r} ({len(self.blocks)} x {self.kinds})"
+        return text if self.planned else f"{text}: {self.reason}"
+
+
+def _is_stack(m: nn.Module) -> bool:
+    return isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and len({type(c) for c in m}) == 1
+
+
+def _candidates(model: nn.Module) -> tuple[list, int]:
+    """The stacks of ``model`` worth listing, in registration order, and which of them is the
+    longest (the first on a tie, as :func:`find_blocks` picks it). Left out silently: a stack inside
+    another's blocks (a mixture of experts' experts) and one holding the longest (the stages of a
+    hierarchical model, whose blocks are the stacks inside them)."""
+    stacks = [(name, m) for name, m in model.named_modules() if _is_stack(m)]
+    if not stacks:
+        return [], -1
+    longest = max(range(len(stacks)), key=lambda i: (len(stacks[i][1]), -i))
+    top = stacks[longest][1]
+    found, inside = [], set()
+    for i, (name, m) in enumerate(stacks):
+        if id(m) in inside or (i != longest and any(d is top for d in m.modules())):
+            continue
+        found.append((name, m, i == longest))
+        inside.update(id(d) for d in m.modules() if d is not m)
+    return found, next(j for j, f in enumerate(found) if f[2])
+
+
+def _composite(block: nn.Module) -> bool:
+    """A block of a model's own (a layer of several modules), not one of torch.nn's leaves."""
+    return not type(block).__module__.startswith("torch.nn") and any(True for _ in block.children())
+
+
+def _longest(model: nn.Module) -> tuple[str, list]:
+    found, longest = _candidates(model)
+    if not found:
+        find_stacks(model)  # raises, saying what to do
+    return found[longest][0], list(found[longest][1])
+
+
+def find_stacks(model: nn.Module) -> list:
+    """Every stack of repeated blocks in ``model``, as :class:`Stack` objects in the order the model
+    holds them: the longest (the first on a tie) and every other stack of composite blocks
+    (classes of the model's own, not torch.nn layers) that has a parameter that trains are planned;
+    the others are listed with the reason they are left out."""
+    found, longest = _candidates(model)
+    if not found:
+        raise ValueError(
+            f"auto_checkpoint: found no nn.ModuleList or nn.Sequential of two or more blocks of one class in "
+            f"{type(model).__name__}; name the blocks with blocks= (a path such as 'model.layers', or the modules)"
+        )
+    stacks = []
+    for i, (name, m, _) in enumerate(found):
+        reason = ""
+        if i != longest:
+            if not _composite(m[0]):
+                reason = f"{type(m[0]).__name__} is a torch.nn layer, not a block of the model's own"
+            elif not any(p.requires_grad for p in m.parameters()):
+                reason = "frozen (no parameter trains); name it in blocks= to plan it if its input needs a gradient"
+        stacks.append(Stack(name, tuple(m), planned=not reason, reason=reason))
+    return stacks
+
+
+def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
+    """``(name, blocks)``: the chain of repeated blocks of ``model``.
+
+    ``blocks=None``: the longest ``nn.ModuleList`` or ``nn.Sequential`` whose children (at least two)
+    are all of one class, the first found (outermost) on a tie (a transformer's layers). Or name it:
+    a dotted path (``"model.layers"``), the container itself, or a list of ``model``'s submodules.
+    :func:`find_stacks` finds every stack (an encoder and a decoder).
+    """
+    if blocks is None:
+        name, found = _longest(model)
+    else:
+        name, found = _named_blocks(model, blocks)
+    check_distinct(found, f"auto_checkpoint: {name!r}")
+    return name, found
+
+
+def resolve_blocks(model: nn.Module, blocks) -> list:
+    """The stacks :func:`llmmem.auto_checkpoint` plans, planned ones first in the model's order,
+    then those left out: every stack (``blocks=None``), one (a path, a container, a list of
+    modules) or several (a list of paths or containers, in the order the model calls them)."""
+    if blocks is None:
+        stacks = find_stacks(model)
+    elif isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
+        stacks = [Stack(*_as_stack(_named_blocks(model, b))) for b in blocks]
+    else:
+        stacks = [Stack(*_as_stack(_named_blocks(model, blocks)))]
+    planned = [s for s in stacks if s.planned]
+    check_distinct(
+        [b for s in planned for b in s.blocks], f"auto_checkpoint: {' + '.join(repr(s.name) for s in planned)}"
+    )
+    return planned + [s for s in stacks if not s.planned]
+
+
+def _as_stack(named: tuple) -> tuple:
+    return named[0], tuple(named[1])
+
+
+def _named_blocks(model: nn.Module, blocks) -> tuple[str, list]:
+    if isinstance(blocks, str):
+        try:
+            container = model.get_submodule(blocks)
+        except AttributeError as e:
+            raise ValueError(
+                f"auto_checkpoint: blocks={blocks!r} is not a submodule of {type(model).__name__} ({e})"
+            ) from None
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) == 0:
+            raise ValueError(
+                f"auto_checkpoint: blocks={blocks!r} is a {type(container).__name__}; expected a non-empty "
+                "nn.ModuleList or nn.Sequential"
+            )
+        return blocks, list(container)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential, list, tuple)):
+        found = list(blocks)
+        if not found or not all(isinstance(b, nn.Module) for b in found):
+            raise TypeError("auto_checkpoint: blocks must hold one or more nn.Module")
+        names = {id(m): n for n, m in model.named_modules()}
+        name = names.get(id(blocks))
+        outside = [i for i, b in enumerate(found) if id(b) not in names]
+        if outside:
+            raise ValueError(f"auto_checkpoint: blocks[{outside[0]}] is not a submodule of {type(model).__name__}")
+        return (name if name is not None else f"{len(found)} blocks"), found
+    raise TypeError(
+        f"auto_checkpoint: blocks must be None, a dotted submodule path, an nn.ModuleList/nn.Sequential, a list "
+        f"of modules or a list of paths, got {type(blocks).__name__}"
+    )

@@ -1,0 +1,157 @@
+"""auto_checkpoint on models with several stacks of blocks: T5 and BART (encoder and decoder) planned
+together under one budget, with exact gradients and the peak within it; what is found, planned and
+left out, and why (toy models); stacks run out of order are refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from support.planner import grads, same_grads, seq2seq_batch, step_memory, tiny_bart, tiny_t5
+
+import llmmem
+from llmmem.checkpointing.stacks import find_stacks
+
+BUILDERS = {
+    "t5": (tiny_t5, "encoder.block", "decoder.block"),
+    "bart": (tiny_bart, "model.encoder.layers", "model.decoder.layers"),
+}
+
+
+def _step(model, batch, seed=5):
+    def step():
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+
+    return step
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*caching is incompatible.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_and_decoder_are_planned_together(kind):
+    build, encoder, decoder = BUILDERS[kind]
+    batch = seq2seq_batch()
+    reference = build()
+    peak_plain, _ = step_memory(reference, _step(reference, batch))
+    expected = grads(reference)
+
+    model = build()
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=1)
+    assert [s.name for s in plan.stacks if s.planned] == [encoder, decoder]
+    assert plan.blocks_name == f"{encoder} + {decoder}"
+    assert len(plan.runner.blocks) == 8
+    text = plan.describe()
+    assert "in 2 stacks" in text and repr(encoder) in text and repr(decoder) in text
+    # one budget over both stacks: half of the step's own peak, which the plan measured
+    assert plan.budget_bytes == pytest.approx(0.5 * peak_plain, rel=0.1)
+
+    peak, _ = step_memory(model, _step(model, batch))
+    assert same_grads(grads(model), expected)  # dropout on: the recompute replays its random state
+    assert peak <= 1.05 * plan.budget_bytes, (peak, plan.budget_bytes)
+    assert peak <= 0.55 * peak_plain
+
+    # the same by naming the stacks, in the order the model runs them
+    named = build()
+    plan2 = llmmem.auto_checkpoint(named, budget=0.5, sample=batch, blocks=[encoder, decoder], repeats=0)
+    assert plan2.blocks_name == plan.blocks_name and plan2.budget_bytes == plan.budget_bytes
+    plan2.remove()
+    with pytest.raises(ValueError, match="before block 3"):
+        llmmem.auto_checkpoint(named, budget=0.5, sample=batch, blocks=[decoder, encoder], repeats=1)
+    assert llmmem.AutoCheckpointPlan.of(named) is None  # the refusal leaves the model as it was
+
+
+def test_t5_position_bias_is_counted():
+    """T5's first layer of each stack makes a position bias that needs a gradient and is given to the
+    layers after it, which keep more for backward because of it: the plan's model of the step
+    without checkpointing is within 5% of the measured peak (it was 11% short)."""
+    batch = seq2seq_batch(batch=4, seq=128, target=96)
+    model = tiny_t5(layers=6, dropout=0.0)
+    peak_plain, _ = step_memory(model, _step(model, batch))
+    plan = llmmem.auto_checkpoint(model, budget=1.0, sample=batch, repeats=0)
+    assert plan.predicted_peak_bytes == pytest.approx(peak_plain, rel=0.05)
+
+
+class _Expert(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Layer(nn.Module):
+    def __init__(self, h, experts=2):
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.experts = nn.ModuleList(_Expert(h) for _ in range(experts))
+
+    def forward(self, x):
+        y = self.norm(x)
+        return x + sum(e(y) for e in self.experts)
+
+
+class _Toy(nn.Module):
+    """A frozen tower, an encoder of 2 layers, a decoder of 4, torch.nn heads in a list."""
+
+    def __init__(self, h=16, reverse=False):
+        super().__init__()
+        self.tower = nn.ModuleList(_Layer(h) for _ in range(2)).requires_grad_(False)
+        self.encoder = nn.ModuleList(_Layer(h) for _ in range(2))
+        self.decoder = nn.ModuleList(_Layer(h) for _ in range(4))
+        self.heads = nn.ModuleList(nn.Linear(h, 1) for _ in range(2))
+        self.reverse = reverse
+
+    def forward(self, x):
+        for layer in self.tower:
+            x = layer(x)
+        stacks = (self.decoder, self.encoder) if self.reverse else (self.encoder, self.decoder)
+        for stack in stacks:
+            x = x * 2  # between stacks the model changes the chain's input
+            for layer in stack:
+                x = layer(x)
+        return sum(head(x).sum() for head in self.heads)
+
+
+def test_what_is_found_planned_and_left_out():
+    model = _Toy()
+    stacks = find_stacks(model)
+    assert [(s.name, s.planned) for s in stacks] == [
+        ("tower", False),
+        ("encoder", True),
+        ("decoder", True),
+        ("heads", False),
+    ]  # the experts inside the layers are part of them
+    assert "frozen" in stacks[0].reason and "torch.nn layer" in stacks[3].reason
+    assert llmmem.checkpointing.find_blocks(model)[0] == "decoder"  # one chain: the longest, as before
+
+    x = torch.randn(3, 5, 16)
+    reference = _Toy()
+    reference.load_state_dict(model.state_dict())
+    reference(x).backward()
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=x, repeats=0)
+    text = plan.describe()
+    assert "in 2 stacks, 'encoder' (2 x _Layer), 'decoder' (4 x _Layer)" in text
+    assert "left out: 'tower' (2 x _Layer): frozen" in text and "left out: 'heads'" in text
+    assert "before block(s) 2: no region spans them" in text
+    model(x).backward()
+    assert same_grads(grads(model), grads(reference))
+
+
+def test_stacks_run_out_of_order_are_refused():
+    model = _Toy(reverse=True)
+    with pytest.raises(ValueError, match=r"ran block 2 \(_Layer, the first of a stack\) before block 1"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(3, 5, 16), repeats=0)
+    assert llmmem.AutoCheckpointPlan.of(model) is None
+    # named in the order it runs them, it plans
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(3, 5, 16), blocks=["decoder", "encoder"])
+    assert plan.blocks_name == "decoder + encoder"
