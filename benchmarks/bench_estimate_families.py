@@ -175,7 +175,7 @@ def measure(name: str, batch: int = BATCH, seq: int = SEQ, target_seq: int = TAR
         "estimated_activations": from_config.activations,
         "measured_peak": peak,
         "estimated_total": from_model.total,
-        "estimated_peak": getattr(from_model, "peak", from_model.total),
+        "estimated_peak": from_model.peak,
     }
 
 

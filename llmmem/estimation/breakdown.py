@@ -204,6 +204,14 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
     out["total"] = sum(
         out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
     )
+    # The peak of a step that starts without gradients (zero_grad(set_to_none=True), torch's
+    # default): the larger of its two phases. When backward starts, every activation is alive but
+    # no gradient exists yet; when it ends, every gradient exists, the activations are freed, and
+    # the last layer's backward holds its transients. ``total`` adds all of them at once: the
+    # peak of a step whose gradients are already held (gradient accumulation, set_to_none=False).
+    start = state - out["gradients"] + out["activations"] + out["temporary"]
+    end = state + sum(layer_tmp.values())
+    out["peak"] = max(start, end)
     slow = slowdown_terms(cfg, st)
     return {
         "bytes": out,

@@ -104,7 +104,10 @@ class Estimate:
     ``activations_per_layer`` (one layer without recompute), ``activations_layers`` (all layers,
     under the chosen checkpointing), ``activations_other`` (embeddings, head, loss),
     ``temporary`` (largest transient buffer), ``total`` (the peak: model state + activations +
-    temporary); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
+    temporary, every gradient held throughout, as under gradient accumulation), ``peak`` (the
+    peak of a step that starts without gradients, ``zero_grad(set_to_none=True)``: the larger of
+    model state without gradients + activations + temporary, when backward starts, and model
+    state with every gradient + one layer's backward transients, when it ends; at most ``total``); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
     ``parameter_count`` (elements, whole model), ``slowdown`` (fraction); with ``device_memory``:
     ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None), ``advice`` (one line)
     and ``model_state_fixes`` (:class:`~llmmem.estimation.recommend.ModelStateFix`: changes of the
@@ -169,7 +172,7 @@ class Estimate:
             "settings": self.settings.public(),
             "bytes": {
                 k: getattr(self, k)
-                for k in self._ROWS + ("activations_per_layer", "activations_layers", "activations_other")
+                for k in self._ROWS + ("peak", "activations_per_layer", "activations_layers", "activations_other")
             },
             "layer_terms": dict(self.layer_terms),
             "measured_layer_bytes": self.measured_layer_bytes,
@@ -250,6 +253,12 @@ class Estimate:
         row("  embeddings, head, loss", self.activations_other)
         row("largest temporary", self.temporary, "; ".join(self.temporary_terms))
         row("total", self.total, "the peak: model state (first four rows) + activations + largest temporary")
+        row(
+            "  a step from no gradients",
+            self.peak,
+            "zero_grad(set_to_none=True): the larger of backward's start (no gradient yet) and its end (no "
+            "activation left)",
+        )
         if cfg.vocab_head:
             self._head_rows(lines, row)
         else:
