@@ -77,7 +77,12 @@ def element_bytes(cfg: ModelConfig, st: Settings) -> tuple[int, int, int, int]:
 
 # Terms that hold s x s tensors: what Megatron's selective recompute drops (a decoder layer of an
 # encoder-decoder has them twice, the second time under the cross-attention's prefix).
-_SCORES = ("attention probabilities (softmax output)", "attention dropout mask", "attention dropout output")
+_SCORES = (
+    "attention soft-cap (tanh output)",
+    "attention probabilities (softmax output)",
+    "attention dropout mask",
+    "attention dropout output",
+)
 CROSS = "cross-attention: "
 SCORE_TERMS = _SCORES + tuple(CROSS + k for k in _SCORES)
 
@@ -141,8 +146,16 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     if not cfg.fused_norm:
         terms["unfused norms (fp32 input, normalized)"] = ceil_div(2 * 4 * sbh, r)
     terms["q/k/v projection input"] = ceil_div(e * sbh, r)
+    if cfg.qk_norm != "none":
+        # each of them an unfused norm of the queries and of the keys: its input, its fp32
+        # normalized output, a statistic a head (or a token)
+        qk = width + cfg.kv_heads * d
+        rows = (a + cfg.kv_heads) if cfg.qk_norm == "head" else 2
+        terms["q/k norms (input, fp32 normalized, statistics)"] = ceil_div(s * b * ((e + 4) * qk + 4 * rows), t)
     terms["q, k, v"] = ceil_div(e * s * b * (width + 2 * kv_heads_saved(cfg, st) * d), t)
     if materialises_scores(cfg, st):
+        if cfg.attention_softcap:
+            terms["attention soft-cap (tanh output)"] = ceil_div(e * a * s * s * b, t)
         terms["attention probabilities (softmax output)"] = ceil_div(e * a * s * s * b, t)
         if cfg.attention_dropout > 0:
             terms["attention dropout mask"] = ceil_div(mask * a * s * s * b, t)
@@ -152,6 +165,10 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     terms["attention projection input"] = ceil_div(e * s * b * width, t)
     if cfg.hidden_dropout > 0:
         terms["attention residual dropout mask"] = ceil_div(mask * sbh, r)
+    if cfg.sandwich_norm:
+        # Gemma's norms of the attention's and the MLP's outputs: each keeps its input and its
+        # fp32 normalized output (as an unfused RMSNorm) and a statistic a token
+        terms["norms after attention and mlp (2)"] = ceil_div(2 * ((e + 4) * sbh + stat * s * b), r)
     terms["mlp input"] = ceil_div(e * sbh, r)
     if cfg.experts:
         terms.update(_expert_terms(cfg, st, e, t))
@@ -390,6 +407,8 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
             "log-probabilities (fp32, loss)": 4 * sb * v,
             "targets (int64)": 8 * sb,
         }
+        if cfg.logit_softcap:  # Gemma 2: cap·tanh(logits/cap), in the activations' dtype
+            kept["soft-capped logits (tanh output)"] = e * sb * v
         softmax = {"fp32 gradients of log-probabilities and logits": 2 * 4 * sb * v}
         matmuls = {"head weight's gradient (made in its backward)": weight_grad, "hidden states' gradient": hidden}
         if e != 4:  # the logits' gradient in their dtype outlives the fp32 log-probabilities, freed by then

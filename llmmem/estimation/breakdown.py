@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from llmmem.estimation.activations import (
+    CROSS,
     SCORE_TERMS,
     ceil_div,
     element_bytes,
@@ -135,6 +136,15 @@ def model_state(cfg: ModelConfig, counted: int | None, st: Settings, shapes=None
     return out, terms, total_params, device_params
 
 
+def _mlp_part(terms: dict) -> int:
+    """Bytes of a layer's terms from its MLP's input on (the cross-attention's, listed after them
+    but run before the MLP, left out): what the layer's backward frees before its attention's."""
+    keys = list(terms)
+    if "mlp input" not in keys:
+        return 0
+    return sum(terms[k] for k in keys[keys.index("mlp input") :] if not k.startswith(CROSS))
+
+
 def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: float = 1.0, shapes=None) -> dict:
     """Every number of an :class:`Estimate`, in bytes per device. ``layer_scale``: the layer's
     activation terms times this (a measured layer over the formula's, see ``estimate(measure=)``);
@@ -201,6 +211,7 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
         }
         if fused == st.fused_head:
             out["temporary"], temporary_terms = sum(tmp.values()), tmp
+            head_kept, head_tmp = sum(kept.values()), sum(loss_tmp.values())
     out["total"] = sum(
         out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
     )
@@ -209,7 +220,10 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
     # no gradient exists yet; when it ends, every gradient exists, the activations are freed, and
     # the last layer's backward holds its transients. ``total`` adds all of them at once: the
     # peak of a step whose gradients are already held (gradient accumulation, set_to_none=False).
-    start = state - out["gradients"] + out["activations"] + out["temporary"]
+    # By the time the last layer's attention makes its transients, backward has freed what the
+    # head and that layer's MLP kept (without recompute, which remakes them instead).
+    released = head_kept + (_mlp_part(stacks[-1][1]) if not n_r else 0)
+    start = state - out["gradients"] + out["activations"] + max(head_tmp, sum(layer_tmp.values()) - released)
     end = state + sum(layer_tmp.values())
     out["peak"] = max(start, end)
     slow = slowdown_terms(cfg, st)

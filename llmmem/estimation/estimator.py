@@ -106,8 +106,10 @@ class Estimate:
     ``temporary`` (largest transient buffer), ``total`` (the peak: model state + activations +
     temporary, every gradient held throughout, as under gradient accumulation), ``peak`` (the
     peak of a step that starts without gradients, ``zero_grad(set_to_none=True)``: the larger of
-    model state without gradients + activations + temporary, when backward starts, and model
-    state with every gradient + one layer's backward transients, when it ends; at most ``total``); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
+    model state without gradients + activations + the head's or the last layer's backward
+    transients (less what the head and that layer's MLP freed first), when backward starts, and
+    model state with every gradient + one layer's backward transients, when it ends; at most
+    ``total``); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
     ``parameter_count`` (elements, whole model), ``slowdown`` (fraction); with ``device_memory``:
     ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None), ``advice`` (one line)
     and ``model_state_fixes`` (:class:`~llmmem.estimation.recommend.ModelStateFix`: changes of the

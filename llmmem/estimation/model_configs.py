@@ -38,6 +38,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 # "relative": T5's bucketed position biases added to the attention scores (a table a stack)
 POSITION_KINDS = ("learned", "rotary", "relative")
 ARCHITECTURES = ("decoder", "encoder", "encoder-decoder")
+QK_NORMS = ("none", "head", "width")
 # the task head an architecture may carry (the first one is its default)
 ARCHITECTURE_TASKS = {
     "decoder": ("causal-lm",),
@@ -103,6 +104,13 @@ class ModelConfig:
     counts of the parameters outside the layers, embeddings and norms that the config reader found
     (token types, position buckets, a patch convolution, a pooler, the task head's own layers).
     ``image_tokens``: the sequence an image makes (ViT: patches + class token), the default ``seq``.
+
+    Norms beyond the two a layer (each of the same ``norm`` kind): ``qk_norm`` ``"head"`` (an
+    RMSNorm of every query and key head, weights of ``head_dim``: Qwen3, Gemma 3) or ``"width"``
+    (of all the queries and all the keys together: OLMo 2), else ``"none"``; ``sandwich_norm``:
+    also a norm after attention and after the MLP (Gemma 2 and 3: four a layer).
+    ``attention_softcap`` / ``logit_softcap``: ``cap·tanh(x/cap)`` on the attention scores / the
+    head's logits (Gemma 2), whose tanh output backward keeps.
     """
 
     layers: int
@@ -138,6 +146,10 @@ class ModelConfig:
     activation_dropout: float = 0.0
     extra_tensors: tuple = ()
     image_tokens: int = 0
+    qk_norm: str = "none"
+    sandwich_norm: bool = False
+    attention_softcap: bool = False
+    logit_softcap: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -186,7 +198,8 @@ class ModelConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{key}: must be a probability in [0, 1), got {value!r}")
-        for key in ("tied_embeddings", "bias", "qkv_bias"):
+        set_(self, "qk_norm", choice(self.qk_norm, "qk_norm", QK_NORMS))
+        for key in ("tied_embeddings", "bias", "qkv_bias", "sandwich_norm", "attention_softcap", "logit_softcap"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: must be True or False, got {getattr(self, key)!r}")
         self._check_experts(set_)
@@ -298,7 +311,7 @@ class ModelConfig:
         width = self.heads * self.head_dim  # h unless head_dim is set otherwise
         qkv_out = width + 2 * self.kv_heads * self.head_dim
         sharded = h * qkv_out + width * h
-        replicated = 2 * self._norm_parameters()
+        replicated = (4 if self.sandwich_norm else 2) * self._norm_parameters() + self.qk_norm_parameters()
         if self.bias or self.qkv_bias:
             sharded += qkv_out  # column-parallel biases
         if self.bias:
@@ -316,6 +329,13 @@ class ModelConfig:
             sharded += mlp
             replicated += rep
         return -(-sharded // t) + replicated
+
+    def qk_norm_parameters(self) -> int:
+        """A layer's query and key norms' weights (and biases, for LayerNorm)."""
+        if self.qk_norm == "none":
+            return 0
+        width = 2 * self.head_dim if self.qk_norm == "head" else (self.heads + self.kv_heads) * self.head_dim
+        return width * (2 if self.norm == "layernorm" else 1)
 
     def _norm_parameters(self) -> int:
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden
@@ -480,6 +500,8 @@ def resolve(model, task: str | None = None) -> tuple[ModelConfig, int | None]:
     head (see :class:`ModelConfig`); a Hugging Face model's class names its own, which a ``task``
     that differs contradicts (ValueError).
     """
+    if task is not None:
+        task = choice(task, "task", hf_encoders.TASKS)
     cfg, counted = _resolve(model, task)
     if task is not None and cfg.task != task:
         if counted is not None and is_hf_config(getattr(model, "config", None)):
@@ -563,7 +585,15 @@ _HF_ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
 }
-_HF_ATTENTION = {"eager": "explicit"}  # sdpa, flash and flex attention keep no s x s tensor
+_HF_ATTENTION = {"eager": "explicit"}
+# model types with an RMSNorm of the queries and keys: of each head, or of all of them together
+_QK_NORMS = {
+    "qwen3": "head",
+    "qwen3_moe": "head",
+    "gemma3": "head",
+    "gemma3_text": "head",
+    "olmo2": "width",
+}  # sdpa, flash and flex attention keep no s x s tensor
 
 # Model types whose Hugging Face model class cannot run SDPA (``_supports_sdpa`` false), so that HF
 # runs eager attention when none is asked for. Read off transformers 5.24: the causal-LM classes of
@@ -686,6 +716,8 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
     impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
     bias = get("attention_bias", "bias")
     qkv_bias = bool(raw.get("qkv_bias", False)) or model_type in ("qwen2", "qwen2_moe")  # q/k/v only
+    if model_type == "stablelm":  # LayerNorm, but biases on q/k/v only and only when use_qkv_bias
+        bias, qkv_bias = False, bool(raw.get("use_qkv_bias"))
     if bias is None:
         bias = not rms  # GPT-2's family has biases; the RMSNorm family (Llama, Mixtral, Qwen) none past q/k/v
     heads = get("num_attention_heads", "n_head")
@@ -712,6 +744,10 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
         attention=_HF_ATTENTION.get(impl, "sdpa"),
         head_dim=get("head_dim"),
         qkv_bias=qkv_bias,
+        qk_norm=_QK_NORMS.get(model_type, "none"),
+        sandwich_norm=model_type.startswith(("gemma2", "gemma3")),
+        attention_softcap=bool(raw.get("attn_logit_softcapping")),
+        logit_softcap=bool(raw.get("final_logit_softcapping")),
         **_hf_experts(raw, get),
         name=str(getattr(config, "name_or_path", "") or model_type or type(config).__name__),
     )
@@ -840,7 +876,7 @@ class HFConfigFile:
         return HFConfigFile(text, self.name_or_path) if isinstance(text, dict) else self
 
 
-def read_hf_config_file(path, name: str = "model") -> ModelConfig:
+def read_hf_config_file(path, name: str = "model", task: str | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face ``config.json``: ``path`` is that file or a directory
     holding one (a saved model). Read as :func:`from_hf_config` reads a config object (what the file
     does not list takes that function's defaults, not the model class's), offline. ValueError naming
@@ -864,7 +900,9 @@ def read_hf_config_file(path, name: str = "model") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{name}: {file!r} holds a JSON {type(raw).__name__}, not a Hugging Face config (an object)")
     try:
-        return from_hf_config(HFConfigFile(raw, name_or_path=path))
+        return from_hf_config(HFConfigFile(raw, name_or_path=path), task=task)
     except ValueError as e:
+        if str(e).startswith("task: "):
+            raise
         detail = str(e).removeprefix("model: ")
         raise ValueError(f"{name}: {file!r}: {detail}") from None

@@ -122,7 +122,10 @@ def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
     attention = list(layer)
     layer.append(width * h // t)  # attention output (row-parallel)
     layer += [h] if cfg.bias else []
-    layer += norm * 2
+    layer += norm * (4 if cfg.sandwich_norm else 2)
+    if cfg.qk_norm != "none":  # the query and key norms: of a head, or of all the heads
+        q, k = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (width, kv)
+        layer += [q, k] * (2 if cfg.norm == "layernorm" else 1)
     dense = layer + _mlp_layout(cfg, cfg.ffn, t)
     out = dense * (cfg.layers - cfg.moe_layers)
     if cfg.decoder_layers:  # an encoder-decoder's decoder: a cross-attention beside the self-attention
