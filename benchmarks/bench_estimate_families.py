@@ -7,7 +7,8 @@ For each family it prints and writes (JSON):
 - activations: the estimate (from the config) against the bytes a training step holds when its
   backward starts (every tensor storage made in the forward and still alive,
   :class:`llmmem.checkpointing.profile.ActivationMeter`);
-- the whole step: the estimate's ``total`` (and ``peak``, the larger of its two phases) against the
+- the whole step: the estimate's ``total`` (and ``peak``, the larger of its two phases), asked of
+  the model itself (its parameters counted), against the
   measured peak of a second training step (``zero_grad(set_to_none=True)``, forward, backward,
   ``Adam.step``), live tensor bytes counted exactly by :class:`llmmem.diagnostics.LiveBytes`
   with every tensor already alive (parameters, the optimizer's state made by a first step, inputs).
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import warnings
 
-# Families: (model class, config class, config fields, inputs(batch, seq, target_seq, config) -> kwargs, estimate kwargs)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness
+
+# family: (model class, config class, config fields, inputs(batch, seq, target_seq, config) -> the model's kwargs)
 BATCH, SEQ, TARGET = 4, 64, 32
 DEC = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
 
@@ -86,7 +89,7 @@ FAMILIES = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(DEC, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2), _lm),
     "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(DEC, intermediate_size=128, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, head_dim=16, num_key_value_heads=2), _lm),
     "t5": ("T5ForConditionalGeneration", "T5Config", dict(vocab_size=512, d_model=64, d_kv=8, d_ff=128, num_layers=3, num_decoder_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0), _seq2seq),
-    "flan-t5": ("T5ForConditionalGeneration", "T5Config", dict(vocab_size=512, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=3, num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0), _seq2seq),
+    "flan-t5": ("T5ForConditionalGeneration", "T5Config", dict(vocab_size=512, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=3, num_heads=4, feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0), _seq2seq),
     "bart": ("BartForConditionalGeneration", "BartConfig", dict(vocab_size=512, d_model=64, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128), _seq2seq),
     "mbart": ("MBartForConditionalGeneration", "MBartConfig", dict(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128, scale_embedding=True), _seq2seq),
     "bert-cls": ("BertForSequenceClassification", "BertConfig", dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, max_position_embeddings=128, num_labels=3), _classify),
@@ -190,7 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu only (the estimate's own bytes, not a device's)")
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     ap.add_argument("--families", default=None, help="comma-separated subset of: " + ", ".join(FAMILIES))
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument(
+        "--json", default=None, help="write the rows here (default benchmarks/results/estimate_families.json)"
+    )
     args = ap.parse_args(argv)
     if args.device != "cpu":
         print("bench_estimate_families: CPU only; nothing to do on", args.device)
@@ -198,25 +203,25 @@ def main(argv=None) -> int:
     names = args.families.split(",") if args.families else list(QUICK if args.quick else FAMILIES)
     rows = []
     print(
-        f"{'family':<16}{'params est':>11}{'built':>9}{'ratio':>7}  {'act est':>10}{'held':>10}{'ratio':>7}"
-        f"  {'total':>10}{'peak est':>10}{'measured':>10}{'total/m':>8}{'peak/m':>8}"
+        f"{'family':<16}{'params est':>11}{'built':>9}{'ratio':>7} {'act est':>12}{'held':>12}{'ratio':>7} "
+        f"{'total':>12}{'peak est':>12}{'measured':>12}{'total/m':>8}{'peak/m':>8}"
     )
     for name in names:
         r = measure(name)
         rows.append(r)
         print(
             f"{name:<16}{r['estimated_parameters']:>11,}{r['built_parameters']:>9,}"
-            f"{r['estimated_parameters'] / r['built_parameters']:>7.3f}  "
-            f"{r['estimated_activations']:>10,}{r['measured_activations']:>10,}"
-            f"{r['estimated_activations'] / r['measured_activations']:>7.3f}  "
-            f"{r['estimated_total']:>10,}{r['estimated_peak']:>10,}{r['measured_peak']:>10,}"
+            f"{r['estimated_parameters'] / r['built_parameters']:>7.3f} "
+            f"{r['estimated_activations']:>12,}{r['measured_activations']:>12,}"
+            f"{r['estimated_activations'] / r['measured_activations']:>7.3f} "
+            f"{r['estimated_total']:>12,}{r['estimated_peak']:>12,}{r['measured_peak']:>12,}"
             f"{r['estimated_total'] / r['measured_peak']:>8.3f}{r['estimated_peak'] / r['measured_peak']:>8.3f}",
             flush=True,
         )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"batch": BATCH, "seq": SEQ, "target_seq": TARGET, "rows": rows}, f, indent=2)
+    path = _harness.write_json(
+        "estimate_families", {"batch": BATCH, "seq": SEQ, "target_seq": TARGET, "rows": rows}, args.json
+    )
+    print(f"wrote {path}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """The estimator on encoder-decoders and encoders with a task head (issue 27, item 1): T5 (ReLU, and
-FLAN-T5's gated GELU with an untied head and heads of d_kv), BART and mBART, BERT / RoBERTa /
+FLAN-T5's gated GELU with heads of d_kv; transformers 5 ties T5's head whatever the config says, a
+config.json that unties it is counted untied), BART and mBART, BERT / RoBERTa /
 DistilBERT classifiers and masked LM, ViT. Tiny random-weight models on the CPU in fp32: parameters
 from the config within 1% of the built model (exact from the model), activations when backward
 starts within 10% of those a real step holds, the peak of a second Adam step within 10% of the one
@@ -219,6 +220,12 @@ def test_the_command_line_reads_an_encoder_decoder_and_agrees_with_the_api(tmp_p
     assert main(["estimate", str(tmp_path / "bert"), "--seq", "32", "--task", "token-classification"]) == 0
     text = capsys.readouterr().out
     assert "task token-classification, 3 labels" in text
+    # a T5 config.json saved untied (FLAN-T5 under transformers 4): the head counted apart
+    untied = {**config.to_dict(), "tie_word_embeddings": False}
+    (tmp_path / "untied.json").write_text(json.dumps(untied))
+    assert main(["estimate", str(tmp_path / "untied.json"), "--seq", "64", "--json"]) == 0
+    count = json.loads(capsys.readouterr().out)["model"]["parameter_count"]
+    assert count == api.parameter_count + config.vocab_size * config.d_model
     assert main(["estimate", "gpt2", "--target-seq", "16"]) == 2
     assert "target_seq" in capsys.readouterr().err
 
