@@ -114,6 +114,8 @@ def encoder_fields(config, raw: dict, task: str | None, activations: dict) -> di
     model_type = str(raw.get("model_type") or getattr(config, "model_type", "") or "")
     if model_type not in ENCODER_DECODER_TYPES and model_type not in ENCODER_TYPES:
         return None
+    if model_type in _BERT_TYPES and raw.get("is_decoder"):
+        return None  # BERT configured as a causal decoder (BertLMHeadModel): the decoder reader's
     task = default_task(model_type, raw) if task is None else task
     allowed = (
         ("seq2seq-lm",)
