@@ -150,11 +150,14 @@ def _attention(model) -> str | None:
     return None
 
 
-def estimate_settings(model, *, batch, seq, optimizer=None, autocast_dtype=None, device="cpu") -> dict:
+def estimate_settings(
+    model, *, batch, seq, optimizer=None, autocast_dtype=None, device="cpu", target_seq=None
+) -> dict:
     """The keyword arguments of ``llmmem.estimate`` describing how ``model`` is being trained.
 
     :param model: the ``nn.Module``, or the config it is built from (llmmem's ``GPTConfig``, a
-        Hugging Face config: parameters in the default fp32), to size a run before building it."""
+        Hugging Face config: parameters in the default fp32), to size a run before building it.
+    :param target_seq: an encoder-decoder's decoder length (None: ``seq``)."""
     kwargs = dict(
         batch=int(batch),
         seq=int(seq),
@@ -162,6 +165,8 @@ def estimate_settings(model, *, batch, seq, optimizer=None, autocast_dtype=None,
         optimizer=_optimizer_kind(optimizer),
         device_type="cuda" if str(device).startswith("cuda") else "cpu",
     )
+    if target_seq is not None:
+        kwargs["target_seq"] = int(target_seq)
     attention = _attention(model)
     if attention is not None:
         kwargs["attention"] = attention

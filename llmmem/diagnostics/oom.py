@@ -40,6 +40,20 @@ from llmmem.units import format_bytes, parse_bytes
 __all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError", "cuda_capacity"]
 
 
+def _target_seq(model, input_shapes) -> int | None:
+    """An encoder-decoder's decoder length: the last 2-D integer input of the step (its labels or
+    decoder_input_ids, after the encoder's input_ids), or None (not an encoder-decoder, or only one
+    such input: the estimator then takes the encoder's length)."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    ids = [
+        shape
+        for shape, dtype in input_shapes
+        if len(shape) == 2 and not dtype.is_floating_point and dtype != torch.bool
+    ]
+    return ids[-1][1] if len(ids) > 1 else None
+
+
 class OutOfMemoryReportError(Exception):
     """Mixed into the report's exception type: ``except llmmem.diagnostics.oom.OutOfMemoryReportError``
     catches any report; ``.report`` is the :class:`OutOfMemoryReport`."""
@@ -431,6 +445,7 @@ class oom_report(contextlib.ContextDecorator):
                     optimizer=optimizer,
                     autocast_dtype=tracker.autocast_dtype,
                     device=tracker.device,
+                    target_seq=_target_seq(model, tracker.input_shapes),
                 )
             blocks = find_blocks(model)
             block_input = tracker.module_inputs.get(tracker._name_of(blocks[1][0])) if blocks else None

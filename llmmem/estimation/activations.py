@@ -3,6 +3,8 @@ and loss) keeps for backward, per device, from the model's architecture and the 
 
 from __future__ import annotations
 
+import dataclasses
+
 from llmmem.estimation.model_configs import ModelConfig
 from llmmem.estimation.settings import PRECISIONS, Settings
 
@@ -12,6 +14,8 @@ __all__ = [
     "element_bytes",
     "SCORE_TERMS",
     "layer_activation_terms",
+    "decoder_layer_activation_terms",
+    "stack_layer_terms",
     "other_activation_terms",
     "head_loss_terms",
     "fused_head_chunk_rows",
@@ -71,8 +75,16 @@ def element_bytes(cfg: ModelConfig, st: Settings) -> tuple[int, int, int, int]:
     return e, mask, r, stat
 
 
-# Terms that hold s x s tensors: what Megatron's selective recompute drops.
-SCORE_TERMS = ("attention probabilities (softmax output)", "attention dropout mask", "attention dropout output")
+# Terms that hold s x s tensors: what Megatron's selective recompute drops (a decoder layer of an
+# encoder-decoder has them twice, the second time under the cross-attention's prefix).
+_SCORES = (
+    "attention soft-cap (tanh output)",
+    "attention probabilities (softmax output)",
+    "attention dropout mask",
+    "attention dropout output",
+)
+CROSS = "cross-attention: "
+SCORE_TERMS = _SCORES + tuple(CROSS + k for k in _SCORES)
 
 
 def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
@@ -134,8 +146,16 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     if not cfg.fused_norm:
         terms["unfused norms (fp32 input, normalized)"] = ceil_div(2 * 4 * sbh, r)
     terms["q/k/v projection input"] = ceil_div(e * sbh, r)
+    if cfg.qk_norm != "none":
+        # each of them an unfused norm of the queries and of the keys: its input, its fp32
+        # normalized output, a statistic a head (or a token)
+        qk = width + cfg.kv_heads * d
+        rows = (a + cfg.kv_heads) if cfg.qk_norm == "head" else 2
+        terms["q/k norms (input, fp32 normalized, statistics)"] = ceil_div(s * b * ((e + 4) * qk + 4 * rows), t)
     terms["q, k, v"] = ceil_div(e * s * b * (width + 2 * kv_heads_saved(cfg, st) * d), t)
     if materialises_scores(cfg, st):
+        if cfg.attention_softcap:
+            terms["attention soft-cap (tanh output)"] = ceil_div(e * a * s * s * b, t)
         terms["attention probabilities (softmax output)"] = ceil_div(e * a * s * s * b, t)
         if cfg.attention_dropout > 0:
             terms["attention dropout mask"] = ceil_div(mask * a * s * s * b, t)
@@ -145,14 +165,77 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     terms["attention projection input"] = ceil_div(e * s * b * width, t)
     if cfg.hidden_dropout > 0:
         terms["attention residual dropout mask"] = ceil_div(mask * sbh, r)
+    if cfg.sandwich_norm:
+        # Gemma's norms of the attention's and the MLP's outputs: each keeps its input and its
+        # fp32 normalized output (as an unfused RMSNorm) and a statistic a token
+        terms["norms after attention and mlp (2)"] = ceil_div(2 * ((e + 4) * sbh + stat * s * b), r)
     terms["mlp input"] = ceil_div(e * sbh, r)
     if cfg.experts:
         terms.update(_expert_terms(cfg, st, e, t))
     else:
         terms.update(_mlp_terms(cfg, e, s * b, f, t))
+    if cfg.activation_dropout > 0:
+        # dropout on the MLP's hidden (T5, BART): its mask, and a ReLU's output, which its backward
+        # keeps, is no longer the down projection's input (the dropout's output is)
+        terms["mlp hidden dropout mask"] = ceil_div(mask * s * b * f, t)
+        if cfg.mlp == "gelu" and cfg.activation == "relu":
+            terms["relu output (the dropout's input)"] = ceil_div(e * s * b * f, t)
     if cfg.hidden_dropout > 0:
         terms["mlp residual dropout mask"] = ceil_div(mask * sbh, r)
     return terms
+
+
+def decoder_layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
+    """Bytes a decoder layer of an encoder-decoder saves for backward: the terms of
+    :func:`layer_activation_terms` at the decoder's length (``s_t``, ``st.decoder_seq``), then its
+    cross-attention's (prefixed ``cross-attention: ``), with ``s`` the encoder's length:
+
+    ====================================================  ==========================================
+    norm input, its statistics (an unfused RMSNorm more)  ``e·s_t·bh / r``, ``8·s_t·b / r`` (or ``4``)
+    Q projection input, Q                                 ``e·s_t·bh / r``, ``e·s_t·bA / t``
+    K, V (projected from the encoder's output)            ``2·e·sb·k'd / t``
+    probabilities, dropout mask and output (explicit)     ``(e [+ m + e])·a·s_t·s·b / t``
+    log-sum-exp (a fused kernel)                          ``4·a·s_t·b / t``
+    output projection input, residual dropout mask        ``e·s_t·bA / t``, ``m·s_t·bh / r``
+    ====================================================  ==========================================
+
+    The encoder's output, which every decoder layer's K and V projections read, is counted once,
+    outside the layers (:func:`other_activation_terms`)."""
+    terms = layer_activation_terms(cfg, dataclasses.replace(st, seq=st.decoder_seq))
+    s, q, b, h, t = st.seq, st.decoder_seq, st.batch, cfg.hidden, st.tensor_parallel
+    e, mask, r, stat = element_bytes(cfg, st)
+    a, d = cfg.heads, cfg.head_dim
+    qbh = q * b * h
+    cross = {"norm input": ceil_div(e * qbh, r), "norm statistics (fp32)": ceil_div(stat * q * b, r)}
+    if not cfg.fused_norm:
+        cross["unfused norm (fp32 input, normalized)"] = ceil_div(4 * qbh, r)
+    cross["q projection input"] = ceil_div(e * qbh, r)
+    cross["q"] = ceil_div(e * q * b * a * d, t)
+    cross["k, v (from the encoder's output)"] = ceil_div(2 * e * s * b * kv_heads_saved(cfg, st) * d, t)
+    if materialises_scores(cfg, st):
+        cross["attention probabilities (softmax output)"] = ceil_div(e * a * q * s * b, t)
+        if cfg.attention_dropout > 0:
+            cross["attention dropout mask"] = ceil_div(mask * a * q * s * b, t)
+            cross["attention dropout output"] = ceil_div(e * a * q * s * b, t)
+    else:
+        cross["attention log-sum-exp (fp32)"] = ceil_div(4 * a * q * b, t)
+    cross["attention projection input"] = ceil_div(e * q * b * a * d, t)
+    if cfg.hidden_dropout > 0:
+        cross["residual dropout mask"] = ceil_div(mask * qbh, r)
+    terms.update({CROSS + k: v for k, v in cross.items()})
+    return terms
+
+
+def stack_layer_terms(cfg: ModelConfig, st: Settings) -> list[tuple[str, int, int, dict]]:
+    """``(stack, layers, sequence length, one layer's terms)`` for each stack of ``cfg``: the
+    layers of a decoder-only model or an encoder at ``st.seq``; an encoder-decoder's encoder at
+    ``st.seq`` and its decoder (with cross-attention) at ``st.decoder_seq``."""
+    if cfg.architecture != "encoder-decoder":
+        return [(cfg.architecture, cfg.layers, st.seq, layer_activation_terms(cfg, st))]
+    return [
+        ("encoder", cfg.layers, st.seq, layer_activation_terms(cfg, st)),
+        ("decoder", cfg.decoder_layers, st.decoder_seq, decoder_layer_activation_terms(cfg, st)),
+    ]
 
 
 def _mlp_terms(cfg: ModelConfig, e: int, rows: int, f: int, t: int, what: str = "mlp") -> dict:
@@ -203,27 +286,59 @@ def other_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     """Bytes saved for backward outside the transformer layers, on one device.
 
     Token ids and targets are int64 (``8·sb``); a learned position table also saves its ids
-    (``8·s``), rotary positions their cos and sin tables, which every layer shares (``2·e·s·d``);
-    the embedding dropout keeps a mask (``m·sbh/r``); the final norm keeps its input and
-    statistics (an unfused RMSNorm ``4·sbh/r`` more); the LM head and loss what
-    :func:`head_loss_terms` says they keep. Full recompute keeps all of these: they are outside the
-    checkpointed layers.
+    (``8·s``), rotary positions their cos and sin tables, which every layer shares (``2·e·s·d``),
+    T5's relative positions the ``s x s`` int64 bucket of each pair of positions; the embedding
+    dropout keeps a mask (``m·sbh/r``); the final norm keeps its input and statistics (an unfused
+    RMSNorm ``4·sbh/r`` more; an encoder's is its embeddings' LayerNorm); the head and loss what
+    :func:`head_loss_terms` says they keep. An encoder-decoder has these a stack (the decoder's at
+    its length, prefixed ``decoder: ``; T5 also ends each stack with a dropout), plus its encoder's
+    output, which every cross-attention reads (``e·sbh/r``). An image classifier (ViT) reads no
+    token ids. Full recompute keeps all of these: they are outside the checkpointed layers.
     """
-    s, b, h = st.seq, st.batch, cfg.hidden
+    if cfg.architecture != "encoder-decoder":
+        terms = _stack_other_terms(cfg, st, st.seq)
+    else:
+        terms = {f"encoder: {k}": v for k, v in _stack_other_terms(cfg, st, st.seq).items()}
+        terms.update({f"decoder: {k}": v for k, v in _stack_other_terms(cfg, st, st.decoder_seq).items()})
+        e, _, r, _ = element_bytes(cfg, st)
+        terms["encoder output (read by every cross-attention)"] = ceil_div(e * st.seq * st.batch * cfg.hidden, r)
+    terms.update(head_loss_terms(cfg, st)[0])
+    return terms
+
+
+def _stack_other_terms(cfg: ModelConfig, st: Settings, s: int) -> dict:
+    b, h = st.batch, cfg.hidden
     e, mask, r, stat = element_bytes(cfg, st)
-    terms = {"token ids (int64)": 8 * s * b}
+    terms = {} if cfg.task == "image-classification" else {"token ids (int64)": 8 * s * b}
     if cfg.positions == "learned":
-        terms["position ids (int64)"] = 8 * s
+        if cfg.task != "image-classification":  # ViT adds its table whole, no ids
+            terms["position ids (int64)"] = 8 * s
+    elif cfg.positions == "relative":
+        terms["relative position buckets (int64, s x s)"] = 8 * s * s
     else:
         terms["rotary cos and sin (shared by the layers)"] = 2 * e * s * cfg.head_dim
     if cfg.hidden_dropout > 0:
         terms["embedding dropout mask"] = ceil_div(mask * s * b * h, r)
+        if cfg.positions == "relative":
+            terms["final dropout mask"] = ceil_div(mask * s * b * h, r)
     terms["final norm input"] = ceil_div(e * s * b * h, r)
     terms["final norm statistics (fp32)"] = ceil_div(stat * s * b, r)
     if not cfg.fused_norm:
         terms["unfused final norm (fp32 input, normalized)"] = ceil_div(4 * s * b * h, r)
-    terms.update(head_loss_terms(cfg, st)[0])
     return terms
+
+
+def head_rows(cfg: ModelConfig, st: Settings) -> int:
+    """Rows the head reads: every token of the (decoder's) sequence, or one a sequence for a
+    sequence or image classifier."""
+    if cfg.task in ("sequence-classification", "image-classification"):
+        return st.batch
+    return (st.decoder_seq if cfg.architecture == "encoder-decoder" else st.seq) * st.batch
+
+
+def head_width(cfg: ModelConfig) -> int:
+    """Outputs of the head: the vocabulary, or the classifier's labels."""
+    return cfg.vocab if cfg.vocab_head else cfg.num_labels
 
 
 def fused_head_chunk_rows(cfg: ModelConfig, st: Settings) -> int:
@@ -231,12 +346,12 @@ def fused_head_chunk_rows(cfg: ModelConfig, st: Settings) -> int:
     settings' ``head_chunk_size``, else the most whose fp32 logits take ``max(32 MiB, the
     hidden states' bytes)`` but at least 256; at least one, at most ``s·b``. With tensor
     parallelism each rank's chunk spans its ``V/t`` columns of the vocabulary."""
-    n = st.seq * st.batch
+    n = head_rows(cfg, st)
     if st.head_chunk_size is not None:
         return max(1, min(n, st.head_chunk_size))
     e = PRECISIONS[st.precision]["activation"]
     target = max(FUSED_HEAD_MIN_CHUNK_BYTES, n * cfg.hidden * e)
-    rows = target // (ceil_div(cfg.vocab, st.tensor_parallel) * 4)
+    rows = target // (ceil_div(head_width(cfg), st.tensor_parallel) * 4)
     return max(1, min(n, max(FUSED_HEAD_MIN_CHUNK_ROWS, rows)))
 
 
@@ -270,27 +385,37 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
     ``bf16=True`` runs) the fused head's operand is a 16-bit copy of the weight (``e·V/t·h``) beside
     the one autocast caches for the head's own (empty) matmul, which the parameters row counts.
     Both keep the int64 targets (``8·sb``).
+
+    Beyond causal LMs, ``s·b`` is the rows the head reads (:func:`head_rows`: an encoder-decoder's
+    decoder tokens; one row a sequence for a sequence or image classifier) and ``V`` its outputs
+    (:func:`head_width`: the labels of a classifier); an encoder's head keeps what
+    :func:`_task_head_terms` says before its last matrix.
     """
     fused = st.fused_head if fused is None else fused
-    s, b, h, t = st.seq, st.batch, cfg.hidden, st.tensor_parallel
-    e, _, r, _ = element_bytes(cfg, st)
-    v = ceil_div(cfg.vocab, t)
-    hidden = ceil_div(e * s * b * h, r)
+    h, t = cfg.hidden, st.tensor_parallel
+    sb = head_rows(cfg, st)  # the rows the head reads (s·b tokens; b for a sequence classifier)
+    e, mask, r, stat = element_bytes(cfg, st)
+    v = ceil_div(head_width(cfg), t) if cfg.vocab_head else cfg.num_labels
+    hidden = ceil_div(e * sb * h, r)
     weight_grad = PRECISIONS[st.precision]["grad"] * v * h
     dtype = {4: "fp32", 2: "16-bit"}[e]
+    before = _task_head_terms(cfg, st, e, mask, r, stat)
     if not fused:
         kept = {
-            "lm head input": hidden,
-            "log-probabilities (fp32, loss)": 4 * s * b * v,
-            "targets (int64)": 8 * s * b,
+            **before,
+            ("lm head input" if cfg.vocab_head else "classifier input"): hidden,
+            "log-probabilities (fp32, loss)": 4 * sb * v,
+            "targets (int64)": 8 * sb,
         }
-        softmax = {"fp32 gradients of log-probabilities and logits": 2 * 4 * s * b * v}
+        if cfg.logit_softcap:  # Gemma 2: cap·tanh(logits/cap), in the activations' dtype
+            kept["soft-capped logits (tanh output)"] = e * sb * v
+        softmax = {"fp32 gradients of log-probabilities and logits": 2 * 4 * sb * v}
         matmuls = {"head weight's gradient (made in its backward)": weight_grad, "hidden states' gradient": hidden}
         if e != 4:  # the logits' gradient in their dtype outlives the fp32 log-probabilities, freed by then
-            matmuls["logits' 16-bit gradient, less the fp32 log-probabilities"] = (e - 4) * s * b * v
+            matmuls["logits' 16-bit gradient, less the fp32 log-probabilities"] = (e - 4) * sb * v
         return kept, softmax if sum(softmax.values()) >= sum(matmuls.values()) else matmuls
     rows = fused_head_chunk_rows(cfg, st)
-    kept = {"hidden states' gradient (fused head, made in its forward)": hidden, "targets (int64)": 8 * s * b}
+    kept = {**before, "hidden states' gradient (fused head, made in its forward)": hidden, "targets (int64)": 8 * sb}
     tmp = {
         "fused head input (until its forward ends)": hidden,
         f"one chunk of logits ({rows} rows x {v}, {dtype})": rows * v * e,
@@ -309,6 +434,24 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
         ends = {"head weight's gradient in its dtype (made as its forward ends)": e * v * h}
         tmp.update(in_loop if sum(in_loop.values()) >= sum(ends.values()) else ends)
     return kept, tmp
+
+
+def _task_head_terms(cfg: ModelConfig, st: Settings, e: int, mask: int, r: int, stat: int) -> dict:
+    """What an encoder's task head keeps before its last matrix: a masked LM's transform (dense,
+    GELU, LayerNorm: their inputs and statistics); a sequence or image classifier's first-token
+    view, which keeps the last hidden states whole (BERT's pooler, DistilBERT's and ViT's classifier
+    read ``hidden[:, 0]`` as a view); a token classifier's dropout mask."""
+    sbh = ceil_div(st.seq * st.batch * cfg.hidden, r)
+    if cfg.task == "masked-lm":
+        return {
+            "masked-lm transform: dense input, gelu input, norm input": 3 * e * sbh,
+            "masked-lm transform: norm statistics (fp32)": ceil_div(stat * st.seq * st.batch, r),
+        }
+    if cfg.task in ("sequence-classification", "image-classification"):
+        return {"last hidden states (the classifier reads a view of the first token)": e * sbh}
+    if cfg.task == "token-classification" and cfg.hidden_dropout > 0:
+        return {"classifier dropout mask": mask * sbh}
+    return {}
 
 
 def megatron_layer_activation_bytes(

@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 
 from llmmem.estimation.activations import (
+    CROSS,
     SCORE_TERMS,
     ceil_div,
     element_bytes,
     head_loss_terms,
-    layer_activation_terms,
+    head_rows,
+    head_width,
     materialises_scores,
     other_activation_terms,
+    stack_layer_terms,
 )
 from llmmem.estimation.model_configs import ModelConfig
 from llmmem.estimation.model_state import MIN_QUANTIZED_NUMEL, config_tensors, llmmem_state, sharded_tensors
@@ -46,7 +49,15 @@ def flops(cfg: ModelConfig, st: Settings) -> tuple[int, int, int]:
     n = 2 if cfg.mlp == "gelu" else 3
     core = 4 * s * s * b * h
     layer = 2 * s * b * (h * (h + 2 * cfg.kv_heads * cfg.head_dim) + h * h + n * h * f) + core
-    step = 3 * (cfg.layers * layer + 2 * s * b * h * cfg.vocab)
+    forward = cfg.layers * layer
+    if cfg.architecture == "encoder-decoder":
+        # the decoder's layers at its length q, with cross-attention: Q and output projections of
+        # its q tokens, K and V of the encoder's s, and the q x s core
+        q = st.decoder_seq
+        self_ = 2 * q * b * (h * (h + 2 * cfg.kv_heads * cfg.head_dim) + h * h + n * h * f) + 4 * q * q * b * h
+        cross = 2 * q * b * 2 * h * h + 2 * s * b * 2 * h * cfg.kv_heads * cfg.head_dim + 4 * q * s * b * h
+        forward += cfg.decoder_layers * (self_ + cross)
+    step = 3 * (forward + 2 * head_rows(cfg, st) * h * head_width(cfg))
     return layer, core, step
 
 
@@ -64,11 +75,11 @@ def slowdown_terms(cfg: ModelConfig, st: Settings) -> dict:
     """
     layer, core, step = flops(cfg, st)
     parts = {}
-    n_r = st.recomputed_layers(cfg.layers)
+    n_r = st.recomputed_layers(cfg.layers) + st.recomputed_layers(cfg.decoder_layers)
     if n_r:
         parts["recompute"] = n_r * layer / step
     elif st.checkpointing == "selective" and materialises_scores(cfg, st):
-        parts["selective recompute"] = cfg.layers * core / step
+        parts["selective recompute"] = cfg.total_layers * core / step
     if st.zero_stage == 3 and st.data_parallel > 1:
         parts["ZeRO-3 parameter gathers"] = ZERO3_SLOWDOWN
     if st.tensor_parallel > 1:
@@ -125,6 +136,15 @@ def model_state(cfg: ModelConfig, counted: int | None, st: Settings, shapes=None
     return out, terms, total_params, device_params
 
 
+def _mlp_part(terms: dict) -> int:
+    """Bytes of a layer's terms from its MLP's input on (the cross-attention's, listed after them
+    but run before the MLP, left out): what the layer's backward frees before its attention's."""
+    keys = list(terms)
+    if "mlp input" not in keys:
+        return 0
+    return sum(terms[k] for k in keys[keys.index("mlp input") :] if not k.startswith(CROSS))
+
+
 def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: float = 1.0, shapes=None) -> dict:
     """Every number of an :class:`Estimate`, in bytes per device. ``layer_scale``: the layer's
     activation terms times this (a measured layer over the formula's, see ``estimate(measure=)``);
@@ -133,19 +153,30 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
     prec = PRECISIONS[st.precision]
     out, state_terms, total_params, device_params = model_state(cfg, counted, st, shapes)
 
-    layer_terms = layer_activation_terms(cfg, st)
-    if layer_scale != 1.0:
-        layer_terms = {k: round(v * layer_scale) for k, v in layer_terms.items()}
-    full_layer = sum(layer_terms.values())
-    score_bytes = sum(layer_terms.get(k, 0) for k in SCORE_TERMS)
-    stored_layer = full_layer - score_bytes if st.checkpointing == "selective" else full_layer
-    # A recomputed layer keeps only its input, e·sbh (divided by t with sequence parallelism).
+    # Each stack (an encoder-decoder has two, of different lengths and layers) on its own: a
+    # recomputed layer keeps only its input, e·sbh (divided by t with sequence parallelism), and
+    # every-K recompute counts layers 0, K, 2K, ... of each stack.
     e, _, r, _ = element_bytes(cfg, st)
-    layer_input = ceil_div(e * st.seq * st.batch * cfg.hidden, r)
-    n_r = st.recomputed_layers(cfg.layers)
+    stacks = []
+    for stack, layers, seq, terms in stack_layer_terms(cfg, st):
+        if layer_scale != 1.0:
+            terms = {k: round(v * layer_scale) for k, v in terms.items()}
+        full = sum(terms.values())
+        scores = sum(terms.get(k, 0) for k in SCORE_TERMS)
+        stored = full - scores if st.checkpointing == "selective" else full
+        n_r = st.recomputed_layers(layers)
+        kept = n_r * ceil_div(e * seq * st.batch * cfg.hidden, r) + (layers - n_r) * stored
+        stacks.append((stack, terms, full, scores, n_r, kept))
+    if len(stacks) == 1:
+        layer_terms = stacks[0][1]
+    else:
+        layer_terms = {f"{stack} layer: {k}": v for stack, terms, *_ in stacks for k, v in terms.items()}
+    # the largest layer's: what one layer without recompute (or one recomputed) holds
+    _, _, full_layer, score_bytes, _, _ = max(stacks, key=lambda x: x[2])
+    n_r = sum(x[4] for x in stacks)
     other_terms = other_activation_terms(cfg, st)
     out["activations_per_layer"] = full_layer
-    out["activations_layers"] = n_r * layer_input + (cfg.layers - n_r) * stored_layer
+    out["activations_layers"] = sum(x[5] for x in stacks)
     out["activations_other"] = sum(other_terms.values())
     out["activations"] = out["activations_layers"] + out["activations_other"]
 
@@ -157,13 +188,15 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
     s, b = st.seq, st.batch
     layer_tmp = {}
     if score_bytes:
-        layer_tmp["gradients of attention probabilities and scores"] = 2 * ceil_div(e * cfg.heads * s * s * b, t)
+        pairs = max(s * s, st.decoder_seq * max(s, st.decoder_seq)) if cfg.stacks == 2 else s * s
+        layer_tmp["gradients of attention probabilities and scores"] = 2 * ceil_div(e * cfg.heads * pairs * b, t)
     if n_r:
         layer_tmp["one recomputed layer's activations"] = full_layer
     elif st.checkpointing == "selective" and score_bytes:
         layer_tmp["one layer's recomputed attention scores"] = score_bytes
     if st.zero_stage == 3 and n_d > 1:
-        layer_tmp["one layer's gathered parameters (ZeRO-3)"] = cfg.layer_parameters(t) * prec["param"]
+        largest = cfg.layer_parameters(t) + cfg.cross_attention_parameters(t)
+        layer_tmp["one layer's gathered parameters (ZeRO-3)"] = largest * prec["param"]
     state = sum(out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state"))
     rest = out["activations"] - sum(head_loss_terms(cfg, st)[0].values())  # all but the head and loss
     head_loss = {}
@@ -178,9 +211,21 @@ def compute(cfg: ModelConfig, counted: int | None, st: Settings, layer_scale: fl
         }
         if fused == st.fused_head:
             out["temporary"], temporary_terms = sum(tmp.values()), tmp
+            head_kept, head_tmp = sum(kept.values()), sum(loss_tmp.values())
     out["total"] = sum(
         out[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "temporary")
     )
+    # The peak of a step that starts without gradients (zero_grad(set_to_none=True), torch's
+    # default): the larger of its two phases. When backward starts, every activation is alive but
+    # no gradient exists yet; when it ends, every gradient exists, the activations are freed, and
+    # the last layer's backward holds its transients. ``total`` adds all of them at once: the
+    # peak of a step whose gradients are already held (gradient accumulation, set_to_none=False).
+    # By the time the last layer's attention makes its transients, backward has freed what the
+    # head and that layer's MLP kept (without recompute, which remakes them instead).
+    released = head_kept + (_mlp_part(stacks[-1][1]) if not n_r else 0)
+    start = state - out["gradients"] + out["activations"] + max(head_tmp, sum(layer_tmp.values()) - released)
+    end = state + sum(layer_tmp.values())
+    out["peak"] = max(start, end)
     slow = slowdown_terms(cfg, st)
     return {
         "bytes": out,

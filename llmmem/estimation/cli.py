@@ -30,7 +30,25 @@ def register_cli(subparsers) -> None:
         "holding one (read offline); or give --layers --hidden --heads --vocab ...",
     )
     p.add_argument("--batch", type=int, default=1, help="micro-batch per data-parallel rank (default 1)")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length, an encoder-decoder's encoder's (default 2048; an image model: its image's tokens)",
+    )
+    p.add_argument(
+        "--target-seq",
+        type=int,
+        default=None,
+        help="an encoder-decoder's decoder length (T5, BART; default: --seq)",
+    )
+    p.add_argument(
+        "--task",
+        default=None,
+        help="the head: seq2seq-lm, sequence-classification, token-classification, masked-lm, "
+        "image-classification, causal-lm (default: the config's architectures, else the family's: an encoder's "
+        "sequence-classification)",
+    )
     p.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")
     p.add_argument(
         "--optimizer",
@@ -113,12 +131,13 @@ def _checkpointing_arg(text: str):
     return int(text) if text.strip().isdigit() else text
 
 
-def _named_or_file(text: str) -> ModelConfig:
-    """A named model, else a Hugging Face config file (or a directory holding config.json)."""
+def _named_or_file(text: str, task: str | None = None) -> ModelConfig:
+    """A named model, else a Hugging Face config file (or a directory holding config.json), read
+    for ``task``'s head."""
     if text.strip().lower() in model_configs.NAMED_MODELS:
         return model_configs.lookup(text)
     if os.path.exists(text) or os.sep in text or "/" in text or text.endswith(".json"):
-        return model_configs.read_hf_config_file(text, name="model")
+        return model_configs.read_hf_config_file(text, name="model", task=task)
     raise ValueError(
         f"model: unknown model name {text!r} and no such file; known models: {', '.join(model_configs.NAMED_MODELS)}; "
         "or give a Hugging Face config.json or a directory holding one, or explicit dimensions (--layers --hidden "
@@ -133,7 +152,7 @@ def _run_cli(args) -> int:
         if getattr(args, k) is not None
     }
     if args.model is not None:
-        model = _named_or_file(args.model)
+        model = _named_or_file(args.model, args.task)
         if overrides:
             fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
             if "mlp" in overrides and "ffn" not in overrides:
@@ -161,6 +180,8 @@ def _run_cli(args) -> int:
         model,
         batch=args.batch,
         seq=args.seq,
+        target_seq=args.target_seq,
+        task=args.task,
         precision="bf16-mixed" if precision is None else precision,
         optimizer=args.optimizer,
         zero_stage=args.zero_stage,
@@ -181,7 +202,7 @@ def _run_cli(args) -> int:
     if est.total > MAX_BYTES:
         # The figures are exact, but no memory holds them and the table has no room for them.
         raise ValueError(
-            f"--seq {args.seq} with --batch {args.batch}: training needs {format_bytes(est.total)} "
+            f"--seq {est.settings.seq} with --batch {args.batch}: training needs {format_bytes(est.total)} "
             f"({est.total:.3g} bytes) per device, more than any memory ({format_bytes(MAX_BYTES)}); expected "
             "a --seq and --batch (and model dimensions) whose activations fit in memory"
         )

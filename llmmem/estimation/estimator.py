@@ -104,7 +104,12 @@ class Estimate:
     ``activations_per_layer`` (one layer without recompute), ``activations_layers`` (all layers,
     under the chosen checkpointing), ``activations_other`` (embeddings, head, loss),
     ``temporary`` (largest transient buffer), ``total`` (the peak: model state + activations +
-    temporary); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
+    temporary, every gradient held throughout, as under gradient accumulation), ``peak`` (the
+    peak of a step that starts without gradients, ``zero_grad(set_to_none=True)``: the larger of
+    model state without gradients + activations + the head's or the last layer's backward
+    transients (less what the head and that layer's MLP freed first), when backward starts, and
+    model state with every gradient + one layer's backward transients, when it ends; at most
+    ``total``); ``layer_terms``, ``other_terms`` and ``temporary_terms`` break those down;
     ``parameter_count`` (elements, whole model), ``slowdown`` (fraction); with ``device_memory``:
     ``fits`` (bool), ``recommendation`` (:class:`Recommendation` or None), ``advice`` (one line)
     and ``model_state_fixes`` (:class:`~llmmem.estimation.recommend.ModelStateFix`: changes of the
@@ -169,7 +174,7 @@ class Estimate:
             "settings": self.settings.public(),
             "bytes": {
                 k: getattr(self, k)
-                for k in self._ROWS + ("activations_per_layer", "activations_layers", "activations_other")
+                for k in self._ROWS + ("peak", "activations_per_layer", "activations_layers", "activations_other")
             },
             "layer_terms": dict(self.layer_terms),
             "measured_layer_bytes": self.measured_layer_bytes,
@@ -200,9 +205,10 @@ class Estimate:
         if st.step_in_backward:
             opt += ", step in backward"
         head = ", fused LM head" if st.fused_head else ""
+        target = f" (decoder {st.decoder_seq})" if cfg.architecture == "encoder-decoder" else ""
         lines = [
             f"{cfg.name}: {self.parameter_count / 1e9:.3g} B parameters ({cfg.describe()})",
-            f"batch {st.batch} x seq {st.seq}, {st.precision}, {opt}, ZeRO stage {st.zero_stage} over "
+            f"batch {st.batch} x seq {st.seq}{target}, {st.precision}, {opt}, ZeRO stage {st.zero_stage} over "
             f"{st.data_parallel} data-parallel rank(s), tensor parallel {st.tensor_parallel}{sp}, "
             f"checkpointing {st.checkpointing}, {st.attention} attention{head} ({st.device_type})",
             "",
@@ -245,33 +251,25 @@ class Estimate:
         row("optimizer state", self.optimizer_state, state_note)
         row("activations", self.activations)
         row("  per layer (no recompute)", self.activations_per_layer)
-        row(f"  all {cfg.layers} layers ({st.checkpointing})", self.activations_layers)
+        row(f"  all {cfg.total_layers} layers ({st.checkpointing})", self.activations_layers)
         row("  embeddings, head, loss", self.activations_other)
         row("largest temporary", self.temporary, "; ".join(self.temporary_terms))
         row("total", self.total, "the peak: model state (first four rows) + activations + largest temporary")
-        lines.append("LM head and loss, kept + their largest temporary, both ways:")
-        plain, fused = self.head_loss["plain"], self.head_loss["fused"]
-        used = " (this estimate)"
-        later = (
-            f"their and the logits' fp32 gradients {format_bytes(plain['temporary'])}"
-            if "fp32 gradients of log-probabilities and logits" in plain["temporary_terms"]
-            else f"then its backward's matmuls make the head weight's gradient ({format_bytes(_weight_gradient(plain))})"
-        )
         row(
-            "plain head" + ("" if st.fused_head else used),
-            plain["kept"] + plain["temporary"],
-            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, {later}",
+            "  a step from no gradients",
+            self.peak,
+            "zero_grad(set_to_none=True): the larger of backward's start (no gradient yet) and its end (no "
+            "activation left)",
         )
-        rows_ = fused_head_chunk_rows(cfg, st)
-        saves = self.fused_head_saves
-        wgrad = _weight_gradient(fused)
-        row(
-            "fused head" + (used if st.fused_head else ""),
-            fused["kept"] + fused["temporary"],
-            f"llmmem.patch_lm_loss: one chunk of {rows_} rows of logits at a time, and the head weight's gradient "
-            f"({format_bytes(wgrad)}) made in its forward; the peak "
-            + (f"{format_bytes(saves)} lower" if saves >= 0 else f"{format_bytes(-saves)} higher"),
-        )
+        if cfg.vocab_head:
+            self._head_rows(lines, row)
+        else:
+            plain = self.head_loss["plain"]
+            row(
+                f"{cfg.task} head and loss",
+                plain["kept"] + plain["temporary"],
+                f"{cfg.num_labels} labels, no vocabulary-sized head: kept {format_bytes(plain['kept'])}",
+            )
         if self.slowdown_terms:
             parts = ", ".join(f"{k} {_pct(v)}" for k, v in self.slowdown_terms.items())
             lines.append(f"expected slowdown {_pct(self.slowdown)} ({parts})")
@@ -310,6 +308,33 @@ class Estimate:
                 )
                 lines.append(f"  {self.fused_head_fix.describe()}")
         return "\n".join(lines)
+
+    def _head_rows(self, lines: list, row) -> None:
+        """The LM head and loss both ways (plain and fused), for a model with a vocabulary head."""
+        cfg, st = self.model, self.settings
+        lines.append("LM head and loss, kept + their largest temporary, both ways:")
+        plain, fused = self.head_loss["plain"], self.head_loss["fused"]
+        used = " (this estimate)"
+        later = (
+            f"their and the logits' fp32 gradients {format_bytes(plain['temporary'])}"
+            if "fp32 gradients of log-probabilities and logits" in plain["temporary_terms"]
+            else f"then its backward's matmuls make the head weight's gradient ({format_bytes(_weight_gradient(plain))})"
+        )
+        row(
+            "plain head" + ("" if st.fused_head else used),
+            plain["kept"] + plain["temporary"],
+            f"[tokens x vocab] logits: fp32 log-probabilities kept {format_bytes(plain['kept'])}, {later}",
+        )
+        rows_ = fused_head_chunk_rows(cfg, st)
+        saves = self.fused_head_saves
+        wgrad = _weight_gradient(fused)
+        row(
+            "fused head" + (used if st.fused_head else ""),
+            fused["kept"] + fused["temporary"],
+            f"llmmem.patch_lm_loss: one chunk of {rows_} rows of logits at a time, and the head weight's gradient "
+            f"({format_bytes(wgrad)}) made in its forward; the peak "
+            + (f"{format_bytes(saves)} lower" if saves >= 0 else f"{format_bytes(-saves)} higher"),
+        )
 
     def __repr__(self) -> str:
         return f"<Estimate {self.model.name}: total {format_bytes(self.total)} per device>"
@@ -364,7 +389,9 @@ def estimate(
     model,
     *,
     batch: int = 1,
-    seq: int = 2048,
+    seq: int | None = None,
+    target_seq: int | None = None,
+    task: str | None = None,
     precision: str = "bf16-mixed",
     optimizer: str = "adam",
     zero_stage: int = 0,
@@ -394,7 +421,21 @@ def estimate(
         positions, biases, dropout, attention implementation), or an ``nn.Module`` whose parameters
         are counted and whose ``cfg``/``config`` gives the dimensions. Training is assumed to run
         without a key/value cache (``use_cache=False``).
-    :param batch: micro-batch per data-parallel rank. :param seq: sequence length.
+        Encoder-decoders (T5, mT5, BART, mBART: both stacks, cross-attention) and encoders with a
+        task head (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ViT) are read too; hybrids and
+        other architectures are refused by name (ValueError).
+    :param batch: micro-batch per data-parallel rank. :param seq: sequence length (an
+        encoder-decoder's encoder's); None: 2048, or for an image model the tokens its image makes
+        (ViT: ``(image_size / patch_size)^2 + 1``).
+    :param target_seq: an encoder-decoder's decoder length (its layers, their cross-attention over
+        ``seq`` tokens, and the head and loss run at it); None: ``seq``. Refused for other models.
+    :param task: the head: ``"causal-lm"`` (decoders), ``"seq2seq-lm"`` (encoder-decoders),
+        ``"sequence-classification"``, ``"token-classification"``, ``"masked-lm"``,
+        ``"image-classification"`` (encoders; only ``masked-lm`` has a vocabulary-sized head).
+        None: what a Hugging Face model's class says (``BertForSequenceClassification``), else the
+        config's ``architectures``, else the family's default (an encoder-decoder ``seq2seq-lm``,
+        ViT ``image-classification``, a text encoder ``sequence-classification`` with the
+        config's ``num_labels``); the estimate's description names it.
     :param precision: ``fp32``; ``fp16-mixed`` / ``bf16-mixed`` (16-bit parameters, gradients and
         activations with an fp32 master copy and fp32 optimizer state); ``bf16`` (pure bf16, no
         fp32 copy).
@@ -439,7 +480,9 @@ def estimate(
         see: a custom norm or activation, extra saved tensors). Imports torch; memory: one block.
     :raises ValueError: naming the argument, for any invalid input.
     """
-    cfg, counted = model_configs.resolve(model)
+    cfg, counted = model_configs.resolve(model, task=task)
+    if seq is None:
+        seq = cfg.image_tokens or 2048
     mark = model_configs.fused_head_mark(model)
     if fused_head is None:
         fused_head = mark is not None
@@ -454,6 +497,12 @@ def estimate(
 
         if measure is True:
             import torch
+
+            if cfg.architecture == "encoder-decoder" or not cfg.vocab:
+                raise ValueError(
+                    f"measure: True makes token ids for a decoder; this {cfg.architecture} needs a batch of its own "
+                    "inputs (a dict: input_ids and labels, or pixel_values)"
+                )
 
             p = next(model.parameters())
             sample = torch.randint(
@@ -501,6 +550,7 @@ def estimate(
         min_quantized_numel=min_quantized_numel,
         fused_head=fused_head,
         head_chunk_size=head_chunk_size,
+        target_seq=target_seq,
     )
     budget = None
     if device_memory is not None:

@@ -28,12 +28,25 @@ import numbers
 import sys
 from dataclasses import dataclass, field
 
+from llmmem.estimation import hf_encoders
+
 MLP_KINDS = ("gelu", "swiglu")
 # The MLP's activation, as implemented: "gelu" (one kernel, torch's exact or tanh GELU), "gelu_new"
 # (the tanh approximation written as elementwise operators, Hugging Face's GPT-2), "relu", "silu".
 ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu")
 NORM_KINDS = ("layernorm", "rmsnorm")
-POSITION_KINDS = ("learned", "rotary")
+# "relative": T5's bucketed position biases added to the attention scores (a table a stack)
+POSITION_KINDS = ("learned", "rotary", "relative")
+ARCHITECTURES = ("decoder", "encoder", "encoder-decoder")
+QK_NORMS = ("none", "head", "width")
+# the task head an architecture may carry (the first one is its default)
+ARCHITECTURE_TASKS = {
+    "decoder": ("causal-lm",),
+    "encoder-decoder": ("seq2seq-lm",),
+    "encoder": ("sequence-classification", "masked-lm", "token-classification", "image-classification"),
+}
+# tasks whose head is a vocabulary-sized matrix (tied to the token embedding or not)
+VOCAB_TASKS = ("causal-lm", "seq2seq-lm", "masked-lm")
 ATTENTION_KINDS = ("explicit", "sdpa")
 
 
@@ -78,6 +91,26 @@ class ModelConfig:
     MLP of width ``ffn`` instead (Qwen2-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``).
     Parameters and model state count every expert; activations the ``experts_per_token`` an
     average token runs (capacity is not capped: Hugging Face's experts drop no token).
+
+    Beyond decoders (``architecture``): an ``"encoder-decoder"`` (T5, BART) has ``layers`` encoder
+    layers and ``decoder_layers`` decoder layers, each of those with cross-attention over the
+    encoder's output (a norm, Q/K/V and output projections as its self-attention's), and a final
+    norm and (learned) position table a stack; an ``"encoder"`` (BERT, ViT) attends both ways.
+    ``task`` is the head: ``"causal-lm"`` (decoders), ``"seq2seq-lm"`` (encoder-decoders),
+    ``"sequence-classification"`` (an encoder's default), ``"token-classification"``,
+    ``"masked-lm"`` or ``"image-classification"`` (ViT, ``vocab`` 0: patches, no tokens); only the
+    ``*-lm`` tasks have a vocabulary-sized head, the classifiers ``num_labels`` outputs.
+    ``activation_dropout``: dropout on the MLP's hidden (T5, BART). ``extra_tensors``: element
+    counts of the parameters outside the layers, embeddings and norms that the config reader found
+    (token types, position buckets, a patch convolution, a pooler, the task head's own layers).
+    ``image_tokens``: the sequence an image makes (ViT: patches + class token), the default ``seq``.
+
+    Norms beyond the two a layer (each of the same ``norm`` kind): ``qk_norm`` ``"head"`` (an
+    RMSNorm of every query and key head, weights of ``head_dim``: Qwen3, Gemma 3) or ``"width"``
+    (of all the queries and all the keys together: OLMo 2), else ``"none"``; ``sandwich_norm``:
+    also a norm after attention and after the MLP (Gemma 2 and 3: four a layer).
+    ``attention_softcap`` / ``logit_softcap``: ``cap·tanh(x/cap)`` on the attention scores / the
+    head's logits (Gemma 2), whose tanh output backward keeps.
     """
 
     layers: int
@@ -106,11 +139,23 @@ class ModelConfig:
     shared_ffn: int = 0
     shared_gate: bool = False
     dense_layers: int = 0
+    architecture: str = "decoder"
+    decoder_layers: int = 0
+    task: str | None = None
+    num_labels: int = 2
+    activation_dropout: float = 0.0
+    extra_tensors: tuple = ()
+    image_tokens: int = 0
+    qk_norm: str = "none"
+    sandwich_norm: bool = False
+    attention_softcap: bool = False
+    logit_softcap: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
-        for key in ("layers", "hidden", "heads", "vocab"):
+        self._check_architecture(set_)
+        for key in ("layers", "hidden", "heads") + (("vocab",) if self.task != "image-classification" else ()):
             set_(self, key, positive_int(getattr(self, key), key))
         set_(self, "mlp", choice(self.mlp, "mlp", MLP_KINDS))
         set_(self, "norm", choice(self.norm, "norm", NORM_KINDS))
@@ -146,17 +191,61 @@ class ModelConfig:
             or self.max_positions < 0
         ):
             raise ValueError(f"max_positions: must be an integer >= 0, got {self.max_positions!r}")
-        for key in ("dropout", "attention_dropout", "hidden_dropout"):
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout"):
             value = getattr(self, key)
             if key != "dropout" and value is None:
                 set_(self, key, self.dropout)
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{key}: must be a probability in [0, 1), got {value!r}")
-        for key in ("tied_embeddings", "bias", "qkv_bias"):
+        set_(self, "qk_norm", choice(self.qk_norm, "qk_norm", QK_NORMS))
+        for key in ("tied_embeddings", "bias", "qkv_bias", "sandwich_norm", "attention_softcap", "logit_softcap"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: must be True or False, got {getattr(self, key)!r}")
         self._check_experts(set_)
+
+    def _check_architecture(self, set_) -> None:
+        set_(self, "architecture", choice(self.architecture, "architecture", ARCHITECTURES))
+        tasks = ARCHITECTURE_TASKS[self.architecture]
+        set_(self, "task", tasks[0] if self.task is None else choice(self.task, "task", tasks))
+        if self.architecture == "encoder-decoder":
+            set_(self, "decoder_layers", positive_int(self.decoder_layers, "decoder_layers"))
+        elif self.decoder_layers:
+            raise ValueError(
+                f"decoder_layers: only an encoder-decoder has a second stack, got {self.decoder_layers!r}"
+            )
+        if self.architecture != "decoder" and self.experts:
+            raise ValueError(
+                f"experts: the estimator reads mixtures of experts in decoders only, not an {self.architecture}"
+            )
+        set_(self, "num_labels", positive_int(self.num_labels, "num_labels"))
+        if self.task == "image-classification":
+            if isinstance(self.vocab, bool) or not isinstance(self.vocab, numbers.Integral) or self.vocab < 0:
+                raise ValueError(f"vocab: must be an integer >= 0, got {self.vocab!r}")
+            set_(self, "vocab", int(self.vocab))
+        for key in ("image_tokens",):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"{key}: must be an integer >= 0, got {v!r}")
+        extra = tuple(self.extra_tensors)
+        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0 for n in extra):
+            raise ValueError(f"extra_tensors: must be positive element counts, got {self.extra_tensors!r}")
+        set_(self, "extra_tensors", tuple(int(n) for n in extra))
+
+    @property
+    def stacks(self) -> int:
+        """Stacks of layers: 2 for an encoder-decoder, else 1 (each has its final norm and positions)."""
+        return 2 if self.architecture == "encoder-decoder" else 1
+
+    @property
+    def total_layers(self) -> int:
+        """Layers of every stack."""
+        return self.layers + self.decoder_layers
+
+    @property
+    def vocab_head(self) -> bool:
+        """Whether the head is a vocabulary-sized matrix (the ``*-lm`` tasks)."""
+        return self.task in VOCAB_TASKS
 
     def _check_experts(self, set_) -> None:
         for key in ("experts", "experts_per_token", "shared_ffn", "dense_layers"):
@@ -197,6 +286,17 @@ class ModelConfig:
             replicated += h  # the row-parallel down projection's bias
         return sharded, replicated
 
+    def cross_attention_parameters(self, tensor_parallel: int = 1) -> int:
+        """A decoder layer's cross-attention (its norm, Q/K/V and output projections, as its
+        self-attention's) on one tensor-parallel rank; 0 outside an encoder-decoder."""
+        if self.architecture != "encoder-decoder":
+            return 0
+        h, t = self.hidden, tensor_parallel
+        width = self.heads * self.head_dim
+        qkv_out = width + 2 * self.kv_heads * self.head_dim
+        sharded = h * qkv_out + width * h + (qkv_out if self.bias or self.qkv_bias else 0)
+        return -(-sharded // t) + self._norm_parameters() + (h if self.bias else 0)
+
     def layer_parameters(self, tensor_parallel: int = 1, moe: bool | None = None) -> int:
         """Parameters of one transformer layer held by one tensor-parallel rank.
 
@@ -211,7 +311,7 @@ class ModelConfig:
         width = self.heads * self.head_dim  # h unless head_dim is set otherwise
         qkv_out = width + 2 * self.kv_heads * self.head_dim
         sharded = h * qkv_out + width * h
-        replicated = 2 * self._norm_parameters()
+        replicated = (4 if self.sandwich_norm else 2) * self._norm_parameters() + self.qk_norm_parameters()
         if self.bias or self.qkv_bias:
             sharded += qkv_out  # column-parallel biases
         if self.bias:
@@ -230,6 +330,13 @@ class ModelConfig:
             replicated += rep
         return -(-sharded // t) + replicated
 
+    def qk_norm_parameters(self) -> int:
+        """A layer's query and key norms' weights (and biases, for LayerNorm)."""
+        if self.qk_norm == "none":
+            return 0
+        width = 2 * self.head_dim if self.qk_norm == "head" else (self.heads + self.kv_heads) * self.head_dim
+        return width * (2 if self.norm == "layernorm" else 1)
+
     def _norm_parameters(self) -> int:
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden
 
@@ -243,11 +350,12 @@ class ModelConfig:
         vocab_rows = -(-self.vocab // t)
         moe = self.moe_layers
         n = moe * self.layer_parameters(t, moe=True) + (self.layers - moe) * self.layer_parameters(t, moe=False)
-        n += self._norm_parameters()
-        n += vocab_rows * self.hidden * (1 if self.tied_embeddings else 2)
+        n += self.decoder_layers * (self.layer_parameters(t) + self.cross_attention_parameters(t))
+        n += self.stacks * self._norm_parameters()  # a final norm a stack (BERT: its embeddings' norm)
+        n += vocab_rows * self.hidden * (1 if self.tied_embeddings or not self.vocab_head else 2)
         if self.positions == "learned":
-            n += max(self.max_positions, seq) * self.hidden
-        return n
+            n += self.stacks * max(self.max_positions, seq) * self.hidden
+        return n + sum(self.extra_tensors)
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
@@ -260,7 +368,17 @@ class ModelConfig:
                 f"{self.experts} experts of ffn {self.expert_ffn} ({self.mlp}{act}), top-{self.experts_per_token}"
                 f"{shared}{dense}"
             )
-        return f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, {mlp}, vocab {self.vocab}"
+        layers = f"{self.layers} layers"
+        if self.architecture == "encoder-decoder":
+            layers = f"encoder {self.layers} + decoder {self.decoder_layers} layers (cross-attention)"
+        elif self.architecture == "encoder":
+            layers = f"encoder, {self.layers} layers"
+        head = ""
+        if self.task != "causal-lm":
+            labels = "" if self.vocab_head else f", {self.num_labels} labels"
+            head = f", task {self.task}{labels}"
+        vocab = f", vocab {self.vocab}" if self.vocab else ""
+        return f"{layers}, hidden {self.hidden}, {self.heads} heads{kv}, {mlp}{vocab}{head}"
 
 
 def _gpt2(layers: int, hidden: int, heads: int, name: str) -> ModelConfig:
@@ -372,14 +490,27 @@ def from_mapping(mapping, *, strict: bool = True, name: str = "custom") -> Model
     return ModelConfig(**kwargs)
 
 
-def resolve(model) -> tuple[ModelConfig, int | None]:
+def resolve(model, task: str | None = None) -> tuple[ModelConfig, int | None]:
     """``(config, counted parameters or None)`` for a name, a dict, a dataclass, a Hugging Face
     config or an ``nn.Module``.
 
     An ``nn.Module`` is recognised without importing torch (only an imported torch can have made
     one); its parameters are counted (shared ones once) and its dimensions read from its ``cfg`` or
-    ``config`` attribute (a Hugging Face config is read for its architecture too).
+    ``config`` attribute (a Hugging Face config is read for its architecture too). ``task``: the
+    head (see :class:`ModelConfig`); a Hugging Face model's class names its own, which a ``task``
+    that differs contradicts (ValueError).
     """
+    if task is not None:
+        task = choice(task, "task", hf_encoders.TASKS)
+    cfg, counted = _resolve(model, task)
+    if task is not None and cfg.task != task:
+        if counted is not None and is_hf_config(getattr(model, "config", None)):
+            raise ValueError(f"task: {task!r}, but the model is a {type(model).__name__}, whose head is {cfg.task!r}")
+        cfg = dataclasses.replace(cfg, task=task)
+    return cfg, counted
+
+
+def _resolve(model, task):
     if isinstance(model, ModelConfig):
         return model, None
     if isinstance(model, str):
@@ -387,7 +518,7 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
     if isinstance(model, dict):
         return from_mapping(model), None
     if is_hf_config(model):  # (before dataclasses: Hugging Face's configs are dataclasses since 5.0)
-        return from_hf_config(model), None
+        return from_hf_config(model, task), None
     if dataclasses.is_dataclass(model) and not isinstance(model, type):
         return from_mapping(dataclasses.asdict(model), name=type(model).__name__), None
     import sys
@@ -397,7 +528,8 @@ def resolve(model) -> tuple[ModelConfig, int | None]:
         counted = sum(p.numel() for p in model.parameters())
         cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
         if is_hf_config(cfg):
-            return from_hf_config(cfg), counted
+            own = hf_encoders.task_of_class(type(model).__name__)
+            return from_hf_config(cfg, own if own is not None else task), counted
         if cfg is None:
             raise ValueError(
                 f"model: this {type(model).__name__} has no .cfg or .config attribute with its dimensions; "
@@ -453,7 +585,15 @@ _HF_ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
 }
-_HF_ATTENTION = {"eager": "explicit"}  # sdpa, flash and flex attention keep no s x s tensor
+_HF_ATTENTION = {"eager": "explicit"}
+# model types with an RMSNorm of the queries and keys: of each head, or of all of them together
+_QK_NORMS = {
+    "qwen3": "head",
+    "qwen3_moe": "head",
+    "gemma3": "head",
+    "gemma3_text": "head",
+    "olmo2": "width",
+}  # sdpa, flash and flex attention keep no s x s tensor
 
 # Model types whose Hugging Face model class cannot run SDPA (``_supports_sdpa`` false), so that HF
 # runs eager attention when none is asked for. Read off transformers 5.24: the causal-LM classes of
@@ -513,7 +653,7 @@ def is_hf_config(obj) -> bool:
     return obj is not None and hasattr(obj, "model_type") and callable(getattr(obj, "to_dict", None))
 
 
-def from_hf_config(config) -> ModelConfig:
+def from_hf_config(config, task: str | None = None) -> ModelConfig:
     """A :class:`ModelConfig` from a Hugging Face config, reading the architecture, not only the sizes:
     the norm (RMSNorm written from elementwise operators when ``rms_norm_eps`` is set, else
     LayerNorm), the activation and whether the MLP is gated, grouped key/value heads and
@@ -521,8 +661,23 @@ def from_hf_config(config) -> ModelConfig:
     branches, tied embeddings, and the attention implementation (``eager`` materialises the scores;
     ``sdpa`` and flash attention do not; when the config names none, Hugging Face's default for the
     model class, :func:`hf_default_attention`). Multimodal configs are read through their text config.
+
+    The encoder-decoders T5, mT5, BART, mBART and the encoders BERT, RoBERTa, XLM-RoBERTa,
+    CamemBERT, DistilBERT and ViT are read by :mod:`llmmem.estimation.hf_encoders`, with ``task``
+    (None: the config's ``architectures``, else the family's default) saying which head the model
+    has. Any other encoder, encoder-decoder or hybrid is refused by name.
     """
     raw = config.to_dict()
+    if task is not None and not isinstance(task, str):
+        raise ValueError(f"task: expected one of {', '.join(hf_encoders.TASKS)} or None, got {task!r}")
+    fields = hf_encoders.encoder_fields(config, raw, task, _HF_ACTIVATIONS)
+    if fields is not None:
+        impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
+        model_type = str(getattr(config, "model_type", "") or raw.get("model_type") or "")
+        name = str(getattr(config, "name_or_path", "") or model_type)
+        return ModelConfig(**fields, attention=_HF_ATTENTION.get(impl, "sdpa"), name=name)
+    if task not in (None, "causal-lm"):
+        raise ValueError(f"task: {task!r} is not a head the estimator reads on a decoder (causal-lm only)")
     _refuse_non_decoders(config, raw)  # before the text config: an encoder-decoder's is one of its stacks
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     if text is not config:
@@ -561,6 +716,8 @@ def from_hf_config(config) -> ModelConfig:
     impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
     bias = get("attention_bias", "bias")
     qkv_bias = bool(raw.get("qkv_bias", False)) or model_type in ("qwen2", "qwen2_moe")  # q/k/v only
+    if model_type == "stablelm":  # LayerNorm, but biases on q/k/v only and only when use_qkv_bias
+        bias, qkv_bias = False, bool(raw.get("use_qkv_bias"))
     if bias is None:
         bias = not rms  # GPT-2's family has biases; the RMSNorm family (Llama, Mixtral, Qwen) none past q/k/v
     heads = get("num_attention_heads", "n_head")
@@ -587,6 +744,10 @@ def from_hf_config(config) -> ModelConfig:
         attention=_HF_ATTENTION.get(impl, "sdpa"),
         head_dim=get("head_dim"),
         qkv_bias=qkv_bias,
+        qk_norm=_QK_NORMS.get(model_type, "none"),
+        sandwich_norm=model_type.startswith(("gemma2", "gemma3")),
+        attention_softcap=bool(raw.get("attn_logit_softcapping")),
+        logit_softcap=bool(raw.get("final_logit_softcapping")),
         **_hf_experts(raw, get),
         name=str(getattr(config, "name_or_path", "") or model_type or type(config).__name__),
     )
@@ -648,7 +809,8 @@ def _refuse_non_decoders(config, raw: dict) -> None:
         return
     raise ValueError(
         f"model: a Hugging Face config of model_type {model_type!r}, {kind}: the estimator reads decoder-only "
-        "transformers and their mixtures of experts, and does not guess one from this config"
+        "transformers and their mixtures of experts, the encoder-decoders T5, mT5, BART and mBART and the encoders "
+        "BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT and ViT, and does not guess one from this config"
     )
 
 
@@ -714,7 +876,7 @@ class HFConfigFile:
         return HFConfigFile(text, self.name_or_path) if isinstance(text, dict) else self
 
 
-def read_hf_config_file(path, name: str = "model") -> ModelConfig:
+def read_hf_config_file(path, name: str = "model", task: str | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face ``config.json``: ``path`` is that file or a directory
     holding one (a saved model). Read as :func:`from_hf_config` reads a config object (what the file
     does not list takes that function's defaults, not the model class's), offline. ValueError naming
@@ -738,7 +900,9 @@ def read_hf_config_file(path, name: str = "model") -> ModelConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{name}: {file!r} holds a JSON {type(raw).__name__}, not a Hugging Face config (an object)")
     try:
-        return from_hf_config(HFConfigFile(raw, name_or_path=path))
+        return from_hf_config(HFConfigFile(raw, name_or_path=path), task=task)
     except ValueError as e:
+        if str(e).startswith("task: "):
+            raise
         detail = str(e).removeprefix("model: ")
         raise ValueError(f"{name}: {file!r}: {detail}") from None

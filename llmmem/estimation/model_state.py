@@ -110,7 +110,7 @@ def config_tensors(cfg: ModelConfig, seq: int = 0, tensor_parallel: int = 1) -> 
 def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
     h = cfg.hidden
     width, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    fused_qkv = cfg.positions == "learned"
+    fused_qkv = cfg.positions == "learned" and cfg.architecture == "decoder"  # GPT-2's c_attn
     norm = [h, h] if cfg.norm == "layernorm" else [h]
     layer: list[int] = []
     if fused_qkv:
@@ -119,11 +119,18 @@ def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
     else:
         layer += [h * width // t, h * kv // t, h * kv // t]
         layer += [width // t, kv // t, kv // t] if cfg.bias or cfg.qkv_bias else []
+    attention = list(layer)
     layer.append(width * h // t)  # attention output (row-parallel)
     layer += [h] if cfg.bias else []
-    layer += norm * 2
+    layer += norm * (4 if cfg.sandwich_norm else 2)
+    if cfg.qk_norm != "none":  # the query and key norms: of a head, or of all the heads
+        q, k = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (width, kv)
+        layer += [q, k] * (2 if cfg.norm == "layernorm" else 1)
     dense = layer + _mlp_layout(cfg, cfg.ffn, t)
     out = dense * (cfg.layers - cfg.moe_layers)
+    if cfg.decoder_layers:  # an encoder-decoder's decoder: a cross-attention beside the self-attention
+        cross = attention + [width * h // t] + ([h] if cfg.bias else []) + norm
+        out += (dense + cross) * cfg.decoder_layers
     if cfg.moe_layers:
         # the router, then each projection of all the experts as one tensor (Hugging Face's
         # [experts, out, in] parameters), then the shared experts and their gate
@@ -131,12 +138,13 @@ def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
         if cfg.shared_ffn:
             moe += _mlp_layout(cfg, cfg.shared_ffn, t) + ([h] if cfg.shared_gate else [])
         out += moe * cfg.moe_layers
-    out += norm
+    out += norm * cfg.stacks
     vocab_rows = -(-cfg.vocab // t)
-    out += [vocab_rows * h] * (1 if cfg.tied_embeddings else 2)
+    if vocab_rows:
+        out += [vocab_rows * h] * (1 if cfg.tied_embeddings or not cfg.vocab_head else 2)
     if cfg.positions == "learned":
-        out.append(max(cfg.max_positions, seq) * h)
-    return out
+        out += [max(cfg.max_positions, seq) * h] * cfg.stacks
+    return out + list(cfg.extra_tensors)
 
 
 def _mlp_layout(cfg: ModelConfig, f: int, t: int) -> list[int]:

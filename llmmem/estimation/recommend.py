@@ -93,7 +93,7 @@ def candidates(cfg: ModelConfig, st: Settings, devices: int):
     optimizer, batch or sequence: those change the training itself). A step in backward is kept
     where it can be (one data-parallel rank) and dropped where it cannot."""
     attentions = [st.attention] + (["sdpa"] if st.attention == "explicit" else [])
-    ckpts = checkpointing_options(cfg.layers)
+    ckpts = checkpointing_options(max(cfg.layers, cfg.decoder_layers))
     for t in (1, 2, 4, 8):
         if t > MAX_TENSOR_PARALLEL or devices % t or tp_indivisible(cfg, t) is not None:
             continue
@@ -342,7 +342,7 @@ def fused_head_fix(
     total with the plain head less the one with the fused head): None when the head is fused
     already, saves nothing, the logits are not large (:func:`logits_are_large`), or ``model`` (what
     the estimate was asked of) has no head to fuse (:func:`fused_head_offer`)."""
-    if st.fused_head:
+    if st.fused_head or not cfg.vocab_head:  # a classifier's head has no logits to speak of
         return None
     head_loss = compute(cfg, counted, st, layer_scale, shapes)["head_loss"]
     plain, fused = head_loss["plain"]["total"], head_loss["fused"]["total"]

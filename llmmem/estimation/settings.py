@@ -92,6 +92,13 @@ class Settings:
     # its rows of logits a chunk (None: from its memory target)
     fused_head: bool = False
     head_chunk_size: int | None = None
+    # an encoder-decoder's decoder length (its encoder's is seq); None: seq
+    target_seq: int | None = None
+
+    @property
+    def decoder_seq(self) -> int:
+        """The decoder's sequence length: ``target_seq``, else ``seq``."""
+        return self.seq if self.target_seq is None else self.target_seq
 
     @property
     def state_dtype(self) -> str | None:
@@ -134,6 +141,7 @@ def make_settings(
     min_quantized_numel=None,
     fused_head=False,
     head_chunk_size=None,
+    target_seq=None,
 ) -> Settings:
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, numbers.Integral) or not 0 <= zero_stage <= 3:
         raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -161,7 +169,19 @@ def make_settings(
         step_in_backward=_step_in_backward(step_in_backward, st.data_parallel),
         **_format_settings(st.optimizer, block_size, min_quantized_numel),
         **_head_settings(fused_head, head_chunk_size),
+        target_seq=_target_seq(cfg, target_seq),
     )
+
+
+def _target_seq(cfg: ModelConfig, target_seq) -> int | None:
+    if target_seq is None:
+        return None
+    if cfg.architecture != "encoder-decoder":
+        raise ValueError(
+            f"target_seq: the decoder's length of an encoder-decoder model; this model is {cfg.architecture}-only, "
+            f"got {target_seq!r} (give seq alone)"
+        )
+    return positive_int(target_seq, "target_seq")
 
 
 def _head_settings(fused_head, head_chunk_size) -> dict:

@@ -152,9 +152,10 @@ def test_a_mixture_of_experts_layer_keeps_what_the_estimate_says():
 @pytest.mark.parametrize(
     "config_cls, words",
     [
-        ("T5Config", ["'t5'", "encoder-decoder"]),
-        ("BartConfig", ["'bart'", "encoder-decoder"]),
-        ("BertConfig", ["'bert'", "an encoder"]),
+        ("WhisperConfig", ["'whisper'", "encoder-decoder"]),
+        ("UMT5Config", ["'umt5'", "encoder-decoder"]),
+        ("ElectraConfig", ["'electra'", "an encoder"]),
+        ("BambaConfig", ["'bamba'", "hybrid"]),
         ("T5GemmaConfig", ["'t5gemma'", "encoder-decoder"]),
         ("HubertConfig", ["'hubert'", "not a causal language model"]),
         ("BigBirdConfig", ["'big_bird'", "an encoder"]),
