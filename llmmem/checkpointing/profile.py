@@ -45,6 +45,7 @@ from llmmem.checkpointing.bookkeeping import checkpoint_bookkeeping_seconds
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.observers import observe_kept
 from llmmem.diagnostics.live import LiveBytes, device_key
+from llmmem.dtensors import local
 
 __all__ = [
     "kept_state",
@@ -110,7 +111,7 @@ class measure_saved_bytes:
             return
         key = _storage_key(t)
         if key not in self.excluded:
-            self.storages[key] = t.untyped_storage().nbytes()
+            self.storages[key] = local(t).untyped_storage().nbytes()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.packed += 1
@@ -135,6 +136,7 @@ class measure_saved_bytes:
 
 
 def _storage_key(t: torch.Tensor):
+    t = local(t)
     return (t.device, t.untyped_storage().data_ptr())
 
 
@@ -248,6 +250,7 @@ class ActivationMeter:
     def exclude(self, t: torch.Tensor) -> None:
         """Stop counting ``t``'s storage (if it is counted)."""
         with self._lock:
+            t = local(t)
             nbytes = self._live.storage_bytes(t)
             key = id(t.untyped_storage())
             if nbytes is None or key in self._excluded or not self._counts(device_key(t.device)):
@@ -257,6 +260,7 @@ class ActivationMeter:
 
     def counted_bytes(self, t: torch.Tensor) -> int:
         """Bytes of ``t``'s storage if this meter counts it, else 0."""
+        t = local(t)
         with self._lock:
             if id(t.untyped_storage()) in self._excluded:
                 return 0
@@ -636,7 +640,7 @@ def _tensor_bytes(x) -> int:
     seen = {}
     for t in pytree.tree_leaves(x):
         if isinstance(t, torch.Tensor):
-            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+            seen[_storage_key(t)] = local(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -1326,7 +1330,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
                 elif t is not h and t.numel() and _storage_key(t) not in own:
                     # made by an earlier block (which runs unmetered here) and given to later ones,
                     # as T5's position bias: held until the chain's backward, by their tapes
-                    side[_storage_key(t)] = t.untyped_storage().nbytes()
+                    side[_storage_key(t)] = local(t).untyped_storage().nbytes()
             call = BlockCall(tuple(args), dict(kwargs), where, input_grad=h.requires_grad)
             if i == 0:
                 meter.mark("chain_start")
