@@ -236,7 +236,35 @@ def _run(function: Callable, args: tuple, kwargs: dict, opts: dict):
     if not torch.is_grad_enabled():
         # Nothing will be saved for backward, so there is nothing to checkpoint.
         return function(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return _traced(function, args, kwargs, opts)
     return _run_region(function, args, kwargs, opts)
+
+
+def _traced(function: Callable, args: tuple, kwargs: dict, opts: dict):
+    """The region while Dynamo traces it (``torch.compile``): torch's non-reentrant checkpoint, which
+    Dynamo lowers to a higher-order operator, so the compiled graph recomputes the region and saves
+    what the region's own options say (``context_fn``: a selective policy). llmmem's region runs
+    eagerly and keeps placeholders for the tensors autograd saves; under compile those would be the
+    compiled graph's choice, which an eager recompute cannot rebuild. ``offload`` is not traced:
+    the region is recomputed, its inputs stay on the device."""
+    if _torch_checkpoint is None:
+        raise CheckpointError(
+            "checkpoint: under torch.compile a region is torch's checkpoint, and torch.utils.checkpoint.checkpoint "
+            "was replaced before llmmem was imported; import llmmem first"
+        )
+    # torch's compile path takes its own no-op (its default) by identity, else dispatch modes
+    own = {} if opts["context_fn"] is noop_context_fn else {"context_fn": opts["context_fn"]}
+    return _torch_checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=opts["preserve_rng_state"],
+        determinism_check=opts["determinism_check"],
+        debug=opts["debug"],
+        **own,
+        **kwargs,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,10 +42,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
+from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
 from llmmem.checkpointing.profile import find_hidden, hidden_of, run_call, without_cache
 from llmmem.checkpointing.replay import RngState, accelerator_type, autocast_state
+from llmmem.checkpointing.selective import selective_context_fn
 from llmmem.errors import user_stacklevel
 from llmmem.units import format_bytes
 
@@ -305,7 +307,7 @@ def restore_flags(blocks, saved: list) -> None:
 def _flags_guard(runner, module, args) -> None:
     """The model's forward pre-hook of :meth:`ChainRunner.guard` (a module-level function, so that
     a model saved whole keeps it)."""
-    if runner.active and torch.is_grad_enabled():
+    if runner.active and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         for j, block in enumerate(runner.blocks):
             if block.__dict__.get("gradient_checkpointing") is True:
                 runner._hf_checkpointing_on_again(j, before_step=True)
@@ -524,6 +526,8 @@ class ChainRunner:
         return args, kwargs
 
     def call(self, j: int, args: tuple, kwargs: dict):
+        if torch.compiler.is_compiling():
+            return self._traced_call(j, args, kwargs)
         fn = self.originals[j]
         if not torch.is_grad_enabled():
             self._pass = None
@@ -580,6 +584,26 @@ class ChainRunner:
         if j == len(self.blocks) - 1:
             self._pass = None
         return out
+
+    def _traced_call(self, j: int, args: tuple, kwargs: dict):
+        """Block ``j`` while Dynamo traces the model (``torch.compile``): each block alone, as the
+        compiled graph can carry it (torch's checkpoint, lowered to a higher-order operator, with a
+        selective policy for the modes that keep part of the tape). A region spanning several blocks
+        is a chain of one-block checkpoints here, which keeps each block's input instead of the
+        region's first: the plan's recompute, not exactly its memory."""
+        fn = self.originals[j]
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        args, kwargs, _ = without_cache(args, kwargs)
+        mode = self.modes[j]
+        options = {k: v for k, v in self.options.items() if k in RUNNER_OPTIONS}
+        if self.enclosing.get(j) or self.starting.get(j) or mode == "store-input-only":
+            return checkpoint(fn, *args, use_reentrant=False, **options, **kwargs)
+        if mode in ("selective", "recompute-cheap"):
+            # recompute-cheap's hooks see the compiled graph's saved tensors, not the block's: the
+            # selective policy (keep matmuls, recompute the rest) is what the graph can carry
+            return checkpoint(fn, *args, use_reentrant=False, context_fn=selective_context_fn, **options, **kwargs)
+        return fn(*args, **kwargs)
 
     def _record(self, fn, args: tuple, kwargs: dict, where, h: torch.Tensor) -> _Call:
         if isinstance(where, int):

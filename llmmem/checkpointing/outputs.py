@@ -60,7 +60,8 @@ class OutputWatch:
         self.outputs = []
 
     def _on_chain_output(self, module, args, out) -> None:
-        if self.warned or not torch.is_grad_enabled():
+        # under torch.compile the graph's own autograd nodes are not the eager ones this reads
+        if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         try:
             h = hidden_of(out)
@@ -71,7 +72,7 @@ class OutputWatch:
             h.register_hook(self._on_chain_backward)
 
     def _on_model_output(self, module, args, out) -> None:
-        if self.warned or not torch.is_grad_enabled():
+        if self.warned or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         # made after the chain's end: the head's (the loss, a scalar, is what the backward starts from)
         tensors = [

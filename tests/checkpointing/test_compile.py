@@ -1,0 +1,82 @@
+"""Checkpointing under ``torch.compile`` (issue 25, item 1 in part): ``llmmem.checkpoint`` (plain and
+selective) around Hugging Face Llama layers and a model planned by ``auto_checkpoint``, compiled
+with ``fullgraph=True``: one graph, no graph break, gradients those of the eager model (within
+float32 reordering). Under Dynamo a region is torch's checkpoint (a higher-order operator). The
+aot_eager backend keeps the test fast; inductor traces the same graph. Skipped without
+``transformers``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from support.planner import grads, lm_batch, tiny_llama, transformers_or_skip
+
+import llmmem
+
+transformers_or_skip()
+dynamo = pytest.importorskip("torch._dynamo", reason="needs torch.compile")
+from torch._dynamo.utils import counters  # noqa: E402
+
+BATCH = dict(lm_batch(batch=2, seq=32), use_cache=False)  # a cache write is a side effect the graph refuses
+
+
+def _step(model):
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    loss = model(**BATCH).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _close(got, want):
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+    dynamo.reset()
+
+
+def _eager():
+    model = tiny_llama("sdpa", layers=4, dropout=0.0)
+    return _step(model), grads(model)
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_checkpoint_compiles_to_one_graph(selective):
+    want_loss, want = _eager()
+    model = tiny_llama("sdpa", layers=4, dropout=0.0)
+    options = {"context_fn": llmmem.selective_context_fn} if selective else {}
+    for layer in model.model.layers:
+        own = layer.forward
+        layer.forward = lambda *a, _own=own, **k: llmmem.checkpoint(_own, *a, use_reentrant=False, **options, **k)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = _step(compiled)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+    _close(grads(model), want)
+
+
+def test_a_planned_model_compiles_to_one_graph():
+    want_loss, want = _eager()
+    model = tiny_llama("sdpa", layers=4, dropout=0.0)
+    plan = llmmem.auto_checkpoint(model, budget=0.6, sample=BATCH, repeats=0)
+    assert plan.regions or any(m != "store-all" for m in plan.modes)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for _ in range(2):  # the second step runs the compiled graph as it is
+        loss = _step(compiled)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+        _close(grads(model), want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    plan.remove()
