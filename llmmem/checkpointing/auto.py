@@ -162,11 +162,12 @@ class AutoCheckpointPlan:
     @property
     def replans(self) -> dict:
         """The plans made for other shapes than the sample's: ``{ratio of the chain input's bytes to
-        the sample's (the bucket's largest): plan}``."""
+        the sample's (the bucket's largest): plan}``, the ratio a tuple (one per stack) when the
+        model has several stacks (an encoder's and a decoder's)."""
         shapes = self.runner.shapes
         if shapes is None:
             return {}
-        return {shapes.ratio(k): p for k, p in sorted(shapes.plans.items()) if k != 0}
+        return {shapes.ratios(k): p for k, p in sorted(shapes.plans.items()) if k != shapes.base_key}
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name in ("plan", "runner", "watch"):

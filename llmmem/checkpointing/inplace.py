@@ -460,25 +460,32 @@ class ChainRunner:
             at_model_call=True,
         )
 
-    def _adapt(self, h: torch.Tensor) -> None:
-        """At the start of a forward pass: the plan for this input's shape (re-planned from the
-        profile the first time its bucket is met), or, without re-planning, a warning when the input
-        is larger than the plan's."""
-        if self.shapes is None:
-            self._check_shape(h)
+    def _adapt(self, h: torch.Tensor, stack: int) -> None:
+        """At the first block of a stack (the chain's first, or a decoder's after an encoder): the
+        plan for this input's shape (re-planned from the profile the first time its bucket is met;
+        a stack's blocks never share a region with the stack before, so the later stacks may change
+        plan while the earlier ones have run), or, without re-planning, a warning when the chain's
+        input is larger than the plan's."""
+        shapes = self.shapes
+        if shapes is None:
+            if stack == 0:
+                self._check_shape(h)
             return
         now = h.numel() * h.element_size()
-        plan, new = self.shapes.plan_for(now)
+        key = list(self.__dict__.get("shape_key") or shapes.base_key)
+        key[stack] = shapes.bucket(stack, now)
+        key = tuple(key)
+        self.shape_key = key
+        plan, new = shapes.plan_for(key)
         if plan is not self.plan:
             self._use(plan)
-        k = self.shapes.bucket(now)
-        if new and k in self.shapes.infeasible:
+        if new and key in shapes.infeasible:
             self._warn_once(
-                f"infeasible{k}",
+                f"infeasible{key}",
                 f"llmmem.auto_checkpoint: at this forward's input ({list(h.shape)}, {h.dtype}, {format_bytes(now)}; "
-                f"the plan was made for {format_bytes(self.shapes.input_bytes)}) {self.shapes.infeasible[k][1]}. Running "
-                f"the plan of least memory, predicted peak {format_bytes(plan.predicted_peak_bytes)} (warned once per "
-                "shape)",
+                f"the plan was made for {format_bytes(shapes.input_bytes[stack])}) {shapes.infeasible[key][1]}. "
+                f"Running the plan of least memory, predicted peak {format_bytes(plan.predicted_peak_bytes)} (warned "
+                "once per shape)",
                 at_model_call=True,
             )
 
@@ -538,8 +545,8 @@ class ChainRunner:
             return fn(*args, **kwargs)
         if self.blocks[j].__dict__.get("gradient_checkpointing") is True:
             self._hf_checkpointing_on_again(j, before_step=False)
-        if j == 0:
-            self._adapt(h)
+        if j == 0 or (self.shapes is not None and j in self.shapes.starts):
+            self._adapt(h, 0 if j == 0 else self.shapes.starts.index(j))
         st = self._pass
         if st is None or j != st.last + 1 or st.last_out is None or st.last_out() is not h:
             st = self._pass = _Pass()

@@ -1276,6 +1276,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
     L = len(blocks)
     calls: list = [None] * L
     order: list = [None] * L  # when each block was first called
+    reused: set = set()
     links = [False] * L
     outs: list = [None] * L
     memo: dict = {}
@@ -1309,14 +1310,22 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
             done["head_done"] = True
             meter.mark("head_done")
 
+    starts = set(stack_starts)
+
     def pre_hook(i):
         def hook(module, args, kwargs):
             done["block_started"] = True
             if calls[i] is not None:
+                last = done.get("last_out")
+                last = last() if last is not None else None
+                if last is not None and torch.is_grad_enabled() and any(a is last for a in (*args, *kwargs.values())):
+                    reused.add(i)  # run again on a block's output: one module at several depths
                 return
             order[i] = len(done.setdefault("called", []))
             done["called"].append(i)
-            previous = outs[i - 1]() if i > 0 and outs[i - 1] is not None else None
+            # a stack's first block takes its own input (a decoder's), even where it also gets the
+            # previous stack's output (as its cross-attention's memory)
+            previous = outs[i - 1]() if i > 0 and i not in starts and outs[i - 1] is not None else None
             where, linked = find_hidden(args, kwargs, previous)
             if where is None:
                 raise TypeError(f"auto_checkpoint: block {i} ({type(module).__name__}) was called with no tensor")
@@ -1350,6 +1359,10 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
 
     def post_hook(i):
         def hook(module, args, kwargs, out):
+            try:
+                done["last_out"] = weakref.ref(hidden_of(out))
+            except TypeError:
+                done.pop("last_out", None)
             if outs[i] is not None:
                 return
             h = hidden_of(out)
@@ -1433,6 +1446,13 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
         raise ValueError(
             f"auto_checkpoint: the sample step did not call block(s) {missing[:8]} of the {L} blocks; give the "
             "blocks the step runs (blocks=...)"
+        )
+    if reused:
+        i = min(reused)
+        raise ValueError(
+            f"auto_checkpoint: block {i} ({type(blocks[i]).__name__}) ran again on a block's output in one step: one "
+            "module applied at several depths with shared weights (as ALBERT's layer group) is not a chain the planner "
+            "can budget (it counts each block once); checkpoint its calls by hand with llmmem.checkpoint"
         )
     for k in stack_starts:
         if 0 < k < L and order[k] < order[k - 1]:

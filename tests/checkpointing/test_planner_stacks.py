@@ -155,3 +155,45 @@ def test_stacks_run_out_of_order_are_refused():
     # named in the order it runs them, it plans
     plan = llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(3, 5, 16), blocks=["decoder", "encoder"])
     assert plan.blocks_name == "decoder + encoder"
+
+
+def test_a_longer_target_replans_the_decoder_within_a_budget_in_bytes():
+    """The decoder's length changes apart from the encoder's: each stack has its own shape bucket,
+    and a plan is re-made when either changes (it used to follow the encoder's input only, and a
+    target 2x as long ran past a budget in bytes with no re-plan and no warning)."""
+    model = tiny_t5(dropout=0.0)
+    reference = tiny_t5(dropout=0.0)
+    budget = 3_000_000
+    plan = llmmem.auto_checkpoint(model, budget=budget, sample=seq2seq_batch(seq=64, target=48), repeats=0)
+    for seq, target in ((64, 96), (32, 96), (64, 48)):
+        batch = seq2seq_batch(seq=seq, target=target)
+        peak, _ = step_memory(model, _step(model, batch))
+        step_memory(reference, _step(reference, batch))
+        assert same_grads(grads(model), grads(reference))
+        assert peak <= 1.05 * budget, (seq, target, peak)
+        unplanned, _ = step_memory(reference, _step(reference, batch))
+        assert unplanned > 1.5 * budget  # the budget bites at every shape
+    assert set(plan.replans) == {(1.0, 1.25**4), (1.25**-3, 1.25**4)}  # per stack: encoder, decoder
+    assert plan.current is plan.plan  # the sample's shapes: the first plan again
+    assert "re-planned for inputs up to 1.00x / 2.44x the sample's (per stack)" in plan.describe()
+
+
+class _Shared(nn.Module):
+    """One layer applied at every depth, as ALBERT's layer group."""
+
+    def __init__(self, h=16, depth=3):
+        super().__init__()
+        self.groups = nn.ModuleList([_Layer(h)])
+        self.depth = depth
+
+    def forward(self, x):
+        for _ in range(self.depth):
+            x = self.groups[0](x)
+        return x.square().mean()
+
+
+def test_a_layer_applied_at_several_depths_is_refused():
+    model = _Shared()
+    with pytest.raises(ValueError, match=r"ran again on a block's output in one step.*ALBERT"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(2, 5, 16), blocks="groups", repeats=0)
+    assert llmmem.AutoCheckpointPlan.of(model) is None
