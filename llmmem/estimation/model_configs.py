@@ -740,7 +740,7 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
                 return v
         return default
 
-    act_name = str(get("hidden_act", "activation_function", default="gelu")).lower()
+    act_name = str(get("hidden_act", "activation_function", "activation", default="gelu")).lower()
     activation = _HF_ACTIVATIONS.get(act_name, "gelu")
     model_type = str(getattr(config, "model_type", "") or "")
     gated = activation == "silu" or model_type.startswith("gemma")
@@ -767,7 +767,7 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
         heads=heads,
         vocab=get("vocab_size"),
         kv_heads=kv_heads,
-        ffn=get("intermediate_size", "n_inner", "ffn_dim"),
+        ffn=get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),  # the last: Falcon
         mlp="swiglu" if gated else "gelu",
         activation=activation,
         norm="rmsnorm" if rms else "layernorm",

@@ -92,6 +92,7 @@ def test_the_peak_of_a_multi_query_falcon_step_within_10_percent():
         (dict(multi_query=False), True, False),
         (dict(new_decoder_architecture=True, num_kv_heads=2), False, False),
         (dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1), True, False),
+        (dict(multi_query=True, ffn_hidden_size=96, activation="relu"), True, True),  # Falcon's own spellings
     ],
 )
 def test_falcon_layouts_are_read_and_counted_exactly(extra, parallel, broadcast):
