@@ -44,9 +44,11 @@ def materialises_scores(cfg: ModelConfig, st: Settings) -> bool:
     Explicit attention does. A fused kernel (flash / memory-efficient SDPA) does not, except that
     PyTorch's CPU flash kernel has no dropout, so SDPA on CPU with dropout > 0 falls back to the math
     path, which saves the same ``s x s`` tensors as explicit attention (checked with saved_tensors_hooks
-    on torch 2.11).
+    on torch 2.11), and key/value heads handed to SDPA broadcast (``cfg.kv_broadcast``, Falcon's
+    multi-query attention) take the math path on every device: torch's fused kernels need as many
+    key/value heads as query heads unless ``enable_gqa`` is set.
     """
-    if st.attention == "explicit":
+    if st.attention == "explicit" or cfg.kv_broadcast:  # (the math path, on every device)
         return True
     return st.device_type == "cpu" and cfg.attention_dropout > 0
 
@@ -139,12 +141,14 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
     sbh, a, f, d = s * b * h, cfg.heads, cfg.ffn, cfg.head_dim
     width = a * d
 
+    # parallel attention and MLP (Falcon) read one norm's output: one norm, one input
+    norms = 1 if cfg.parallel_attention else 2
     terms = {
-        "norm inputs (2)": ceil_div(2 * e * sbh, r),
-        "norm statistics (fp32)": ceil_div(2 * stat * s * b, r),
+        f"norm inputs ({norms})": ceil_div(norms * e * sbh, r),
+        "norm statistics (fp32)": ceil_div(norms * stat * s * b, r),
     }
     if not cfg.fused_norm:
-        terms["unfused norms (fp32 input, normalized)"] = ceil_div(2 * 4 * sbh, r)
+        terms["unfused norms (fp32 input, normalized)"] = ceil_div(norms * 4 * sbh, r)
     terms["q/k/v projection input"] = ceil_div(e * sbh, r)
     if cfg.qk_norm != "none":
         # each of them an unfused norm of the queries and of the keys: its input, its fp32
@@ -153,6 +157,12 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
         rows = (a + cfg.kv_heads) if cfg.qk_norm == "head" else 2
         terms["q/k norms (input, fp32 normalized, statistics)"] = ceil_div(s * b * ((e + 4) * qk + 4 * rows), t)
     terms["q, k, v"] = ceil_div(e * s * b * (width + 2 * kv_heads_saved(cfg, st) * d), t)
+    if cfg.clip_qkv:
+        # DBRX clamps the fused projection's output: the clamp keeps its input, and V, a view of
+        # the clamped output, keeps all of it (Q and K are rotated copies), both e·sb·(A + 2kd)
+        qkv = e * s * b * (width + 2 * cfg.kv_heads * d)
+        terms["q/k/v clamp input (the fused projection's output)"] = ceil_div(qkv, t)
+        terms["clamped q/k/v beyond v (v's view keeps all of it)"] = ceil_div(qkv - e * s * b * cfg.kv_heads * d, t)
     if materialises_scores(cfg, st):
         if cfg.attention_softcap:
             terms["attention soft-cap (tanh output)"] = ceil_div(e * a * s * s * b, t)
@@ -169,7 +179,8 @@ def layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
         # Gemma's norms of the attention's and the MLP's outputs: each keeps its input and its
         # fp32 normalized output (as an unfused RMSNorm) and a statistic a token
         terms["norms after attention and mlp (2)"] = ceil_div(2 * ((e + 4) * sbh + stat * s * b), r)
-    terms["mlp input"] = ceil_div(e * sbh, r)
+    if not cfg.parallel_attention:  # else the q/k/v projection's input, counted above
+        terms["mlp input"] = ceil_div(e * sbh, r)
     if cfg.experts:
         terms.update(_expert_terms(cfg, st, e, t))
     else:
@@ -228,8 +239,20 @@ def decoder_layer_activation_terms(cfg: ModelConfig, st: Settings) -> dict:
 
 def stack_layer_terms(cfg: ModelConfig, st: Settings) -> list[tuple[str, int, int, dict]]:
     """``(stack, layers, sequence length, one layer's terms)`` for each stack of ``cfg``: the
-    layers of a decoder-only model or an encoder at ``st.seq``; an encoder-decoder's encoder at
+    layers of a decoder-only model or an encoder at ``st.seq`` (a mixture of experts with dense
+    layers as two: its dense layers, its mixture layers); an encoder-decoder's encoder at
     ``st.seq`` and its decoder (with cross-attention) at ``st.decoder_seq``."""
+    if cfg.architecture != "encoder-decoder" and cfg.experts and cfg.dense_layers:
+        # a mixture whose first (DeepSeek), interleaved (Qwen2-MoE) or outer (Ernie 4.5) layers are
+        # dense: those keep a dense MLP's activations (listed first: the last layer is a mixture's
+        # in most of them, and backward starts there)
+        dense = dataclasses.replace(
+            cfg, experts=0, experts_per_token=0, expert_ffn=None, shared_ffn=0, shared_gate=False, dense_layers=0
+        )
+        return [
+            ("dense", cfg.dense_layers, st.seq, layer_activation_terms(dense, st)),
+            ("mixture-of-experts", cfg.moe_layers, st.seq, layer_activation_terms(cfg, st)),
+        ]
     if cfg.architecture != "encoder-decoder":
         return [(cfg.architecture, cfg.layers, st.seq, layer_activation_terms(cfg, st))]
     return [

@@ -28,7 +28,7 @@ import numbers
 import sys
 from dataclasses import dataclass, field
 
-from llmmem.estimation import hf_encoders
+from llmmem.estimation import hf_encoders, hf_moe
 
 MLP_KINDS = ("gelu", "swiglu")
 # The MLP's activation, as implemented: "gelu" (one kernel, torch's exact or tanh GELU), "gelu_new"
@@ -111,6 +111,16 @@ class ModelConfig:
     also a norm after attention and after the MLP (Gemma 2 and 3: four a layer).
     ``attention_softcap`` / ``logit_softcap``: ``cap·tanh(x/cap)`` on the attention scores / the
     head's logits (Gemma 2), whose tanh output backward keeps.
+
+    ``parallel_attention``: attention and the MLP both read one norm's output, added to the
+    residual together (Falcon's ``parallel_attn`` with one norm): one norm a layer, and the
+    MLP's input is the Q/K/V projection's (kept once). ``kv_broadcast``: the model hands SDPA its
+    key/value heads unrepeated, without ``enable_gqa`` (Falcon's multi-query attention); no fused
+    kernel takes heads that differ in number, so PyTorch runs its math path, which keeps the
+    ``s x s`` probabilities and K, V expanded to every head, as explicit attention does.
+    ``norm_bias``: whether a LayerNorm has a bias beside its weight (DBRX's have none).
+    ``clip_qkv``: the fused Q/K/V projection's output is clamped (DBRX), which keeps its input, and
+    the value heads, views of the clamped output, keep all of it.
     """
 
     layers: int
@@ -150,6 +160,10 @@ class ModelConfig:
     sandwich_norm: bool = False
     attention_softcap: bool = False
     logit_softcap: bool = False
+    parallel_attention: bool = False
+    kv_broadcast: bool = False
+    norm_bias: bool = True
+    clip_qkv: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -199,7 +213,18 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{key}: must be a probability in [0, 1), got {value!r}")
         set_(self, "qk_norm", choice(self.qk_norm, "qk_norm", QK_NORMS))
-        for key in ("tied_embeddings", "bias", "qkv_bias", "sandwich_norm", "attention_softcap", "logit_softcap"):
+        for key in (
+            "tied_embeddings",
+            "bias",
+            "qkv_bias",
+            "sandwich_norm",
+            "attention_softcap",
+            "logit_softcap",
+            "parallel_attention",
+            "kv_broadcast",
+            "norm_bias",
+            "clip_qkv",
+        ):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: must be True or False, got {getattr(self, key)!r}")
         self._check_experts(set_)
@@ -231,6 +256,12 @@ class ModelConfig:
         if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0 for n in extra):
             raise ValueError(f"extra_tensors: must be positive element counts, got {self.extra_tensors!r}")
         set_(self, "extra_tensors", tuple(int(n) for n in extra))
+
+    @property
+    def layer_norms(self) -> int:
+        """Norms of the hidden width a layer: one shared by parallel attention and MLP, two
+        (before attention, before the MLP), or four with Gemma's norms after each."""
+        return 1 if self.parallel_attention else 4 if self.sandwich_norm else 2
 
     @property
     def stacks(self) -> int:
@@ -311,7 +342,7 @@ class ModelConfig:
         width = self.heads * self.head_dim  # h unless head_dim is set otherwise
         qkv_out = width + 2 * self.kv_heads * self.head_dim
         sharded = h * qkv_out + width * h
-        replicated = (4 if self.sandwich_norm else 2) * self._norm_parameters() + self.qk_norm_parameters()
+        replicated = self.layer_norms * self._norm_parameters() + self.qk_norm_parameters()
         if self.bias or self.qkv_bias:
             sharded += qkv_out  # column-parallel biases
         if self.bias:
@@ -338,7 +369,7 @@ class ModelConfig:
         return width * (2 if self.norm == "layernorm" else 1)
 
     def _norm_parameters(self) -> int:
-        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+        return 2 * self.hidden if self.norm == "layernorm" and self.norm_bias else self.hidden
 
     def parameters(self, seq: int = 0, tensor_parallel: int = 1) -> int:
         """All parameters (tied embeddings counted once) held by one tensor-parallel rank.
@@ -593,6 +624,7 @@ _QK_NORMS = {
     "gemma3": "head",
     "gemma3_text": "head",
     "olmo2": "width",
+    "hunyuan_v1_moe": "head",
 }  # sdpa, flash and flex attention keep no s x s tensor
 
 # Model types whose Hugging Face model class cannot run SDPA (``_supports_sdpa`` false), so that HF
@@ -683,6 +715,10 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
     if text is not config:
         config, raw = text, text.to_dict()
         _refuse_non_decoders(config, raw)
+    if str(getattr(config, "model_type", "") or "") == "dbrx":  # its sizes nested in attn_config, ffn_config
+        impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
+        raw = dict(hf_moe.flat_dbrx(raw), _attn_implementation=impl)
+        config = HFConfigFile(raw, str(getattr(config, "name_or_path", "") or ""))
     sizes = {
         "layers": ("num_hidden_layers", "n_layer", "num_layers"),
         "hidden": ("hidden_size", "n_embd", "d_model"),
@@ -704,7 +740,7 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
                 return v
         return default
 
-    act_name = str(get("hidden_act", "activation_function", default="gelu")).lower()
+    act_name = str(get("hidden_act", "activation_function", "activation", default="gelu")).lower()
     activation = _HF_ACTIVATIONS.get(act_name, "gelu")
     model_type = str(getattr(config, "model_type", "") or "")
     gated = activation == "silu" or model_type.startswith("gemma")
@@ -724,13 +760,14 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
     kv_heads = get("num_key_value_heads", "num_kv_heads", "n_head_kv")
     if raw.get("multi_query") and (kv_heads is None or not raw.get("new_decoder_architecture")):
         kv_heads = 1  # Falcon's multi-query attention: one key/value head
+    parallel, broadcast = _falcon_layout(raw) if model_type == "falcon" else (False, False)
     return ModelConfig(
         layers=get("num_hidden_layers", "n_layer", "num_layers"),
         hidden=get("hidden_size", "n_embd", "d_model"),
         heads=heads,
         vocab=get("vocab_size"),
         kv_heads=kv_heads,
-        ffn=get("intermediate_size", "n_inner", "ffn_dim"),
+        ffn=get("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),  # the last: Falcon
         mlp="swiglu" if gated else "gelu",
         activation=activation,
         norm="rmsnorm" if rms else "layernorm",
@@ -748,7 +785,11 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
         sandwich_norm=model_type.startswith(("gemma2", "gemma3")),
         attention_softcap=bool(raw.get("attn_logit_softcapping")),
         logit_softcap=bool(raw.get("final_logit_softcapping")),
-        **_hf_experts(raw, get),
+        norm_bias=model_type != "dbrx",
+        clip_qkv=model_type == "dbrx" and raw.get("clip_qkv") is not None,
+        parallel_attention=parallel,
+        kv_broadcast=broadcast,
+        **hf_moe.expert_fields(raw, get),
         name=str(getattr(config, "name_or_path", "") or model_type or type(config).__name__),
     )
 
@@ -806,6 +847,7 @@ def _refuse_non_decoders(config, raw: dict) -> None:
     elif other or any(k.startswith("mamba_") for k in raw) or "attn_layer_period" in raw:
         kind = f"a hybrid whose layers are not all attention ({', '.join(other) or 'state-space layers'})"
     else:
+        hf_moe.refuse_unread(model_type, raw)
         return
     raise ValueError(
         f"model: a Hugging Face config of model_type {model_type!r}, {kind}: the estimator reads decoder-only "
@@ -814,38 +856,15 @@ def _refuse_non_decoders(config, raw: dict) -> None:
     )
 
 
-def _hf_experts(raw: dict, get) -> dict:
-    """The mixture-of-experts fields of :class:`ModelConfig` from a Hugging Face config (Mixtral's
-    ``num_local_experts``; Qwen-MoE's ``num_experts``, ``moe_intermediate_size``, shared expert,
-    ``mlp_only_layers`` and ``decoder_sparse_step``; DeepSeek's ``n_routed_experts``,
-    ``n_shared_experts`` and ``first_k_dense_replace``); empty for a dense model."""
-    experts = get("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
-        return {}
-    layers = get("num_hidden_layers", "n_layer", "num_layers")
-    top_k = get("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", default=1)
-    expert_ffn = get("moe_intermediate_size")
-    shared, gate = raw.get("shared_expert_intermediate_size") or 0, False
-    if shared:
-        gate = True  # Qwen2-MoE's shared expert has a sigmoid gate
-    elif raw.get("shared_intermediate_size"):  # GraniteMoeShared: no gate
-        shared = raw["shared_intermediate_size"]
-    else:
-        count = raw.get("n_shared_experts") or raw.get("moe_num_shared_experts")
-        if count and (expert_ffn or raw.get("intermediate_size")):
-            shared = int(count) * int(expert_ffn or raw["intermediate_size"])
-    only = set(raw.get("mlp_only_layers") or [])
-    step = int(raw.get("decoder_sparse_step") or 1)
-    first_dense = int(raw.get("first_k_dense_replace") or 0)
-    dense = sum(1 for i in range(layers) if i in only or (i + 1) % step or i < first_dense)
-    return dict(
-        experts=experts,
-        experts_per_token=top_k,
-        expert_ffn=expert_ffn,
-        shared_ffn=int(shared),
-        shared_gate=gate,
-        dense_layers=dense,
-    )
+def _falcon_layout(raw: dict) -> tuple[bool, bool]:
+    """``(parallel_attention, kv_broadcast)`` of a Falcon config. Its layer runs attention and the
+    MLP in parallel (``parallel_attn``, default true) from one norm's output, except the new decoder
+    architecture with its two norms (``num_ln_in_parallel_attn`` 2, its default). Multi-query
+    attention outside the new architecture hands SDPA its one key/value head unrepeated; the new
+    architecture copies its grouped heads to every query head first (a fused kernel takes those)."""
+    new = bool(raw.get("new_decoder_architecture"))
+    one_norm = raw.get("parallel_attn", True) and (not new or raw.get("num_ln_in_parallel_attn") == 1)
+    return bool(one_norm), bool(raw.get("multi_query", True)) and not new
 
 
 class HFConfigFile:

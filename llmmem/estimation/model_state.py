@@ -111,7 +111,7 @@ def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
     h = cfg.hidden
     width, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     fused_qkv = cfg.positions == "learned" and cfg.architecture == "decoder"  # GPT-2's c_attn
-    norm = [h, h] if cfg.norm == "layernorm" else [h]
+    norm = [h, h] if cfg.norm == "layernorm" and cfg.norm_bias else [h]
     layer: list[int] = []
     if fused_qkv:
         layer.append(h * (width + 2 * kv) // t)
@@ -122,7 +122,7 @@ def _layout(cfg: ModelConfig, seq: int, t: int) -> list[int]:
     attention = list(layer)
     layer.append(width * h // t)  # attention output (row-parallel)
     layer += [h] if cfg.bias else []
-    layer += norm * (4 if cfg.sandwich_norm else 2)
+    layer += norm * cfg.layer_norms
     if cfg.qk_norm != "none":  # the query and key norms: of a head, or of all the heads
         q, k = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (width, kv)
         layer += [q, k] * (2 if cfg.norm == "layernorm" else 1)
