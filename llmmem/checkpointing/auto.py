@@ -18,7 +18,7 @@ from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
 from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
 from llmmem.checkpointing.reshape import ShapePlans
-from llmmem.checkpointing.stacks import Stack, find_blocks, resolve_blocks
+from llmmem.checkpointing.stacks import Stack, find_blocks, order_by_calls, resolve_blocks
 from llmmem.units import format_bytes
 
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
@@ -312,6 +312,11 @@ def auto_checkpoint(
         model of it for a bare chain). Activation memory is
         what the step allocates beyond the parameters, their gradients and the batch: what is kept
         for backward and every temporary of the forward and the backward.
+    :param blocks: for a model: ``None`` plans every stack of repeated blocks the sample's forward
+        runs (:func:`~llmmem.checkpointing.stacks.find_stacks`; an encoder's and a decoder's, in
+        the order it runs them; ``describe()`` names those left out and why); a dotted path
+        (``"model.layers"``), a container or a list of the model's modules is one chain; a list of
+        dotted paths is several stacks, given in the order the model runs them.
     :param slots, offload, host_bandwidth: as in :func:`llmmem.plan_checkpoints`.
     :param profile: a :class:`ChainProfile` to plan from instead of profiling (e.g. ``plan.profile``
         of an earlier call, for another budget).
@@ -377,6 +382,8 @@ def auto_checkpoint(
     if not isinstance(replan, bool):
         raise TypeError(f"auto_checkpoint: replan must be True or False, got {replan!r}")
     stacks = resolve_blocks(model, blocks)
+    if blocks is None and sample is not None and profile is None:
+        stacks = order_by_calls(model, stacks, sample)
     planned = [s for s in stacks if s.planned]
     block_list = [b for s in planned for b in s.blocks]
     name = " + ".join(s.name for s in planned)

@@ -342,6 +342,8 @@ class ChainRunner:
         self.hidden = list(hidden) if hidden else [0] * len(self.blocks)
         self.options = dict(options)
         self.shapes = shapes  # a llmmem.checkpointing.reshape.ShapePlans: re-plans at other shapes
+        # the first block of each stack (the chain's, a decoder's after an encoder): shapes are checked there
+        self.starts = [0] + [i for i, c in enumerate(plan.profile.cuts) if c and i > 0]
         self._use(plan)
         self.originals: list = []
         self._saved_flags = saved_flags
@@ -386,7 +388,7 @@ class ChainRunner:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"shapes": None, "starts": [0], **state})  # saved before they existed
         # the blocks may not have their state yet (they are being loaded): only their type is read
         self.originals = [
             types.MethodType(type(b).forward, b) if f is None else f for f, b in zip(self.originals, self.blocks)
@@ -468,8 +470,7 @@ class ChainRunner:
         input is larger than the plan's."""
         shapes = self.shapes
         if shapes is None:
-            if stack == 0:
-                self._check_shape(h)
+            self._check_shape(h, self.starts[stack])
             return
         now = h.numel() * h.element_size()
         key = list(self.__dict__.get("shape_key") or shapes.base_key)
@@ -489,20 +490,22 @@ class ChainRunner:
                 at_model_call=True,
             )
 
-    def _check_shape(self, h: torch.Tensor) -> None:
-        """Warns once if the chain's input is larger than the one the plan was made for: the plan's
-        peak grows with the tokens of a batch, past its budget. Smaller inputs fit."""
+    def _check_shape(self, h: torch.Tensor, j: int) -> None:
+        """Warns once if a stack's input (the chain's, a decoder's) is larger than the one the plan
+        was made for: the plan's peak grows with the tokens of a batch, past its budget. Smaller
+        inputs fit."""
         if "shape" in self._warned:
             return
-        planned = int(self.plan.profile.input_bytes[0]) if self.plan.profile.input_bytes else 0
+        planned = int(self.plan.profile.input_bytes[j]) if self.plan.profile.input_bytes else 0
         now = h.numel() * h.element_size()
         if not planned or now <= planned * 1.05:
             return
         ratio = now / planned
         peak = self.plan.predicted_peak_bytes * ratio
+        which = "first block" if j == 0 else f"block {j} (a stack's first)"
         self._warn_once(
             "shape",
-            f"llmmem.auto_checkpoint: the plan was made for a first block input of {format_bytes(planned)}; this "
+            f"llmmem.auto_checkpoint: the plan was made for a {which} input of {format_bytes(planned)}; this "
             f"forward's ({list(h.shape)}, {h.dtype}) is {format_bytes(now)}, {ratio:.2f}x as large. The step's "
             f"activations grow with it: expect a peak of about {format_bytes(peak)} (more where attention keeps "
             f"s x s scores) against the budget of {format_bytes(self.plan.budget_bytes)}. Plan with a batch of the "
@@ -545,8 +548,8 @@ class ChainRunner:
             return fn(*args, **kwargs)
         if self.blocks[j].__dict__.get("gradient_checkpointing") is True:
             self._hf_checkpointing_on_again(j, before_step=False)
-        if j == 0 or (self.shapes is not None and j in self.shapes.starts):
-            self._adapt(h, 0 if j == 0 else self.shapes.starts.index(j))
+        if j in self.starts:
+            self._adapt(h, self.starts.index(j))
         st = self._pass
         if st is None or j != st.last + 1 or st.last_out is None or st.last_out() is not h:
             st = self._pass = _Pass()

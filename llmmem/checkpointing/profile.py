@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import statistics
 import threading
 import time
@@ -932,7 +931,16 @@ def profile_calls(
         costs: list = [None] * n
         for members in groups.values():
             i = members[0]
-            one = _profile_one(runs[i], blocks[i], calls[i], modes, repeats, warmup, device)
+            try:
+                one = _profile_one(runs[i], blocks[i], calls[i], modes, repeats, warmup, device)
+            except RuntimeError:
+                # A block that updates an input other than its chain input in place (a bias the
+                # first block made for the others) cannot be run on a copy that needs a gradient,
+                # a leaf: measured with those inputs as constants (what they add to its tape is lost).
+                plain = _without_grad_inputs(calls[i])
+                if plain is None:
+                    raise
+                one = _profile_one(runs[i], blocks[i], plain, modes, repeats, warmup, device)
             for j in members:
                 costs[j] = one
         if output_bytes is None:
@@ -1131,6 +1139,17 @@ def is_step(sample) -> bool:
     return callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module))
 
 
+def forward_of(model, sample) -> Callable[[], object]:
+    """The model's forward on a batch ``sample`` (a tensor, a tuple/list or a mapping), as a callable."""
+    if isinstance(sample, torch.Tensor):
+        return lambda: model(sample)
+    if isinstance(sample, (tuple, list)):
+        return lambda: model(*sample)
+    if isinstance(sample, Mapping):
+        return lambda: model(**dict(sample))
+    raise TypeError(f"sample: expected {SAMPLE_FORMS}, got {type(sample).__name__}")
+
+
 def sample_step(model, sample) -> Callable[[], None]:
     """One training step on ``sample``: a callable is the step itself; a tensor, a tuple/list or a
     mapping are the model's inputs (``model(x)``, ``model(*sample)``, ``model(**sample)``), and the
@@ -1221,6 +1240,53 @@ class _PassThrough(torch.autograd.Function):
         return torch.zeros(shape, dtype=dtype, device=device), None
 
 
+def _without_grad_inputs(call: BlockCall) -> BlockCall | None:
+    """``call`` with its tensors other than the chain input needing no gradient; None if none did."""
+    h = call.hidden_tensor
+    changed = []
+
+    def plain(t):
+        if t is h or not t.requires_grad:
+            return t
+        changed.append(t)
+        return t.detach()
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, plain, (tuple(call.args), dict(call.kwargs)))
+    return BlockCall(args, kwargs, call.hidden, input_grad=call.input_grad) if changed else None
+
+
+class _Fresh(torch.autograd.Function):
+    """A copy of ``t`` that needs a gradient through ``anchor``: not a leaf, so a later block may
+    update it in place, as it may the output of a block run with a graph."""
+
+    @staticmethod
+    def forward(ctx, anchor, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _with_grad_outputs(out, y, args, kwargs, produced: set):
+    """``out`` of a block run without a graph, its new floating-point outputs beside ``y`` (the
+    chain output) needing a gradient, as with a graph they would (T5's position bias, made by a
+    layer for the layers after it; a block keeps more for backward when such an input needs one).
+    The copies are made unmetered; their storages go into ``produced``."""
+    given = {_storage_key(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    anchor = torch.empty(0, device=y.device, requires_grad=True)
+
+    def mark(t):
+        if t is y or t.requires_grad or not t.is_floating_point() or _storage_key(t) in given:
+            return t
+        return _Fresh.apply(anchor, t)
+
+    with _disable_current_modes():
+        out = pytree.tree_map_only(torch.Tensor, mark, out)
+    produced.update(_storage_key(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t is not y)
+    return out
+
+
 def _replace_hidden(out, h):
     if isinstance(out, torch.Tensor):
         return h
@@ -1293,7 +1359,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
     # chain: the first block's input, masks, position embeddings); without tapes here, held by hand.
     held: dict = {}
     side: dict = {}  # storage -> bytes of the tensors blocks make for later blocks (beyond the chain input)
-    own = {_storage_key(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    produced: set = set()  # storages of what the blocks returned beside their chain output
 
     def on_chain_grad(_grad):
         if "chain_done" not in done:
@@ -1336,11 +1402,16 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
                     continue
                 if meter.counted_bytes(t):
                     held[id(t)] = t
-                elif t is not h and t.numel() and _storage_key(t) not in own:
+                elif t is not h and _storage_key(t) in produced:
                     # made by an earlier block (which runs unmetered here) and given to later ones,
                     # as T5's position bias: held until the chain's backward, by their tapes
                     side[_storage_key(t)] = local(t).untyped_storage().nbytes()
             call = BlockCall(tuple(args), dict(kwargs), where, input_grad=h.requires_grad)
+            if i in starts and i > 0:
+                # what the model made between the stacks (an encoder's final norm, the decoder's
+                # embeddings) beyond this block's input: held from here to its backward
+                meter.mark(f"stack{i}")
+                sizes[f"x{i}"] = meter.counted_bytes(h)
             if i == 0:
                 meter.mark("chain_start")
                 h = call.hidden_tensor
@@ -1367,6 +1438,8 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
                 return
             h = hidden_of(out)
             outs[i] = weakref.ref(h)
+            if i + 1 in starts:
+                meter.mark(f"after{i}")
             if i == L - 1:
                 meter.mark("chain_end")
                 sizes["out"] = _tensor_bytes(h)
@@ -1381,17 +1454,12 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
         where = calls[i].hidden
         h = args[where] if isinstance(where, int) else kwargs[where]
         args, kwargs, _ = without_cache(args, kwargs)
-        with _disable_current_modes():
+        with torch.no_grad(), _disable_current_modes():
             out = forward(*args, **kwargs)
-        # The block's graph goes at once; its other outputs keep whether they need a gradient (T5's
-        # position bias, made by a layer for the layers after it: a block keeps more for backward
-        # when it does, so the later blocks' calls are recorded as they run).
-        y = hidden_of(out)
-        out = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.detach().requires_grad_(t is not y) if t.requires_grad else t, out
-        )
         y = hidden_of(out)
         others = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t is not h]
+        if (isinstance(h, torch.Tensor) and h.requires_grad) or trains[i] or any(t.requires_grad for t in others):
+            out = _with_grad_outputs(out, y, args, kwargs, produced)
         if isinstance(h, torch.Tensor) and h.requires_grad:
             out = _replace_hidden(out, _PassThrough.apply(h, y))
         elif trains[i] or any(t.requires_grad for t in others):
@@ -1478,6 +1546,9 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
     # After the head's backward the planner has the chain's forward state back, with the gradient of
     # a_L; anything more (an output the step still holds) is held through the chain's backward too.
     static += max(0, live_c - live_a - out) + sum(side.values())
+    for k in starts:
+        if k > 0 and f"stack{k}" in marks and f"after{k - 1}" in marks:
+            static += max(0, marks[f"stack{k}"][0] - marks[f"after{k - 1}"][0] - sizes.get(f"x{k}", 0))
     head = {
         "saved_bytes": max(0, live_b - live_a),
         "fwd_tmp_bytes": max(0, peak_ab - live_b),

@@ -4,13 +4,14 @@ tower before a language model), and what :func:`llmmem.auto_checkpoint` left out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 import torch.nn as nn
 
-from llmmem.checkpointing.profile import check_distinct
+from llmmem.checkpointing.profile import check_distinct, forward_of, is_step, kept_state
 
-__all__ = ["Stack", "find_blocks", "find_stacks", "resolve_blocks"]
+__all__ = ["Stack", "find_blocks", "find_stacks", "order_by_calls", "resolve_blocks"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
 def resolve_blocks(model: nn.Module, blocks) -> list:
     """The stacks :func:`llmmem.auto_checkpoint` plans, planned ones first in the model's order,
     then those left out: every stack (``blocks=None``), one (a path, a container, a list of
-    modules) or several (a list of paths or containers, in the order the model calls them)."""
+    modules) or several (a list of dotted paths, in the order the model calls them)."""
     if blocks is None:
         stacks = find_stacks(model)
     elif isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
@@ -155,3 +156,49 @@ def _named_blocks(model: nn.Module, blocks) -> tuple[str, list]:
         f"auto_checkpoint: blocks must be None, a dotted submodule path, an nn.ModuleList/nn.Sequential, a list "
         f"of modules or a list of paths, got {type(blocks).__name__}"
     )
+
+
+def order_by_calls(model: nn.Module, stacks: list, sample) -> list:
+    """``stacks`` (planned ones first, as :func:`resolve_blocks` gives them) with the planned ones
+    that a forward on ``sample`` runs in the order it first runs them. Left out, with the reason: a
+    stack it does not run (a vision tower on a text-only batch) and one it runs interleaved with a
+    longer one (a list of adapters called between the layers). One forward without a graph, the
+    random state kept; a callable ``sample`` (a step with side effects) keeps the model's order."""
+    planned = [s for s in stacks if s.planned]
+    if len(planned) < 2 or is_step(sample):
+        return stacks
+    owner = {id(b): k for k, s in enumerate(planned) for b in s.blocks}
+    seen: list = []
+    handles = [
+        b.register_forward_pre_hook(lambda module, args, k=owner[id(b)]: seen.append(k))
+        for s in planned
+        for b in s.blocks
+    ]
+    params = list(model.parameters())
+    try:
+        with kept_state(params, {p.device for p in params}), torch.no_grad():
+            forward_of(model, sample)()
+    finally:
+        for h in handles:
+            h.remove()
+    span = {}
+    for at, k in enumerate(seen):
+        first, _ = span.get(k, (at, at))
+        span[k] = (first, at)
+    kept, out = [], []
+    for k in sorted(span, key=lambda k: -len(planned[k].blocks)):  # the longest first
+        first, last = span[k]
+        clash = next((j for j in kept if not (last < span[j][0] or span[j][1] < first)), None)
+        if clash is None:
+            kept.append(k)
+        else:
+            out.append(replace(planned[k], planned=False, reason=f"runs interleaved with {planned[clash].name!r}"))
+    missing = [
+        replace(s, planned=False, reason="the sample's forward does not run it")
+        for k, s in enumerate(planned)
+        if k not in span
+    ]
+    if not kept:
+        return stacks  # nothing ran: the recording says so, naming the blocks
+    ordered = [planned[k] for k in sorted(kept, key=lambda k: span[k][0])]
+    return ordered + out + missing + [s for s in stacks if not s.planned]

@@ -72,12 +72,13 @@ def test_encoder_and_decoder_are_planned_together(kind):
 def test_t5_position_bias_is_counted():
     """T5's first layer of each stack makes a position bias that needs a gradient and is given to the
     layers after it, which keep more for backward because of it: the plan's model of the step
-    without checkpointing is within 5% of the measured peak (it was 11% short)."""
+    without checkpointing does not fall short of the measured peak (it errs high where a side
+    output needs no gradient in fact: the decoder's cross-attention bias, made of zeros)."""
     batch = seq2seq_batch(batch=4, seq=128, target=96)
     model = tiny_t5(layers=6, dropout=0.0)
     peak_plain, _ = step_memory(model, _step(model, batch))
     plan = llmmem.auto_checkpoint(model, budget=1.0, sample=batch, repeats=0)
-    assert plan.predicted_peak_bytes == pytest.approx(peak_plain, rel=0.05)
+    assert peak_plain <= plan.predicted_peak_bytes <= 1.15 * peak_plain
 
 
 class _Expert(nn.Module):
@@ -147,20 +148,64 @@ def test_what_is_found_planned_and_left_out():
     assert same_grads(grads(model), grads(reference))
 
 
-def test_stacks_run_out_of_order_are_refused():
+def test_stacks_are_planned_in_the_order_the_model_runs_them():
+    """Found stacks are ordered by a forward on the sample (CLIP holds its text tower before its
+    vision tower and runs the vision one first); stacks named by hand in another order are refused."""
     model = _Toy(reverse=True)
-    with pytest.raises(ValueError, match=r"ran block 2 \(_Layer, the first of a stack\) before block 1"):
-        llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(3, 5, 16), repeats=0)
-    assert llmmem.AutoCheckpointPlan.of(model) is None
-    # named in the order it runs them, it plans
-    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(3, 5, 16), blocks=["decoder", "encoder"])
+    x = torch.randn(3, 5, 16)
+    reference = _Toy(reverse=True)
+    reference.load_state_dict(model.state_dict())
+    reference(x).backward()
+    plan = llmmem.auto_checkpoint(model, budget=0.5, sample=x, repeats=0)
     assert plan.blocks_name == "decoder + encoder"
+    model(x).backward()
+    assert same_grads(grads(model), grads(reference))
+    plan.remove()
+    with pytest.raises(ValueError, match=r"ran block 2 \(_Layer, the first of a stack\) before block 1"):
+        llmmem.auto_checkpoint(model, budget=0.5, sample=x, blocks=["encoder", "decoder"], repeats=0)
+    assert llmmem.AutoCheckpointPlan.of(model) is None
+
+
+class _Optional(nn.Module):
+    """A tower run only when its input is given (a vision tower on a text-only batch), and adapters
+    called between the layers (interleaved with them)."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        self.tower = nn.ModuleList(_Layer(h) for _ in range(2))
+        self.layers = nn.ModuleList(_Layer(h) for _ in range(4))
+        self.adapters = nn.ModuleList(_Layer(h) for _ in range(3))
+
+    def forward(self, x, image=None):
+        if image is not None:
+            for layer in self.tower:
+                image = layer(image)
+            x = x + image.mean()
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.adapters):
+                x = self.adapters[i](x)
+        return x.square().mean()
+
+
+def test_stacks_not_run_or_interleaved_are_left_out_with_the_reason():
+    model = _Optional()
+    x = torch.randn(3, 5, 16)
+    reference = _Optional()
+    reference.load_state_dict(model.state_dict())
+    reference(x).backward()
+    plan = llmmem.auto_checkpoint(model, budget=0.6, sample=(x,), repeats=0)
+    assert plan.blocks_name == "layers"
+    text = plan.describe()
+    assert "left out: 'tower' (2 x _Layer): the sample's forward does not run it" in text
+    assert "left out: 'adapters' (3 x _Layer): runs interleaved with 'layers'" in text
+    model(x).backward()
+    assert same_grads(grads(model), grads(reference))
 
 
 def test_a_longer_target_replans_the_decoder_within_a_budget_in_bytes():
     """The decoder's length changes apart from the encoder's: each stack has its own shape bucket,
-    and a plan is re-made when either changes (it used to follow the encoder's input only, and a
-    target 2x as long ran past a budget in bytes with no re-plan and no warning)."""
+    and a plan is re-made when either changes, so a longer target keeps a budget in bytes."""
     model = tiny_t5(dropout=0.0)
     reference = tiny_t5(dropout=0.0)
     budget = 3_000_000
@@ -197,3 +242,16 @@ def test_a_layer_applied_at_several_depths_is_refused():
     with pytest.raises(ValueError, match=r"ran again on a block's output in one step.*ALBERT"):
         llmmem.auto_checkpoint(model, budget=0.5, sample=torch.randn(2, 5, 16), blocks="groups", repeats=0)
     assert llmmem.AutoCheckpointPlan.of(model) is None
+
+
+def test_without_replanning_a_longer_target_is_warned_at_the_decoder():
+    model = tiny_t5(dropout=0.0)
+    plan = llmmem.auto_checkpoint(
+        model, budget=3_000_000, sample=seq2seq_batch(seq=64, target=48), repeats=0, replan=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_memory(model, _step(model, seq2seq_batch(seq=64, target=96)))
+    (w,) = [w for w in caught if "plan was made for" in str(w.message)]
+    assert "block 4 (a stack's first)" in str(w.message) and "2.00x as large" in str(w.message)
+    assert plan.replans == {}
