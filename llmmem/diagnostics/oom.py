@@ -40,12 +40,22 @@ from llmmem.units import format_bytes, parse_bytes
 __all__ = ["oom_report", "OutOfMemoryReport", "OutOfMemoryReportError", "cuda_capacity"]
 
 
-def _target_seq(model, input_shapes) -> int | None:
-    """An encoder-decoder's decoder length: the last 2-D integer input of the step (its labels or
-    decoder_input_ids, after the encoder's input_ids), or None (not an encoder-decoder, or only one
-    such input: the estimator then takes the encoder's length)."""
+# inputs of an encoder-decoder that run at its decoder's length, as Hugging Face names them
+_DECODER_INPUTS = ("labels", "decoder_input_ids", "decoder_attention_mask")
+
+
+def _target_seq(model, input_shapes, named_inputs=None) -> int | None:
+    """An encoder-decoder's decoder length: that of its ``labels``, ``decoder_input_ids`` or
+    ``decoder_attention_mask`` keyword (a dict of inputs puts them in any order: an
+    ``attention_mask`` after ``labels`` has the encoder's length); else the last 2-D integer input
+    of the step (passed by position); None for any other model, or only one such input (the
+    estimator then takes the encoder's length)."""
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return None
+    for key in _DECODER_INPUTS:
+        shape, _ = (named_inputs or {}).get(key, ((), None))
+        if len(shape) == 2:
+            return shape[1]
     ids = [
         shape
         for shape, dtype in input_shapes
@@ -445,7 +455,7 @@ class oom_report(contextlib.ContextDecorator):
                     optimizer=optimizer,
                     autocast_dtype=tracker.autocast_dtype,
                     device=tracker.device,
-                    target_seq=_target_seq(model, tracker.input_shapes),
+                    target_seq=_target_seq(model, tracker.input_shapes, tracker.named_inputs),
                 )
             blocks = find_blocks(model)
             block_input = tracker.module_inputs.get(tracker._name_of(blocks[1][0])) if blocks else None

@@ -428,7 +428,7 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
             **before,
             ("lm head input" if cfg.vocab_head else "classifier input"): hidden,
             "log-probabilities (fp32, loss)": 4 * sb * v,
-            "targets (int64)": 8 * sb,
+            "targets (int64)": _target_bytes(cfg, st, sb),
         }
         if cfg.logit_softcap:  # Gemma 2: cap·tanh(logits/cap), in the activations' dtype
             kept["soft-capped logits (tanh output)"] = e * sb * v
@@ -438,7 +438,11 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
             matmuls["logits' 16-bit gradient, less the fp32 log-probabilities"] = (e - 4) * sb * v
         return kept, softmax if sum(softmax.values()) >= sum(matmuls.values()) else matmuls
     rows = fused_head_chunk_rows(cfg, st)
-    kept = {**before, "hidden states' gradient (fused head, made in its forward)": hidden, "targets (int64)": 8 * sb}
+    kept = {
+        **before,
+        "hidden states' gradient (fused head, made in its forward)": hidden,
+        "targets (int64)": _target_bytes(cfg, st, sb),
+    }
     tmp = {
         "fused head input (until its forward ends)": hidden,
         f"one chunk of logits ({rows} rows x {v}, {dtype})": rows * v * e,
@@ -457,6 +461,12 @@ def head_loss_terms(cfg: ModelConfig, st: Settings, fused: bool | None = None) -
         ends = {"head weight's gradient in its dtype (made as its forward ends)": e * v * h}
         tmp.update(in_loop if sum(in_loop.values()) >= sum(ends.values()) else ends)
     return kept, tmp
+
+
+def _target_bytes(cfg: ModelConfig, st: Settings, rows: int) -> int:
+    """int64 targets the loss keeps: one a row the head reads, or question answering's start and
+    end positions, two a sequence (its logits split into two softmaxes over the sequence)."""
+    return 8 * (2 * st.batch if cfg.task == "question-answering" else rows)
 
 
 def _task_head_terms(cfg: ModelConfig, st: Settings, e: int, mask: int, r: int, stat: int) -> dict:

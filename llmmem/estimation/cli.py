@@ -45,8 +45,8 @@ def register_cli(subparsers) -> None:
     p.add_argument(
         "--task",
         default=None,
-        help="the head: seq2seq-lm, sequence-classification, token-classification, masked-lm, "
-        "image-classification, causal-lm (default: the config's architectures, else the family's: an encoder's "
+        help="the head: seq2seq-lm, sequence-classification, token-classification, question-answering, "
+        "masked-lm, image-classification, causal-lm (default: the config's architectures, else the family's: an encoder's "
         "sequence-classification)",
     )
     p.add_argument("--precision", default=None, help=f"{', '.join(PRECISIONS)} (default bf16-mixed)")

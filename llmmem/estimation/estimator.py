@@ -430,8 +430,10 @@ def estimate(
     :param target_seq: an encoder-decoder's decoder length (its layers, their cross-attention over
         ``seq`` tokens, and the head and loss run at it); None: ``seq``. Refused for other models.
     :param task: the head: ``"causal-lm"`` (decoders), ``"seq2seq-lm"`` (encoder-decoders),
-        ``"sequence-classification"``, ``"token-classification"``, ``"masked-lm"``,
-        ``"image-classification"`` (encoders; only ``masked-lm`` has a vocabulary-sized head).
+        ``"sequence-classification"``, ``"token-classification"``, ``"question-answering"``
+        (BERT-style: a start and an end logit a token), ``"masked-lm"``, ``"image-classification"``
+        (encoders; only ``masked-lm`` has a vocabulary-sized head). An encoder-decoder's encoder-only
+        class (``T5EncoderModel``) is refused by name.
         None: what a Hugging Face model's class says (``BertForSequenceClassification``), else the
         config's ``architectures``, else the family's default (an encoder-decoder ``seq2seq-lm``,
         ViT ``image-classification``, a text encoder ``sequence-classification`` with the

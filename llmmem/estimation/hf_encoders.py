@@ -17,17 +17,28 @@ task                       head                                                 
 ``sequence-classification`` dense ``h·h + h`` (BERT's pooler, RoBERTa's and DistilBERT's     encoders
                            first classifier layer), classifier ``n·h + n``
 ``token-classification``   classifier ``n·h + n``                                           encoders
+``question-answering``     ``qa_outputs`` ``n·h + n`` on every token (``n`` = 2: start, end)  BERT-style
 ``image-classification``   classifier ``n·h + n`` (ViT: no pooler)                          ViT
 =========================  ==============================================================  ========
 
 A model class names its task (:func:`task_of_class`); a bare config is read for the task of the
 first class in its ``architectures``, else the default of its family: ``seq2seq-lm`` for an
 encoder-decoder, ``image-classification`` for ViT, ``sequence-classification`` for a text encoder.
+An encoder-decoder's encoder-only class (``T5EncoderModel``) is refused (:func:`refuse_class`): the
+estimator reads both stacks or none.
 """
 
 from __future__ import annotations
 
-__all__ = ["ENCODER_DECODER_TYPES", "ENCODER_TYPES", "TASKS", "task_of_class", "default_task", "encoder_fields"]
+__all__ = [
+    "ENCODER_DECODER_TYPES",
+    "ENCODER_TYPES",
+    "TASKS",
+    "task_of_class",
+    "default_task",
+    "encoder_fields",
+    "refuse_class",
+]
 
 ENCODER_DECODER_TYPES = frozenset(("t5", "mt5", "bart", "mbart"))
 _BERT_TYPES = frozenset(("bert", "roberta", "xlm-roberta", "camembert"))
@@ -40,6 +51,7 @@ TASKS = (
     "sequence-classification",
     "token-classification",
     "image-classification",
+    "question-answering",
 )
 # the end of a Hugging Face model class's name -> the task its head serves
 _CLASS_TASKS = (
@@ -50,6 +62,7 @@ _CLASS_TASKS = (
     ("ForSequenceClassification", "sequence-classification"),
     ("ForTokenClassification", "token-classification"),
     ("ForImageClassification", "image-classification"),
+    ("ForQuestionAnswering", "question-answering"),
 )
 
 
@@ -60,6 +73,18 @@ def task_of_class(name: str) -> str | None:
         if name.endswith(suffix):
             return task
     return None
+
+
+def refuse_class(name: str, model_type: str) -> None:
+    """ValueError naming the class for an encoder-only class of an encoder-decoder model type
+    (``T5EncoderModel``: one stack, no head), which the estimator would otherwise read as the whole
+    encoder-decoder (both stacks, cross-attention, a vocabulary head); nothing for another class."""
+    if model_type in ENCODER_DECODER_TYPES and name.endswith("EncoderModel"):
+        raise ValueError(
+            f"model: a {name}, the encoder alone of the encoder-decoder model_type {model_type!r}: the estimator "
+            "reads this family with both stacks and its head (a *ForConditionalGeneration) only, and does not "
+            "guess the encoder's memory from it"
+        )
 
 
 def default_task(model_type: str, raw: dict) -> str:
@@ -93,7 +118,7 @@ def _head_tensors(task: str, h: int, vocab: int, labels: int) -> list[int]:
         return [h * h, h, h, h, vocab]  # transform dense, its LayerNorm, the decoder's bias
     if task == "sequence-classification":
         return [h * h, h] + classifier
-    if task in ("token-classification", "image-classification"):
+    if task in ("token-classification", "image-classification", "question-answering"):
         return classifier
     return []
 
@@ -123,6 +148,8 @@ def encoder_fields(config, raw: dict, task: str | None, activations: dict) -> di
         else ("image-classification",)
         if model_type == "vit"
         else ("masked-lm", "sequence-classification", "token-classification")
+        # DistilBERT's question answering has a dropout of its own (qa_dropout) before its head: not read
+        + (("question-answering",) if model_type in _BERT_TYPES else ())
     )
     if task not in allowed:
         raise ValueError(

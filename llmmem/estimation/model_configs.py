@@ -28,7 +28,7 @@ import numbers
 import sys
 from dataclasses import dataclass, field
 
-from llmmem.estimation import hf_encoders, hf_moe
+from llmmem.estimation import hf_encoders, hf_moe, hf_multimodal
 
 MLP_KINDS = ("gelu", "swiglu")
 # The MLP's activation, as implemented: "gelu" (one kernel, torch's exact or tanh GELU), "gelu_new"
@@ -43,7 +43,13 @@ QK_NORMS = ("none", "head", "width")
 ARCHITECTURE_TASKS = {
     "decoder": ("causal-lm",),
     "encoder-decoder": ("seq2seq-lm",),
-    "encoder": ("sequence-classification", "masked-lm", "token-classification", "image-classification"),
+    "encoder": (
+        "sequence-classification",
+        "masked-lm",
+        "token-classification",
+        "image-classification",
+        "question-answering",
+    ),
 }
 # tasks whose head is a vocabulary-sized matrix (tied to the token embedding or not)
 VOCAB_TASKS = ("causal-lm", "seq2seq-lm", "masked-lm")
@@ -98,7 +104,8 @@ class ModelConfig:
     norm and (learned) position table a stack; an ``"encoder"`` (BERT, ViT) attends both ways.
     ``task`` is the head: ``"causal-lm"`` (decoders), ``"seq2seq-lm"`` (encoder-decoders),
     ``"sequence-classification"`` (an encoder's default), ``"token-classification"``,
-    ``"masked-lm"`` or ``"image-classification"`` (ViT, ``vocab`` 0: patches, no tokens); only the
+    ``"masked-lm"``, ``"question-answering"`` (a start and an end logit a token, each a softmax over
+    the sequence) or ``"image-classification"`` (ViT, ``vocab`` 0: patches, no tokens); only the
     ``*-lm`` tasks have a vocabulary-sized head, the classifiers ``num_labels`` outputs.
     ``activation_dropout``: dropout on the MLP's hidden (T5, BART). ``extra_tensors``: element
     counts of the parameters outside the layers, embeddings and norms that the config reader found
@@ -559,6 +566,7 @@ def _resolve(model, task):
         counted = sum(p.numel() for p in model.parameters())
         cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
         if is_hf_config(cfg):
+            hf_encoders.refuse_class(type(model).__name__, str(getattr(cfg, "model_type", "") or ""))
             own = hf_encoders.task_of_class(type(model).__name__)
             return from_hf_config(cfg, own if own is not None else task), counted
         if cfg is None:
@@ -692,7 +700,8 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
     ``head_dim``, rotary or learned positions, biases, dropout on attention and on the residual
     branches, tied embeddings, and the attention implementation (``eager`` materialises the scores;
     ``sdpa`` and flash attention do not; when the config names none, Hugging Face's default for the
-    model class, :func:`hf_default_attention`). Multimodal configs are read through their text config.
+    model class, :func:`hf_default_attention`). A multimodal config (a vision or audio tower beside
+    its text model) is refused (:mod:`llmmem.estimation.hf_multimodal`); its ``text_config`` is read.
 
     The encoder-decoders T5, mT5, BART, mBART and the encoders BERT, RoBERTa, XLM-RoBERTa,
     CamemBERT, DistilBERT and ViT are read by :mod:`llmmem.estimation.hf_encoders`, with ``task``
@@ -708,13 +717,15 @@ def from_hf_config(config, task: str | None = None) -> ModelConfig:
         model_type = str(getattr(config, "model_type", "") or raw.get("model_type") or "")
         name = str(getattr(config, "name_or_path", "") or model_type)
         return ModelConfig(**fields, attention=_HF_ATTENTION.get(impl, "sdpa"), name=name)
-    if task not in (None, "causal-lm"):
-        raise ValueError(f"task: {task!r} is not a head the estimator reads on a decoder (causal-lm only)")
+    # what the model is decides before the task asked of it: a Pegasus or a LLaVA is refused as
+    # such, not for the seq2seq-lm head its class (or the caller) names
     _refuse_non_decoders(config, raw)  # before the text config: an encoder-decoder's is one of its stacks
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     if text is not config:
         config, raw = text, text.to_dict()
         _refuse_non_decoders(config, raw)
+    if task not in (None, "causal-lm"):
+        raise ValueError(f"task: {task!r} is not a head the estimator reads on a decoder (causal-lm only)")
     if str(getattr(config, "model_type", "") or "") == "dbrx":  # its sizes nested in attn_config, ffn_config
         impl = getattr(config, "_attn_implementation", None) or hf_default_attention(config)
         raw = dict(hf_moe.flat_dbrx(raw), _attn_implementation=impl)
@@ -835,6 +846,7 @@ def _refuse_non_decoders(config, raw: dict) -> None:
     model_type = str(getattr(config, "model_type", "") or type(config).__name__)
     kinds = raw.get("layer_types") or raw.get("layers_block_type") or []
     other = sorted({str(k) for k in kinds if str(k) not in _ATTENTION_LAYERS}) if isinstance(kinds, list) else []
+    hf_multimodal.refuse_towers(model_type, raw)  # before the text config is read in its place
     known = _causal_lm_types()
     if raw.get("is_encoder_decoder"):
         kind = "an encoder-decoder model (two stacks, cross-attention)"

@@ -263,3 +263,32 @@ def test_the_report_survives_tooling_that_rebuilds_exceptions():
         made = llmmem.diagnostics.oom._report_type(original)("out of memory", 4096)
         assert str(made) == "out of memory (4096)" and isinstance(made, original)
         assert str(pickle.loads(pickle.dumps(made))) == "out of memory (4096)"
+
+
+@pytest.mark.parametrize("order", [("input_ids", "labels", "attention_mask"), ("labels", "input_ids")])
+def test_an_encoder_decoder_s_decoder_length_is_its_labels_wherever_they_stand(order):
+    # a dict of inputs in any order: the attention mask after the labels has the encoder's length
+    transformers = pytest.importorskip("transformers", reason="needs transformers (optional)")
+    config = transformers.T5Config(
+        vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    opt = torch.optim.Adam(model.parameters())
+    inputs = {
+        "input_ids": torch.randint(0, 256, (4, 64)),
+        "labels": torch.randint(0, 256, (4, 16)),
+        "attention_mask": torch.ones(4, 64, dtype=torch.long),
+    }
+    batch = {key: inputs[key] for key in order}
+    with MemoryTracker(model, opt) as probe:
+        model(**batch, use_cache=False).loss.backward()
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(llmmem.OutOfMemoryError) as info:
+        with llmmem.oom_report(model, opt, budget=int(0.7 * probe.peak_bytes())):
+            model(**batch, use_cache=False).loss.backward()
+    basis = info.value.report.basis
+    assert basis["estimate"]["batch"] == 4 and basis["estimate"]["seq"] == 64, basis["estimate"]
+    assert basis["estimate"]["target_seq"] == 16, basis["estimate"]
+    expected = llmmem.estimate(model, batch=4, seq=64, target_seq=16, precision="fp32", device_type="cpu")
+    assert basis["activations"] == expected.activations

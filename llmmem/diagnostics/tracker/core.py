@@ -175,6 +175,9 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
         self.first_event: int | None = None  # the last event of the first entry's counting of existing tensors
         self.module_inputs: dict[str, tuple] = {}  # module -> (shape, dtype, device) of its first input
         self.input_shapes: list[tuple] = []  # (shape, dtype) of the outermost module's inputs, last step
+        # (shape, dtype) of those passed by keyword, by keyword: an encoder-decoder's "labels" or
+        # "decoder_input_ids" say its decoder length wherever they stand among the inputs
+        self.named_inputs: dict[str, tuple] = {}
         self.autocast_dtype = None  # autocast's dtype when the last step's forward began, if enabled
 
     # =============================================================================================

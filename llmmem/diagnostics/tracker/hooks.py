@@ -95,6 +95,7 @@ class ModuleHooks:
             self._step_done = False
             self._inputs = []
             self.input_shapes = []
+            self.named_inputs = {}
             self._sample_cuda("step")
         kind = torch.device(self.device).type
         self.autocast_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
@@ -108,6 +109,9 @@ class ModuleHooks:
         if self._here() and len(self._stack) == 1 and torch._C._current_graph_task_id() == -1:
             with self._lock:
                 self._label_inputs(kwargs)
+                for key, value in kwargs.items():
+                    if isinstance(value, torch.Tensor):
+                        self.named_inputs[key] = (tuple(value.shape), value.dtype)
 
     def _label_inputs(self, obj) -> None:
         for t in tree_leaves(obj):

@@ -48,9 +48,10 @@ class TrackerQueries:
         return [m for m in (r() for r in self._roots) if m is not None]
 
     def batch_and_seq(self):
-        """``(batch, seq)`` read off the last step's token ids (the first 2-D integer input of the
-        outermost module), or None."""
-        for shape, dtype in self.input_shapes:
+        """``(batch, seq)`` read off the last step's token ids (its ``input_ids`` keyword, else the
+        first 2-D integer input of the outermost module), or None."""
+        named = self.named_inputs.get("input_ids")
+        for shape, dtype in ([named] if named is not None else []) + self.input_shapes:
             if len(shape) == 2 and not dtype.is_floating_point and dtype != torch.bool:
                 return shape
         return None
