@@ -316,7 +316,8 @@ def auto_checkpoint(
         runs (:func:`~llmmem.checkpointing.stacks.find_stacks`; an encoder's and a decoder's, in
         the order it runs them; ``describe()`` names those left out and why); a dotted path
         (``"model.layers"``), a container or a list of the model's modules is one chain; a list of
-        dotted paths is several stacks, given in the order the model runs them.
+        dotted paths (or of the ``nn.ModuleList`` themselves) is several stacks, given in the order the
+        model runs them.
     :param slots, offload, host_bandwidth: as in :func:`llmmem.plan_checkpoints`.
     :param profile: a :class:`ChainProfile` to plan from instead of profiling (e.g. ``plan.profile``
         of an earlier call, for another budget).
@@ -416,8 +417,12 @@ def auto_checkpoint(
             )
         shapes = None
         if replan:
-            shapes = ShapePlans(plan, budget, {"slots": slots, "offload": offload, "host_bandwidth": host_bandwidth})
-        runner = ChainRunner(block_list, plan, profile.hidden, options, saved_flags=flags, shapes=shapes)
+            shapes = ShapePlans(
+                plan, budget, {"slots": slots, "offload": offload, "host_bandwidth": host_bandwidth}, starts
+            )
+        runner = ChainRunner(
+            block_list, plan, profile.hidden, options, saved_flags=flags, shapes=shapes, starts=starts
+        )
         runner.install()
         runner.guard(model)
     except BaseException:

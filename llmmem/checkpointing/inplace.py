@@ -331,7 +331,9 @@ class ChainRunner:
     :param options: :data:`RUNNER_OPTIONS` of :func:`llmmem.checkpoint`.
     """
 
-    def __init__(self, blocks, plan, hidden, options: dict, saved_flags: list | None = None, shapes=None) -> None:
+    def __init__(
+        self, blocks, plan, hidden, options: dict, saved_flags: list | None = None, shapes=None, starts=None
+    ) -> None:
         unknown = set(options) - set(RUNNER_OPTIONS)
         if unknown:
             raise TypeError(
@@ -343,7 +345,7 @@ class ChainRunner:
         self.options = dict(options)
         self.shapes = shapes  # a llmmem.checkpointing.reshape.ShapePlans: re-plans at other shapes
         # the first block of each stack (the chain's, a decoder's after an encoder): shapes are checked there
-        self.starts = [0] + [i for i, c in enumerate(plan.profile.cuts) if c and i > 0]
+        self.starts = list(starts) if starts else [0] + [i for i, c in enumerate(plan.profile.cuts) if c and i > 0]
         self._use(plan)
         self.originals: list = []
         self._saved_flags = saved_flags
@@ -473,10 +475,25 @@ class ChainRunner:
             self._check_shape(h, self.starts[stack])
             return
         now = h.numel() * h.element_size()
-        key = list(self.__dict__.get("shape_key") or shapes.base_key)
+        # The first stack plans with the later stacks at the largest bucket they have met (a decoder
+        # runs after the encoder has: its length is not known yet, and the last step's may be short);
+        # each later stack then plans for its own, its plan never holding more of the earlier ones.
+        seen = list(self.__dict__.get("largest_key") or shapes.base_key)
+        key = list(seen if stack == 0 else self.__dict__.get("shape_key") or seen)
+        assumed = key[stack]
         key[stack] = shapes.bucket(stack, now)
+        if stack > 0 and key[stack] > assumed:
+            self._warn_once(
+                f"longer{stack}:{key[stack]}",
+                f"llmmem.auto_checkpoint: block {self.starts[stack]} starts a stack whose input ({list(h.shape)}, "
+                f"{format_bytes(now)}) is larger than the stacks before it were planned for in this step (they "
+                "ran first): this step may exceed the budget; the next ones plan them for this size (warned once "
+                "per size)",
+                at_model_call=True,
+            )
+        seen[stack] = max(seen[stack], key[stack])
         key = tuple(key)
-        self.shape_key = key
+        self.shape_key, self.largest_key = key, seen
         plan, new = shapes.plan_for(key)
         if plan is not self.plan:
             self._use(plan)

@@ -933,14 +933,15 @@ def profile_calls(
             i = members[0]
             try:
                 one = _profile_one(runs[i], blocks[i], calls[i], modes, repeats, warmup, device)
-            except RuntimeError:
-                # A block that updates an input other than its chain input in place (a bias the
-                # first block made for the others) cannot be run on a copy that needs a gradient,
-                # a leaf: measured with those inputs as constants (what they add to its tape is lost).
-                plain = _without_grad_inputs(calls[i])
-                if plain is None:
+            except RuntimeError as e:
+                if isinstance(e, torch.OutOfMemoryError) or "in-place operation" not in str(e):
                     raise
-                one = _profile_one(runs[i], blocks[i], plain, modes, repeats, warmup, device)
+                raise ValueError(
+                    f"auto_checkpoint: block {i} ({type(blocks[i]).__name__}) updates in place an input that needs a "
+                    "gradient (one an earlier block made for the later ones): a recompute of the blocks that read it "
+                    "would see its later value, so they cannot be checkpointed; copy it in the block instead "
+                    f"(x = x * 0.5, not x.mul_(0.5)) ({e})"
+                ) from e
             for j in members:
                 costs[j] = one
         if output_bytes is None:
@@ -1240,21 +1241,6 @@ class _PassThrough(torch.autograd.Function):
         return torch.zeros(shape, dtype=dtype, device=device), None
 
 
-def _without_grad_inputs(call: BlockCall) -> BlockCall | None:
-    """``call`` with its tensors other than the chain input needing no gradient; None if none did."""
-    h = call.hidden_tensor
-    changed = []
-
-    def plain(t):
-        if t is h or not t.requires_grad:
-            return t
-        changed.append(t)
-        return t.detach()
-
-    args, kwargs = pytree.tree_map_only(torch.Tensor, plain, (tuple(call.args), dict(call.kwargs)))
-    return BlockCall(args, kwargs, call.hidden, input_grad=call.input_grad) if changed else None
-
-
 class _Fresh(torch.autograd.Function):
     """A copy of ``t`` that needs a gradient through ``anchor``: not a leaf, so a later block may
     update it in place, as it may the output of a block run with a graph."""
@@ -1407,10 +1393,9 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
                     # as T5's position bias: held until the chain's backward, by their tapes
                     side[_storage_key(t)] = local(t).untyped_storage().nbytes()
             call = BlockCall(tuple(args), dict(kwargs), where, input_grad=h.requires_grad)
-            if i in starts and i > 0:
-                # what the model made between the stacks (an encoder's final norm, the decoder's
-                # embeddings) beyond this block's input: held from here to its backward
-                meter.mark(f"stack{i}")
+            if i > 0 and not linked:
+                # an input the model made (a decoder's embeddings): the planner counts it as the
+                # block's input, not among what the model keeps between blocks
                 sizes[f"x{i}"] = meter.counted_bytes(h)
             if i == 0:
                 meter.mark("chain_start")
@@ -1438,8 +1423,6 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
                 return
             h = hidden_of(out)
             outs[i] = weakref.ref(h)
-            if i + 1 in starts:
-                meter.mark(f"after{i}")
             if i == L - 1:
                 meter.mark("chain_end")
                 sizes["out"] = _tensor_bytes(h)
@@ -1519,8 +1502,9 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
         i = min(reused)
         raise ValueError(
             f"auto_checkpoint: block {i} ({type(blocks[i]).__name__}) ran again on a block's output in one step: one "
-            "module applied at several depths with shared weights (as ALBERT's layer group) is not a chain the planner "
-            "can budget (it counts each block once); checkpoint its calls by hand with llmmem.checkpoint"
+            "module applied at several depths with shared weights (as ALBERT's layer group), or a stack run twice in "
+            "a step (a siamese encoder), is not a chain the planner can budget (it counts each block once); "
+            "checkpoint its calls by hand with llmmem.checkpoint"
         )
     for k in stack_starts:
         if 0 < k < L and order[k] < order[k - 1]:
@@ -1546,9 +1530,11 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
     # After the head's backward the planner has the chain's forward state back, with the gradient of
     # a_L; anything more (an output the step still holds) is held through the chain's backward too.
     static += max(0, live_c - live_a - out) + sum(side.values())
-    for k in starts:
-        if k > 0 and f"stack{k}" in marks and f"after{k - 1}" in marks:
-            static += max(0, marks[f"stack{k}"][0] - marks[f"after{k - 1}"][0] - sizes.get(f"x{k}", 0))
+    # What the model's own code between the blocks kept during the chain (an encoder's final norm, a
+    # decoder's embeddings, adapters called between the layers): held to its backward, past the
+    # chain's (the blocks run unmetered here, so the rest is this).
+    made = sum(v for k, v in sizes.items() if k.startswith("x") and k != "x0")
+    static += max(0, live_a - live_p - made)
     head = {
         "saved_bytes": max(0, live_b - live_a),
         "fwd_tmp_bytes": max(0, peak_ab - live_b),

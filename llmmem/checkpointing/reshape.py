@@ -88,14 +88,16 @@ class ShapePlans:
     :param plan: the plan made at the profiled shape (key all zeros).
     :param budget: the budget as the user gave it (a fraction is re-derived per shape).
     :param options: ``slots``, ``offload``, ``host_bandwidth`` as given to the planner.
+    :param starts: the first block of each stack (default: where the profile's chain is cut).
     """
 
-    def __init__(self, plan: CheckpointPlan, budget, options: dict) -> None:
+    def __init__(self, plan: CheckpointPlan, budget, options: dict, starts=None) -> None:
         self.base = plan
         self.budget = budget
         self.options = dict(options)
         profile = plan.profile
-        self.starts = [0] + [i for i, c in enumerate(profile.cuts) if c and i > 0]
+        # where each stack starts (its first block): given, or where the profile's chain is cut
+        self.starts = list(starts) if starts else [0] + [i for i, c in enumerate(profile.cuts) if c and i > 0]
         self.input_bytes = [int(profile.input_bytes[i]) for i in self.starts] if profile.input_bytes else []
         self.plans: dict = {self.base_key: plan}  # key -> plan
         self.infeasible: dict = {}  # key -> (least budget, why), where the budget could not be met

@@ -110,10 +110,12 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list]:
 def resolve_blocks(model: nn.Module, blocks) -> list:
     """The stacks :func:`llmmem.auto_checkpoint` plans, planned ones first in the model's order,
     then those left out: every stack (``blocks=None``), one (a path, a container, a list of
-    modules) or several (a list of dotted paths, in the order the model calls them)."""
+    modules) or several (a list of dotted paths or of ``nn.ModuleList``, in the order the model
+    calls them)."""
     if blocks is None:
         stacks = find_stacks(model)
-    elif isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
+    elif isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, (str, nn.ModuleList)) for b in blocks):
+        # dotted paths, or the containers (a ModuleList is never a block: it has no forward)
         stacks = [Stack(*_as_stack(_named_blocks(model, b))) for b in blocks]
     else:
         stacks = [Stack(*_as_stack(_named_blocks(model, blocks)))]
@@ -163,7 +165,8 @@ def order_by_calls(model: nn.Module, stacks: list, sample) -> list:
     that a forward on ``sample`` runs in the order it first runs them. Left out, with the reason: a
     stack it does not run (a vision tower on a text-only batch) and one it runs interleaved with a
     longer one (a list of adapters called between the layers). One forward without a graph, the
-    random state kept; a callable ``sample`` (a step with side effects) keeps the model's order."""
+    random state and the buffers kept; a callable ``sample`` (a step with side effects), or a forward
+    that fails without a graph, keeps the model's order."""
     planned = [s for s in stacks if s.planned]
     if len(planned) < 2 or is_step(sample):
         return stacks
@@ -175,12 +178,20 @@ def order_by_calls(model: nn.Module, stacks: list, sample) -> list:
         for b in s.blocks
     ]
     params = list(model.parameters())
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]  # running statistics, step counters
     try:
         with kept_state(params, {p.device for p in params}), torch.no_grad():
             forward_of(model, sample)()
+    except Exception:
+        # a forward that needs a graph, or a sample of the wrong form: the model's order stands, and
+        # the recording step says what is wrong
+        return stacks
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
     span = {}
     for at, k in enumerate(seen):
         first, _ = span.get(k, (at, at))

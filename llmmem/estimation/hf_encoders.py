@@ -85,6 +85,12 @@ def refuse_class(name: str, model_type: str) -> None:
             "reads this family with both stacks and its head (a *ForConditionalGeneration) only, and does not "
             "guess the encoder's memory from it"
         )
+    if model_type in ENCODER_DECODER_TYPES | ENCODER_TYPES and task_of_class(name) is None:
+        raise ValueError(
+            f"model: a {name} of model_type {model_type!r} has no task head the estimator reads (it reads this "
+            f"family with one: {', '.join(t for t in TASKS if t != 'causal-lm')}); estimate the model with its head "
+            "(BertForSequenceClassification, T5ForConditionalGeneration, ...) rather than a guess at a headless one"
+        )
 
 
 def default_task(model_type: str, raw: dict) -> str:

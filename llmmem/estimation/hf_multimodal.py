@@ -37,7 +37,7 @@ def refuse_towers(model_type: str, raw: dict) -> None:
     found = [key for key in _TOWERS if raw.get(key) is not None]
     if not found:
         return
-    towers = ", ".join(f"a {_TOWERS[k]} tower ({k})" for k in found)
+    towers = ", ".join(f"{'an' if _TOWERS[k][0] in 'aeiou' else 'a'} {_TOWERS[k]} tower ({k})" for k in found)
     text = " beside its text model (text_config)" if raw.get("text_config") is not None else ""
     raise ValueError(
         f"model: a Hugging Face config of model_type {model_type!r}, a multimodal model with {towers}{text}: the "

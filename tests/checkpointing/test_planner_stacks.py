@@ -194,13 +194,19 @@ def test_stacks_not_run_or_interleaved_are_left_out_with_the_reason():
     reference = _Optional()
     reference.load_state_dict(model.state_dict())
     reference(x).backward()
-    plan = llmmem.auto_checkpoint(model, budget=0.6, sample=(x,), repeats=0)
+    plan = llmmem.auto_checkpoint(model, budget=0.8, sample=(x,), repeats=0)
     assert plan.blocks_name == "layers"
     text = plan.describe()
     assert "left out: 'tower' (2 x _Layer): the sample's forward does not run it" in text
     assert "left out: 'adapters' (3 x _Layer): runs interleaved with 'layers'" in text
     model(x).backward()
     assert same_grads(grads(model), grads(reference))
+    # what the interleaved adapters keep is held through the step, in the budget
+    big = _Optional(h=128)
+    xb = torch.randn(8, 64, 128)
+    plan = llmmem.auto_checkpoint(big, budget=0.7, sample=(xb,), repeats=0)
+    peak, _ = step_memory(big, lambda: big(xb).backward())
+    assert peak <= 1.1 * plan.budget_bytes, (peak, plan.budget_bytes)
 
 
 def test_a_longer_target_replans_the_decoder_within_a_budget_in_bytes():
@@ -255,3 +261,29 @@ def test_without_replanning_a_longer_target_is_warned_at_the_decoder():
     (w,) = [w for w in caught if "plan was made for" in str(w.message)]
     assert "block 4 (a stack's first)" in str(w.message) and "2.00x as large" in str(w.message)
     assert plan.replans == {}
+
+
+def test_a_decoder_longer_than_the_encoder_was_planned_for_is_warned_once():
+    """The encoder runs before the decoder's length is known: it plans for the longest decoder met
+    so far, and the step that first meets a longer one says so."""
+    model = tiny_t5(dropout=0.0)
+    llmmem.auto_checkpoint(model, budget=3_000_000, sample=seq2seq_batch(seq=64, target=48), repeats=0)
+    said = []
+    for target in (96, 96, 48, 96):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step_memory(model, _step(model, seq2seq_batch(seq=64, target=target)))
+        said.append(sum("larger than the stacks before it were planned for" in str(w.message) for w in caught))
+    assert said == [1, 0, 0, 0]
+
+
+def test_stacks_named_by_their_module_lists():
+    model = tiny_bart(dropout=0.0)
+    plan = llmmem.auto_checkpoint(
+        model,
+        budget=0.5,
+        sample=seq2seq_batch(),
+        blocks=[model.model.encoder.layers, model.model.decoder.layers],
+        repeats=0,
+    )
+    assert plan.blocks_name == "model.encoder.layers + model.decoder.layers"

@@ -188,3 +188,38 @@ def test_a_model_instance_is_refused_by_model_type_as_its_config_is(name):
     assert text == _refusal(config), (text, _refusal(config))
     assert text.startswith(f"model: a Hugging Face config of model_type {config.model_type!r}"), text
     assert "task" not in text.split(":")[0]
+
+
+@pytest.mark.parametrize("kind", ["T5Model", "BartModel", "BertModel", "ViTModel"])
+def test_a_headless_model_of_a_family_read_with_a_head_is_refused_by_class(kind):
+    transformers = pytest.importorskip("transformers", reason="needs transformers (optional)")
+    configs = {
+        "T5Model": lambda: transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4
+        ),
+        "BartModel": lambda: transformers.BartConfig(
+            vocab_size=64,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+        ),
+        "BertModel": lambda: transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+        ),
+        "ViTModel": lambda: transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            image_size=32,
+            patch_size=8,
+        ),
+    }
+    model = getattr(transformers, kind)(configs[kind]())
+    with pytest.raises(ValueError, match=f"a {kind} of model_type .* has no task head"):
+        llmmem.estimate(model, batch=2, seq=16)
