@@ -345,7 +345,9 @@ class ChainRunner:
         self.options = dict(options)
         self.shapes = shapes  # a llmmem.checkpointing.reshape.ShapePlans: re-plans at other shapes
         # the first block of each stack (the chain's, a decoder's after an encoder): shapes are checked there
-        self.starts = list(starts) if starts else [0] + [i for i, c in enumerate(plan.profile.cuts) if c and i > 0]
+        self.starts = list(starts) if starts else plan.profile.stack_starts
+        # the shape buckets of the stacks in the pass under way, and the largest each has met
+        self.shape_key = self.largest_key = shapes.base_key if shapes is not None else None
         self._use(plan)
         self.originals: list = []
         self._saved_flags = saved_flags
@@ -390,7 +392,8 @@ class ChainRunner:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"shapes": None, "starts": [0], **state})  # saved before they existed
+        # saved before they existed
+        self.__dict__.update({"shapes": None, "starts": [0], "shape_key": None, "largest_key": None, **state})
         # the blocks may not have their state yet (they are being loaded): only their type is read
         self.originals = [
             types.MethodType(type(b).forward, b) if f is None else f for f, b in zip(self.originals, self.blocks)
@@ -478,8 +481,8 @@ class ChainRunner:
         # The first stack plans with the later stacks at the largest bucket they have met (a decoder
         # runs after the encoder has: its length is not known yet, and the last step's may be short);
         # each later stack then plans for its own, its plan never holding more of the earlier ones.
-        seen = list(self.__dict__.get("largest_key") or shapes.base_key)
-        key = list(seen if stack == 0 else self.__dict__.get("shape_key") or seen)
+        seen = list(self.largest_key)
+        key = list(seen if stack == 0 else self.shape_key)
         assumed = key[stack]
         key[stack] = shapes.bucket(stack, now)
         if stack > 0 and key[stack] > assumed:

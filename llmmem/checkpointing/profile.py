@@ -110,7 +110,7 @@ class measure_saved_bytes:
             return
         key = _storage_key(t)
         if key not in self.excluded:
-            self.storages[key] = local(t).untyped_storage().nbytes()
+            self.storages[key] = _storage_bytes(t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.packed += 1
@@ -137,6 +137,10 @@ class measure_saved_bytes:
 def _storage_key(t: torch.Tensor):
     t = local(t)
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return local(t).untyped_storage().nbytes()
 
 
 def _module_tensors(block) -> list:
@@ -618,6 +622,11 @@ class ChainProfile:
     def n_blocks(self) -> int:
         return len(self.fwd_time)
 
+    @property
+    def stack_starts(self) -> list:
+        """The first block of each stack: 0 and every cut."""
+        return [0] + [i for i, c in enumerate(self.cuts) if c and i > 0]
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -639,7 +648,7 @@ def _tensor_bytes(x) -> int:
     seen = {}
     for t in pytree.tree_leaves(x):
         if isinstance(t, torch.Tensor):
-            seen[_storage_key(t)] = local(t).untyped_storage().nbytes()
+            seen[_storage_key(t)] = _storage_bytes(t)
     return sum(seen.values())
 
 
@@ -1159,14 +1168,14 @@ def sample_step(model, sample) -> Callable[[], None]:
     puts in the ``TypeError`` it raises when the model refuses the sample before any block ran."""
     if is_step(sample):
         return sample
-    if isinstance(sample, torch.Tensor):
-        call, how = (lambda: model(sample)), "model(sample)"
-    elif isinstance(sample, (tuple, list)):
-        call, how = (lambda: model(*sample)), "model(*sample)"
-    elif isinstance(sample, Mapping):
-        call, how = (lambda: model(**dict(sample))), "model(**sample)"
-    else:
-        raise TypeError(f"sample: expected {SAMPLE_FORMS}, got {type(sample).__name__}")
+    call = forward_of(model, sample)
+    how = (
+        "model(sample)"
+        if isinstance(sample, torch.Tensor)
+        else "model(*sample)"
+        if isinstance(sample, (tuple, list))
+        else "model(**sample)"
+    )
 
     def step() -> None:
         out = call()
@@ -1346,6 +1355,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
     held: dict = {}
     side: dict = {}  # storage -> bytes of the tensors blocks make for later blocks (beyond the chain input)
     produced: set = set()  # storages of what the blocks returned beside their chain output
+    made_inputs: dict = {}  # block -> counted bytes of an input the model made for it (not the previous output)
 
     def on_chain_grad(_grad):
         if "chain_done" not in done:
@@ -1391,12 +1401,12 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
                 elif t is not h and _storage_key(t) in produced:
                     # made by an earlier block (which runs unmetered here) and given to later ones,
                     # as T5's position bias: held until the chain's backward, by their tapes
-                    side[_storage_key(t)] = local(t).untyped_storage().nbytes()
+                    side[_storage_key(t)] = _storage_bytes(t)
             call = BlockCall(tuple(args), dict(kwargs), where, input_grad=h.requires_grad)
             if i > 0 and not linked:
                 # an input the model made (a decoder's embeddings): the planner counts it as the
                 # block's input, not among what the model keeps between blocks
-                sizes[f"x{i}"] = meter.counted_bytes(h)
+                made_inputs[i] = meter.counted_bytes(h)
             if i == 0:
                 meter.mark("chain_start")
                 h = call.hidden_tensor
@@ -1533,8 +1543,7 @@ def record_step(model, blocks: list, step: Callable[[], None], device, stack_sta
     # What the model's own code between the blocks kept during the chain (an encoder's final norm, a
     # decoder's embeddings, adapters called between the layers): held to its backward, past the
     # chain's (the blocks run unmetered here, so the rest is this).
-    made = sum(v for k, v in sizes.items() if k.startswith("x") and k != "x0")
-    static += max(0, live_a - live_p - made)
+    static += max(0, live_a - live_p - sum(made_inputs.values()))
     head = {
         "saved_bytes": max(0, live_b - live_a),
         "fwd_tmp_bytes": max(0, peak_ab - live_b),

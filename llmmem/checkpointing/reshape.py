@@ -97,7 +97,7 @@ class ShapePlans:
         self.options = dict(options)
         profile = plan.profile
         # where each stack starts (its first block): given, or where the profile's chain is cut
-        self.starts = list(starts) if starts else [0] + [i for i, c in enumerate(profile.cuts) if c and i > 0]
+        self.starts = list(starts) if starts else profile.stack_starts
         self.input_bytes = [int(profile.input_bytes[i]) for i in self.starts] if profile.input_bytes else []
         self.plans: dict = {self.base_key: plan}  # key -> plan
         self.infeasible: dict = {}  # key -> (least budget, why), where the budget could not be met
