@@ -239,6 +239,10 @@ static owned_t make(int64_t n, int32_t pd, int32_t gd, int master, const llmmem_
 static void fill_grads(owned_t *o, unsigned long long *rng, int specials) {
   for (int64_t i = 0; i < o->t.numel; i++) {
     float g = wide(rng) * (i % 97 == 3 ? 4096.0f : 1.0f); /* a few large ones, so blocks span binades */
+    /* every other 4096 elements narrow (within a binade), so most 16-lane groups have no value in
+     * a code's subnormal range, and zeros (in it) here and there: both ways of the vector encoders */
+    if ((i >> 12) & 1) g = copysignf(0.5f + 0.5f * uniform(rng), g);
+    if (i % 89 == 7) g = 0.0f;
     if (specials && i % 1031 == 5) g = (i / 1031) % 2 ? NAN : INFINITY;
     store((void *)o->t.grad, o->t.grad_dtype, i, g);
   }
