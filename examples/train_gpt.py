@@ -146,6 +146,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=True,
         help="ZeRO-1 over the data-parallel ranks (torch's ZeroRedundancyOptimizer); default on",
     )
+    par.add_argument(
+        "--fsdp",
+        choices=["none", "zero2", "zero3"],
+        default="none",
+        help="shard parameters, gradients and optimizer state over the data-parallel ranks with torch's FSDP2 "
+        "(fully_shard, each block and the whole model): zero2 keeps a block's parameters gathered from its "
+        "forward to its backward, zero3 frees them after the forward and gathers them again in backward. "
+        "Replaces DistributedDataParallel and --zero; with --tp, the second dimension of a 2-D layout",
+    )
     io = p.add_argument_group("checkpoints and output")
     io.add_argument("--save", type=pathlib.Path, default=None, help="folder to save the training state in")
     io.add_argument("--save-every", type=_positive, default=None, help="save every N steps (and at the end)")
@@ -243,6 +252,21 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.tp > 1 and a.checkpoint == "auto":
         p.error("--checkpoint auto plans single-device blocks; with --tp use --checkpoint every or selective")
     dp = world // a.tp
+    if a.fsdp != "none":
+        if dp == 1:
+            p.error(
+                f"--fsdp {a.fsdp} shards over the data-parallel ranks, and this run has one: run more processes "
+                f"than --tp ({a.tp}), e.g. torchrun --nproc-per-node {2 * a.tp} {sys.argv[0]} --fsdp {a.fsdp} ..."
+            )
+        if "zero" in a.given and a.zero:
+            p.error(f"--zero shards the optimizer state with ZeRO-1; --fsdp {a.fsdp} shards it already: drop --zero")
+        if a.sequence_parallel:
+            p.error(
+                f"--sequence-parallel with --fsdp {a.fsdp}: FSDP2 replaces the parameters, and the norms' "
+                "gradients that sequence parallelism sums over the tensor-parallel ranks lose their mark"
+            )
+        if a.offload_optimizer:
+            p.error(f"--offload-optimizer with --fsdp {a.fsdp}: the optimizer's host copies are not sharded")
     if a.bf16_weights and a.amp == "fp16":
         p.error(
             "--bf16-weights trains in bf16: fp16 autocast (--amp fp16) would cast every matmul to fp16; use --amp bf16"
@@ -426,6 +450,88 @@ def plan_checkpointing(args, model, sample_x, sample_y) -> str:
     return plan.describe()
 
 
+def shard_model(args, model, blocks, d: Dist) -> None:
+    """``--fsdp``: torch's FSDP2 over the data-parallel ranks, applied after the tensor-parallel split
+    and the checkpointing (torchtitan's order), each block a unit of its own so that one block's
+    parameters at a time are gathered. The root keeps its parameters after the forward: backward
+    starts with them."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(d.dp_group, args.device_obj.type)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=args.fsdp == "zero3")
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+def _is_dtensor(value) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local_state(tree):
+    """``tree`` (a state dict, nested) with each DTensor replaced by this rank's shard of it: what a
+    rank saves under --fsdp, and the shapes its file is checked against (a run resumes on the
+    same layout only)."""
+    if _is_dtensor(tree):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: local_state(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_state(v) for v in tree)
+    return tree
+
+
+def local_bytes(tree) -> int:
+    """Bytes of the tensors in ``tree`` (an iterable or nested state) held by this rank."""
+    if tree is None:
+        return 0
+    if torch.is_tensor(tree):
+        local = tree.to_local() if _is_dtensor(tree) else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, dict):
+        tree = tree.values()
+    if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__"):
+        return 0
+    return sum(local_bytes(v) for v in tree)
+
+
+def load_model_state(model, saved: dict) -> None:
+    """``saved`` into ``model``: ``load_state_dict``, or under --fsdp each rank's shards copied into
+    its parameters' and buffers' own."""
+    current = model.state_dict()
+    if not any(_is_dtensor(v) for v in current.values()):
+        model.load_state_dict(saved)
+        return
+    with torch.no_grad():
+        for key, value in current.items():
+            (value.to_local() if _is_dtensor(value) else value).copy_(saved[key])
+
+
+def shard_optimizer_state(optimizer) -> None:
+    """After ``load_state_dict`` of a state saved as local shards (--fsdp): each moment that came
+    back a plain tensor of its DTensor parameter's local shape becomes a DTensor laid out as the
+    parameter again (the optimizer's step mixes the two otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not _is_dtensor(param):
+                continue
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and not _is_dtensor(value) and value.shape == param.to_local().shape:
+                    state[key] = DTensor.from_local(
+                        value,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
+
+
 def amp_context(args):
     if args.amp == "none":
         return contextlib.nullcontext()
@@ -450,13 +556,24 @@ def loss_of(args, model, x, y):
         return loss
 
 
+def gradient_sync(args, model, d: Dist, last: bool):
+    """Gradient accumulation's micro-batches before the last one keep their gradients local: DDP's
+    ``no_sync``, FSDP2's switch (its reduce-scatter waits for the last micro-batch)."""
+    if args.fsdp != "none":
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return model.no_sync() if (d.dp > 1 and not last) else contextlib.nullcontext()
+
+
 def agree_on_overflow(params, group) -> None:
     """fp16 with tensor parallelism: each rank's scaler checks only its own gradient shards, so a
     rank that sees an inf or NaN would skip the step while the others take it. Make every rank see
     it (poison one local gradient) so that all skip together. One all-reduce of one number."""
     import torch.distributed as dist
 
-    grads = [p.grad for p in params if p.grad is not None]
+    # under --fsdp the gradients are DTensors: each rank checks, and poisons, its own shard
+    grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad for p in params if p.grad is not None]
+    grads = [g for g in grads if g.numel()]
     bad = torch.zeros(1, device=grads[0].device)
     for g in grads:
         if not torch.isfinite(g).all():
@@ -483,7 +600,7 @@ def make_optimizer(args, model, d: Dist):
         kwargs.update(state_dtype=STATE_DTYPES[args.optim], seed=args.seed * 1_000_003 + d.tp_rank)
         if args.offload_optimizer:
             kwargs["offload"] = "cpu"
-    if args.zero and d.dp > 1:
+    if args.zero and d.dp > 1 and args.fsdp == "none":  # FSDP2's parameters are shards already
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, process_group=d.dp_group, **kwargs)
@@ -524,8 +641,8 @@ def save(folder: pathlib.Path, step: int, model, optimizer, scaler, sampler, dev
         optimizer.consolidate_state_dict(to=0)
     state = {
         "step": step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict() if (not zero or d.dp_rank == 0) else None,
+        "model": local_state(model.state_dict()),
+        "optimizer": local_state(optimizer.state_dict()) if (not zero or d.dp_rank == 0) else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "sampler": sampler.state_dict(),
         "rng": rng_state(device),
@@ -556,7 +673,7 @@ def resume(source: pathlib.Path, model, optimizer, scaler, sampler, device, d: D
     sets are skipped, on every rank alike), then apply the flags given on the command line over it.
     Returns ``(step, the set chosen, the flags that differ from the saved run's)``; a set that
     cannot be resumed is an ``error:`` line naming the file and what is wrong with it."""
-    expected = model.state_dict()
+    expected = local_state(model.state_dict())
 
     def check(folder, manifest):  # on every rank, before anything is loaded into the run
         refuse_another_run(folder, manifest, d, args)
@@ -578,8 +695,9 @@ def resume(source: pathlib.Path, model, optimizer, scaler, sampler, device, d: D
     state, opt_state = chosen.value
     error = None
     try:
-        model.load_state_dict(state["model"])
+        load_model_state(model, state["model"])
         load_optimizer_state(optimizer, opt_state)
+        shard_optimizer_state(getattr(optimizer, "optim", optimizer))
         if scaler is not None and state["scaler"] is not None:  # saved without --amp fp16: a fresh scaler
             scaler.load_state_dict(state["scaler"])
         sampler.load_state_dict(state["sampler"])
@@ -741,7 +859,9 @@ def main(argv=None) -> int:
         checkpoint_blocks(blocks, args.checkpoint, args.offload)
 
     train_model = model
-    if d.dp > 1:
+    if args.fsdp != "none":
+        shard_model(args, model, blocks, d)
+    elif d.dp > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         train_model = DistributedDataParallel(model, process_group=d.dp_group, gradient_as_bucket_view=True)
@@ -761,6 +881,7 @@ def main(argv=None) -> int:
             print(f"note: --resume {args.resume}: {name} is a save that never finished, ignored", file=sys.stderr)
     if d.rank == 0:
         where = f"{device}" + (f", {d.world} ranks: TP {d.tp} x DP {d.dp}" if d.world > 1 else "")
+        where += f" ({args.fsdp} with FSDP2)" if args.fsdp != "none" else ""
         print(
             f"{args.model}: {n_params / 1e6:.2f}M parameters{' per rank' if d.tp > 1 else ''} on {where}; "
             f"checkpoint={args.checkpoint} amp={args.amp} optim={args.optim}"
@@ -782,7 +903,7 @@ def main(argv=None) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
-    losses = []
+    losses, grad_bytes = [], 0
     tokens_per_step = args.batch * args.seq_len
     meter = MemoryMeter(device, inner, optimizer, pool)
     model.train()
@@ -798,17 +919,19 @@ def main(argv=None) -> int:
                 x = x_all[k * micro : (k + 1) * micro].to(device, non_blocking=True)
                 y = y_all[k * micro : (k + 1) * micro].to(device, non_blocking=True)
                 last = k == args.grad_accum - 1
-                sync = train_model.no_sync() if (d.dp > 1 and not last) else contextlib.nullcontext()
-                with sync:
+                with gradient_sync(args, train_model, d, last):
                     loss = loss_of(args, train_model, x, y) / args.grad_accum
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 total += float(loss.detach())
+            grad_bytes = max(grad_bytes, local_bytes(p.grad for p in inner.parameters()))
             if args.sequence_parallel:
                 from llmmem.parallel import allreduce_sequence_parallel_grads
 
                 allreduce_sequence_parallel_grads(inner, d.tp_group)
             if scaler is not None:
-                if d.tp > 1:
+                if args.fsdp != "none":  # each rank checked its own shards of every gradient
+                    agree_on_overflow(inner.parameters(), None)
+                elif d.tp > 1:
                     agree_on_overflow(inner.parameters(), d.tp_group)
                 scaler.step(optimizer)
                 scaler.update()
@@ -852,7 +975,15 @@ def main(argv=None) -> int:
         if args.log_json is not None:
             import json
 
-            args.log_json.write_text(json.dumps({"losses": losses, "peak_bytes": meter.peak()}))
+            # this rank's model state, its shards alone under --fsdp and --tp
+            state_bytes = {
+                "parameters": local_bytes(inner.parameters()),
+                "gradients": grad_bytes,
+                "optimizer": local_bytes(local_state(getattr(optimizer, "optim", optimizer).state_dict())["state"]),
+            }
+            args.log_json.write_text(
+                json.dumps({"losses": losses, "peak_bytes": meter.peak(), "model_state_bytes": state_bytes})
+            )
     if d.world > 1:
         import torch.distributed as dist
 
