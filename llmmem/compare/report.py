@@ -467,6 +467,8 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
         )
     else:
         add("TP 2 x ZeRO-1 fits >= 3.2x parameters", None, "row tp2xdp2+zero1 not run")
+    for key in ("zero3", "tp2xzero3"):
+        add(*_sharded_state_target(by.get(key), base, key))
     if wall_seconds is not None:
         limit = 90 if quick else 300
         add(
@@ -475,6 +477,26 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
             f"{wall_seconds:.0f} s on this machine",
         )
     return out
+
+
+def _sharded_state_target(r: dict | None, base: dict | None, key: str) -> tuple:
+    """A ZeRO-3 row: the baseline's loss to 1e-5, and each rank's parameters, gradients and optimizer
+    state at most 1/world of the baseline's + 5%."""
+    if not r or not base or not r.get("state_bytes") or not base.get("state_bytes"):
+        return f"{key}: loss and model state per rank", None, f"row {key} or its baseline not run"
+    world = r["world"]
+    limit = 1.0 / world + 0.05
+    ranks = [p["state_bytes"] for p in r.get("per_rank") or [r] if p.get("state_bytes")]
+    whole = sum(base["state_bytes"].values())
+    worst = max(sum(b.values()) for b in ranks) / whole if whole else float("inf")
+    rel = abs(r["derived"]["loss_rel_diff"])
+    return (
+        f"{r['label']}: final loss within 1e-5 of the baseline's, model state per rank <= 1/{world} + 5% of it",
+        rel <= 1e-5 and worst <= limit,
+        f"loss {r['final_loss']:.6f} vs {base['final_loss']:.6f} ({rel:.1e}); the fullest rank holds "
+        f"{worst:.3f} of the baseline's {format_bytes(whole)} of parameters, gradients and optimizer state "
+        f"(limit {limit:.3f})",
+    )
 
 
 def check_finetune_targets(rows: list[dict], *, wall_seconds: float | None = None) -> list[dict]:

@@ -28,6 +28,7 @@ __all__ = [
 CHECKPOINT_KINDS = ("none", "torch", "every", "selective", "plan", "offload", "auto")
 AMP_KINDS = ("none", "bf16", "fp16")
 OPTIM_KINDS = ("torch", "fp32", "bf16", "int8", "int4")
+FSDP_KINDS = ("none", "zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class Strategy:
         ``budget=0.5``: it holds at every model size).
     :param amp: ``none`` (fp32), ``bf16`` (autocast) or ``fp16`` (autocast + llmmem.GradScaler).
     :param tp: tensor-parallel ranks; ``sp`` sequence parallelism with them; ``dp`` data-parallel
-        replicas (DistributedDataParallel); ``zero`` ZeRO-1 (torch's ZeroRedundancyOptimizer) over them.
+        replicas (DistributedDataParallel); ``zero`` ZeRO-1 (torch's ZeroRedundancyOptimizer) over them;
+        ``fsdp`` ``zero2`` or ``zero3``: torch's FSDP2 over them instead of DDP (parameters, gradients
+        and optimizer state sharded; zero3 frees each block's gathered parameters after its forward).
     :param optim: ``torch`` (torch.optim.AdamW, fused) or the moments' format of llmmem.optim.AdamW:
         ``fp32``, ``bf16``, ``int8``, ``int4``.
     :param bf16_weights: the parameters in bf16 with no fp32 master, updated by llmmem.optim.AdamW
@@ -63,6 +66,7 @@ class Strategy:
     dp: int = 1
     sp: bool = False
     zero: bool = False
+    fsdp: str = "none"
     optim: str = "torch"
     bf16_weights: bool = False
     step_in_backward: bool = False
@@ -77,6 +81,13 @@ class Strategy:
             raise ValueError(f"Strategy {self.key}: budget_fraction goes with checkpoint='plan' or 'auto' only")
         if self.checkpoint == "auto" and not 0.0 < self.budget_fraction <= 1.0:
             raise ValueError(f"Strategy {self.key}: checkpoint='auto' takes a budget_fraction in (0, 1]")
+        if self.fsdp not in FSDP_KINDS:
+            raise ValueError(f"Strategy {self.key}: fsdp must be one of {FSDP_KINDS}")
+        if self.fsdp != "none" and (self.dp == 1 or self.zero or self.sp):
+            raise ValueError(
+                f"Strategy {self.key}: fsdp shards over dp > 1 ranks, in place of zero, and without sp (FSDP2's "
+                "new parameters lose the mark of the norms whose gradients sequence parallelism sums)"
+            )
         if self.optim not in OPTIM_KINDS:
             raise ValueError(f"Strategy {self.key}: optim must be one of {OPTIM_KINDS}")
         if self.bf16_weights and self.optim == "torch":
@@ -132,6 +143,8 @@ STRATEGIES = (
     Strategy("offload", "llmmem.checkpoint(offload=True), every layer", checkpoint="offload"),
     Strategy("tp2+sp", "tensor parallel 2 + sequence parallel", tp=2, sp=True),
     Strategy("tp2xdp2+zero1", "TP 2 (+SP) x DP 2, ZeRO-1", tp=2, dp=2, sp=True, zero=True),
+    Strategy("zero3", "ZeRO-3 over DP 2 (FSDP2)", dp=2, fsdp="zero3"),
+    Strategy("tp2xzero3", "TP 2 x ZeRO-3 over DP 2 (FSDP2)", tp=2, dp=2, fsdp="zero3"),
 )
 
 

@@ -28,6 +28,7 @@ import torch
 import llmmem
 from llmmem.compare import finetune, measure
 from llmmem.compare.corpus import BatchSampler
+from llmmem.compare.sharding import local_bytes, shard_over, state_bytes
 from llmmem.compare.strategies import Strategy
 from llmmem.compare.training import (
     PhaseClock,
@@ -96,6 +97,7 @@ def run_single(spec: dict) -> dict:
     result.update(
         measure.train_and_measure(trainer, batches, steps, device, reference=reference_trainer(cfg, spec, device))
     )
+    result["state_bytes"] = state_bytes(model, trainer.optimizer)
     clock.lap("train")
     if planned is not None:
         result["plan"] = planned.describe()
@@ -157,9 +159,11 @@ class _ParallelModel:
         if strategy.sp:
             model = tp.SequenceParallelGPT(model)
         self.inner = model
-        self.params_per_rank = sum(p.numel() for p in model.parameters())
         dp_group = tp.get_data_parallel_group()
-        if strategy.dp > 1:
+        if strategy.fsdp != "none":
+            shard_over(model, dp_group, device, reshard=strategy.fsdp == "zero3")
+        self.params_per_rank = local_bytes(model.parameters(), elements=True)
+        if strategy.dp > 1 and strategy.fsdp == "none":  # FSDP2 reduce-scatters the gradients itself
             from torch.nn.parallel import DistributedDataParallel
 
             model = DistributedDataParallel(model, process_group=dp_group, gradient_as_bucket_view=True)
@@ -211,6 +215,7 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
         return float(t) / strategy.dp
 
     result.update(measure.train_and_measure(pm.trainer, batches, spec["steps"], device, reduce_loss=mean_over_dp))
+    result["state_bytes"] = state_bytes(pm.inner, pm.trainer.optimizer)
     clock.lap("train")
     cap = spec.get("cap_bytes") or result["peak_bytes"]
     trial_sampler = BatchSampler(tokens, batch, seq, seed=spec["seed"] + 2)
@@ -253,7 +258,15 @@ def rank_main(rank: int, world: int, spec: dict, out_path: str) -> None:
         per_rank,
         {
             k: result[k]
-            for k in ("rank", "peak_bytes", "activation_bytes", "start_bytes", "step_time", "params_per_rank")
+            for k in (
+                "rank",
+                "peak_bytes",
+                "activation_bytes",
+                "start_bytes",
+                "step_time",
+                "params_per_rank",
+                "state_bytes",
+            )
         },
     )
     result["per_rank"] = per_rank

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llmmem.compare.cli import WorkerServer, run_strategy
+from llmmem.compare.report import check_targets, derive
 from llmmem.compare.strategies import STRATEGIES
 
 MODEL = dict(layers=4, hidden=32, heads=2, seq_len=64, vocab_size=256, dropout=0.0)
@@ -137,6 +138,23 @@ def test_tp2_x_dp2_zero1_trains_the_baseline_model_per_rank(baseline, tmp_path):
     s = row["search"]
     assert s["kind"] == "layers" and s["largest"] > MODEL["layers"]
     assert row["search"]["largest_params"] > baseline["params"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key, world", [("zero3", 2), ("tp2xzero3", 4)])
+def test_zero3_rows_train_the_baseline_and_shard_its_state(baseline, tmp_path, key, world):
+    row = _run(key, baseline, tmp_path)
+    assert row["world"] == world and len(row["per_rank"]) == world
+    for a, b in zip(row["losses"], baseline["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    whole = baseline["state_bytes"]
+    assert whole["parameters"] > 0 and whole["gradients"] == whole["parameters"]
+    for rank in row["per_rank"]:  # each rank holds its 1/world of every part of the model state
+        for kind, part in rank["state_bytes"].items():
+            assert 0 < part <= (1 / world + 0.05) * whole[kind], (rank["rank"], kind, part, whole[kind])
+    assert row["params_per_rank"] <= (1 / world + 0.05) * row["params"]
+    report = {r["target"]: r["holds"] for r in check_targets(derive([dict(baseline), dict(row)]))}
+    assert [holds for target, holds in report.items() if target.startswith(row["label"])] == [True]
 
 
 @pytest.mark.cuda
