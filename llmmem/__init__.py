@@ -55,6 +55,7 @@ _LAZY = {
     "RowParallelLinear": "llmmem.parallel",
     "VocabParallelEmbedding": "llmmem.parallel",
     "vocab_parallel_cross_entropy": "llmmem.parallel",
+    "parallelize": "llmmem.parallel",
     # the LM head and its loss without the logits
     "linear_cross_entropy": "llmmem.head",
     "patch_lm_loss": "llmmem.head",

@@ -3,7 +3,8 @@
 Layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`, :class:`VocabParallelEmbedding`
 and :func:`vocab_parallel_cross_entropy`. Models: :class:`TensorParallelGPT` (``from_gpt``) and
 :class:`SequenceParallelGPT` (sequence parallelism on top of it; sum the sequence-parallel gradients
-with :func:`allreduce_sequence_parallel_grads` after backward). Groups: :func:`init` (TP x DP under torchrun), or any
+with :func:`allreduce_sequence_parallel_grads` after backward); Hugging Face causal LMs split in
+place by :func:`parallelize` (:mod:`llmmem.parallel.hf`). Groups: :func:`init` (TP x DP under torchrun), or any
 ``process_group=``. Autograd regions: the ``*_region`` functions. Dropout streams:
 :func:`model_parallel_manual_seed` and :func:`get_rng_tracker` (:mod:`llmmem.parallel.random`).
 Engines and thresholds: :mod:`llmmem.parallel.collectives`.
@@ -15,6 +16,7 @@ from llmmem.parallel.collectives import get_collective_thresholds, set_collectiv
 from llmmem.parallel.cross_entropy import vocab_parallel_cross_entropy
 from llmmem.parallel.gpt import TensorParallelGPT
 from llmmem.parallel.groups import destroy, get_data_parallel_group, get_tensor_parallel_group, init
+from llmmem.parallel.hf import parallelize
 from llmmem.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -46,6 +48,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "TensorParallelGPT",
     "SequenceParallelGPT",
+    "parallelize",
     "allreduce_sequence_parallel_grads",
     "init",
     "destroy",

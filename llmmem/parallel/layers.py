@@ -182,6 +182,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
         matmul and the gradient reduce-scattered. Incompatible with ``gather_output``.
     :param skip_bias_add: return ``(output, bias)`` without adding the bias, so the caller can
         fuse it (the bias is this rank's slice, or the whole bias when ``gather_output``).
+    :param disable_grad_reduce: do not sum the input's gradient over the group (Megatron's name):
+        the caller does it once for several layers that read the same input, e.g. separate q, k
+        and v projections behind one :func:`copy_to_tensor_parallel_region` (one all-reduce in
+        backward instead of three). Incompatible with ``sequence_parallel``.
     :param init_method: ``callable(weight)`` applied to the full weight (then biases are zeroed);
         default: ``nn.Linear``'s initialisation.
 
@@ -202,6 +206,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
         sequence_parallel: bool = False,
         sequence_dim: int = 0,
         skip_bias_add: bool = False,
+        disable_grad_reduce: bool = False,
         init_method: Callable[[torch.Tensor], object] | None = None,
         device=None,
         dtype=None,
@@ -211,6 +216,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True "
                 "(the output is sharded by features; gather it explicitly if you need it)"
+            )
+        if sequence_parallel and disable_grad_reduce:
+            raise ValueError(
+                "ColumnParallelLinear: disable_grad_reduce=True cannot be combined with sequence_parallel=True "
+                "(the sequence all-gather's backward is the reduction)"
             )
         super().__init__(
             in_features,
@@ -226,12 +236,13 @@ class ColumnParallelLinear(_ParallelLinearBase):
             _master,
         )
         self.gather_output = bool(gather_output)
+        self.disable_grad_reduce = bool(disable_grad_reduce)
 
     def forward(self, x: torch.Tensor):
         self._check_width(x, self.in_features)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.process_group, sequence_dim=self.sequence_dim)
-        else:
+        elif not self.disable_grad_reduce:
             x = copy_to_tensor_parallel_region(x, self.process_group)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, self.weight, bias)
@@ -245,7 +256,11 @@ class ColumnParallelLinear(_ParallelLinearBase):
         return y, out_bias
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", gather_output={self.gather_output}"
+        return (
+            super().extra_repr()
+            + f", gather_output={self.gather_output}"
+            + (", disable_grad_reduce=True" if self.disable_grad_reduce else "")
+        )
 
 
 class RowParallelLinear(_ParallelLinearBase):
