@@ -13,7 +13,10 @@ other unchanged. What differs is underneath and on top:
   skipped (:meth:`GradScaler.skipped_steps`, :meth:`GradScaler.last_step_skipped`);
 - options that torch lacks, off by default: ``hysteresis`` (back off only after N overflows:
   consecutive ones, or with ``hysteresis_mode="on_growth"`` Megatron's rule) and ``min_scale``
-  (a floor for the scale, with a warning when hit).
+  (a floor for the scale, with a warning when hit);
+- DTensor gradients (FSDP2's ``fully_shard``, tensor parallelism) are checked on their local shards
+  by the same kernels, and the per-gradient flags are agreed over the mesh (one all-reduce per
+  check, :mod:`llmmem.amp.sharded`): every rank skips the same steps and names the same culprits.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.amp.grad_scaler import OptState  # the same enum, so `stage is OptSta
 from llmmem._native import available, load_error
 from llmmem.amp import cpu_unscale
 from llmmem.amp import kernels as _k
+from llmmem.amp import sharded as _sharded
 from llmmem.amp.args import (
     ScaleInputError,
     _check_backoff_factor,
@@ -43,6 +47,7 @@ from llmmem.amp.args import (
 )
 from llmmem.amp.cpu_unscale import Checked
 from llmmem.amp.visibility import _ScalerVisibility
+from llmmem.dtensors import is_dtensor, local
 
 __all__ = ["GradScaler", "OptState", "feature_status"]
 
@@ -374,6 +379,11 @@ class GradScaler(_ScalerVisibility):
                     slots.append(slot)
         flags_per_device = {}
         with torch.no_grad():
+            # DTensor gradients (FSDP2, tensor parallelism): the kernels check their local shards, each
+            # with its own flag, and the flags are then agreed over their meshes (llmmem.amp.sharded).
+            sharded = [(k, g) for k, g in enumerate(grads) if type(g) is not torch.Tensor and is_dtensor(g)]
+            for k, g in sharded:
+                grads[k] = local(g)
             dtypes = [g.dtype for g in grads]
             if not allow_fp16 and torch.float16 in dtypes:
                 raise ValueError("llmmem.GradScaler: Attempting to unscale FP16 gradients.")
@@ -424,6 +434,8 @@ class GradScaler(_ScalerVisibility):
                     codes=sub_codes,
                 )
                 flags_per_device[device] = (flags, pos)
+            if sharded:
+                _sharded.agree(sharded, flags_per_device, per_device_found_inf.get)
         return Checked(slots, flags_per_device, per_device_found_inf._per_device_tensors)
 
     def _record_overflow(self, optimizer: torch.optim.Optimizer, checked: Checked) -> None:

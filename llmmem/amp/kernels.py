@@ -12,6 +12,8 @@ bookkeeping. The C core sees only ``data_ptr()`` ints, element counts and dtype 
   per device), falls back to torch's own ops
   (``torch._amp_foreach_non_finite_check_and_unscale_``), with one warning.
 - Gradients that are tensor subclasses (DTensor) always go to torch's op, which handles them.
+  (``GradScaler`` hands DTensors' local shards instead, and agrees on their flags over the mesh
+  itself: :mod:`llmmem.amp.sharded`.)
 
 Tensors are checked (dtype, element count, device) before any ``data_ptr()`` reaches the C core:
 ``llmmem._C.scaler_*`` trust the addresses they get. (``GradScaler.unscale_`` on the CPU first

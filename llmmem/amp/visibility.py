@@ -91,7 +91,9 @@ class _ScalerVisibility:
 
         Returns:
             a list of names (str), or of ``(group_index, param_index)`` tuples into
-            ``optimizer.param_groups`` when no module names them.
+            ``optimizer.param_groups`` when no module names them. A DTensor parameter (FSDP2,
+            tensor parallelism) is listed when its gradient's shard overflowed on any rank: every
+            rank gets the same list, agreed when the gradients were checked (no collective here).
 
         .. warning:: synchronises with the GPU (reads the per-gradient flags).
         """

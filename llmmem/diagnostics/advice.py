@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from llmmem.diagnostics.state_advice import OptimizerInfo, inspect_optimizer
+from llmmem.dtensors import is_dtensor, local_share
 from llmmem.estimation import estimate
 from llmmem.estimation.activations import fused_head_chunk_rows
 from llmmem.estimation.recommend import FUSED_HEAD_MIN_SHARE, fused_head_offer
@@ -268,7 +269,11 @@ def suggest(
 
     measured_state = measured.get("parameters", 0) + measured.get("buffers", 0)
     opt_state = measured.get("optimizer_state", 0) or (est0.optimizer_state + est0.master_weights)
-    fixed = measured_state + est0.gradients + opt_state + outlived
+    # The estimator sizes the whole model's gradients; a rank of a sharded model (FSDP2, tensor
+    # parallelism: DTensor parameters) holds its parameters' share of them.
+    parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    gradients = round(est0.gradients * local_share(parameters))
+    fixed = measured_state + gradients + opt_state + outlived
     peak0 = fixed + _act(est0)
     if outlived > 0:
         leak.predicted_peak = peak0 - outlived
@@ -308,6 +313,12 @@ def suggest(
     blocks = find_blocks(model)
     hf = hasattr(model, "gradient_checkpointing_enable") and getattr(model, "supports_gradient_checkpointing", False)
     full = with_(checkpointing="full")
+    if plan and not hf and blocks is not None and any(is_dtensor(p) for p in parameters):
+        # Profiling a block of a sharded model runs its collectives (FSDP2's all-gathers, tensor
+        # parallelism's reductions) on this rank alone, which may be the only one that failed:
+        # it would wait for the others for ever. The estimator's figure stands in.
+        plan = False
+        notes.append("recompute planner not run: the model's parameters are DTensors (FSDP2 / tensor parallelism)")
     if hf:
         # transformers 5 renamed the switch (the old name warns that it will go in v6)
         switch = (
@@ -420,7 +431,8 @@ def model_state_suggestions(optimizer, settings: dict, capacity: int, peak: int 
             dict(moments=info.int8_moments),
             "int4 moments (state_dtype='int4') take about half of int8's",
         )
-    in_backward_ok = not info.in_backward and settings.get("precision") != "fp16-mixed"
+    # llmmem.optim.step_in_backward refuses DTensor parameters (FSDP2 writes their gradients itself)
+    in_backward_ok = not info.in_backward and not info.sharded and settings.get("precision") != "fp16-mixed"
     if in_backward_ok and len(sizes) > 1 and info.gradients > info.largest_gradient:
         changes["step_in_backward"] = (
             "step in backward",

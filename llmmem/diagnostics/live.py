@@ -10,8 +10,9 @@ their storage, so they cost nothing more; in-place operators that grow a storage
 every tensor the garbage collector can see when the mode starts.
 
 What it does not see: memory that no tensor storage owns (an allocator's cache, a kernel's
-scratch buffer), and tensors made on threads the mode is not active on (autograd's backward
-threads inherit it; other threads do not).
+scratch buffer), tensors made on threads the mode is not active on (autograd's backward
+threads inherit it; other threads do not), and what a DTensor operator makes inside its own
+dispatch besides its result (a redistribution's buffers): a DTensor is counted as its local shard.
 
 Hooks for tools built on it (:class:`llmmem.diagnostics.tracker.MemoryTracker`): ``listeners``
 hear every change of a counted storage; ``tensor_listeners`` hear, once per new storage, the tensor
@@ -59,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 
 from llmmem.diagnostics.interrupts import Guard, defer_signals, restore_signals
 from llmmem.diagnostics.mode_stacks import enter_mode, exit_mode
+from llmmem.dtensors import is_dtensor, local
 
 __all__ = ["LiveBytes", "device_key", "storage_key"]
 
@@ -220,7 +222,15 @@ class LiveBytes(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor) -> None:
         if type(t) not in _PLAIN:
-            return  # wrapper subclasses (DTensor, FakeTensor): their inner tensors are counted
+            # A DTensor (FSDP2, tensor parallelism) made by an operator is seen here, not the local
+            # shard its own dispatch made below this mode: count that shard, the bytes this process
+            # holds (the DTensor's own storage is a placeholder). Other wrapper subclasses
+            # (FakeTensor, ...) are skipped: their inner tensors are counted where they are made.
+            if not is_dtensor(t):
+                return
+            t = local(t)
+            if type(t) not in _PLAIN:
+                return
         if t.is_meta or t.layout != torch.strided:
             return
         try:

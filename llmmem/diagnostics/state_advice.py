@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmmem.dtensors import is_dtensor, local
 from llmmem.estimation.model_state import DEFAULT_BLOCK, MIN_QUANTIZED_NUMEL, llmmem_state
 
 __all__ = ["OptimizerInfo", "inspect_optimizer", "stepping_in_backward"]
@@ -54,7 +55,9 @@ class OptimizerInfo:
     ``decoupled`` (AdamW); ``amsgrad``; ``numels`` and ``element_sizes`` of its parameters;
     ``moments`` (held, or to be made where a parameter has no state yet); ``int8_moments`` (what
     ``llmmem.optim.AdamW(state_dtype='int8')`` keeps for the same parameters); ``master`` (fp32
-    copies it keeps or will make); ``in_backward`` (stepped inside backward now)."""
+    copies it keeps or will make); ``in_backward`` (stepped inside backward now); ``sharded``
+    (some parameter is a DTensor, of FSDP2 or tensor parallelism: counts are of its local shard,
+    and :func:`llmmem.optim.step_in_backward` refuses it)."""
 
     family: str
     state_dtype: str | None
@@ -66,6 +69,7 @@ class OptimizerInfo:
     int8_moments: int
     master: int
     in_backward: bool
+    sharded: bool = False
 
     @property
     def parameters(self) -> int:
@@ -96,7 +100,10 @@ def _params(optimizer) -> list:
 
 
 def _held(state: dict, keys) -> int:
-    return sum(v.numel() * v.element_size() for k, v in state.items() if k in keys and isinstance(v, torch.Tensor))
+    # a DTensor's numel() is the whole tensor's; this rank holds its local shard
+    return sum(
+        local(v).numel() * v.element_size() for k, v in state.items() if k in keys and isinstance(v, torch.Tensor)
+    )
 
 
 def inspect_optimizer(optimizer) -> OptimizerInfo:
@@ -121,7 +128,7 @@ def inspect_optimizer(optimizer) -> OptimizerInfo:
     numels, sizes = [], []
     moments = int8 = master = 0
     for p, group in _params(optimizer):
-        n, e = p.numel(), p.element_size()
+        n, e = local(p).numel(), p.element_size()  # per rank: a sharded (DTensor) parameter's local shard
         numels.append(n)
         sizes.append(e)
         state = optimizer.state.get(p) or {}
@@ -149,4 +156,5 @@ def inspect_optimizer(optimizer) -> OptimizerInfo:
         int8_moments=int8,
         master=master,
         in_backward=stepping_in_backward(optimizer),
+        sharded=any(is_dtensor(p) for p, _ in _params(optimizer)),
     )

@@ -34,15 +34,18 @@ import threading
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from llmmem.dtensors import local
+
 __all__ = ["StepWatch"]
 
 _SHOWN = 8  # names listed in the text; the dict has them all
 
 
 def _key(t: torch.Tensor):
-    """The id of ``t``'s storage (stable while it lives; views and ``.data`` share it), or None."""
+    """The id of ``t``'s storage (stable while it lives; views and ``.data`` share it), or None. A
+    DTensor's is its local shard's: the mode hears writes to the DTensor, the step writes the shard."""
     try:
-        return id(t.untyped_storage())
+        return id(local(t).untyped_storage())
     except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass, a meta tensor)
         return None
 
@@ -55,6 +58,7 @@ def _state_keys(opt, p) -> list:
 
 
 def _marker(t: torch.Tensor):
+    t = local(t)  # a DTensor's data_ptr() is not its data's
     try:
         ptr = t.data_ptr()
     except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass, a meta tensor)

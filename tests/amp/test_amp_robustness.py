@@ -64,8 +64,8 @@ def test_dtensor_gradients_match_torch(mesh, poison):
 
 @pytest.mark.parametrize("poison", [None, "sharded", "plain"])
 def test_dtensor_and_plain_gradients_in_one_optimizer(mesh, poison):
-    # torch's scaler hands both kinds to one torch op call, which DTensor rejects; here the plain
-    # gradient goes to llmmem's kernel and the DTensor one to torch's op.
+    # torch's scaler hands both kinds to one torch op call, which DTensor rejects; here both go to
+    # llmmem's kernel (the DTensor's local shard), and the DTensor's flag is agreed over the mesh.
     s, opt, plain, sharded = _dtensor_run(llmmem.GradScaler, mesh, poison, with_plain=True)
     if poison is None:  # grads 2 * 2 and 2 * 1, unscaled exactly, one SGD step of lr 0.1
         assert plain.tolist() == pytest.approx([1.6] * 3) and sharded.flatten().tolist() == pytest.approx([0.8] * 16)

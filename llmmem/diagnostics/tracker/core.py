@@ -23,6 +23,7 @@ from llmmem.diagnostics.tracker.queries import TrackerQueries
 from llmmem.diagnostics.tracker.records import CATEGORIES, IDENTITY_RANK, Record, category_of
 from llmmem.diagnostics.tracker.report import TrackerReport
 from llmmem.diagnostics.tracker.stacks import where
+from llmmem.dtensors import is_dtensor, local
 from llmmem.errors import OutOfMemoryError
 from llmmem.units import format_bytes, parse_bytes
 
@@ -36,6 +37,7 @@ _SHAPES = 1 << 16  # distinct shapes shared at most (variable sequence lengths w
 
 # Per thread: the trackers inside their ``with`` block on it, innermost last (see MemoryTracker._pack).
 _THREAD = threading.local()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: a subclass wraps tensors counted apart
 
 
 def _entered() -> list:
@@ -369,8 +371,12 @@ class MemoryTracker(ModuleHooks, TrackerQueries, TrackerReport):
             rec.category = new
 
     def _label(self, t, identity: str | None = None, *, saved: bool = False, module: str | None = None) -> None:
-        """Counts ``t``'s storage if it is not yet, then gives it ``identity`` / marks it saved."""
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.layout != torch.strided:
+        """Counts ``t``'s storage if it is not yet, then gives it ``identity`` / marks it saved. A
+        DTensor (FSDP2's sharded parameters, gradients and optimizer state; tensor parallelism's)
+        is its local shard: what this rank holds."""
+        if type(t) not in _PLAIN and is_dtensor(t):
+            t = local(t)
+        if type(t) not in _PLAIN or t.is_meta or t.layout != torch.strided:
             return
         try:
             key = storage_key(t)

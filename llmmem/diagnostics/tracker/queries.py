@@ -12,6 +12,7 @@ import torch
 from llmmem.diagnostics.live import device_key
 from llmmem.diagnostics.tracker.records import CATEGORIES, Record, ancestors
 from llmmem.diagnostics.tracker.series import span_maxima
+from llmmem.dtensors import local
 
 __all__ = ["TrackerQueries"]
 
@@ -206,7 +207,7 @@ class TrackerQueries:
                     if p.device.type == "meta" or id(p) in seen:
                         continue
                     seen.add(id(p))
-                    total += p.untyped_storage().nbytes()
+                    total += local(p).untyped_storage().nbytes()  # a DTensor's is a placeholder
                 row(name)["parameters"] = total
         kept: dict[tuple, int] = defaultdict(int)
         for rec in self._records:
