@@ -39,6 +39,7 @@ import torch
 import torch.utils.checkpoint as _torch_ckpt
 from torch.utils import _pytree as pytree
 
+from llmmem.checkpointing import compile_notes
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.offload import HostCopies
 from llmmem.checkpointing.replay import (
@@ -238,7 +239,17 @@ def _run(function: Callable, args: tuple, kwargs: dict, opts: dict):
         return function(*args, **kwargs)
     if torch.compiler.is_compiling():
         return _traced(function, args, kwargs, opts)
+    if opts["offload"]:
+        compile_notes.watch(OFFLOAD_UNDER_COMPILE)  # said at a later torch.compile
     return _run_region(function, args, kwargs, opts)
+
+
+OFFLOAD_UNDER_COMPILE = (
+    "llmmem.checkpoint(offload=True) and torch.compile: where a compiled model runs such a region, the "
+    "region is recomputed but its inputs stay on the device (the compiled graph cannot move them to the "
+    "host); to offload them, checkpoint the compiled function instead: "
+    "llmmem.checkpoint(torch.compile(block), x, offload=True)"
+)
 
 
 def _traced(function: Callable, args: tuple, kwargs: dict, opts: dict):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
+from llmmem.checkpointing import compile_notes
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
@@ -376,6 +377,23 @@ class ChainRunner:
                     direct[rs] = re_
                     reach = re_
             self.children[(s, e)] = direct
+        # what a compiled model does otherwise than the plan (see _traced_call)
+        changes = []
+        if any(e - s > 1 for s, e in regions):
+            changes.append("regions of several blocks run as one checkpoint per block")
+        if "recompute-cheap" in self.modes:
+            changes.append("recompute-cheap blocks run as selective checkpoints (matmul outputs kept)")
+        if self.offloaded:
+            changes.append("offloaded region inputs stay on the device")
+        self.compile_changes = "; ".join(changes)
+        if self.compile_changes and not torch.compiler.is_compiling():
+            compile_notes.watch(
+                f"llmmem.auto_checkpoint and torch.compile: where a compiled model runs the blocks of this plan "
+                f"({type(self.blocks[0]).__name__} x {len(self.blocks)}), {self.compile_changes}: it recomputes "
+                "what the plan recomputes, but its memory is not the plan's and may exceed the budget. The plan "
+                "runs as made when the model is not compiled as a whole",
+                owner=self,
+            )
 
     # saving --------------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -393,7 +411,9 @@ class ChainRunner:
 
     def __setstate__(self, state: dict) -> None:
         # saved before they existed
-        self.__dict__.update({"shapes": None, "starts": [0], "shape_key": None, "largest_key": None, **state})
+        self.__dict__.update(
+            {"shapes": None, "starts": [0], "shape_key": None, "largest_key": None, "compile_changes": "", **state}
+        )
         # the blocks may not have their state yet (they are being loaded): only their type is read
         self.originals = [
             types.MethodType(type(b).forward, b) if f is None else f for f, b in zip(self.originals, self.blocks)

@@ -80,3 +80,56 @@ def test_a_planned_model_compiles_to_one_graph():
         _close(grads(model), want)
     assert not counters["graph_break"], dict(counters["graph_break"])
     plan.remove()
+
+
+def _compile_notes(run) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run()
+    return [
+        str(w.message) for w in seen if "torch.compile:" in str(w.message) or "and torch.compile" in str(w.message)
+    ]
+
+
+@pytest.fixture
+def notes_fresh(monkeypatch):
+    # what the process was told already (another test's offload) is not this test's
+    from llmmem.checkpointing import compile_notes
+
+    monkeypatch.setattr(compile_notes, "_said", set())
+    monkeypatch.setattr(compile_notes, "_watched", [])
+
+
+def test_offload_under_compile_says_the_inputs_stay_on_the_device(notes_fresh):
+    # llmmem's offload hooks cannot run inside a compiled graph: the region is recomputed and its
+    # inputs kept where they are, and compiling says so (the traced code itself cannot warn)
+    want_loss, want = _eager()
+    model = tiny_llama("sdpa", layers=4, dropout=0.0)
+    for layer in model.model.layers:
+        own = layer.forward
+        layer.forward = lambda *a, _own=own, **k: llmmem.checkpoint(_own, *a, use_reentrant=False, offload=True, **k)
+    assert _compile_notes(lambda: _step(model)) == []  # eager: offloaded as asked, nothing to say
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    notes = _compile_notes(lambda: _step(compiled))
+    assert len(notes) == 1 and "offload=True" in notes[0] and "stay on the device" in notes[0], notes
+    assert _compile_notes(lambda: _step(compiled)) == []  # said once
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(_step(compiled), want_loss, rtol=1e-6, atol=0)
+    _close(grads(model), want)
+
+
+@pytest.mark.parametrize("budget", [0.6, 0.4])  # a region of two blocks; a recompute-cheap block (chosen on work)
+def test_a_plan_the_compiled_graph_changes_says_how(notes_fresh, budget):
+    model = tiny_llama("sdpa", layers=4, dropout=0.0)
+    plan = llmmem.auto_checkpoint(model, budget=budget, sample=BATCH, repeats=0)
+    changes = plan.runner.compile_changes
+    multi = any(e - s > 1 for s, e in plan.regions)
+    assert bool(changes) == (multi or "recompute-cheap" in plan.modes or bool(plan.offloaded))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    notes = _compile_notes(lambda: _step(compiled))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert changes, (plan.regions, plan.modes)  # else the test tests nothing
+    assert len(notes) == 1 and changes in notes[0] and "may exceed the budget" in notes[0], notes
+    assert ("one checkpoint per block" in notes[0]) == multi
+    assert ("selective" in notes[0]) == ("recompute-cheap" in plan.modes)
+    plan.remove()
