@@ -55,6 +55,14 @@ KEPT_OPERATORS = _overloads(
 )
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``t`` that shares its version counter. Below autograd (inside a dispatch
+    mode) a plain ``detach()`` gets a counter of its own, so an in-place change of the output after
+    it was kept would go unseen and the recompute would replay the changed values: wrong gradients."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
 class _Keep(TorchDispatchMode):
     def __init__(self, store: deque) -> None:
         super().__init__()
@@ -63,7 +71,7 @@ class _Keep(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in KEPT_OPERATORS:
-            kept = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+            kept = torch.utils._pytree.tree_map_only(torch.Tensor, _alias, out)
             versions = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, out)
             self.store.append((func, kept, versions))
             torch.utils._pytree.tree_map_only(torch.Tensor, notify_kept, kept)

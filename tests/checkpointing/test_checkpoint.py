@@ -484,6 +484,19 @@ def test_selective_context_fn_keeps_matmul_outputs_and_matches_grads():
     assert sel.bytes < full.bytes
 
 
+def test_selective_context_fn_refuses_a_kept_output_changed_in_place():
+    """A kept matmul output changed in place after the policy kept it would come back changed in
+    the recompute (and be changed again: wrong gradients); the recompute refuses it instead."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    y = llmmem.checkpoint(
+        lambda t: torch.mm(t, w).mul_(2).sin(), x, use_reentrant=False, context_fn=llmmem.selective_context_fn
+    )
+    with pytest.raises(llmmem.CheckpointError, match="modified in place"):
+        y.sum().backward()
+
+
 def test_regions_are_freed_after_backward_without_gc(monkeypatch):
     """No reference cycles: a region (and the inputs it holds) dies with its graph."""
     import gc
