@@ -31,9 +31,15 @@ def _torch_ckpt(fn, *args, **kwargs):
     return tuc.checkpoint(fn, *args, **kwargs)
 
 
+def _llmmem_ckpt(fn, *args, **kwargs):
+    # use_reentrant explicit on both sides: omitted, each warns (test_checkpoint_parity.py checks that)
+    kwargs.setdefault("use_reentrant", False)
+    return llmmem.checkpoint(fn, *args, **kwargs)
+
+
 IMPLS = {
     "torch": (_torch_ckpt, tuc.CheckpointError),
-    "llmmem": (llmmem.checkpoint, llmmem.CheckpointError),
+    "llmmem": (_llmmem_ckpt, llmmem.CheckpointError),
 }
 
 
