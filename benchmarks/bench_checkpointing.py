@@ -75,7 +75,7 @@ def _run_chain(kind, blocks, x, arg=None):
         return arg(x)
     if kind == "llmmem/offload":
         for b in blocks:
-            x = llmmem.checkpoint(b, x, offload=True)
+            x = llmmem.checkpoint(b, x, use_reentrant=False, offload=True)
         return x
     raise ValueError(kind)
 

@@ -24,6 +24,11 @@ from llmmem.units import format_bytes
 __all__ = ["auto_checkpoint", "AutoCheckpointed", "AutoCheckpointPlan", "find_blocks"]
 
 
+# The regions a plan runs are non-reentrant, whatever the caller's options leave unsaid (and say so,
+# so that llmmem.checkpoint does not warn that use_reentrant was omitted).
+_REGION_DEFAULTS = {"use_reentrant": False}
+
+
 class _Step:
     """What iterating an :class:`AutoCheckpointed` yields: the first block of a top-level item runs
     the whole item; the other blocks of a region pass their input through (it is already done)."""
@@ -83,8 +88,8 @@ class AutoCheckpointed(nn.ModuleList):
         _, start, end, inner = item
         if (start, end) in self._offloaded:
             with offload_without_prefetch():
-                return checkpoint(self._run_items, inner, x, **{**self._options, "offload": True})
-        return checkpoint(self._run_items, inner, x, **self._options)
+                return checkpoint(self._run_items, inner, x, **{**_REGION_DEFAULTS, **self._options, "offload": True})
+        return checkpoint(self._run_items, inner, x, **{**_REGION_DEFAULTS, **self._options})
 
     def _run_items(self, items, x):
         for item in items:

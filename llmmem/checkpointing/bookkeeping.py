@@ -66,7 +66,7 @@ def _null_extra(call, saved: int, rounds: int) -> float:
     leaf = torch.zeros((), dtype=torch.float32, requires_grad=True)
     args, kwargs = call.with_hidden(leaf)
     null = _null_block(saved, call.hidden)
-    checkpointed = checkpoint()(null)  # the block's own kwargs may share an option's name
+    checkpointed = checkpoint(use_reentrant=False)(null)  # the block's own kwargs may share an option's name
     steps = (
         lambda: null(*args, **kwargs).backward(),
         lambda: null(*args, **kwargs),

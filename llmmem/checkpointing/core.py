@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Callable
@@ -51,6 +52,7 @@ from llmmem.checkpointing.replay import (
     format_op_logs,
     has_rng_trackers,
 )
+from llmmem.checkpointing.selective import ThroughHooks, _Keep
 
 __all__ = ["checkpoint", "CheckpointError", "noop_context_fn", "feature_status", "CHECKPOINT_OPTIONS"]
 
@@ -82,10 +84,12 @@ CHECKPOINT_OPTIONS = (
     "debug",
     "early_stop",
     "offload",
+    "respect_saved_tensors_hooks",
 )
 
 
 _BOOL_OPTIONS = ("preserve_rng_state", "debug", "early_stop", "offload")
+_OPTIONAL_BOOL_OPTIONS = ("use_reentrant", "respect_saved_tensors_hooks")  # None: not chosen
 
 
 def _is_numpy_bool(value) -> bool:
@@ -94,11 +98,13 @@ def _is_numpy_bool(value) -> bool:
 
 def _validate_options(opts: dict) -> None:
     # torch takes any object for these and tests its truth: offload="no" would offload. A bool
-    # (numpy's too) or, for use_reentrant, None is what they mean.
-    for name in _BOOL_OPTIONS + ("use_reentrant",):
+    # (numpy's too) or, for the three-state ones, None is what they mean.
+    for name in _BOOL_OPTIONS + _OPTIONAL_BOOL_OPTIONS:
         value = opts[name]
-        if not (isinstance(value, bool) or _is_numpy_bool(value) or (value is None and name == "use_reentrant")):
-            expected = "True, False or None" if name == "use_reentrant" else "True or False"
+        if not (
+            isinstance(value, bool) or _is_numpy_bool(value) or (value is None and name in _OPTIONAL_BOOL_OPTIONS)
+        ):
+            expected = "True, False or None" if name in _OPTIONAL_BOOL_OPTIONS else "True or False"
             raise TypeError(f"checkpoint: {name} must be a bool ({expected}), got {value!r} ({type(value).__name__})")
     if opts["determinism_check"] not in _DETERMINISM_CHECKS:
         raise ValueError(
@@ -110,6 +116,8 @@ def _validate_options(opts: dict) -> None:
     if opts["debug"] and opts["context_fn"] is not noop_context_fn:
         raise ValueError("checkpoint: debug=True cannot be combined with a custom context_fn")
     if opts["use_reentrant"]:
+        # The options of the non-reentrant region only; the reentrant path (torch's) has none of
+        # them. early_stop is not among them: torch ignores it there, and so does llmmem.
         bad = [
             name
             for name, default in (
@@ -117,11 +125,29 @@ def _validate_options(opts: dict) -> None:
                 ("debug", False),
                 ("determinism_check", "default"),
                 ("offload", False),
+                ("respect_saved_tensors_hooks", None),
             )
             if opts[name] is not default and opts[name] != default
         ]
         if bad:
-            raise ValueError(f"checkpoint: {', '.join(bad)} are only supported with use_reentrant=False")
+            verb = "is" if len(bad) == 1 else "are"
+            raise ValueError(f"checkpoint: {', '.join(bad)} {verb} only supported when use_reentrant=False")
+
+
+def _warn_use_reentrant_omitted(stacklevel: int, what: str = "llmmem.checkpoint") -> None:
+    """The warning torch gives when ``use_reentrant`` is omitted, with the key phrase torch's own
+    tests match, so that code (and test suites) that expect it keep seeing it with llmmem swapped
+    in. What llmmem then does differs from torch, and the message says so."""
+    if torch.compiler.is_compiling():
+        return  # a warning inside a traced region would cost Dynamo a graph break
+    warnings.warn(
+        f"{what}: the use_reentrant parameter should be passed explicitly. Omitted, llmmem runs the "
+        "non-reentrant checkpoint (use_reentrant=False), where torch.utils.checkpoint would run the "
+        "reentrant one; pass use_reentrant=False to keep this behaviour without this warning, or "
+        "use_reentrant=True for torch's reentrant variant.",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def checkpoint(
@@ -134,19 +160,28 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     offload: bool = False,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs,
 ):
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
 
     Same signature and semantics as ``torch.utils.checkpoint.checkpoint`` with
-    ``use_reentrant=False``, which is the default here (``None`` means ``False``; no warning).
+    ``use_reentrant=False``, and the same keyword options (those of torch 2.5 to 2.15, plus
+    ``offload``); none of them is ever passed on to ``function``.
+
+    ``use_reentrant`` omitted (``None``): llmmem runs the non-reentrant checkpoint, as with
+    ``use_reentrant=False``, where torch runs its reentrant one. Like torch, it warns (a
+    ``UserWarning`` saying "the use_reentrant parameter should be passed explicitly", once per call
+    site under Python's default filter), so that code and test suites written against torch see
+    the same warning with llmmem swapped in; pass ``use_reentrant=False`` to silence it.
 
     :param function: what to run. If omitted (``checkpoint(**options)``), returns a decorator:
         ``checkpoint(use_reentrant=False)(fn)(*args, **kwargs)``, so that the options and the
         function's own keyword arguments never share a namespace.
     :param args: positional arguments; tensors may be nested in lists, tuples and dicts.
     :param use_reentrant: ``True`` delegates to torch's reentrant implementation (no kwargs, no
-        ``torch.autograd.grad``, no nested containers; see torch's documentation).
+        ``torch.autograd.grad``, no nested containers; see torch's documentation); ``False`` or
+        omitted: llmmem's non-reentrant region (omitted warns, see above).
     :param preserve_rng_state: stash the CPU RNG and the RNG of the CUDA devices of the inputs at
         the call and restore them for the recompute, so dropout gives identical gradients; the
         streams of ``llmmem.parallel.get_rng_tracker()`` are stashed and replayed too.
@@ -160,11 +195,27 @@ def checkpoint(
     :param early_stop: stop the recompute as soon as every saved tensor of the region is rebuilt.
     :param offload: keep the region's inputs in host memory (pinned, copied on a side stream and
         prefetched during backward when they live on a CUDA device; a no-op for CPU tensors).
+    :param respect_saved_tensors_hooks: what happens to the tensors a *selective* checkpoint keeps
+        (the outputs its policy saves: ``context_fn`` from torch's
+        ``create_selective_checkpoint_contexts`` or ``llmmem.selective_context_fn``) when the caller
+        has ``torch.autograd.graph.saved_tensors_hooks`` (``save_on_cpu``, an offloader) active
+        around the call; torch 2.15's option, same semantics. ``False``: they bypass those hooks
+        and stay where they are (the behaviour so far). ``True``: each goes through the caller's
+        pack hook and comes back through its unpack hook when the recompute needs it. ``None`` (the
+        default): as ``False``, with a ``FutureWarning`` when such hooks are active (torch will
+        change its default). No effect on a region without a selective policy (it keeps nothing
+        but its inputs), nor under ``torch.compile``. Requires ``use_reentrant=False``. Where torch
+        packs each kept tensor as the policy keeps it, llmmem does so for its own
+        ``selective_context_fn`` but, for torch's selective contexts, when the region's forward
+        returns: within one region the kept tensors are on the device until then.
     :returns: what ``function`` returns (any structure; non-tensor outputs are fine).
 
     Backward calls under one ``torch.utils.checkpoint.GraphExecGroup`` (torch >= 2.10) share one
     recompute of the region, and may not need the same saved tensor twice, as with torch. Every
-    bool option must be a bool (``TypeError`` otherwise; torch takes any object's truth).
+    bool option must be a bool (``TypeError`` otherwise; torch takes any object's truth). The
+    errors carry the phrases of torch's (``A different number of tensors was saved``, ``Unpack is
+    being triggered for a tensor that was already unpacked once``, ...), in llmmem's own words
+    around them, so that code matching torch's messages keeps working.
 
     Memory: the region's inputs (on the host with ``offload=True``) until backward reaches it.
     Synchronisation: none, except that ``offload=True`` pins host memory.
@@ -177,6 +228,7 @@ def checkpoint(
         debug=debug,
         early_stop=early_stop,
         offload=offload,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
     )
     if function is None:
         if args or kwargs:
@@ -189,6 +241,8 @@ def checkpoint(
     if not callable(function):
         raise TypeError(f"checkpoint: function must be callable, got {type(function).__name__}")
     _validate_options(opts)
+    if use_reentrant is None:
+        _warn_use_reentrant_omitted(stacklevel=2)
     return _run(function, args, kwargs, opts)
 
 
@@ -203,6 +257,9 @@ class _Checkpointed:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        # warned at each call, as torch's curried form does (the options were checked when built)
+        if self._options["use_reentrant"] is None:
+            _warn_use_reentrant_omitted(stacklevel=2)
         return _run(self._fn, args, kwargs, self._options)
 
     def __get__(self, obj, objtype=None):
@@ -379,21 +436,24 @@ class _Region:
         if key not in slot.tickets:
             raise CheckpointError(
                 "llmmem.checkpoint: a saved tensor was not rebuilt by the recompute "
-                "(the function saved fewer tensors the second time)" + self._debug_text()
+                "(the function saved fewer tensors the second time)" + self._hints()
             )
         ticket = slot.tickets[key]
         if ticket is None:
+            # torch's phrases (its own tests match them) inside llmmem's explanation
             group = (
-                " Two backward calls under one torch.utils.checkpoint.GraphExecGroup needed the same "
-                "saved tensor: the calls of a group must differentiate non-overlapping parts of the graph."
+                " Performing two backward calls that overlap (both needing this saved tensor) is not "
+                "allowed under one torch.utils.checkpoint.GraphExecGroup: the calls of a group must "
+                "differentiate non-overlapping parts of the graph."
                 if not isinstance(key, int)
                 else ""
             )
             raise CheckpointError(
-                "llmmem.checkpoint: a saved tensor was unpacked twice in one backward pass."
+                "llmmem.checkpoint: Unpack is being triggered for a tensor that was already unpacked once "
+                "in this backward pass (each recomputed tensor is handed out once, then freed)."
                 + group
-                + " If a custom autograd.Function reads ctx.saved_tensors, read it once"
-                + (self._debug_text() if self.debug_logs is not None else "")
+                + " If a custom autograd.Function reads ctx.saved_tensors in its backward, read it only once"
+                + (self._hints() if self.debug_logs is not None else "")
             )
         slot.tickets[key] = None
         return self.values[key].pop(ticket)
@@ -421,8 +481,9 @@ class _Region:
                 self.skip_count_check = True
                 return x
             raise CheckpointError(
-                f"llmmem.checkpoint: the recompute saved more tensors for backward than the forward "
-                f"({len(self.slots)}); the function does not do the same work when run again" + self._debug_text()
+                "llmmem.checkpoint: trying to save more tensors during recomputation than during the "
+                f"original forward ({len(self.slots)}): the function does not do the same work when run "
+                "again" + self._hints()
             )
         slot = self.slots[index]()
         if slot is not None:  # None: that tensor's backward already ran (or never will)
@@ -438,10 +499,10 @@ class _Region:
             return
         if self.count[key] != len(self.slots):
             raise CheckpointError(
-                "llmmem.checkpoint: the function saved a different number of tensors for backward when "
-                f"recomputed: {len(self.slots)} in the forward, {self.count[key]} in the recompute. The "
-                "function must do the same work when run again (no data-dependent branches on global "
-                "state, no changed inputs)" + self._debug_text()
+                "llmmem.checkpoint: A different number of tensors was saved during the original forward "
+                f"and recomputation: {len(self.slots)} in the forward, {self.count[key]} in the recompute. "
+                "The function must do the same work when run again (no branches on global state, no "
+                "inputs changed in between)" + self._hints()
             )
         if not self.check:
             return
@@ -459,26 +520,61 @@ class _Region:
                 )
         if diffs:
             raise CheckpointError(
-                "llmmem.checkpoint: recomputed tensors differ from those saved in the forward "
-                "(determinism_check='default' compares shape, dtype and device):\n"
+                "llmmem.checkpoint: Recomputed values for the following tensors have different metadata "
+                "than in the original forward (determinism_check='default' compares shape, dtype and "
+                "device):\n"
                 + "\n".join(diffs[:20])
                 + ("\n  ..." if len(diffs) > 20 else "")
                 + "\nThe function must compute the same thing when run again (determinism_check='none' "
-                "skips this check)" + self._debug_text()
+                "skips this check)" + self._hints()
             )
 
-    def _debug_text(self) -> str:
+    def _hints(self) -> str:
+        """What follows a recompute-mismatch error: the debug logs (or how to get them), and the
+        torch.compile cause with its two workarounds."""
         if self.debug_logs is None:
-            return (
+            debug = (
                 ". To see the operators of the forward and of the recompute, each with the stack that ran "
-                "it, pass debug=True (or use torch.utils.checkpoint.set_checkpoint_debug_enabled(True))"
+                "it, pass debug=True (or use torch.utils.checkpoint.set_checkpoint_debug_enabled(True))."
             )
-        return format_op_logs(*self.debug_logs)
+        else:
+            debug = format_op_logs(*self.debug_logs)
+        return debug + _COMPILE_HINT
+
+
+# A region with a compiled function inside (checkpoint(torch.compile(block))) can recompute with
+# another graph than its forward ran: Dynamo may pick the dynamic-shape graph it compiled meanwhile
+# (pytorch/pytorch#166926). torch's mismatch errors name the two ways out; so do these.
+_COMPILE_HINT = (
+    "\nIf the function is (or calls) a torch.compile'd module and automatic dynamic shapes are on, the "
+    "recompute may have run another compiled graph than the forward did (a dynamic-shape graph instead "
+    "of the static one). Either mark the dimensions that vary as dynamic from the start with "
+    "torch._dynamo.mark_dynamic(), or call torch._C._dynamo.eval_frame._set_lru_cache(False) so that "
+    "Dynamo stops reordering its cache and both passes pick the same graph "
+    "(see https://github.com/pytorch/pytorch/issues/166926)."
+)
 
 
 class _ForwardHooks(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, region: _Region) -> None:
-        super().__init__(region.pack, region.unpack)
+    """The region's pack/unpack pair. While the forward runs, its pack function carries the
+    caller's own hooks (``outer_hooks``), so that a region nested in this one knows which hooks
+    are the user's (:func:`_callers_hooks`); only while it runs, so that the saved graph does not
+    hold the user's hooks (and through them, perhaps, itself)."""
+
+    def __init__(self, region: _Region, outer_hooks) -> None:
+        def pack(x):
+            return region.pack(x)
+
+        self._pack, self._outer_hooks = pack, outer_hooks
+        super().__init__(pack, region.unpack)
+
+    def __enter__(self):
+        self._pack.llmmem_outer_hooks = self._outer_hooks
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del self._pack.llmmem_outer_hooks
+        return super().__exit__(*exc)
 
 
 class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
@@ -486,7 +582,91 @@ class _RecomputeHooks(torch.autograd.graph.saved_tensors_hooks):
         # A weak reference: these hooks can outlive the recompute inside a graph built there
         # (backward inside the function), which must not keep the region alive.
         ref = weakref.ref(region)
-        super().__init__(lambda x: ref().store_recomputed(key, x), lambda x: x)
+
+        def pack(x):
+            return ref().store_recomputed(key, x)
+
+        # a region run again inside a recompute sees no hooks of the caller's (they belong to the forward)
+        pack.llmmem_outer_hooks = None
+        super().__init__(pack, lambda x: x)
+
+
+# --------------------------------------------------------------------------------------------
+# respect_saved_tensors_hooks: the tensors a selective policy keeps, and the caller's hooks
+
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _callers_hooks():
+    """The ``(pack, unpack)`` saved-tensor hooks the caller has active around this call, or None.
+
+    The innermost pair on autograd's stack, unless it is a checkpoint's own: an enclosing llmmem
+    region's forward hooks stand for the caller's hooks around that region; a recompute's, or
+    torch's checkpoint's, for none."""
+    if _top_saved_tensors_hooks is None:
+        return None
+    top = _top_saved_tensors_hooks(False)
+    if top is None:
+        return None
+    pack = top[0]
+    if hasattr(pack, "llmmem_outer_hooks"):
+        return pack.llmmem_outer_hooks
+    if getattr(pack, "__module__", None) == _torch_ckpt.__name__:
+        return None
+    return top
+
+
+def _selective_kind(forward_ctx) -> str | None:
+    """Which selective policy the forward context is: ``"torch"`` (its SAC caching mode),
+    ``"llmmem"`` (``selective_context_fn``'s), or None: a region that keeps nothing of its own."""
+    if isinstance(forward_ctx, _Keep):
+        return "llmmem"
+    caching = getattr(_torch_ckpt, "_CachingTorchDispatchMode", None)
+    if (
+        caching is not None
+        and isinstance(forward_ctx, caching)
+        and isinstance(getattr(forward_ctx, "storage", None), dict)
+    ):
+        return "torch"
+    return None
+
+
+class _CachedThroughHooks:
+    """An entry of torch's selective-checkpoint cache, handed to the caller's hooks: what torch's
+    cached mode reads back (``get_val``, ``val``) with its mutation check kept."""
+
+    __slots__ = ("_through",)
+
+    def __init__(self, entry, pack, unpack) -> None:
+        self._through = ThroughHooks(entry.val, pack, unpack, version=entry.version)
+
+    @property
+    def val(self) -> torch.Tensor:
+        return self._through.unpack()
+
+    def get_val(self, allow_cache_entry_mutation: bool):
+        if not allow_cache_entry_mutation and self._through.mutated():
+            # torch's message for this case, so that code matching it keeps working
+            raise RuntimeError("Tensor cached during selective activation checkpoint has been mutated")
+        return self._through.unpack()
+
+
+def _route_torch_cache(storage: dict, hooks) -> None:
+    """Hand every tensor torch's selective caching mode kept in ``storage`` (per operator: a list,
+    or a dict by call index, of output structures of ``_VersionWrapper``) to ``hooks``."""
+    wrapper = getattr(_torch_ckpt, "_VersionWrapper", None)
+    if wrapper is None:
+        return
+
+    def route(leaf):
+        if isinstance(leaf, wrapper) and isinstance(leaf.val, torch.Tensor):
+            return _CachedThroughHooks(leaf, *hooks)
+        return leaf
+
+    for per_op in storage.values():
+        if isinstance(per_op, (list, dict)):
+            for k in list(per_op.keys() if isinstance(per_op, dict) else range(len(per_op))):
+                per_op[k] = pytree.tree_map(route, per_op[k])
 
 
 def _save_inputs(anchor: torch.Tensor, tensors: list, offload: bool):
@@ -501,6 +681,29 @@ def _save_inputs(anchor: torch.Tensor, tensors: list, offload: bool):
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def _hooks_for_kept(forward_ctx, callers_hooks, respect: bool | None):
+    """The hooks the selective policy's kept tensors go through (``respect_saved_tensors_hooks``),
+    or None: they stay as they are. Warns, as torch does, when the option was not chosen and it
+    would make a difference."""
+    kind = _selective_kind(forward_ctx)
+    if kind is None or callers_hooks is None or respect is False:
+        return None
+    if respect is None:
+        warnings.warn(
+            "llmmem.checkpoint: this region's selective policy keeps tensors outside the "
+            "saved_tensors_hooks active around the call, which therefore do not see them (the "
+            "behaviour so far; torch will change its default). Pass respect_saved_tensors_hooks=True "
+            "to hand the kept tensors to those hooks, or respect_saved_tensors_hooks=False to keep the "
+            "present behaviour without this warning.",
+            FutureWarning,
+            stacklevel=5,  # _hooks_for_kept < _run_region < _run < checkpoint (or its decorator) < caller
+        )
+        return None
+    if kind == "llmmem":
+        forward_ctx.hooks = callers_hooks  # routed as each is kept
+    return callers_hooks
 
 
 def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
@@ -547,15 +750,22 @@ def _run_region(function: Callable, args: tuple, kwargs: dict, opts: dict):
             stack.enter_context(recompute_ctx)
             function(*r_args, **r_kwargs)
 
+    callers_hooks = _callers_hooks()
+    route_kept_to = _hooks_for_kept(forward_ctx, callers_hooks, opts["respect_saved_tensors_hooks"])
+
     region = _Region(recompute, rebuild, early_stop, opts["determinism_check"] == "default")
     region.debug_logs = debug_logs
     # The anchor requires grad so the input node exists even when no input requires grad.
     anchor = torch.empty(0, requires_grad=True)
     region.inputs_keeper = _save_inputs(anchor, tensors, opts["offload"])
 
-    with _ForwardHooks(region), forward_ctx:
+    with _ForwardHooks(region, callers_hooks), forward_ctx:
         out = function(*args, **kwargs)
     region.forward_done = True
+    if route_kept_to is not None and not isinstance(forward_ctx, _Keep):
+        # torch's caching mode has no place to route each tensor as it keeps it: done now, once the
+        # region's forward has returned
+        _route_torch_cache(forward_ctx.storage, route_kept_to)
     if rng is not None and not rng.cuda_was_initialized and torch.cuda.is_initialized():
         raise RuntimeError(
             "llmmem.checkpoint: CUDA was first initialised inside the checkpointed function, so its "

@@ -656,10 +656,14 @@ def run_call(fn: Callable, args: tuple, kwargs: dict, mode: str, block=None, **c
     """``fn(*args, **kwargs)`` in one mode (profiling, and the top-level blocks of a plan); the
     options go to :func:`llmmem.checkpoint` in the modes that use it. ``block``: the module whose
     LayerNorms the recompute-cheap mode may rebuild."""
+    # non-reentrant regions, said explicitly (llmmem.checkpoint warns when use_reentrant is omitted);
+    # the kept outputs of the selective mode stay on the device, where the plan counts them
+    checkpoint_options = {"use_reentrant": False, **checkpoint_options}
     if mode == "store-all":
         return fn(*args, **kwargs)
     if mode == "selective":
-        return checkpoint(context_fn=selective.selective_context_fn, **checkpoint_options)(fn)(*args, **kwargs)
+        options = {"respect_saved_tensors_hooks": False, **checkpoint_options}
+        return checkpoint(context_fn=selective.selective_context_fn, **options)(fn)(*args, **kwargs)
     if mode == "recompute-cheap":
         with remat.recompute_cheap(block):
             return fn(*args, **kwargs)

@@ -217,4 +217,11 @@ def format_op_logs(forward: list, recompute: list) -> str:
         "forward:",
     ]
     out += [f"  {op}" for op, _ in forward] + ["recompute:"] + [f"  {op}" for op, _ in recompute]
+    # torch's phrase for this error (code that matches torch's message finds it here too)
+    out += [
+        "",
+        "You are seeing this error because you passed `debug=True` to checkpoint (or turned on "
+        "torch.utils.checkpoint.set_checkpoint_debug_enabled(True)) and the recompute did not save what "
+        "the forward saved: the first operator where the two lists above part is where to look.",
+    ]
     return "\n".join(out)

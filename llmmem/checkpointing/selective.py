@@ -14,10 +14,16 @@ backward has used them. Time cost: recomputing the cheap operators.
 Not nestable: the kept outputs are held by this mode, outside the saved-tensor mechanism, so a
 selective block inside a checkpointed region would still hold them during the forward. The planner
 only uses this mode at the top level.
+
+Outside the saved-tensor mechanism also means that ``saved_tensors_hooks`` the caller has active
+(``save_on_cpu``, an offloader) do not see the kept outputs, as with torch's selective contexts;
+``llmmem.checkpoint(..., respect_saved_tensors_hooks=True)`` hands each one to those hooks as it is
+kept (:class:`ThroughHooks`) and takes it back through them when the recompute needs it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import torch
@@ -26,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.observers import notify_kept
 
-__all__ = ["selective_context_fn", "KEPT_OPERATORS"]
+__all__ = ["selective_context_fn", "KEPT_OPERATORS", "ThroughHooks"]
 
 _aten = torch.ops.aten
 
@@ -55,18 +61,59 @@ KEPT_OPERATORS = _overloads(
 )
 
 
+class ThroughHooks:
+    """A kept tensor handed to a pair of saved-tensor hooks: packed now, unpacked on demand.
+
+    What ``respect_saved_tensors_hooks=True`` stores instead of the tensor itself. ``version`` is
+    the tensor's version when the policy kept it (its version counter is shared with the output it
+    aliases); :meth:`mutated` says whether it was changed in place since, as far as that can still
+    be seen: once a pack hook has copied the data and the tensor is gone, the copy holds the value
+    the forward used, which is what the recompute needs.
+    """
+
+    __slots__ = ("_packed", "_unpack", "_ref", "_version", "_mutated")
+
+    def __init__(self, t: torch.Tensor, pack, unpack, version: int | None = None) -> None:
+        self._version = t._version if version is None else version
+        self._mutated = t._version != self._version  # changed before it reached the hooks
+        self._ref = weakref.ref(t)
+        with torch.no_grad():  # as autograd calls a pack hook
+            self._packed = pack(t)
+        self._unpack = unpack
+
+    def mutated(self) -> bool:
+        t = self._ref()
+        return self._mutated or (t is not None and t._version != self._version)
+
+    def unpack(self) -> torch.Tensor:
+        return self._unpack(self._packed)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``t`` that shares its version counter. Below autograd (inside a dispatch
+    mode) a plain ``detach()`` gets a counter of its own, so an in-place change of the output after
+    it was kept would go unseen and the recompute would replay the changed values: wrong gradients."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
 class _Keep(TorchDispatchMode):
     def __init__(self, store: deque) -> None:
         super().__init__()
         self.store = store
+        self.hooks = None  # (pack, unpack) of the caller, set by llmmem.checkpoint to route kept outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in KEPT_OPERATORS:
-            kept = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
-            versions = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, out)
-            self.store.append((func, kept, versions))
+            kept = torch.utils._pytree.tree_map_only(torch.Tensor, _alias, out)
             torch.utils._pytree.tree_map_only(torch.Tensor, notify_kept, kept)
+            if self.hooks is None:
+                versions = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, out)
+            else:
+                kept = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: ThroughHooks(t, *self.hooks), kept)
+                versions = None  # each ThroughHooks checks its own
+            self.store.append((func, kept, versions))
         return out
 
 
@@ -78,8 +125,14 @@ class _Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in KEPT_OPERATORS and self.store and self.store[0][0] == func:
             _, kept, versions = self.store.popleft()
-            now = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, kept)
-            if now != versions:
+            if versions is None:
+                routed = torch.utils._pytree.tree_leaves(kept)
+                changed = any(isinstance(r, ThroughHooks) and r.mutated() for r in routed)
+                kept = torch.utils._pytree.tree_map_only(ThroughHooks, ThroughHooks.unpack, kept)
+            else:
+                now = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t._version, kept)
+                changed = now != versions
+            if changed:
                 raise CheckpointError(
                     f"llmmem selective recompute: the output of {func} was modified in place after "
                     "the forward kept it; run this block in store-all mode instead"

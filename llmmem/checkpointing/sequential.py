@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from llmmem.checkpointing.auto import auto_checkpoint
-from llmmem.checkpointing.core import CHECKPOINT_OPTIONS, checkpoint
+from llmmem.checkpointing.core import CHECKPOINT_OPTIONS, _warn_use_reentrant_omitted, checkpoint
 
 __all__ = ["checkpoint_sequential"]
 
@@ -63,9 +63,16 @@ def checkpoint_sequential(
         ``host_bandwidth=``) let the planner keep some segments' inputs in host memory, as in
         :func:`llmmem.plan_checkpoints`, instead of offloading every segment.
 
+    :param use_reentrant: as in :func:`checkpoint`; omitted, the segments are non-reentrant and,
+        as torch's ``checkpoint_sequential`` does, the call warns that it should be passed
+        explicitly (once per call, not per segment).
+
     Memory: the input of each checkpointed segment plus the activations of the largest segment
     (during its backward) and those of the last one.
     """
+    if use_reentrant is None:
+        _warn_use_reentrant_omitted(stacklevel=2, what="llmmem.checkpoint_sequential")
+        use_reentrant = False
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
     # torch accepts any indexable sequence of callables; nn.ModuleList (how models hold their blocks) included

@@ -71,11 +71,13 @@ def _block_runner(kind: str):
 
         return lambda fn, x: tuc.checkpoint(fn, x, use_reentrant=False)
     if kind == "every":
-        return lambda fn, x: llmmem.checkpoint(fn, x)
+        return lambda fn, x: llmmem.checkpoint(fn, x, use_reentrant=False)
     if kind == "selective":
-        return lambda fn, x: llmmem.checkpoint(fn, x, context_fn=llmmem.selective_context_fn)
+        return lambda fn, x: llmmem.checkpoint(
+            fn, x, use_reentrant=False, context_fn=llmmem.selective_context_fn, respect_saved_tensors_hooks=False
+        )
     if kind == "offload":
-        return lambda fn, x: llmmem.checkpoint(fn, x, offload=True)
+        return lambda fn, x: llmmem.checkpoint(fn, x, use_reentrant=False, offload=True)
     return None
 
 

@@ -334,7 +334,7 @@ def suggest(
         add(
             "checkpointing",
             "activation checkpointing of every block",
-            f"llmmem.checkpoint(block, x) for each block in {where}",
+            f"llmmem.checkpoint(block, x, use_reentrant=False) for each block in {where}",
             full,
         )
     if settings.get("attention") == "explicit":

@@ -31,9 +31,15 @@ def _torch_ckpt(fn, *args, **kwargs):
     return tuc.checkpoint(fn, *args, **kwargs)
 
 
+def _llmmem_ckpt(fn, *args, **kwargs):
+    # use_reentrant explicit on both sides: omitted, each warns (test_checkpoint_parity.py checks that)
+    kwargs.setdefault("use_reentrant", False)
+    return llmmem.checkpoint(fn, *args, **kwargs)
+
+
 IMPLS = {
     "torch": (_torch_ckpt, tuc.CheckpointError),
-    "llmmem": (llmmem.checkpoint, llmmem.CheckpointError),
+    "llmmem": (_llmmem_ckpt, llmmem.CheckpointError),
 }
 
 
@@ -482,6 +488,19 @@ def test_selective_context_fn_keeps_matmul_outputs_and_matches_grads():
     b, s, h = x.shape
     assert sel.bytes == b * s * h * 4 * (1 + 3 + 1 + 4 + 1)
     assert sel.bytes < full.bytes
+
+
+def test_selective_context_fn_refuses_a_kept_output_changed_in_place():
+    """A kept matmul output changed in place after the policy kept it would come back changed in
+    the recompute (and be changed again: wrong gradients); the recompute refuses it instead."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    y = llmmem.checkpoint(
+        lambda t: torch.mm(t, w).mul_(2).sin(), x, use_reentrant=False, context_fn=llmmem.selective_context_fn
+    )
+    with pytest.raises(llmmem.CheckpointError, match="modified in place"):
+        y.sum().backward()
 
 
 def test_regions_are_freed_after_backward_without_gc(monkeypatch):

@@ -5,34 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import os
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
+from support.checkpointing import torch_debug_logs_stay_with_torch
 
 import llmmem
 
 HAS_GROUPS = hasattr(tuc, "GraphExecGroup")
-
-
-@contextlib.contextmanager
-def torch_debug_logs_stay_with_torch():
-    """torch's checkpoint debug mode logs every operator to ``logging.getLogger("LoggingTensor")``
-    with records that only its own handler can format. Once torch has made that logger
-    non-propagating, pytest (>= 8) attaches its capture handler to it for every test, and that
-    handler raises on such a record, inside the checkpointed forward. Detached for the block."""
-    logger = logging.getLogger("LoggingTensor")
-    foreign = [h for h in logger.handlers if type(h).__module__.startswith("_pytest")]
-    for h in foreign:
-        logger.removeHandler(h)
-    try:
-        yield
-    finally:
-        for h in foreign:
-            logger.addHandler(h)
 
 
 # --- item 6: every bool option is a bool ------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tuc
+from support.checkpointing import torch_debug_logs_stay_with_torch
 
 import llmmem
 
@@ -59,23 +59,6 @@ class Outcome:
     observed: object = None
     error: BaseException | None = None
     warnings: list = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def torch_debug_logs_stay_with_torch():
-    """torch's checkpoint debug mode logs every operator to ``logging.getLogger("LoggingTensor")``
-    with records that only its own handler can format. Once torch has made that logger
-    non-propagating, pytest (>= 8) attaches its capture handler to it for every test, and that
-    handler raises on such a record, inside the checkpointed forward. Detached for the block."""
-    logger = logging.getLogger("LoggingTensor")
-    foreign = [h for h in logger.handlers if type(h).__module__.startswith("_pytest")]
-    for h in foreign:
-        logger.removeHandler(h)
-    try:
-        yield
-    finally:
-        for h in foreign:
-            logger.addHandler(h)
 
 
 def _observe(scenario: Scenario, api: Api) -> Outcome:
@@ -559,13 +542,16 @@ def default_use_reentrant(api):
 
 
 def test_documented_difference_default_use_reentrant():
-    """torch: ``use_reentrant`` omitted warns and takes the reentrant path. llmmem: omitted means
-    ``False`` (the path torch recommends), silently. The gradients are the same."""
+    """``use_reentrant`` omitted: both warn that it should be passed explicitly (the same
+    category and key phrase); torch then takes the reentrant path, llmmem the non-reentrant one
+    (the path torch recommends). The gradients are the same."""
     scenario = Scenario(default_use_reentrant)
     theirs, ours = _observe(scenario, TORCH), _observe(scenario, LLMMEM)
     assert theirs.error is None and ours.error is None
-    assert any("use_reentrant" in str(w.message) for w in theirs.warnings)
-    assert not ours.warnings
+    for outcome in (theirs, ours):
+        assert [w.category for w in outcome.warnings] == [UserWarning]
+        assert "the use_reentrant parameter should be passed explicitly" in str(outcome.warnings[0].message)
+    assert "use_reentrant=False" in str(ours.warnings[0].message)  # and says what llmmem does instead
     _same(theirs.observed[:2], ours.observed[:2])
     assert theirs.observed[2] == "CheckpointFunctionBackward" and ours.observed[2] != theirs.observed[2]
 
