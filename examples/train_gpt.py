@@ -424,7 +424,7 @@ def build_model(args, device, d: Dist):
 def checkpoint_blocks(blocks, mode: str, offload: bool) -> None:
     """Recompute every block in backward (``llmmem.checkpoint``), in place: an instance-level
     ``forward``, so parameters and ``state_dict`` keys do not change."""
-    options = {"offload": offload}
+    options = {"offload": offload, "use_reentrant": False}
     if mode == "selective":
         options["context_fn"] = llmmem.selective_context_fn  # keep matmul outputs, recompute the rest
     for block in blocks:

@@ -9,6 +9,9 @@ their storage, so they cost nothing more; in-place operators that grow a storage
 :meth:`LiveBytes.track` (a model's parameters, an optimizer's state) or, with ``existing="gc"``,
 every tensor the garbage collector can see when the mode starts.
 
+FSDP2's gathered parameters, which it frees and allocates again by resizing their storages outside
+any operator, are re-read after each resize (:mod:`llmmem.diagnostics.fsdp_storage`).
+
 What it does not see: memory that no tensor storage owns (an allocator's cache, a kernel's
 scratch buffer), tensors made on threads the mode is not active on (autograd's backward
 threads inherit it; other threads do not), and what a DTensor operator makes inside its own
@@ -58,6 +61,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from llmmem.diagnostics import fsdp_storage
 from llmmem.diagnostics.interrupts import Guard, defer_signals, restore_signals
 from llmmem.diagnostics.mode_stacks import enter_mode, exit_mode
 from llmmem.dtensors import is_dtensor, local
@@ -179,6 +183,15 @@ def storage_key(t: torch.Tensor) -> int:
     """The key :class:`LiveBytes` counts ``t``'s storage under (the storage object's id, stable for
     the storage's life); the storage id its listeners are given."""
     return id(t.untyped_storage())
+
+
+# the counters entered and not left: FSDP2's storage resizes are told to them
+_ACTIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _storage_resized(t: torch.Tensor) -> None:
+    for meter in list(_ACTIVE):
+        meter._see(t)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -342,6 +355,8 @@ class LiveBytes(TorchDispatchMode):
             restore_signals()
             raise
         self._thread = threading.get_ident()
+        _ACTIVE.add(self)
+        fsdp_storage.install(_storage_resized)
         if self._existing == "gc":
             # type(), not isinstance(): a deprecated module attribute warns when its __class__ is read
             self.track(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
@@ -361,6 +376,7 @@ class LiveBytes(TorchDispatchMode):
                 "leave it on the thread that entered it (a with block does)"
             )
         exit_mode(self)
+        _ACTIVE.discard(self)
         self._thread = None
         restore_signals()
 
