@@ -6,7 +6,7 @@ For each family it prints and writes (JSON):
 - parameters: the estimate from the config alone against the built model's count;
 - activations: the estimate (from the config) against the bytes a training step holds when its
   backward starts (every tensor storage made in the forward and still alive,
-  :class:`llmmem.checkpointing.profile.ActivationMeter`);
+  :class:`llmmem.checkpointing.meters.ActivationMeter`);
 - the whole step: the estimate's ``total`` (and ``peak``, the larger of its two phases), asked of
   the model itself (its parameters counted), against the
   measured peak of a second training step (``zero_grad(set_to_none=True)``, forward, backward,
@@ -121,7 +121,7 @@ def build(name: str, seed: int = 0):
 
 def held_at_backward(model, batch: dict) -> int:
     """Activation bytes alive when the backward starts (parameter gradients not counted)."""
-    from llmmem.checkpointing.profile import ActivationMeter
+    from llmmem.checkpointing.meters import ActivationMeter
 
     for p in model.parameters():
         p.grad = None

@@ -11,12 +11,14 @@ import time
 import torch
 import torch.nn as nn
 
+from llmmem.checkpointing.blocks import as_block_list
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpointing_flags_off, restore_flags
+from llmmem.checkpointing.modes import run_mode
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.outputs import OutputWatch
 from llmmem.checkpointing.plan import DEFAULT_SLOTS, CheckpointPlan, plan_checkpoints
-from llmmem.checkpointing.profile import ChainProfile, as_block_list, profile_model, run_mode
+from llmmem.checkpointing.profile import ChainProfile, profile_model
 from llmmem.checkpointing.reshape import ShapePlans
 from llmmem.checkpointing.stacks import Stack, find_blocks, order_by_calls, resolve_blocks
 from llmmem.units import format_bytes

@@ -43,10 +43,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from llmmem.checkpointing import compile_notes
+from llmmem.checkpointing.calls import find_hidden, hidden_of, without_cache
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.errors import CheckpointError
+from llmmem.checkpointing.modes import run_call
 from llmmem.checkpointing.offload import HostCopies, offload_without_prefetch
-from llmmem.checkpointing.profile import find_hidden, hidden_of, run_call, without_cache
 from llmmem.checkpointing.replay import RngState, accelerator_type, autocast_state
 from llmmem.checkpointing.selective import selective_context_fn
 from llmmem.errors import user_stacklevel

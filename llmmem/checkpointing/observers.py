@@ -2,7 +2,7 @@
 
 Selective recompute, cheap rematerialisation and offload keep some tensors where an outer
 ``saved_tensors_hooks`` cannot see them; they report each one here, so that whoever measures what a
-block keeps (:class:`llmmem.checkpointing.profile.measure_saved_bytes`) counts it, on the memory it
+block keeps (:class:`llmmem.checkpointing.meters.measure_saved_bytes`) counts it, on the memory it
 is kept in. One list of observers per thread.
 """
 

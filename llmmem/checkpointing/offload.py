@@ -43,7 +43,7 @@ class HostCopies:
 
     def pack(self, t: torch.Tensor):
         # These hooks hide the inputs from any outer saved_tensors_hooks, so tell the byte
-        # observers (llmmem.checkpointing.profile.measure_saved_bytes) what is kept, on the memory it is kept in.
+        # observers (llmmem.checkpointing.meters.measure_saved_bytes) what is kept, on the memory it is kept in.
         if t.device.type != "cuda":
             notify_kept(t)
             return t  # already in host memory: nothing to move

@@ -19,7 +19,7 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
-from llmmem.checkpointing.profile import hidden_of
+from llmmem.checkpointing.calls import hidden_of
 from llmmem.errors import user_frame
 from llmmem.units import format_bytes
 

@@ -38,7 +38,10 @@ from dataclasses import dataclass, field
 import torch
 
 from llmmem._native import native
-from llmmem.checkpointing.profile import INPUT_ONLY, ChainProfile, as_block_list, median_time, profile_blocks
+from llmmem.checkpointing.blocks import as_block_list
+from llmmem.checkpointing.modes import INPUT_ONLY
+from llmmem.checkpointing.profile import ChainProfile, profile_blocks
+from llmmem.checkpointing.timing import median_time
 from llmmem.errors import InfeasibleError, user_stacklevel
 from llmmem.units import format_bytes, parse_bytes
 

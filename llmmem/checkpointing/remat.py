@@ -24,7 +24,7 @@ input (which frees that node's saved tensors), so the operands are still there. 
 check versions of tensors saved through hooks, so the kept ones carry their version and an
 in-place change after the forward raises ``CheckpointError`` (as autograd would), also when it
 hits an operand of a rebuild. Memory: the kept tensors (reported to
-``llmmem.checkpointing.profile.measure_saved_bytes``) and one small handle per dropped tensor. Not nestable
+``llmmem.checkpointing.meters.measure_saved_bytes``) and one small handle per dropped tensor. Not nestable
 inside a checkpointed region (its hooks would hide the tensors from the region's); the planner uses
 it at the top level only.
 """

@@ -9,7 +9,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-from llmmem.checkpointing.profile import check_distinct, forward_of, is_step, kept_state
+from llmmem.checkpointing.blocks import check_distinct
+from llmmem.checkpointing.profile import kept_state
+from llmmem.checkpointing.samples import forward_of, is_step
 
 __all__ = ["Stack", "find_blocks", "find_stacks", "order_by_calls", "resolve_blocks"]
 

@@ -31,11 +31,12 @@ def measure_layer_bytes(model, sample) -> int:
     """Bytes the first block of ``model``'s repeated blocks keeps for backward, its input included,
     on the model's device and in its dtype: the block is called with the arguments the model gives
     it on ``sample`` (its forward stops there), and run once under an exact meter of live tensor
-    bytes (:class:`llmmem.checkpointing.profile.ActivationMeter`). Memory: one block's activations."""
+    bytes (:class:`llmmem.checkpointing.meters.ActivationMeter`). Memory: one block's activations."""
     import torch
 
     from llmmem.checkpointing.auto import find_blocks
-    from llmmem.checkpointing.profile import BlockCall, find_hidden, profile_calls, without_cache
+    from llmmem.checkpointing.calls import BlockCall, find_hidden, without_cache
+    from llmmem.checkpointing.profile import profile_calls
 
     _, blocks = find_blocks(model)
     captured = {}

@@ -6,7 +6,7 @@ import torch
 
 from llmmem.checkpointing import bookkeeping
 from llmmem.checkpointing.bookkeeping import checkpoint_bookkeeping_seconds
-from llmmem.checkpointing.profile import BlockCall
+from llmmem.checkpointing.calls import BlockCall
 
 
 def _call(**kwargs):

@@ -287,7 +287,7 @@ def test_llmmems_own_callers_pass_use_reentrant():
         assert chain.plan.regions or set(chain.plan.modes) != {"store-all"}  # it checkpoints something
         chain(x).sum().backward()
         llmmem.checkpoint_sequential(blocks, 2, x, use_reentrant=False).sum().backward()
-        from llmmem.checkpointing.profile import run_mode
+        from llmmem.checkpointing.modes import run_mode
 
         for mode in ("selective", "nostore"):
             run_mode(blocks[0], x, mode).sum().backward()

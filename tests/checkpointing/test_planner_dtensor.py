@@ -47,7 +47,7 @@ def _step(model, batch):
 
 
 def _measured_peak(model, batch) -> int:
-    from llmmem.checkpointing.profile import ActivationMeter
+    from llmmem.checkpointing.meters import ActivationMeter
 
     for p in model.parameters():
         p.grad = None

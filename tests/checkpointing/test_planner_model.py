@@ -386,10 +386,12 @@ def test_overhead_prices_work_and_python_bookkeeping():
 def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
     """A round slowed down as a whole (load on a shared machine) moves the store-all median, not the
     other modes' ratios to it."""
-    from llmmem.checkpointing import profile as prof
+    from llmmem.checkpointing import costs as block_costs
+    from llmmem.checkpointing.calls import BlockCall
+    from llmmem.checkpointing.modes import MODES
 
     block = nn.Linear(4, 4)
-    call = prof.BlockCall((torch.randn(2, 4),))
+    call = BlockCall((torch.randn(2, 4),))
     # store-all 1 s + 2 s, the other modes twice that, in every round; round 2 three times slower
     t = {"now": 0.0}
     costs = {"store-all": (1.0, 2.0), "selective": (2.0, 4.0), "recompute-cheap": (2.0, 4.0), "nostore": (2.0, 4.0)}
@@ -400,7 +402,7 @@ def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
     def fake_perf_counter():
         return t["now"]
 
-    real_run_call = prof.run_call
+    real_run_call = block_costs.run_call
 
     def timed_run_call(fn, args, kwargs, mode, block=None, **options):
         out = real_run_call(fn, args, kwargs, "store-all", block)
@@ -417,10 +419,10 @@ def test_timed_modes_are_ratios_to_store_all_within_a_round(monkeypatch):
         assert part == 1
         t["now"] += costs[m][1] * factor
 
-    monkeypatch.setattr(prof.time, "perf_counter", fake_perf_counter)
-    monkeypatch.setattr(prof, "run_call", timed_run_call)
-    monkeypatch.setattr(prof.torch.autograd, "backward", timed_backward)
-    out = prof._timed_steps(block, block, call, prof.MODES, repeats=3, warmup=1, device=torch.device("cpu"))
+    monkeypatch.setattr(block_costs.time, "perf_counter", fake_perf_counter)
+    monkeypatch.setattr(block_costs, "run_call", timed_run_call)
+    monkeypatch.setattr(block_costs.torch.autograd, "backward", timed_backward)
+    out = block_costs._timed_steps(block, block, call, MODES, repeats=3, warmup=1, device=torch.device("cpu"))
     assert out["store-all"] == pytest.approx((1.0, 2.0))
     for m in ("selective", "recompute-cheap", "nostore"):
         assert out[m] == pytest.approx((2.0, 4.0))

@@ -14,7 +14,7 @@ from support.planner import lm_batch, tiny_gpt2, tiny_llama, transformers_or_ski
 
 import llmmem
 from llmmem._native import native
-from llmmem.checkpointing.profile import INPUT_ONLY
+from llmmem.checkpointing.modes import INPUT_ONLY
 from llmmem.models.gpt import GPT, GPTConfig
 
 

@@ -16,7 +16,7 @@ from support.planner import step_memory
 
 import llmmem
 from llmmem.__main__ import main
-from llmmem.checkpointing.profile import ActivationMeter
+from llmmem.checkpointing.meters import ActivationMeter
 from llmmem.diagnostics.advice import estimate_settings
 from llmmem.diagnostics.live import LiveBytes
 from llmmem.estimation.activations import fused_head_chunk_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmmem.checkpointing.profile import ActivationMeter
+from llmmem.checkpointing.meters import ActivationMeter
 
 
 def step_memory(model, step) -> tuple[int, int]:
