@@ -318,7 +318,9 @@ class GradScaler(_ScalerVisibility):
             )
 
         checked = None
-        if found_inf.is_cpu:  # is_cpu: no torch.device object made
+        # DTensor parameters take the general walk, on every rank, whatever gradients it holds: it
+        # agrees their flags over the mesh (a collective) even where a rank has none of them
+        if found_inf.is_cpu and not _sharded.has_dtensors(optimizer.param_groups):
             checked = cpu_unscale.unscale_(
                 optimizer.param_groups,
                 per_device_scale.master,
@@ -361,6 +363,8 @@ class GradScaler(_ScalerVisibility):
         # `slots`: each checked gradient's position in the flattened param_groups, kept (not the
         # parameters) so the overflow record does not keep a deleted model's tensors alive.
         owners, grads, slots = [], [], []
+        # every DTensor parameter, with or without a gradient here: the same list on every rank
+        dtensor_params = _sharded.dtensor_params(optimizer.param_groups, resume)
         slot = -1
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -434,8 +438,10 @@ class GradScaler(_ScalerVisibility):
                     codes=sub_codes,
                 )
                 flags_per_device[device] = (flags, pos)
-            if sharded:
-                _sharded.agree(sharded, flags_per_device, per_device_found_inf.get)
+            if dtensor_params:
+                checked_at = {slots[k]: k for k, _ in sharded}
+                members = [(checked_at.get(slot), slot, param) for slot, param in dtensor_params]
+                _sharded.agree(members, flags_per_device, per_device_found_inf.get, slots)
         return Checked(slots, flags_per_device, per_device_found_inf._per_device_tensors)
 
     def _record_overflow(self, optimizer: torch.optim.Optimizer, checked: Checked) -> None:

@@ -10,38 +10,74 @@ float per gradient, :func:`llmmem.dtensors.max_over_shards`) and folds them into
 could only flag the whole group: every parameter was named for one inf.)
 
 The collective runs in ``unscale_`` (or the ``step`` that unscales), which every rank calls each
-iteration with the same parameters, whatever its own gradients hold: one call per (mesh, device),
-in the order of the parameters. It never runs in ``overflowed_params``, which a rank may call alone.
+iteration with the same parameters: it is built from the optimizer's DTensor parameters, not from
+the gradients a rank happens to hold (a parameter without a gradient on one rank has a 0 flag
+there), one call per (mesh, device), in the order of the parameters. It never runs in ``overflowed_params``, which a rank may call alone.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
 
-from llmmem.dtensors import max_over_shards
+from llmmem.dtensors import is_dtensor, local, max_over_shards
 
-__all__ = ["agree"]
+__all__ = ["agree", "dtensor_params", "has_dtensors"]
 
 
-def agree(sharded: list, flags_per_device: dict, found_inf_of: Callable[[torch.device], torch.Tensor]) -> None:
-    """``sharded``: ``(k, gradient)`` for each DTensor gradient, ``k`` its position in the checked
-    list; ``flags_per_device``: ``{device: (uint8 flags, positions in the checked list)}`` as the
-    check left them (the local shards' flags). Replaces those flags by their max over each mesh and
-    raises the device's ``found_inf`` (``found_inf_of(device)``) to 1 where one is set. No host sync."""
+def has_dtensors(param_groups) -> bool:
+    """Whether any parameter of ``param_groups`` is a DTensor (False at no cost where
+    ``torch.distributed.tensor`` is not loaded)."""
+    if sys.modules.get("torch.distributed.tensor") is None:
+        return False
+    return any(is_dtensor(p) for group in param_groups for p in group["params"])
+
+
+def dtensor_params(param_groups, resume: int = 0) -> list:
+    """``(slot, parameter)`` for each DTensor parameter at flat position ``slot >= resume``."""
+    if sys.modules.get("torch.distributed.tensor") is None:
+        return []
+    flat = (p for group in param_groups for p in group["params"])
+    return [(slot, p) for slot, p in enumerate(flat) if slot >= resume and is_dtensor(p)]
+
+
+def agree(members: list, flags_per_device: dict, found_inf_of: Callable, slots: list) -> None:
+    """``members``: ``(k, slot, parameter)`` for every DTensor parameter of the optimizer, in its order
+    (the same list on every rank), ``k`` its gradient's position in the checked list or None where
+    this rank has no gradient for it (its flag is then 0), ``slot`` its flat position in the
+    optimizer; ``flags_per_device``: ``{device: (uint8 flags, positions in the checked list)}`` as
+    the check left them (the local shards' flags); ``slots``: the checked list's flat positions.
+    Replaces those flags by their max over each mesh, adds the parameters this rank has no gradient
+    for to the record (``slots`` and the flags, so that every rank names the same parameters), and
+    raises the device's ``found_inf`` (``found_inf_of(device)``) to 1 where a flag is set. No host sync."""
     where = {}  # position in the checked list -> (device, index in that device's flags)
     for device, (_, positions) in flags_per_device.items():
         for j, k in enumerate(positions):
             where[k] = (device, j)
-    groups: dict = {}  # (mesh, device) -> [(index in flags, gradient)], in the parameters' order
-    for k, grad in sharded:
-        device, j = where[k]
-        groups.setdefault((grad.device_mesh, device), []).append((j, grad))
-    for (_, device), members in groups.items():
-        flags = flags_per_device[device][0]
-        index = torch.tensor([j for j, _ in members], dtype=torch.long).to(device, non_blocking=True)
-        agreed = max_over_shards(flags.index_select(0, index).float(), [g for _, g in members])
-        flags.index_copy_(0, index, agreed.ne(0).to(flags.dtype))
+    groups: dict = {}  # (mesh, device) -> [(index in flags or None, slot, parameter)], in the parameters' order
+    for k, slot, param in members:
+        device, j = where[k] if k is not None else (local(param).device, None)
+        groups.setdefault((param.device_mesh, device), []).append((j, slot, param))
+    for (_, device), entries in groups.items():
+        values = torch.zeros(len(entries), device=device)
+        have = [(i, j) for i, (j, _, _) in enumerate(entries) if j is not None]
+        if have:
+            flags = flags_per_device[device][0]
+            at = torch.tensor([i for i, _ in have], dtype=torch.long).to(device, non_blocking=True)
+            index = torch.tensor([j for _, j in have], dtype=torch.long).to(device, non_blocking=True)
+            values.index_copy_(0, at, flags.index_select(0, index).float())
+        agreed = max_over_shards(values, [p for _, _, p in entries])
+        if have:
+            flags.index_copy_(0, index, agreed.index_select(0, at).ne(0).to(flags.dtype))
+        missing = [i for i, (j, _, _) in enumerate(entries) if j is None]
+        if missing:
+            old, positions = flags_per_device.get(device, (torch.zeros(0, dtype=torch.uint8, device=device), []))
+            at = torch.tensor(missing, dtype=torch.long).to(device, non_blocking=True)
+            added = agreed.index_select(0, at).ne(0).to(old.dtype)
+            new_positions = list(range(len(slots), len(slots) + len(missing)))
+            slots.extend(entries[i][1] for i in missing)
+            flags_per_device[device] = (torch.cat([old, added]), list(positions) + new_positions)
         found_inf = found_inf_of(device)
         found_inf.copy_(torch.maximum(found_inf, agreed.max()))

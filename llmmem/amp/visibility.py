@@ -118,7 +118,7 @@ class _ScalerVisibility:
                     if f:
                         hit.add(pos[j])
             flat = [(gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])]
-            for k in sorted(hit):
+            for k in sorted(hit, key=slots.__getitem__):  # in the optimizer's order, on every rank alike
                 if slots[k] >= len(flat):  # param_groups shrank since the check
                     continue
                 gi, pi, param = flat[slots[k]]

@@ -119,3 +119,41 @@ def test_tensor_parallel_overflow_names_the_one_parameter_on_every_rank():
     from llmmem.parallel.ranks import run_ranks
 
     run_ranks(__file__, "_tensor_parallel", 2, timeout=180)
+
+
+def _ranks_disagree(rank, world):
+    """Ranks that hold gradients for different DTensor parameters (one missing on one rank, or all):
+    the agreement is built from the parameters, so every rank runs the same collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import llmmem
+
+    mesh = init_device_mesh("cpu", (world,))
+    for case in ("one missing", "none here"):
+        params = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])) for _ in range(3)]
+        for p in params:
+            p.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+        if rank == 1 and case == "one missing":
+            params[0].grad = None
+            params[1].grad.to_local().fill_(float("inf"))
+        if rank == 1 and case == "none here":
+            for p in params:
+                p.grad = None
+        if rank == 0 and case == "none here":
+            params[2].grad.to_local()[0, 0] = float("inf")
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = llmmem.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(torch.tensor(1.0))
+        scaler.unscale_(opt)
+        found = sum(float(v) for v in scaler._found_inf_per_device(opt).values())
+        named = scaler.overflowed_params()
+        want = [(0, 1)] if case == "one missing" else [(0, 2)]
+        assert found == 1.0 and named == want, (rank, case, found, named)
+        assert _on_every_rank(named) == [want] * world
+
+
+def test_ranks_with_different_gradients_agree_without_waiting():
+    from llmmem.parallel.ranks import run_ranks
+
+    run_ranks(__file__, "_ranks_disagree", 2, timeout=120)
