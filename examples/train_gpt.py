@@ -244,7 +244,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.sequence_parallel and a.seq_len % a.tp:
         p.error(f"--sequence-parallel: --seq-len ({a.seq_len}) must be divisible by --tp ({a.tp})")
     if a.model == "hf-llama" and a.tp > 1:
-        p.error("--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); hf-llama trains data-parallel only")
+        p.error(
+            "--tp applies to --model gpt (llmmem.parallel.TensorParallelGPT); here hf-llama trains data-parallel "
+            "only (in your own script, llmmem.parallel.parallelize(model, group) splits a Hugging Face Llama)"
+        )
     if a.tp > 1 and (a.heads % a.tp or (4 * a.hidden) % a.tp or VOCAB_SIZE % a.tp):
         p.error(f"--tp {a.tp} must divide --heads ({a.heads}), 4 x --hidden and the vocabulary ({VOCAB_SIZE})")
     if a.tp > 1 and a.fused_head:
@@ -574,14 +577,14 @@ def agree_on_overflow(params, group) -> None:
     # under --fsdp the gradients are DTensors: each rank checks, and poisons, its own shard
     grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad for p in params if p.grad is not None]
     grads = [g for g in grads if g.numel()]
-    bad = torch.zeros(1, device=grads[0].device)
+    bad = torch.zeros(1, device=grads[0].device if grads else "cpu" if dist.get_backend(group) == "gloo" else "cuda")
     for g in grads:
         if not torch.isfinite(g).all():
             bad.fill_(1.0)
             break
     local = bool(bad.item())
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    if bad.item() and not local:
+    if bad.item() and not local and grads:
         grads[0].view(-1)[0] = float("inf")
 
 
@@ -929,9 +932,9 @@ def main(argv=None) -> int:
 
                 allreduce_sequence_parallel_grads(inner, d.tp_group)
             if scaler is not None:
-                if args.fsdp != "none":  # each rank checked its own shards of every gradient
-                    agree_on_overflow(inner.parameters(), None)
-                elif d.tp > 1:
+                # the scaler agrees over FSDP2's meshes and the TP layers' groups itself; FSDP2 replaces
+                # the TP layers' tagged parameters, so under --tp --fsdp the TP ranks agree here
+                if d.tp > 1 and args.fsdp != "none":
                     agree_on_overflow(inner.parameters(), d.tp_group)
                 scaler.step(optimizer)
                 scaler.update()

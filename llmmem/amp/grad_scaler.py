@@ -332,6 +332,9 @@ class GradScaler(_ScalerVisibility):
             )
         if checked is None:
             checked = general(0)
+        groups = _sharded.tp_groups(optimizer.param_groups)  # llmmem's tensor-parallel slices
+        if groups:
+            _sharded.agree_found_inf(checked.found_inf_per_device, groups)
         self._record_overflow(optimizer, checked)
         return checked.found_inf_per_device
 

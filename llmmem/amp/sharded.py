@@ -24,7 +24,36 @@ import torch
 
 from llmmem.dtensors import is_dtensor, local, max_over_shards
 
-__all__ = ["agree", "dtensor_params", "has_dtensors"]
+__all__ = ["TENSOR_PARALLEL_GROUP_ATTR", "agree", "agree_found_inf", "dtensor_params", "has_dtensors", "tp_groups"]
+
+# The process group a parameter is split over by llmmem's tensor-parallel layers (plain tensors, each
+# rank its own slice): an overflow in one rank's slice must skip the step on every rank of the group.
+TENSOR_PARALLEL_GROUP_ATTR = "llmmem_tensor_parallel_group"
+
+
+def tp_groups(param_groups) -> list:
+    """The tensor-parallel groups that ``param_groups``' parameters are split over (none, at no cost,
+    without an initialised ``torch.distributed``)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return []
+    found = {}
+    for group in param_groups:
+        for p in group["params"]:
+            g = getattr(p, TENSOR_PARALLEL_GROUP_ATTR, None)
+            if g is not None:
+                found[id(g)] = g
+    return list(found.values())
+
+
+def agree_found_inf(found_inf_per_device: dict, groups: list) -> None:
+    """Max-reduce each device's ``found_inf`` over each of ``groups`` (a collective on their ranks,
+    which all call ``unscale_`` with the same parameters): a step skipped on one skips on all."""
+    import torch.distributed as dist
+
+    for found_inf in found_inf_per_device.values():
+        for group in groups:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
 
 def has_dtensors(param_groups) -> bool:

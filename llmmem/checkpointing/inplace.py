@@ -387,6 +387,10 @@ class ChainRunner:
         if self.offloaded:
             changes.append("offloaded region inputs stay on the device")
         self.compile_changes = "; ".join(changes)
+        self._watch_compile()
+
+    def _watch_compile(self) -> None:
+        """Have the next compilation say what a compiled model does otherwise than this plan."""
         if self.compile_changes and not torch.compiler.is_compiling():
             compile_notes.watch(
                 f"llmmem.auto_checkpoint and torch.compile: where a compiled model runs the blocks of this plan "
@@ -419,6 +423,8 @@ class ChainRunner:
         self.originals = [
             types.MethodType(type(b).forward, b) if f is None else f for f, b in zip(self.originals, self.blocks)
         ]
+        if self.compile_changes and self.blocks:
+            self._watch_compile()
 
     # installing --------------------------------------------------------------------------------
     def install(self) -> None:

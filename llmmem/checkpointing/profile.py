@@ -35,13 +35,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from llmmem.checkpointing.blocks import as_block_list
-from llmmem.checkpointing.calls import BlockCall, hidden_of, without_cache
+from llmmem.checkpointing.blocks import as_block_list, check_distinct
+from llmmem.checkpointing.calls import BlockCall, find_hidden, hidden_of, without_cache
 from llmmem.checkpointing.costs import block_signature, profile_one
 from llmmem.checkpointing.meters import ActivationMeter, measure_saved_bytes, tensor_bytes
-from llmmem.checkpointing.modes import INPUT_ONLY, MODES
+from llmmem.checkpointing.modes import INPUT_ONLY, MODES, run_call, run_mode
 from llmmem.checkpointing.recording import record_step
 from llmmem.checkpointing.samples import is_step, sample_step
+from llmmem.checkpointing.timing import median_time
+from llmmem.checkpointing.work import WorkCounter
 
 __all__ = [
     "ChainProfile",
@@ -50,9 +52,16 @@ __all__ = [
     "profile_blocks",
     "profile_calls",
     "profile_model",
-    # their home is llmmem.checkpointing.meters; importable from here, where earlier docstrings pointed
+    # importable from here as before the split (their homes: meters, work, modes, blocks, calls,
+    # timing), for code that imported them from this module
     "ActivationMeter",
     "measure_saved_bytes",
+    "WorkCounter",
+    "run_call",
+    "run_mode",
+    "check_distinct",
+    "median_time",
+    "find_hidden",
 ]
 
 

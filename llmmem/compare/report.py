@@ -487,6 +487,8 @@ def _sharded_state_target(r: dict | None, base: dict | None, key: str) -> tuple:
     world = r["world"]
     limit = 1.0 / world + 0.05
     ranks = [p["state_bytes"] for p in r.get("per_rank") or [r] if p.get("state_bytes")]
+    if not ranks:
+        return f"{key}: loss and model state per rank", None, f"row {key} has no model-state figures"
     whole = sum(base["state_bytes"].values())
     worst = max(sum(b.values()) for b in ranks) / whole if whole else float("inf")
     rel = abs(r["derived"]["loss_rel_diff"])

@@ -230,6 +230,7 @@ class LiveBytes(TorchDispatchMode):
     def track(self, tensors: Iterable) -> None:
         """Count the storages of ``tensors`` (any nesting of lists, tuples and dicts; modules'
         parameters and buffers; an optimizer's state) if they are not counted yet."""
+        fsdp_storage.install(_storage_resized)  # FSDP2 may have been loaded since the counter was entered
         for t in _tensors_of(tensors):
             self._see(t)
 

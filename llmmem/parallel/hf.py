@@ -374,6 +374,13 @@ class _SequenceSplit:
         def take_slice(x):
             if self.length is not None and x.shape[1] != self.length:
                 return x  # a slice already: the layer replayed on what it got
+            t = dist.get_world_size(self.group)
+            if x.shape[1] % t:
+                raise ValueError(
+                    f"parallelize(sequence_parallel=True): the sequence length ({x.shape[1]}) must be divisible "
+                    f"by the tensor-parallel size ({t}); generation feeds lengths that are not (the prompt, then "
+                    "one token a step): generate with a model parallelized without sequence_parallel"
+                )
             return scatter_to_sequence_parallel_region(x, self.group, sequence_dim=1)
 
         return _on_hidden(args, kwargs, take_slice)

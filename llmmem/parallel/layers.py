@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmmem.amp.sharded import TENSOR_PARALLEL_GROUP_ATTR
 from llmmem.parallel import collectives
 from llmmem.parallel.groups import get_tensor_parallel_group
 from llmmem.parallel.mappings import (
@@ -115,6 +116,7 @@ class _ParallelLinearBase(nn.Module):
             self.register_parameter("bias", None)
         # parameters sliced along a dimension, so checkpoint tools know how to reassemble them
         self.weight.tensor_parallel_dim = self._split_dim
+        _mark_group(self)
         if self.bias is not None and self._split_dim == 0:
             self.bias.tensor_parallel_dim = 0
 
@@ -170,6 +172,13 @@ class _ParallelLinearBase(nn.Module):
             f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
             f"skip_bias_add={self.skip_bias_add}"
         )
+
+
+def _mark_group(module: nn.Module) -> None:
+    """Tag the module's parameters with its group: llmmem.GradScaler then skips a step on every rank
+    of the group when one rank's shards overflowed (see llmmem.amp.sharded)."""
+    for p in module.parameters(recurse=False):
+        setattr(p, TENSOR_PARALLEL_GROUP_ATTR, module.process_group)
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
@@ -386,6 +395,7 @@ class VocabParallelEmbedding(nn.Module):
             full = _master
         self.weight = nn.Parameter(full.detach()[self.vocab_start : self.vocab_end].clone())
         self.weight.tensor_parallel_dim = 0
+        _mark_group(self)
         # padding row as an index into this rank's slice, when this rank owns it
         self._local_padding_idx = (
             padding_idx - self.vocab_start
@@ -416,7 +426,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"VocabParallelEmbedding: ids must be int64 or int32, got {ids.dtype}")
-        if ids.device.type == "cpu":
+        # the range check reads the ids on the host: not while Dynamo traces (a data-dependent guard)
+        if ids.device.type == "cpu" and not torch.compiler.is_compiling():
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
                 raise IndexError(
                     f"VocabParallelEmbedding: index out of range: ids must be in "

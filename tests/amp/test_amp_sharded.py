@@ -157,3 +157,42 @@ def test_ranks_with_different_gradients_agree_without_waiting():
     from llmmem.parallel.ranks import run_ranks
 
     run_ranks(__file__, "_ranks_disagree", 2, timeout=120)
+
+
+def _tensor_parallel_layers(rank, world):
+    """llmmem's tensor-parallel layers (plain tensors, each rank its slice): an inf in one rank's
+    slice skips the step on every rank, so the replicated weights stay equal (before: the other rank
+    stepped, and they drifted apart)."""
+    import torch.distributed as dist
+
+    import llmmem
+    import llmmem.parallel as tp
+
+    tp.init(tensor_parallel_size=world)
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(8)  # replicated
+    up = tp.ColumnParallelLinear(8, 16, gather_output=False)
+    down = tp.RowParallelLinear(16, 8, input_is_parallel=True)
+    params = list(norm.parameters()) + list(up.parameters()) + list(down.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = llmmem.GradScaler("cpu", init_scale=4.0)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    scaler.scale(down(up(norm(x))).pow(2).sum()).backward()
+    if rank == 1:
+        down.weight.grad[0, 0] = float("inf")
+    before = norm.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped(), rank
+    assert torch.equal(norm.weight, before)
+    assert scaler.get_scale() == 2.0
+    both = [None] * world
+    dist.all_gather_object(both, norm.weight.detach())
+    assert torch.equal(both[0], both[1])
+    tp.destroy()
+
+
+def test_tensor_parallel_layers_skip_together():
+    from llmmem.parallel.ranks import run_ranks
+
+    run_ranks(__file__, "_tensor_parallel_layers", 2, timeout=120)
