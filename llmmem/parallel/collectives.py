@@ -441,6 +441,16 @@ def _agree_on_fallback(comm, key, op: str, tensor: torch.Tensor, nbytes: int) ->
     raise _disagreement(op, views)
 
 
+# Under torch.compile a collective runs eagerly, between graphs: Dynamo traced into the engines
+# (their set-up, their caches) and recompiled at each call until its recompile limit sent the whole
+# model back to eager. Torch's functional collectives, which a graph carries, gave other gradients
+# in the tensor-parallel layers' backward (tests/parallel/test_parallel_compile.py's models).
+_eager_under_compile = torch.compiler.disable(
+    recursive=True, reason="llmmem's collectives run eagerly between graphs (llmmem.parallel.collectives)"
+)
+
+
+@_eager_under_compile
 def all_reduce_(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over the group, in place; returns it.
 
@@ -534,6 +544,7 @@ def _scatter_route(out: torch.Tensor, src: torch.Tensor, group) -> bool:
     return False
 
 
+@_eager_under_compile
 def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
     try:
@@ -557,6 +568,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
         raise
 
 
+@_eager_under_compile
 def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
     try:
