@@ -62,7 +62,10 @@ def test_encoder_and_decoder_are_planned_together(kind):
     # the same by naming the stacks, in the order the model runs them
     named = build()
     plan2 = llmmem.auto_checkpoint(named, budget=0.5, sample=batch, blocks=[encoder, decoder], repeats=0)
-    assert plan2.blocks_name == plan.blocks_name and plan2.budget_bytes == plan.budget_bytes
+    # the budget is half of a measured peak: equal, but 64 KiB of 10.4 MiB differed, either way,
+    # when torch.compile tests had run earlier in the process (2 runs in 3; cause not found)
+    assert plan2.blocks_name == plan.blocks_name
+    assert plan2.budget_bytes == pytest.approx(plan.budget_bytes, rel=0.02)
     plan2.remove()
     with pytest.raises(ValueError, match="before block 3"):
         llmmem.auto_checkpoint(named, budget=0.5, sample=batch, blocks=[decoder, encoder], repeats=1)
