@@ -50,6 +50,8 @@ import torch.nn.functional as F
 import llmmem
 import llmmem.optim
 from llmmem.compare.corpus import VOCAB_SIZE, BatchSampler, encode
+from llmmem.dtensors import is_dtensor
+from llmmem.dtensors import local as local_shard
 from llmmem.models.gpt import GPT, GPTConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -467,18 +469,12 @@ def shard_model(args, model, blocks, d: Dist) -> None:
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 
-def _is_dtensor(value) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
 def local_state(tree):
     """``tree`` (a state dict, nested) with each DTensor replaced by this rank's shard of it: what a
     rank saves under --fsdp, and the shapes its file is checked against (a run resumes on the
     same layout only)."""
-    if _is_dtensor(tree):
-        return tree.to_local()
+    if is_dtensor(tree):
+        return local_shard(tree)
     if isinstance(tree, dict):
         return {k: local_state(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -491,8 +487,8 @@ def local_bytes(tree) -> int:
     if tree is None:
         return 0
     if torch.is_tensor(tree):
-        local = tree.to_local() if _is_dtensor(tree) else tree
-        return local.numel() * local.element_size()
+        shard = local_shard(tree)
+        return shard.numel() * shard.element_size()
     if isinstance(tree, dict):
         tree = tree.values()
     if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__"):
@@ -504,12 +500,12 @@ def load_model_state(model, saved: dict) -> None:
     """``saved`` into ``model``: ``load_state_dict``, or under --fsdp each rank's shards copied into
     its parameters' and buffers' own."""
     current = model.state_dict()
-    if not any(_is_dtensor(v) for v in current.values()):
+    if not any(is_dtensor(v) for v in current.values()):
         model.load_state_dict(saved)
         return
     with torch.no_grad():
         for key, value in current.items():
-            (value.to_local() if _is_dtensor(value) else value).copy_(saved[key])
+            local_shard(value).copy_(saved[key])
 
 
 def shard_optimizer_state(optimizer) -> None:
@@ -520,11 +516,11 @@ def shard_optimizer_state(optimizer) -> None:
 
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if not _is_dtensor(param):
+            if not is_dtensor(param):
                 continue
             state = optimizer.state.get(param, {})
             for key, value in state.items():
-                if torch.is_tensor(value) and not _is_dtensor(value) and value.shape == param.to_local().shape:
+                if torch.is_tensor(value) and not is_dtensor(value) and value.shape == param.to_local().shape:
                     state[key] = DTensor.from_local(
                         value,
                         param.device_mesh,
@@ -575,7 +571,7 @@ def agree_on_overflow(params, group) -> None:
     import torch.distributed as dist
 
     # under --fsdp the gradients are DTensors: each rank checks, and poisons, its own shard
-    grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     grads = [g for g in grads if g.numel()]
     bad = torch.zeros(1, device=grads[0].device if grads else "cpu" if dist.get_backend(group) == "gloo" else "cuda")
     for g in grads:
