@@ -319,8 +319,10 @@ class GradScaler(_ScalerVisibility):
 
         checked = None
         # DTensor parameters take the general walk, on every rank, whatever gradients it holds: it
-        # agrees their flags over the mesh (a collective) even where a rank has none of them
-        if found_inf.is_cpu and not _sharded.has_dtensors(optimizer.param_groups):
+        # agrees their flags over the mesh (a collective) even where a rank has none of them. The C
+        # walk takes exact Tensor/Parameter parameters only, so it hands over at or before the first
+        # DTensor parameter, and general(resume) sees all of them; no walk in Python to find them.
+        if found_inf.is_cpu:
             checked = cpu_unscale.unscale_(
                 optimizer.param_groups,
                 per_device_scale.master,

@@ -24,7 +24,7 @@ import torch
 
 from llmmem.dtensors import is_dtensor, local, max_over_shards
 
-__all__ = ["TENSOR_PARALLEL_GROUP_ATTR", "agree", "agree_found_inf", "dtensor_params", "has_dtensors", "tp_groups"]
+__all__ = ["TENSOR_PARALLEL_GROUP_ATTR", "agree", "agree_found_inf", "dtensor_params", "tp_groups"]
 
 # The process group a parameter is split over by llmmem's tensor-parallel layers (plain tensors, each
 # rank its own slice): an overflow in one rank's slice must skip the step on every rank of the group.
@@ -54,14 +54,6 @@ def agree_found_inf(found_inf_per_device: dict, groups: list) -> None:
     for found_inf in found_inf_per_device.values():
         for group in groups:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-
-
-def has_dtensors(param_groups) -> bool:
-    """Whether any parameter of ``param_groups`` is a DTensor (False at no cost where
-    ``torch.distributed.tensor`` is not loaded)."""
-    if sys.modules.get("torch.distributed.tensor") is None:
-        return False
-    return any(is_dtensor(p) for group in param_groups for p in group["params"])
 
 
 def dtensor_params(param_groups, resume: int = 0) -> list:

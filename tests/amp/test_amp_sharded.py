@@ -130,7 +130,12 @@ def _ranks_disagree(rank, world):
     import llmmem
 
     mesh = init_device_mesh("cpu", (world,))
-    for case in ("one missing", "none here"):
+    torch.set_num_threads(2)  # the C walk pipelines from 256 parameters on with more than one thread
+    for case, plain in (("one missing", 0), ("none here", 0), ("one missing", 300), ("none here", 300)):
+        # `plain` ordinary parameters first: the C walk unscales them and hands the DTensors over
+        lead = [torch.nn.Parameter(torch.ones(3)) for _ in range(plain)]
+        for p in lead:
+            p.grad = torch.ones(3)
         params = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])) for _ in range(3)]
         for p in params:
             p.grad = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
@@ -142,13 +147,14 @@ def _ranks_disagree(rank, world):
                 p.grad = None
         if rank == 0 and case == "none here":
             params[2].grad.to_local()[0, 0] = float("inf")
-        opt = torch.optim.SGD(params, lr=0.1)
+        opt = torch.optim.SGD(lead + params, lr=0.1)
         scaler = llmmem.GradScaler("cpu", init_scale=4.0)
         scaler.scale(torch.tensor(1.0))
         scaler.unscale_(opt)
         found = sum(float(v) for v in scaler._found_inf_per_device(opt).values())
         named = scaler.overflowed_params()
-        want = [(0, 1)] if case == "one missing" else [(0, 2)]
+        want = [(0, plain + 1)] if case == "one missing" else [(0, plain + 2)]
+        assert all(float(p.grad[0]) == 0.25 for p in lead)  # unscaled once, by 1/4
         assert found == 1.0 and named == want, (rank, case, found, named)
         assert _on_every_rank(named) == [want] * world
 
