@@ -438,6 +438,7 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
         )
     else:
         add("llmmem plan at 50%", None, "rows plan-50 / torch-every not run")
+    add(*_plans_against_uniform(by))
     singles = [
         r for r in by.values() if r["strategy"]["tp"] * r["strategy"]["dp"] == 1 and r["derived"].get("max_batch")
     ]
@@ -477,6 +478,56 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
             f"{wall_seconds:.0f} s on this machine",
         )
     return out
+
+
+# A uniform plan "at equal memory" may hold this much more activation memory than the plan it is
+# compared with: two plans that keep the same tensors measure a few KiB apart (allocation order).
+SAME_MEMORY = 1.01
+
+
+def _plans_against_uniform(by: dict) -> tuple:
+    """The planner never runs a plan that a uniform one (every layer checkpointed by llmmem or torch,
+    selective on every layer) beats at equal or lower activation memory, in this run's measurements:
+    each plan row's overhead is at most that of each single-process uniform row with the same
+    precision that needed no more memory, within the two rows' spreads combined in quadrature."""
+    plans = [
+        r
+        for r in by.values()
+        if r["strategy"]["checkpoint"] == "plan" and r["strategy"]["tp"] * r["strategy"]["dp"] == 1
+    ]
+    uniform = [
+        r
+        for r in by.values()
+        if r["strategy"]["checkpoint"] in ("torch", "every", "selective")
+        and r["strategy"]["tp"] * r["strategy"]["dp"] == 1
+    ]
+    target = "no uniform plan beats the planner's at equal or lower activation memory (measured, within the spread)"
+    pairs, beaten = [], []
+    for p in plans:
+        for u in uniform:
+            if (
+                u["strategy"]["amp"] != p["strategy"]["amp"]
+                or u["activation_bytes"] > SAME_MEMORY * p["activation_bytes"]
+            ):
+                continue
+            po, uo = p["derived"].get("overhead_pct"), u["derived"].get("overhead_pct")
+            if po is None or uo is None:
+                continue
+            spread = math.hypot(
+                p["derived"].get("overhead_spread_pct") or 0.0, u["derived"].get("overhead_spread_pct") or 0.0
+            )
+            text = (
+                f"{p['key']} {po:+.1f}% at {format_bytes(p['activation_bytes'])} vs {u['key']} {uo:+.1f}% at "
+                f"{format_bytes(u['activation_bytes'])} (spread {spread:.1f})"
+            )
+            pairs.append(text)
+            if po > uo + spread:
+                beaten.append(text)
+    if not plans:
+        return target, None, "no single-process plan row run"
+    if not pairs:
+        return target, True, "no uniform row needed as little activation memory as a plan row"
+    return target, not beaten, "; ".join(beaten or pairs)
 
 
 def _sharded_state_target(r: dict | None, base: dict | None, key: str) -> tuple:

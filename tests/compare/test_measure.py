@@ -201,6 +201,41 @@ def test_the_overhead_carries_the_spread_of_both_rows():
     assert _overhead_cell(other["derived"]) == "+20%"
 
 
+def test_a_plan_beaten_by_a_uniform_row_at_no_more_memory_fails_its_target():
+    from llmmem.compare.report import check_targets, derive
+
+    def row(key, checkpoint, rel, act, amp="none", spread=0.01):
+        return {
+            "key": key,
+            "label": key,
+            "strategy": {"checkpoint": checkpoint, "amp": amp, "tp": 1, "dp": 1},
+            "peak_bytes": 100 + act,
+            "activation_bytes": act,
+            "step_time": 0.1,
+            "cpu_step_time": 0.1,
+            "final_loss": 2.0,
+            "relative_cpu_step_time": rel,
+            "relative_cpu_step_time_spread": spread,
+        }
+
+    def verdict(rows):
+        derive(rows, timer="cpu")
+        (t,) = [t for t in check_targets(rows) if t["target"].startswith("no uniform plan beats")]
+        return t["holds"], t["detail"]
+
+    base = row("baseline", "none", 1.0, 100)
+    # the issue's case: the 25% plan at every-layer's memory, slower than llmmem's every layer
+    holds, detail = verdict([base, row("every", "every", 1.11, 25), row("plan-25", "plan", 1.16, 25)])
+    assert holds is False and "plan-25 +16.0%" in detail and "every +11.0%" in detail
+    # within the two rows' spreads (2 and 4 points): not beaten
+    rows = [base, row("every", "every", 1.11, 25, spread=0.02), row("plan-25", "plan", 1.14, 25, spread=0.04)]
+    assert verdict(rows)[0] is True
+    # the uniform row needed more memory, or ran at another precision: no comparison
+    assert verdict([base, row("every", "every", 1.11, 20), row("plan-25", "plan", 1.16, 19)])[0] is True
+    assert verdict([base, row("every", "every", 1.11, 20, amp="bf16"), row("plan-25", "plan", 1.16, 25)])[0] is True
+    assert verdict([base, row("every", "every", 1.11, 20)])[0] is None  # no plan row
+
+
 def test_vocab_table_keeps_an_infeasible_rows_reason_out_of_its_columns_and_the_headline_says_a_lower_bound():
     from llmmem.compare.report import derive, headline, markdown, table
 
