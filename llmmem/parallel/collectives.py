@@ -441,10 +441,10 @@ def _agree_on_fallback(comm, key, op: str, tensor: torch.Tensor, nbytes: int) ->
     raise _disagreement(op, views)
 
 
-# Under torch.compile a collective runs eagerly, between graphs: Dynamo traced into the engines
-# (their set-up, their caches) and recompiled at each call until its recompile limit sent the whole
-# model back to eager. Torch's functional collectives, which a graph carries, gave other gradients
-# in the tensor-parallel layers' backward (tests/parallel/test_parallel_compile.py's models).
+# Dynamo must never trace into the engines (their set-up, their caches): it recompiled at each call
+# until its recompile limit sent the whole model back to eager. Under torch.compile the collectives
+# are custom operators instead (see the end of this module); one called there directly, such as the
+# in-place all_reduce_, runs eagerly between graphs.
 _eager_under_compile = torch.compiler.disable(
     recursive=True, reason="llmmem's collectives run eagerly between graphs (llmmem.parallel.collectives)"
 )
@@ -545,8 +545,7 @@ def _scatter_route(out: torch.Tensor, src: torch.Tensor, group) -> bool:
 
 
 @_eager_under_compile
-def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
+def _all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     try:
         w = _size_of(group)
         if w == 1:
@@ -569,8 +568,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 
 
 @_eager_under_compile
-def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
+def _reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     try:
         w = _size_of(group)
         if w == 1:
@@ -595,3 +593,83 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     except (ValueError, RuntimeError) as exc:
         _group_gone("reduce_scatter", group, exc)  # a destroyed group: say so, not torch's "not registered"
         raise
+
+
+# ---- the collectives a compiled graph carries --------------------------------------------------
+# Under torch.compile the out-of-place collectives below are custom operators (torch.library):
+# Dynamo puts one opaque node in the graph (no graph break, fullgraph=True holds) and the engines
+# above run when the graph does, in the graph's order, which is the same on every rank. A group
+# travels as its name (an operator takes no ProcessGroup). Called eagerly they are plain calls:
+# the dispatcher's cost is paid only where a graph needs the operator.
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _group_of(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("llmmem::tp_all_reduce", mutates_args=())
+def _all_reduce_op(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    return all_reduce_(tensor.contiguous().clone(), _group_of(group_name))
+
+
+@_all_reduce_op.register_fake
+def _(tensor, group_name):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("llmmem::tp_all_gather", mutates_args=())
+def _all_gather_op(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    out = _all_gather(tensor, dim, _group_of(group_name))
+    return out.clone() if out is tensor else out  # an operator's output never aliases its input
+
+
+@_all_gather_op.register_fake
+def _(tensor, dim, group_name):
+    shape = list(tensor.shape)
+    shape[dim] *= dist.get_world_size(_group_of(group_name))
+    return tensor.new_empty(shape)
+
+
+@torch.library.custom_op("llmmem::tp_reduce_scatter", mutates_args=())
+def _reduce_scatter_op(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    out = _reduce_scatter(tensor, dim, _group_of(group_name))
+    return out.clone() if out is tensor else out
+
+
+@_reduce_scatter_op.register_fake
+def _(tensor, dim, group_name):
+    shape = list(tensor.shape)
+    world = dist.get_world_size(_group_of(group_name))
+    if shape[dim] % world:
+        raise ValueError(
+            f"reduce_scatter: dimension {dim} of size {shape[dim]} is not divisible by the group size {world}"
+        )
+    shape[dim] //= world
+    return tensor.new_empty(shape)
+
+
+def all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of ``tensor`` over the group, in a new tensor (``tensor`` is left as it is)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmmem.tp_all_reduce(tensor, _group_name(group))
+    return all_reduce_(tensor.contiguous().clone(), group)
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmmem.tp_all_gather(tensor, dim % max(tensor.dim(), 1), _group_name(group))
+    return _all_gather(tensor, dim, group)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmmem.tp_reduce_scatter(tensor, dim % max(tensor.dim(), 1), _group_name(group))
+    return _reduce_scatter(tensor, dim, group)

@@ -271,7 +271,7 @@ def _enter_region(group, sp: bool):
 
 def _sum_over(group):
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        return collectives.all_reduce_(grad.contiguous().clone(), group)
+        return collectives.all_reduce(grad, group)
 
     return hook
 

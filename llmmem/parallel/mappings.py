@@ -50,14 +50,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.all_reduce_(grad.contiguous().clone(), ctx.group), None
+        return collectives.all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        # clone: the input may be a view another op still needs; the reduction is in place
-        return collectives.all_reduce_(x.contiguous().clone(), group)
+        return collectives.all_reduce(x, group)  # out of place: the input may be a view another op needs
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,9 +1,9 @@
-"""Tensor parallelism under ``torch.compile``, 2 gloo ranks: a Hugging Face Llama split by
-``llmmem.parallel.parallelize`` and llmmem's ``TensorParallelGPT``, compiled (aot_eager), give the
-loss and gradients of the eager split model. llmmem's collectives run eagerly, between graphs (a
-graph break at each; ``fullgraph=True`` is refused there). Torch's functional collectives in their
-place traced to one graph but gave other gradients (tried; left out). No test helper imports
-here: the ranks load this file by path."""
+"""Tensor parallelism under ``torch.compile(fullgraph=True)``, 2 gloo ranks: a Hugging Face Llama
+split by ``llmmem.parallel.parallelize`` (with and without sequence parallelism) and llmmem's
+``TensorParallelGPT``, compiled (aot_eager), are one graph each and give the loss and gradients of
+the eager split model. llmmem's collectives are custom operators under Dynamo (before, each was a
+graph break, and Dynamo refused ``fullgraph=True``). No test helper imports here: the ranks load
+this file by path."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ pytestmark = pytest.mark.distributed
 
 def _compiled_equals_eager(build, step) -> None:
     eager = build()
-    want_loss = step(eager)
+    want_loss = step(eager, eager)
     want = [p.grad.clone() for p in eager.parameters()]
     model = build()
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for _ in range(2):  # the second runs the compiled graph as it is
         for p in model.parameters():
             p.grad = None
-        loss = step(compiled)
+        loss = step(compiled, model)
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
         for p, g in zip(model.parameters(), want):
             torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
@@ -41,7 +41,7 @@ def _ranks(rank, world):
     group = tp.get_tensor_parallel_group()
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 
-    def llama():
+    def llama(sequence_parallel):
         torch.manual_seed(0)
         cfg = transformers.LlamaConfig(
             vocab_size=128,
@@ -53,24 +53,28 @@ def _ranks(rank, world):
             max_position_embeddings=64,
         )
         model = transformers.LlamaForCausalLM(cfg).train()
-        tp.parallelize(model, group)
+        tp.parallelize(model, group, sequence_parallel=sequence_parallel)
         return model
 
-    def llama_step(model):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach()
+    for sequence_parallel in (False, True):
 
-    _compiled_equals_eager(llama, llama_step)
-    torch._dynamo.reset()
+        def llama_step(run, model):
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if sequence_parallel:  # the norms' gradients, partial on each rank's slice of the sequence
+                tp.allreduce_sequence_parallel_grads(model)
+            return loss.detach()
+
+        _compiled_equals_eager(lambda: llama(sequence_parallel), llama_step)
+        torch._dynamo.reset()
 
     def gpt():
         torch.manual_seed(0)
         full = GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=16, vocab_size=128, dropout=0.0))
         return tp.TensorParallelGPT.from_gpt(full, process_group=group)
 
-    def gpt_step(model):
-        _, loss = model(ids, ids)
+    def gpt_step(run, model):
+        _, loss = run(ids, ids)
         loss.backward()
         return loss.detach()
 
