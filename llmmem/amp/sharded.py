@@ -24,16 +24,33 @@ import torch
 
 from llmmem.dtensors import is_dtensor, local, max_over_shards
 
-__all__ = ["TENSOR_PARALLEL_GROUP_ATTR", "agree", "agree_found_inf", "dtensor_params", "tp_groups"]
+__all__ = [
+    "TENSOR_PARALLEL_GROUP_ATTR",
+    "agree",
+    "agree_found_inf",
+    "dtensor_params",
+    "mark_tensor_parallel",
+    "tp_groups",
+]
 
 # The process group a parameter is split over by llmmem's tensor-parallel layers (plain tensors, each
 # rank its own slice): an overflow in one rank's slice must skip the step on every rank of the group.
 TENSOR_PARALLEL_GROUP_ATTR = "llmmem_tensor_parallel_group"
+_marked = False  # whether any parameter was ever marked: until then no step looks for the mark
+
+
+def mark_tensor_parallel(param: torch.Tensor, group) -> None:
+    """Record that ``param`` is split over ``group`` (each rank its own slice)."""
+    global _marked
+    setattr(param, TENSOR_PARALLEL_GROUP_ATTR, group)
+    _marked = True
 
 
 def tp_groups(param_groups) -> list:
     """The tensor-parallel groups that ``param_groups``' parameters are split over (none, at no cost,
-    without an initialised ``torch.distributed``)."""
+    without an initialised ``torch.distributed`` or before any parameter was marked)."""
+    if not _marked:
+        return []
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return []

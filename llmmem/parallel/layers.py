@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmmem.amp.sharded import TENSOR_PARALLEL_GROUP_ATTR
+from llmmem.amp.sharded import mark_tensor_parallel
 from llmmem.parallel import collectives
 from llmmem.parallel.groups import get_tensor_parallel_group
 from llmmem.parallel.mappings import (
@@ -178,7 +178,7 @@ def _mark_group(module: nn.Module) -> None:
     """Tag the module's parameters with its group: llmmem.GradScaler then skips a step on every rank
     of the group when one rank's shards overflowed (see llmmem.amp.sharded)."""
     for p in module.parameters(recurse=False):
-        setattr(p, TENSOR_PARALLEL_GROUP_ATTR, module.process_group)
+        mark_tensor_parallel(p, module.process_group)
 
 
 class ColumnParallelLinear(_ParallelLinearBase):
