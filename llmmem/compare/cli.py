@@ -41,11 +41,23 @@ at two depths and verified by running it.
 --preset vocab: the LM head instead (a GPT with a vocabulary of 32,768 byte pairs, where the head's
 logits and their gradient are the largest activations): the plain head, llmmem.patch_lm_loss (the
 fused head and loss), the planner alone, and the fused head with the planner; each row's
-peak, activation memory, overhead, final loss against the baseline's and largest batch."""
+peak, activation memory, overhead, final loss against the baseline's and largest batch.
+
+--preset compile: the model under torch.compile (inductor): compile alone, with torch's checkpoint on
+every layer, with torch's compile-time planner (torch._functorch.config.activation_memory_budget at
+0.5 and 0.25) and with llmmem.auto_checkpoint at the same budgets, against the eager baseline; memory
+by the rise of each worker's resident set on the CPU (a compiled graph's buffers pass no dispatch
+mode), no largest-batch search."""
 
 
 def register_cli(sub) -> None:
-    from llmmem.compare.strategies import FINETUNE_STRATEGIES, PRESET_FAMILIES, STRATEGIES, VOCAB_STRATEGIES
+    from llmmem.compare.strategies import (
+        COMPILE_STRATEGIES,
+        FINETUNE_STRATEGIES,
+        PRESET_FAMILIES,
+        STRATEGIES,
+        VOCAB_STRATEGIES,
+    )
 
     p = sub.add_parser(
         "compare",
@@ -60,7 +72,8 @@ def register_cli(sub) -> None:
         default="default",
         help="default: activation memory (checkpointing, mixed precision, parallelism); finetune: the model "
         "state (optimizer state, bf16 weights, step in backward) on a fine-tuning-shaped GPT; vocab: the LM head "
-        "(llmmem.patch_lm_loss, with and without the planner) on a GPT with a 32k vocabulary. With --quick, "
+        "(llmmem.patch_lm_loss, with and without the planner) on a GPT with a 32k vocabulary; compile: "
+        "checkpointing under torch.compile (llmmem's plan against activation_memory_budget). With --quick, "
         "its small version",
     )
     p.add_argument(
@@ -73,7 +86,9 @@ def register_cli(sub) -> None:
         + "; with --preset finetune: "
         + ", ".join(s.key for s in FINETUNE_STRATEGIES[1:])
         + "; with --preset vocab: "
-        + ", ".join(s.key for s in VOCAB_STRATEGIES[1:]),
+        + ", ".join(s.key for s in VOCAB_STRATEGIES[1:])
+        + "; with --preset compile: "
+        + ", ".join(s.key for s in COMPILE_STRATEGIES[1:]),
     )
     p.add_argument("--out", default="llmmem-compare", help="output folder (default: ./llmmem-compare)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda when present")
@@ -126,10 +141,11 @@ def _at_least(low: int):
 
 
 def _keys(text: str) -> list[str]:
-    from llmmem.compare.strategies import FINETUNE_STRATEGIES, STRATEGIES, VOCAB_STRATEGIES
+    from llmmem.compare.strategies import COMPILE_STRATEGIES, FINETUNE_STRATEGIES, STRATEGIES, VOCAB_STRATEGIES
 
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    known = list(dict.fromkeys(s.key for s in STRATEGIES + FINETUNE_STRATEGIES + VOCAB_STRATEGIES))
+    every = STRATEGIES + FINETUNE_STRATEGIES + VOCAB_STRATEGIES + COMPILE_STRATEGIES
+    known = list(dict.fromkeys(s.key for s in every))
     bad = [k for k in keys if k not in known]
     if not keys or bad:
         raise argparse.ArgumentTypeError(f"unknown strategies {bad or text!r}; choose from {', '.join(known)}")
@@ -650,12 +666,14 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         seconds["strategies"] = round(time.perf_counter() - t_strategies, 3)
         report.derive(rows, timer)
         machine = _machine(device, baseline)
+        timelines = any(r.get("timeline") for r in rows)  # none where memory is the resident set's
         if not args.no_charts:
             t0 = time.perf_counter()
             title = (
                 f"{machine}: GPT {preset.layers}x{preset.hidden}{vocab}, seq {preset.seq_len}, batch {preset.batch}"
             )
-            report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
+            if timelines:
+                report.plot_timelines(rows, os.path.join(args.out, "memory_timeline.png"), title=title)
             report.plot_tradeoff(rows, os.path.join(args.out, "saved_vs_overhead.png"), title=title)
             seconds["charts"] = round(time.perf_counter() - t0, 3)
         # the whole command but the interpreter's start and the table, over every run of these rows
@@ -677,7 +695,7 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
         "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
         "(†: ratio of medians); ±: half the interquartile range of the paired ratios, the row's and the baseline's "
         f"combined, in points (none from fewer than {report.MIN_SPREAD_PAIRS} pairs). Memory: "
-        + ("torch.cuda.max_memory_allocated" if device == "cuda" else "live tensor bytes (llmmem LiveBytes)")
+        + _memory_note(device, family)
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
     )
     if any(s.key == "offload" for s in strategies) and device == "cpu":
@@ -694,6 +712,13 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
             "loss ratio: final loss over the baseline's (rel. diff beside it). plan 50%: llmmem.auto_checkpoint("
             "budget=0.5), half of the row's own activation peak, planned after the patch on the fused-head rows."
         )
+    if family == "compile":
+        print(
+            f"compiled rows: torch.compile(backend={preset.backend!r}) after checkpointing; the baseline eager. "
+            "budget: llmmem.auto_checkpoint(budget=f), f of the activation peak the planner profiled eagerly, in "
+            "tensor bytes; (torch): torch._functorch.config.activation_memory_budget = f. worst step rel. diff: the "
+            "largest relative difference of the loss from the eager baseline's over the steps."
+        )
     if extra.get("headline"):
         print("\n" + extra["headline"])
     print(
@@ -704,10 +729,24 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
     print(report.format_targets(targets))
     print(
         f"\nwrote {args.out}/results.json, results.md"
-        + ("" if args.no_charts else ", memory_timeline.png, saved_vs_overhead.png")
+        + ("" if args.no_charts else (", memory_timeline.png" if timelines else "") + ", saved_vs_overhead.png")
         + f" ({wall:.0f} s)"
     )
     return 1 if any(r.get("error") and not r.get("infeasible") for r in rows) else 0
+
+
+def _memory_note(device: str, family: str) -> str:
+    if device == "cuda":
+        return "torch.cuda.max_memory_allocated"
+    if family == "compile":
+        # a compiled graph allocates its buffers below the dispatcher, where LiveBytes does not see them
+        return (
+            "the rise of the worker's resident set over the step (VmHWM reset through /proc/self/clear_refs; "
+            "every allocation of a page or more unmapped when freed), on top of the tensor bytes of parameters, "
+            "gradients, optimizer state and batch: pages written, not tensor bytes (an allocation never written "
+            "is not counted), the same measure for every row, eager baseline included"
+        )
+    return "live tensor bytes (llmmem LiveBytes)"
 
 
 def _machine(device: str, baseline: dict) -> str:

@@ -7,7 +7,10 @@ Memory of a step (bytes):
   parameters, gradients, optimizer state and the batch, made before the step, are counted from its
   start;
 * on CUDA, ``torch.cuda.max_memory_allocated`` and ``memory_allocated`` (LiveBytes still draws the
-  timeline).
+  timeline);
+* for the compiled preset (``memory="resident"``, :func:`resident_step`), no dispatch mode: on the
+  CPU, the rise of the process's resident set over the step on top of the tensor bytes the step
+  starts from; on CUDA, torch.cuda's counters. No timeline.
 
 ``peak``: the most that is live at any moment of the step (forward, backward and optimizer step).
 ``start``: what is live when the step begins: parameters, gradients (kept allocated between steps),
@@ -20,6 +23,8 @@ process's CPU time is recorded too (less sensitive to other load on a shared mac
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import statistics
 import time
 
@@ -28,7 +33,24 @@ import torch
 from llmmem.compare.report import MIN_SPREAD_PAIRS
 from llmmem.diagnostics.live import LiveBytes, device_key
 
-__all__ = ["measured_step", "train_and_measure", "search_largest", "decimate"]
+__all__ = [
+    "measured_step",
+    "resident_step",
+    "unmap_large_frees",
+    "train_and_measure",
+    "search_largest",
+    "decimate",
+    "MEMORY_KINDS",
+]
+
+MEMORY_KINDS = ("live", "resident")
+
+# glibc's mallopt parameter for the size from which an allocation is its own mapping
+_M_MMAP_THRESHOLD = -3
+# bytes: a tensor of a page or more is mapped when made and unmapped when freed. Not 64 KiB as in
+# benchmarks/bench_compile_memory.py: the quick preset's activations are 16 KiB each, and freed
+# into the heap they would be reused unseen.
+_MMAP_THRESHOLD = 4096
 
 TIMELINE_POINTS = 1500
 
@@ -117,6 +139,105 @@ def measured_step(trainer, x, y, device: torch.device, *, timeline: bool = False
     return out
 
 
+def unmap_large_frees() -> None:
+    """Have glibc map every allocation of :data:`_MMAP_THRESHOLD` bytes or more on its own and
+    unmap it when freed, from now on in this process. Its default keeps freed memory in the heap
+    for reuse and raises the threshold as large blocks are freed, so a step that reuses what the
+    previous one freed would show no rise of the resident set. What was allocated before stays as
+    it was (the model: live through every step). ``MALLOC_MMAP_THRESHOLD_`` does the same but is
+    read only when a process starts, and the rows are forked from a server.
+
+    :raises RuntimeError: where the C library has no ``mallopt`` (not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    except (OSError, AttributeError) as exc:
+        raise RuntimeError(f"memory='resident' needs glibc's mallopt: {exc}") from None
+    if ok != 1:
+        raise RuntimeError("memory='resident': mallopt(M_MMAP_THRESHOLD) was refused")
+
+
+def _vm(*keys: str) -> dict:
+    """Lines of /proc/self/status, in bytes (``VmRSS``: resident now; ``VmHWM``: its high-water mark)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in keys:
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _reset_high_water() -> None:
+    # "5" resets VmHWM to the resident set now (Linux >= 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def resident_step(trainer, x, y, device: torch.device) -> dict:
+    """One training step measured without a dispatch mode, for compiled models (what a compiled
+    graph allocates never passes through one, and Dynamo does not compile under one).
+
+    On the CPU: the rise of the process's resident set (Linux: ``VmHWM`` reset through
+    ``/proc/self/clear_refs`` before the step, read after backward and at the end; see
+    :func:`unmap_large_frees`), on top of ``start``, the tensor bytes of parameters, gradients,
+    optimizer state and batch, counted from their storages. The rise counts pages written, not
+    tensors: an allocation never written is not resident, and Python's own objects are. On CUDA:
+    ``torch.cuda.max_memory_allocated`` and ``memory_allocated`` as :func:`measured_step`.
+
+    :raises RuntimeError: on the CPU of a system without ``/proc/self/clear_refs``.
+    """
+    marks: dict = {}
+    fb: dict = {}
+    cuda = device.type == "cuda"
+    key = device_key(device)
+    counted = LiveBytes()  # never entered: it only sums the storages it is given
+    counted.track(trainer.tracked())
+    counted.track([x, y])
+    start = counted.allocated(key)
+    gc.collect()  # what earlier steps left in reference cycles is freed now, not inside the step
+    if cuda:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        try:
+            base = _vm("VmRSS")["VmRSS"]
+            _reset_high_water()
+        except OSError as exc:
+            raise RuntimeError(f"memory='resident' on the CPU needs Linux's /proc/self/clear_refs: {exc}") from None
+
+    def high() -> int:
+        if cuda:
+            return torch.cuda.max_memory_allocated(device) - base
+        return _vm("VmHWM")["VmHWM"] - base
+
+    t0 = time.perf_counter()
+
+    def mark(name: str) -> None:
+        _sync(device)
+        marks[name] = time.perf_counter() - t0
+        if name == "backward":
+            fb["rise"] = high()
+
+    loss = trainer.step(x, y, mark)
+    rise = high()
+    out = {
+        "loss": loss,
+        "memory": "resident",
+        "peak_bytes": (base if cuda else start) + rise,
+        "start_bytes": base if cuda else start,
+        "activation_bytes": fb["rise"],
+        "peak_rise_bytes": rise,
+        "phases": marks,
+    }
+    if cuda:
+        out["reserved_peak_bytes"] = torch.cuda.max_memory_reserved(device)
+    else:
+        out["resident_start_bytes"] = base
+    return out
+
+
 def _timed(fn, device):
     _sync(device)
     w, c = time.perf_counter(), time.process_time()
@@ -125,9 +246,12 @@ def _timed(fn, device):
     return out, time.perf_counter() - w, time.process_time() - c
 
 
-def train_and_measure(trainer, batches, steps: int, device: torch.device, *, reduce_loss=None, reference=None) -> dict:
+def train_and_measure(
+    trainer, batches, steps: int, device: torch.device, *, reduce_loss=None, reference=None, memory: str = "live"
+) -> dict:
     """Train ``steps`` steps on ``batches()``: the first warms up, the middle ones are timed, the
-    last is :func:`measured_step`. ``reduce_loss`` maps a rank's loss to the global one.
+    last is :func:`measured_step` (``memory="live"``) or :func:`resident_step` (``"resident"``).
+    ``reduce_loss`` maps a rank's loss to the global one.
 
     ``reference`` (a trainer of the fp32 baseline on its own copy of the model): after each timed
     step it takes a step on the same batch, timed too, and is then dropped (before the measured
@@ -138,13 +262,18 @@ def train_and_measure(trainer, batches, steps: int, device: torch.device, *, red
     """
     if steps < 3:
         raise ValueError(f"steps must be at least 3 (warm-up, timed, measured), got {steps}")
+    if memory not in MEMORY_KINDS:
+        raise ValueError(f"memory must be one of {MEMORY_KINDS}, got {memory!r}")
     losses, wall, cpu, ref_wall, ref_cpu = [], [], [], [], []
     measured = None
     for i in range(steps):
         x, y = batches()
         if i == steps - 1:
             reference = None  # its memory is freed before the measured step
-            measured = measured_step(trainer, x, y, device, timeline=True)
+            if memory == "resident":
+                measured = resident_step(trainer, x, y, device)
+            else:
+                measured = measured_step(trainer, x, y, device, timeline=True)
             loss = measured.pop("loss")
         else:
             # Which of the pair runs first alternates: the second of two steps on the same batch

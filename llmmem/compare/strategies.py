@@ -1,7 +1,8 @@
 """What ``python -m llmmem compare`` runs: the strategies (one technique or a combination each) and
 the model, batch and step counts of the full and the quick run, of the model-state preset
-(``--preset finetune``: its own rows, :data:`FINETUNE_STRATEGIES`) and of the LM-head preset
-(``--preset vocab``: :data:`VOCAB_STRATEGIES`).
+(``--preset finetune``: its own rows, :data:`FINETUNE_STRATEGIES`), of the LM-head preset
+(``--preset vocab``: :data:`VOCAB_STRATEGIES`) and of the compiled preset (``--preset compile``:
+:data:`COMPILE_STRATEGIES`).
 
 A strategy is data, so the orchestrator can hand it to a fresh worker process as JSON. No torch here.
 """
@@ -15,9 +16,12 @@ __all__ = [
     "STRATEGIES",
     "FINETUNE_STRATEGIES",
     "VOCAB_STRATEGIES",
+    "COMPILE_STRATEGIES",
+    "COMPILE_QUICK_KEYS",
     "Preset",
     "FinetunePreset",
     "VocabPreset",
+    "CompilePreset",
     "PRESETS",
     "PRESET_FAMILIES",
     "preset_name",
@@ -25,7 +29,8 @@ __all__ = [
     "by_key",
 ]
 
-CHECKPOINT_KINDS = ("none", "torch", "every", "selective", "plan", "offload", "auto")
+CHECKPOINT_KINDS = ("none", "torch", "every", "selective", "plan", "offload", "auto", "torch-budget")
+BUDGETED_KINDS = ("plan", "auto", "torch-budget")
 AMP_KINDS = ("none", "bf16", "fp16")
 OPTIM_KINDS = ("torch", "fp32", "bf16", "int8", "int4")
 FSDP_KINDS = ("none", "zero2", "zero3")
@@ -55,6 +60,8 @@ class Strategy:
         freed at once (llmmem.optim.step_in_backward).
     :param fused_head: the LM head and its loss fused (llmmem.patch_lm_loss, applied first: a plan
         made after it profiles the fused head).
+    :param compile: the model run through ``torch.compile`` after its checkpointing is installed
+        (the order torchtitan documents), single-process rows only.
     """
 
     key: str
@@ -71,16 +78,29 @@ class Strategy:
     bf16_weights: bool = False
     step_in_backward: bool = False
     fused_head: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.checkpoint not in CHECKPOINT_KINDS:
             raise ValueError(f"Strategy {self.key}: checkpoint must be one of {CHECKPOINT_KINDS}")
         if self.amp not in AMP_KINDS:
             raise ValueError(f"Strategy {self.key}: amp must be one of {AMP_KINDS}")
-        if (self.checkpoint in ("plan", "auto")) != (self.budget_fraction is not None):
-            raise ValueError(f"Strategy {self.key}: budget_fraction goes with checkpoint='plan' or 'auto' only")
-        if self.checkpoint == "auto" and not 0.0 < self.budget_fraction <= 1.0:
-            raise ValueError(f"Strategy {self.key}: checkpoint='auto' takes a budget_fraction in (0, 1]")
+        if (self.checkpoint in BUDGETED_KINDS) != (self.budget_fraction is not None):
+            raise ValueError(
+                f"Strategy {self.key}: budget_fraction goes with checkpoint='plan', 'auto' or 'torch-budget' only"
+            )
+        if self.checkpoint in ("auto", "torch-budget") and not 0.0 < self.budget_fraction <= 1.0:
+            raise ValueError(f"Strategy {self.key}: checkpoint={self.checkpoint!r} takes a budget_fraction in (0, 1]")
+        if self.checkpoint == "torch-budget" and not self.compile:
+            raise ValueError(
+                f"Strategy {self.key}: checkpoint='torch-budget' is torch.compile's partitioner; it needs compile=True"
+            )
+        if self.compile and (self.parallel or self.checkpoint in ("plan", "offload")):
+            raise ValueError(
+                f"Strategy {self.key}: compile runs single-process rows without checkpoint='plan' (its budget is "
+                "bytes of the eager baseline's activations; a compiled row's plan takes a fraction, 'auto') or "
+                "'offload' (a compiled graph keeps a region's inputs on the device)"
+            )
         if self.fsdp not in FSDP_KINDS:
             raise ValueError(f"Strategy {self.key}: fsdp must be one of {FSDP_KINDS}")
         if self.fsdp != "none" and (self.dp == 1 or self.zero or self.sp):
@@ -181,11 +201,44 @@ VOCAB_STRATEGIES = (
 )
 
 
+# The compiled rows (issue 25): what checkpointing saves once the model is compiled, where a region
+# is torch's checkpoint lowered by the partitioner and a dispatch mode sees no allocation of the
+# graph. torch's own compile-time planner (activation_memory_budget, a knapsack over the joint graph)
+# is the anchor llmmem's plan at the same fraction is held to. The baseline stays eager: the losses of
+# every compiled row are compared with the model as written.
+COMPILE_STRATEGIES = (
+    Strategy("baseline", "eager fp32 (baseline)"),
+    Strategy("compile", "torch.compile", compile=True),
+    Strategy("compile+torch-every", "compile + torch checkpoint, every layer", checkpoint="torch", compile=True),
+    Strategy(
+        "compile+amb-50",
+        "compile + activation_memory_budget 0.5",
+        checkpoint="torch-budget",
+        budget_fraction=0.5,
+        compile=True,
+    ),
+    Strategy("compile+plan-50", "compile + llmmem plan 50%", checkpoint="auto", budget_fraction=0.5, compile=True),
+    Strategy(
+        "compile+amb-25",
+        "compile + activation_memory_budget 0.25",
+        checkpoint="torch-budget",
+        budget_fraction=0.25,
+        compile=True,
+    ),
+    Strategy("compile+plan-25", "compile + llmmem plan 25%", checkpoint="auto", budget_fraction=0.25, compile=True),
+)
+
+# Each compiled row costs a compilation (inductor on one CPU core: tens of seconds even for a tiny
+# model), so the quick run keeps the rows the targets at 50% need.
+COMPILE_QUICK_KEYS = ("baseline", "compile", "compile+amb-50", "compile+plan-50")
+
+
 # --preset -> (the full run's preset, the quick run's), each a key of PRESETS
 PRESET_FAMILIES = {
     "default": ("full", "quick"),
     "finetune": ("finetune", "finetune-quick"),
     "vocab": ("vocab", "vocab-quick"),
+    "compile": ("compile", "compile-quick"),
 }
 
 
@@ -200,6 +253,10 @@ def strategies_of(preset: str) -> tuple:
         return FINETUNE_STRATEGIES
     if preset.startswith("vocab"):
         return VOCAB_STRATEGIES
+    if preset == "compile-quick":
+        return tuple(s for s in COMPILE_STRATEGIES if s.key in COMPILE_QUICK_KEYS)
+    if preset.startswith("compile"):
+        return COMPILE_STRATEGIES
     return STRATEGIES
 
 
@@ -271,6 +328,20 @@ class VocabPreset(Preset):
         return {"tokens": self.tokens, "head_chunk_size": self.head_chunk_size}
 
 
+@dataclass(frozen=True)
+class CompilePreset(Preset):
+    """A compiled preset: the compiled rows use ``backend`` (a ``torch.compile`` backend), and every
+    row's memory is measured outside the dispatcher (``memory="resident"``, see
+    :func:`llmmem.compare.measure.resident_step`): LiveBytes, a dispatch mode, sees no buffer a
+    compiled graph allocates, and Dynamo does not compile while one is active. No largest-batch
+    search: each new batch would be a new compilation."""
+
+    backend: str = "inductor"
+
+    def worker_settings(self) -> dict:
+        return {"compile_backend": self.backend, "memory": "resident", "search": "none"}
+
+
 # Full: 10 layers of width 64 with 4 heads over 256 tokens: heads * seq / hidden = 16, as in GPT-3
 # 175B at 2048 tokens, so attention's seq^2 activations weigh what they weigh in a large model, and
 # activations are ~90% of the fp32 baseline's peak (parameters, gradients and Adam state ~10%). Ten
@@ -337,5 +408,18 @@ PRESETS = {
         lr=3e-3,
         profile_repeats=0,
         head_chunk_size=32,
+    ),
+    # Compile: inductor, the backend users train with (aot_eager would measure the partitioner's
+    # choices but not inductor's buffer reuse). 6 layers of width 128 with 4 heads over 256 tokens at
+    # batch 4 (heads * seq / hidden = 8): activations of tens of MiB, far above the resident set's
+    # page-sized noise, and a plan at 25% feasible (one block's recompute is a sixth of them). Each
+    # compiled row compiles its forward and backward once (about a minute on one loaded core).
+    "compile": CompilePreset(
+        layers=6, hidden=128, heads=4, seq_len=256, batch=4, steps=10, search_trials=0, profile_repeats=1
+    ),
+    # For CI: 4 layers (a plan at 50% is feasible on them) of width 32 over 64 tokens; inductor still
+    # takes 15-45 s a row to compile on one core (less once its on-disk cache holds the kernels).
+    "compile-quick": CompilePreset(
+        layers=4, hidden=32, heads=4, seq_len=64, batch=2, steps=4, search_trials=0, profile_repeats=0
     ),
 }

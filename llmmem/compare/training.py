@@ -1,5 +1,6 @@
 """What every row of ``python -m llmmem compare`` is built from: the techniques applied to a GPT
-(:func:`install_techniques`: the fused head, then the planner or checkpointing), its optimizer, one
+(:func:`install_techniques`: the fused head, then the planner or checkpointing; then
+:func:`compiled`), its optimizer, one
 training step (:class:`Trainer`), the planner's set-up (:class:`Planned`), the fp32 reference
 stepped beside a row, and a row's header. The flows that train and measure a row are in
 :mod:`llmmem.compare.worker` (batch search, parallel rows) and :mod:`llmmem.compare.finetune`
@@ -25,6 +26,7 @@ __all__ = [
     "PhaseClock",
     "checkpoint_every_block",
     "install_techniques",
+    "compiled",
     "plan_budget",
     "amp_context",
     "loss_of",
@@ -116,6 +118,21 @@ def install_techniques(model: GPT, strategy: Strategy, spec: dict, device, sampl
     planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
     planned.install(plan_budget(strategy, spec), *(t.to(device) for t in sample))
     return planned
+
+
+def compiled(model: GPT, strategy: Strategy, spec: dict):
+    """``model`` under ``torch.compile`` with ``spec["compile_backend"]`` (default inductor) for a
+    compiled row, after :func:`install_techniques` (checkpointing, then compile: a region is then
+    torch's checkpoint, lowered by the partitioner); ``model`` itself for any other. A
+    ``torch-budget`` row sets ``torch._functorch.config.activation_memory_budget``, which is global
+    to the process: each row runs in a process of its own."""
+    if not strategy.compile:
+        return model
+    if strategy.checkpoint == "torch-budget":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = float(strategy.budget_fraction)
+    return torch.compile(model, backend=spec.get("compile_backend", "inductor"))
 
 
 def amp_context(amp: str, device: torch.device):
@@ -291,6 +308,10 @@ class Planned:
         }
         if self.budget_fraction is not None:
             out["budget_fraction"] = self.budget_fraction
+        # what a compiled model runs otherwise than the plan (a compiled row's memory may then exceed it)
+        changes = getattr(getattr(self.plan, "runner", None), "compile_changes", "")
+        if self.strategy.compile and changes:
+            out["compile_changes"] = changes
         return out
 
 

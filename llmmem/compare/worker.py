@@ -13,7 +13,9 @@ then search, by running steps, for the largest batch (single process) or the lar
 rows) whose peak fits in the baseline's peak. See :mod:`llmmem.compare.measure` for what is measured.
 The rows of the model-state presets (``--preset finetune``) run :mod:`llmmem.compare.finetune`; the
 LM-head preset's (``--preset vocab``) run here, on byte-pair tokens, their head fused first where the
-strategy says so (:func:`llmmem.compare.training.install_techniques`).
+strategy says so (:func:`llmmem.compare.training.install_techniques`). The compiled preset's
+(``--preset compile``) run here too, compiled after their checkpointing, their last step measured
+without a dispatch mode (:func:`llmmem.compare.measure.resident_step`), and search nothing.
 What a row is built from (trainer, optimizer, planner) is in :mod:`llmmem.compare.training`.
 """
 
@@ -33,6 +35,7 @@ from llmmem.compare.strategies import Strategy
 from llmmem.compare.training import (
     PhaseClock,
     Trainer,
+    compiled,
     corpus_tokens,
     install_techniques,
     make_optimizer,
@@ -62,6 +65,9 @@ def run_single(spec: dict) -> dict:
     device = pick_device(spec)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    memory = spec.get("memory", "live")
+    if memory == "resident" and device.type == "cpu":
+        measure.unmap_large_frees()  # before the model is built: every later large free is seen
     seed, batch, steps = spec["seed"], spec["batch"], spec["steps"]
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(seed)
@@ -87,7 +93,10 @@ def run_single(spec: dict) -> dict:
         return result
     if planned is not None:
         clock.lap("plan")
-    trainer = Trainer(model, make_optimizer(model.parameters(), spec["lr"]), strategy, device)
+    # the optimizer holds the parameters themselves; the trainer calls the compiled model, if any
+    trainer = Trainer(
+        compiled(model, strategy, spec), make_optimizer(model.parameters(), spec["lr"]), strategy, device
+    )
 
     def batches():
         x, y = sampler.next_batch()
@@ -95,12 +104,18 @@ def run_single(spec: dict) -> dict:
 
     # Only train_and_measure holds the reference, so that it is freed before the measured step.
     result.update(
-        measure.train_and_measure(trainer, batches, steps, device, reference=reference_trainer(cfg, spec, device))
+        measure.train_and_measure(
+            trainer, batches, steps, device, reference=reference_trainer(cfg, spec, device), memory=memory
+        )
     )
     result["state_bytes"] = state_bytes(model, trainer.optimizer)
     clock.lap("train")
     if planned is not None:
         result["plan"] = planned.describe()
+    if strategy.checkpoint == "torch-budget":
+        result["plan"] = {"budget_fraction": strategy.budget_fraction, "by": "activation_memory_budget"}
+    if spec.get("search") == "none":
+        return result
 
     cap = spec.get("cap_bytes") or result["peak_bytes"]
     trial_sampler = BatchSampler(tokens, batch, cfg.seq_len, seed=seed + 2)
