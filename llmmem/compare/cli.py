@@ -693,8 +693,9 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
     print(
         f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). overhead: "
         "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
-        "(†: ratio of medians); ±: half the interquartile range of the paired ratios, the row's and the baseline's "
-        f"combined, in points (none from fewer than {report.MIN_SPREAD_PAIRS} pairs). Memory: "
+        "(†: ratio of medians); ±: how far another run may put it, in points (half the width of the 68% "
+        "interval of each median ratio, the row's and the baseline's combined; none from fewer than "
+        f"{report.MIN_SPREAD_PAIRS} pairs). Memory: "
         + _memory_note(device, family)
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
     )

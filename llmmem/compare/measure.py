@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import statistics
 import time
 
@@ -309,21 +310,27 @@ def train_and_measure(
             reference_cpu_step_times=ref_cpu,
             relative_step_time=statistics.median(ratios),
             relative_cpu_step_time=statistics.median(cpu_ratios),
-            relative_step_time_spread=half_iqr(ratios),
-            relative_cpu_step_time_spread=half_iqr(cpu_ratios),
+            relative_step_time_spread=median_spread(ratios),
+            relative_cpu_step_time_spread=median_spread(cpu_ratios),
         )
     return out
 
 
-def half_iqr(values) -> float | None:
-    """Half the interquartile range of ``values``: how far the middle half of the paired ratios
-    lies from their median, the spread printed beside each overhead; None for fewer than
-    :data:`~llmmem.compare.report.MIN_SPREAD_PAIRS` values."""
+def median_spread(values) -> float | None:
+    """How far the median of ``values`` (the paired ratios) may be from where another run would put
+    it: half the width of its distribution-free interval of about 68% (the order statistics of
+    ranks k and n - k + 1, k = n/2 - sqrt(n)/2), the spread printed beside each overhead; None for
+    fewer than :data:`~llmmem.compare.report.MIN_SPREAD_PAIRS` values.
+
+    Not the spread of the steps themselves (half their interquartile range, printed before): two
+    runs of the same rows on a quiet 2-core machine, 18 pairs each, put their overheads 0.5 to 4.5
+    points apart while the steps' half interquartile ranges read 6 to 17."""
     v = sorted(values)
-    if len(v) < MIN_SPREAD_PAIRS:
+    n = len(v)
+    if n < MIN_SPREAD_PAIRS:
         return None
-    q = statistics.quantiles(v, n=4, method="inclusive")
-    return (q[2] - q[0]) / 2
+    k = max(1, round(n / 2 - math.sqrt(n) / 2))
+    return (v[n - k] - v[k - 1]) / 2
 
 
 def _guess(points: dict, cap: int, lo, hi, intercept: int | None = None) -> int:

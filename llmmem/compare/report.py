@@ -9,8 +9,8 @@ import math
 
 from llmmem.units import format_bytes
 
-# Fewer paired ratios than this have no spread worth printing (llmmem.compare.measure.half_iqr):
-# their quartiles are the ratios themselves, and one pair would read "±0".
+# Fewer paired ratios than this have no spread worth printing (llmmem.compare.measure.median_spread):
+# the interval of their median is the ratios themselves, and one pair would read "±0".
 MIN_SPREAD_PAIRS = 4
 
 __all__ = [
@@ -66,8 +66,8 @@ def _relative(row: dict, timer: str) -> float | None:
 
 
 def _spread_pct(row: dict, base: dict, timer: str, rel: float, base_rel: float) -> float | None:
-    """Points of overhead that the spread of the row's paired ratios and of the baseline's stands
-    for (half their interquartile ranges, combined in quadrature), or None where not recorded."""
+    """Points of overhead that the spreads of the row's and the baseline's median ratios stand for
+    (:func:`llmmem.compare.measure.median_spread`, combined in quadrature), or None where not recorded."""
     key = "relative_cpu_step_time_spread" if timer == "cpu" else "relative_step_time_spread"
     s_row, s_base = row.get(key), base.get(key)
     if s_row is None or s_base is None:

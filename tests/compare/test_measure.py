@@ -147,7 +147,7 @@ def test_the_reference_trainer_is_freed_before_the_measured_step():
 def test_pairs_alternate_their_order_and_report_their_spread(monkeypatch):
     """The strategy and the fp32 reference take turns going first on a batch (the second finds it in
     cache), and the spread of the paired ratios is recorded beside their median."""
-    from llmmem.compare.measure import half_iqr, train_and_measure
+    from llmmem.compare.measure import median_spread, train_and_measure
 
     order = []
 
@@ -166,9 +166,12 @@ def test_pairs_alternate_their_order_and_report_their_spread(monkeypatch):
     assert order == ["s", "r", "r", "s", "s", "r", "r", "s", "s", "r"]
     assert len(out["reference_step_times"]) == 4
     assert out["relative_step_time_spread"] >= 0 and out["relative_cpu_step_time_spread"] >= 0
-    # too few pairs for quartiles: no spread, rather than a "±0" that one pair would print
-    assert half_iqr([]) is None and half_iqr([3.0]) is None and half_iqr([1.0, 2.0, 3.0]) is None
-    assert half_iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1.0)  # quartiles 2 and 4
+    # too few pairs: no spread, rather than a "±0" that one pair would print
+    assert median_spread([]) is None and median_spread([3.0]) is None and median_spread([1.0, 2.0, 3.0]) is None
+    # 18 pairs (the full preset's): the median's interval runs from the 7th to the 12th smallest
+    assert median_spread([float(i) for i in range(18, 0, -1)]) == pytest.approx((12 - 7) / 2)
+    assert median_spread([1.0, 2.0, 3.0, 4.0]) == pytest.approx(1.5)  # 4 pairs: their whole range
+    assert median_spread([1.0, 1.0, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]) == 0.0  # one outlier moves no median
     out = train_and_measure(Fake("s"), lambda: (None, None), 3, torch.device("cpu"), reference=Fake("r"))
     assert len(out["reference_step_times"]) == 1 and out["relative_step_time_spread"] is None
 
