@@ -35,6 +35,7 @@ __all__ = [
 
 # The process group a parameter is split over by llmmem's tensor-parallel layers (plain tensors, each
 # rank its own slice): an overflow in one rank's slice must skip the step on every rank of the group.
+# Set through mark_tensor_parallel only: a parameter given the attribute otherwise is not looked for.
 TENSOR_PARALLEL_GROUP_ATTR = "llmmem_tensor_parallel_group"
 _marked = False  # whether any parameter was ever marked: until then no step looks for the mark
 

@@ -422,7 +422,8 @@ def run(args) -> int:
         try:
             strategies = by_key(args.only, known)
         except ValueError as exc:
-            raise ValueError(f"--only: {exc} (the rows of --preset {args.preset})") from None
+            quick = " --quick" if args.quick and len(known) < len(strategies_of(args.preset)) else ""
+            raise ValueError(f"--only: {exc} (the rows of --preset {args.preset}{quick})") from None
     else:
         strategies = list(known)
     for s in strategies:
@@ -693,8 +694,8 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
     print(
         f"\nstep ms: median of {preset.steps - 2} steps ({timer_text}; † wall clock of the slowest rank). overhead: "
         "median ratio to an fp32 baseline step taken alternately in the same process, over the baseline row's "
-        "(†: ratio of medians); ±: how far another run may put it, in points (half the width of the 68% "
-        "interval of each median ratio, the row's and the baseline's combined; none from fewer than "
+        "(†: ratio of medians); ±: how far another run may put it, in points (half the width of an interval "
+        "holding each median ratio with probability >= 68%, the row's and the baseline's combined; none from fewer than "
         f"{report.MIN_SPREAD_PAIRS} pairs). Memory: "
         + _memory_note(device, family)
         + "; act = peak during forward+backward less parameters, gradients, optimizer state and batch."
@@ -743,7 +744,8 @@ def _memory_note(device: str, family: str) -> str:
         # a compiled graph allocates its buffers below the dispatcher, where LiveBytes does not see them
         return (
             "the rise of the worker's resident set over the step (VmHWM reset through /proc/self/clear_refs; "
-            "every allocation of a page or more unmapped when freed), on top of the tensor bytes of parameters, "
+            "the heap's free pages returned to the kernel first, so memory the step reuses is counted when it "
+            "is written), on top of the tensor bytes of parameters, "
             "gradients, optimizer state and batch: pages written, not tensor bytes (an allocation never written "
             "is not counted), the same measure for every row, eager baseline included"
         )

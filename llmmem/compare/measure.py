@@ -141,19 +141,21 @@ def measured_step(trainer, x, y, device: torch.device, *, timeline: bool = False
 
 
 def unmap_large_frees() -> None:
-    """Have glibc map every allocation of :data:`_MMAP_THRESHOLD` bytes or more on its own and
-    unmap it when freed, from now on in this process. Its default keeps freed memory in the heap
-    for reuse and raises the threshold as large blocks are freed, so a step that reuses what the
-    previous one freed would show no rise of the resident set. What was allocated before stays as
-    it was (the model: live through every step). ``MALLOC_MMAP_THRESHOLD_`` does the same but is
-    read only when a process starts, and the rows are forked from a server.
+    """Have glibc map each allocation of :data:`_MMAP_THRESHOLD` bytes or more on its own when no
+    free memory of the heap fits it, unmap it when freed, and give the heap's free pages back to the
+    kernel now (``malloc_trim``), so that memory the step reuses from the heap is counted again when
+    it is written. Called just before the measured step, the last of a row: the timed steps and the
+    planner's profiling run under glibc's defaults (a threshold of a page made eager steps about twice
+    as slow, through the mapping and faulting of every tensor). ``MALLOC_MMAP_THRESHOLD_`` does the
+    same but is read only when a process starts, and the rows are forked from a server.
 
     :raises RuntimeError: where the C library has no ``mallopt`` (not glibc)."""
     try:
         libc = ctypes.CDLL(None)
         ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc.malloc_trim(0)
     except (OSError, AttributeError) as exc:
-        raise RuntimeError(f"memory='resident' needs glibc's mallopt: {exc}") from None
+        raise RuntimeError(f"memory='resident' needs glibc's mallopt and malloc_trim: {exc}") from None
     if ok != 1:
         raise RuntimeError("memory='resident': mallopt(M_MMAP_THRESHOLD) was refused")
 
@@ -197,6 +199,8 @@ def resident_step(trainer, x, y, device: torch.device) -> dict:
     counted.track([x, y])
     start = counted.allocated(key)
     gc.collect()  # what earlier steps left in reference cycles is freed now, not inside the step
+    if not cuda:
+        unmap_large_frees()
     if cuda:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -318,9 +322,10 @@ def train_and_measure(
 
 def median_spread(values) -> float | None:
     """How far the median of ``values`` (the paired ratios) may be from where another run would put
-    it: half the width of its distribution-free interval of about 68% (the order statistics of
-    ranks k and n - k + 1, k = n/2 - sqrt(n)/2), the spread printed beside each overhead; None for
-    fewer than :data:`~llmmem.compare.report.MIN_SPREAD_PAIRS` values.
+    it: half the width of the narrowest interval between order statistics (ranks k and n - k + 1)
+    that holds the true median with probability at least 68%, whatever the ratios' distribution
+    (76% at the full run's 18 pairs); the spread printed beside each overhead. None for fewer than
+    :data:`~llmmem.compare.report.MIN_SPREAD_PAIRS` values.
 
     Not the spread of the steps themselves (half their interquartile range, printed before): two
     runs of the same rows on a quiet 2-core machine, 18 pairs each, put their overheads 0.5 to 4.5
@@ -329,7 +334,13 @@ def median_spread(values) -> float | None:
     n = len(v)
     if n < MIN_SPREAD_PAIRS:
         return None
-    k = max(1, round(n / 2 - math.sqrt(n) / 2))
+    # coverage of ranks (k, n - k + 1): 1 - 2 P(Binomial(n, 1/2) <= k - 1)
+    k, below = 1, 0
+    while k < (n + 1) // 2:
+        below += math.comb(n, k - 1)
+        if 1 - 2 * (below + math.comb(n, k)) / 2**n < 0.68:
+            break
+        k += 1
     return (v[n - k] - v[k - 1]) / 2
 
 

@@ -1,6 +1,7 @@
 """The three collectives the tensor-parallel layers need, routed to the fastest working engine.
 
-``all_reduce_`` (sum, in place), ``all_gather`` and ``reduce_scatter`` (along any dimension) go to:
+``all_reduce_`` (sum, in place), ``all_reduce`` (the same into a new tensor), ``all_gather`` and
+``reduce_scatter`` (along any dimension) go to:
 
 - llmmem's shared-memory collectives (``csrc/parallel/shm_*.c``) for CPU tensors when every rank of
   the group is on this host and the message is at most ``cpu_shm_max_bytes``;
@@ -547,10 +548,10 @@ def _scatter_route(out: torch.Tensor, src: torch.Tensor, group) -> bool:
 @_eager_under_compile
 def _all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     try:
+        dim = _check_dim(tensor, dim)  # at one rank too: a call that is wrong is wrong at any size
         w = _size_of(group)
         if w == 1:
             return tensor
-        dim = _check_dim(tensor, dim)
         tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
         tensor = tensor.contiguous()
         stacked = torch.empty(
@@ -570,10 +571,10 @@ def _all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 @_eager_under_compile
 def _reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     try:
+        dim = _check_dim(tensor, dim)
         w = _size_of(group)
         if w == 1:
             return tensor
-        dim = _check_dim(tensor, dim)
         tensor = tensor.detach()  # data movement, not an autograd op (llmmem.parallel.mappings is)
         if tensor.shape[dim] % w != 0:
             raise ValueError(
@@ -603,7 +604,12 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
 # the dispatcher's cost is paid only where a graph needs the operator.
 
 
-def _group_name(group) -> str:
+def _group_name(op: str, group) -> str:
+    if not dist.is_initialized():  # as the eager call says it
+        raise StateError(
+            f"llmmem.parallel.{op}: torch.distributed is not initialized (init_process_group was not called, "
+            "or destroy_process_group() destroyed every group)"
+        )
     return (group if group is not None else dist.group.WORLD).group_name
 
 
@@ -613,7 +619,11 @@ def _group_of(name: str):
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("llmmem::tp_all_reduce", mutates_args=())
+# Each runs a collective whose host-side engines a captured CUDA graph could not replay.
+_UNCAPTURABLE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("llmmem::tp_all_reduce", mutates_args=(), tags=_UNCAPTURABLE)
 def _all_reduce_op(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     return all_reduce_(tensor.contiguous().clone(), _group_of(group_name))
 
@@ -623,10 +633,11 @@ def _(tensor, group_name):
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("llmmem::tp_all_gather", mutates_args=())
+@torch.library.custom_op("llmmem::tp_all_gather", mutates_args=(), tags=_UNCAPTURABLE)
 def _all_gather_op(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     out = _all_gather(tensor, dim, _group_of(group_name))
-    return out.clone() if out is tensor else out  # an operator's output never aliases its input
+    # an operator's output never aliases its input, and has the fake's (contiguous) strides
+    return out.clone(memory_format=torch.contiguous_format) if out is tensor else out
 
 
 @_all_gather_op.register_fake
@@ -636,10 +647,10 @@ def _(tensor, dim, group_name):
     return tensor.new_empty(shape)
 
 
-@torch.library.custom_op("llmmem::tp_reduce_scatter", mutates_args=())
+@torch.library.custom_op("llmmem::tp_reduce_scatter", mutates_args=(), tags=_UNCAPTURABLE)
 def _reduce_scatter_op(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     out = _reduce_scatter(tensor, dim, _group_of(group_name))
-    return out.clone() if out is tensor else out
+    return out.clone(memory_format=torch.contiguous_format) if out is tensor else out
 
 
 @_reduce_scatter_op.register_fake
@@ -655,21 +666,27 @@ def _(tensor, dim, group_name):
 
 
 def all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """The sum of ``tensor`` over the group, in a new tensor (``tensor`` is left as it is)."""
+    """The sum of ``tensor`` over the group, in a new tensor (``tensor`` is left as it is), detached
+    as the other two: data movement, not an autograd op (llmmem.parallel.mappings is)."""
     if torch.compiler.is_compiling():
-        return torch.ops.llmmem.tp_all_reduce(tensor, _group_name(group))
-    return all_reduce_(tensor.contiguous().clone(), group)
+        return torch.ops.llmmem.tp_all_reduce(tensor.detach(), _group_name("all_reduce", group))
+    return all_reduce_(tensor.detach().contiguous().clone(), group)
 
 
 def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenation along ``dim`` of every rank's ``tensor`` (all the same shape), in rank order."""
     if torch.compiler.is_compiling():
-        return torch.ops.llmmem.tp_all_gather(tensor, dim % max(tensor.dim(), 1), _group_name(group))
+        # detached, as the eager call's result: data movement, not an autograd op (mappings.py is)
+        return torch.ops.llmmem.tp_all_gather(
+            tensor.detach(), _check_dim(tensor, dim), _group_name("all_gather", group)
+        )
     return _all_gather(tensor, dim, group)
 
 
 def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """This rank's block (``dim`` split evenly, in rank order) of the sum over the group."""
     if torch.compiler.is_compiling():
-        return torch.ops.llmmem.tp_reduce_scatter(tensor, dim % max(tensor.dim(), 1), _group_name(group))
+        return torch.ops.llmmem.tp_reduce_scatter(
+            tensor.detach(), _check_dim(tensor, dim), _group_name("reduce_scatter", group)
+        )
     return _reduce_scatter(tensor, dim, group)

@@ -230,6 +230,17 @@ def test_a_plan_beaten_by_a_uniform_row_at_no_more_memory_fails_its_target():
     # the issue's case: the 25% plan at every-layer's memory, slower than llmmem's every layer
     holds, detail = verdict([base, row("every", "every", 1.11, 25), row("plan-25", "plan", 1.16, 25)])
     assert holds is False and "plan-25 +16.0%" in detail and "every +11.0%" in detail
+    # the baseline's spread is common to both rows and excuses nothing
+    rows = [
+        row("baseline", "none", 1.0, 100, spread=0.05),
+        row("every", "every", 1.11, 25),
+        row("plan-25", "plan", 1.16, 25),
+    ]
+    assert verdict(rows)[0] is False
+    # too few pairs for a spread (--quick): the medians alone decide nothing
+    rows = [base, row("every", "every", 1.11, 25, spread=None), row("plan-25", "plan", 1.16, 25, spread=None)]
+    holds, detail = verdict(rows)
+    assert holds is None and "too few pairs" in detail
     # within the two rows' spreads (2 and 4 points): not beaten
     rows = [base, row("every", "every", 1.11, 25, spread=0.02), row("plan-25", "plan", 1.14, 25, spread=0.04)]
     assert verdict(rows)[0] is True

@@ -87,3 +87,45 @@ def test_compiled_tensor_parallel_models_train_as_eager():
     from llmmem.parallel.ranks import run_ranks
 
     run_ranks(__file__, "_ranks", 2, timeout=240)
+
+
+def _one_rank(rank, world):
+    """A group of one rank: every collective is the identity, compiled as eagerly; misuse is refused
+    under compile as it is eagerly."""
+    import torch.distributed as dist
+
+    from llmmem.parallel import collectives
+
+    warnings.filterwarnings("ignore")
+    t = torch.arange(12.0).reshape(3, 4)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        # a transposed (non-contiguous) input, given back by a one-rank gather: the operator's output
+        # has the contiguous strides its fake promised (inductor asserted on them)
+        gather = torch.compile(lambda x: collectives.all_gather(x.t(), 0) + 1, backend=backend, fullgraph=True)
+        torch.testing.assert_close(gather(t), t.t() + 1, rtol=0, atol=0)
+        scatter = torch.compile(lambda x: collectives.reduce_scatter(x.t(), 1) * 2, backend=backend, fullgraph=True)
+        torch.testing.assert_close(scatter(t), t.t() * 2, rtol=0, atol=0)
+    torch._dynamo.reset()
+    for dim in (2, -3):  # out of range: the eager error, not a gather along another dimension
+        with pytest.raises(ValueError, match="out of range"):
+            torch.compile(lambda x, d=dim: collectives.all_gather(x, d), backend="aot_eager")(t)
+    ones = torch.ones(2, 3, requires_grad=True)
+    out = torch.compile(lambda x: collectives.all_gather(x, 0), backend="aot_eager", fullgraph=True)(ones)
+    assert not out.requires_grad  # data movement, detached as the eager call's result
+    dist.barrier()
+
+
+def test_collectives_of_one_rank_compile_as_eager():
+    from llmmem.parallel.ranks import run_ranks
+
+    run_ranks(__file__, "_one_rank", 1, timeout=300)
+
+
+def test_a_compiled_collective_without_torch_distributed_says_so():
+    from llmmem.errors import StateError
+    from llmmem.parallel import collectives
+
+    torch._dynamo.reset()
+    with pytest.raises(StateError, match="not initialized"):
+        torch.compile(lambda x: collectives.all_reduce(x), backend="aot_eager")(torch.ones(2))
