@@ -363,6 +363,10 @@ class _SequenceSplit:
         self.group, self.length = group, None
 
     def note_length(self, module, args, kwargs) -> None:  # forward pre-hook of the whole model
+        if torch.compiler.is_compiling():
+            # a compiled model's first layer always gets the model's input (no replay inside a graph),
+            # and Dynamo would guard on the stored int: one recompilation per sequence length
+            return
         x = kwargs.get("input_ids")
         if x is None:
             x = kwargs.get("inputs_embeds")
@@ -372,7 +376,7 @@ class _SequenceSplit:
 
     def scatter(self, module, args, kwargs):  # forward pre-hook of the first layer
         def take_slice(x):
-            if self.length is not None and x.shape[1] != self.length:
+            if not torch.compiler.is_compiling() and self.length is not None and x.shape[1] != self.length:
                 return x  # a slice already: the layer replayed on what it got
             t = dist.get_world_size(self.group)
             if x.shape[1] % t:

@@ -68,6 +68,19 @@ def _ranks(rank, world):
         _compiled_equals_eager(lambda: llama(sequence_parallel), llama_step)
         torch._dynamo.reset()
 
+    # a new sequence length is a new shape, not a new graph each time: the sequence-parallel hooks'
+    # stored length was guarded on as a constant (fullgraph=True stopped at Dynamo's recompile limit)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = llama(True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for seq in (16, 18, 20, 22):
+        batch = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+        compiled(input_ids=batch, labels=batch).loss.backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
     def gpt():
         torch.manual_seed(0)
         full = GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=16, vocab_size=128, dropout=0.0))
