@@ -724,7 +724,7 @@ def _run(args, preset, strategies, jobs, settings, previous, interrupts, state, 
     if extra.get("headline"):
         print("\n" + extra["headline"])
     print(
-        f"\ntargets (issue {report.TARGET_ISSUES[family]}), on this run's ratios"
+        "\ntargets (what llmmem sets out to reach here), on this run's ratios"
         + (" (the quick run: indicative only)" if args.quick else "")
         + ":"
     )

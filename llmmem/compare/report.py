@@ -824,7 +824,12 @@ def check_compile_targets(rows: list[dict], *, wall_seconds: float | None = None
             add(target, False if plan_row is not None and plan_row.get("infeasible") else None, plan_why or amb_why)
         else:
             (pc, pt), (ac, at) = _step_cost(plan), _step_cost(amb)
-            spread = _difference_spread(plan, amb) or 0.0  # medians only (no pairs): as measured
+            paired = all(r["derived"].get("overhead_basis") == "paired" for r in (plan, amb))
+            spread = _difference_spread(plan, amb)
+            if paired and spread is None:  # --quick: a verdict on two pairs would be noise
+                add(target, None, f"{pt} vs {at} (too few pairs to tell)")
+                continue
+            spread = spread or 0.0
             holds = None if pc is None or ac is None else pc <= ac + spread
             add(
                 target,
