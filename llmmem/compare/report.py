@@ -834,7 +834,7 @@ def check_compile_targets(rows: list[dict], *, wall_seconds: float | None = None
             add(
                 target,
                 holds,
-                f"{pt} vs {at}" + (f" (within {spread:.1f} points: the two rows' spreads)" if spread else ""),
+                f"{pt} vs {at}" + (f" (the two rows' spreads allow {spread:.1f} points)" if spread else ""),
             )
     return out
 

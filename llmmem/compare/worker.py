@@ -66,6 +66,8 @@ def run_single(spec: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     memory = spec.get("memory", "live")
+    if memory == "resident" and device.type == "cpu":
+        measure.unmap_large_frees()  # before the model is built: every later large free is seen
     seed, batch, steps = spec["seed"], spec["batch"], spec["steps"]
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(seed)
