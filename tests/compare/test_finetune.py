@@ -59,7 +59,7 @@ def test_finetune_rows_measure_the_model_state_and_the_largest_model(tmp_path):
     )
     assert lean["search"]["largest_params"] > 2 * params
     out = proc.stdout
-    assert "loss ratio" in out and "state B/param" in out and "targets (issue 23)" in out
+    assert "loss ratio" in out and "state B/param" in out and "targets (what llmmem sets out to reach here)" in out
     assert results["headline"] in out and "verified by running it" in results["headline"]
     assert results["headline"] in (tmp_path / "results.md").read_text()
     assert {t["target"].split(":")[0] for t in results["targets"]} >= {"step in backward", "int8 state"}
