@@ -25,7 +25,6 @@ import torch
 from llmmem.dtensors import is_dtensor, local, max_over_shards
 
 __all__ = [
-    "TENSOR_PARALLEL_GROUP_ATTR",
     "agree",
     "agree_found_inf",
     "dtensor_params",

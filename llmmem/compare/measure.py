@@ -209,13 +209,12 @@ def resident_step(trainer, x, y, device: torch.device) -> dict:
     counted.track([x, y])
     start = counted.allocated(key)
     gc.collect()  # what earlier steps left in reference cycles is freed now, not inside the step
-    if not cuda:
-        _return_free_heap()
     if cuda:
         _sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     else:
+        _return_free_heap()
         try:
             base = _vm("VmRSS")["VmRSS"]
             _reset_high_water()

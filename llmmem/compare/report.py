@@ -26,15 +26,12 @@ __all__ = [
     "check_vocab_targets",
     "check_compile_targets",
     "check_preset_targets",
-    "TARGET_ISSUES",
     "plot_timelines",
     "plot_tradeoff",
 ]
 
 MiB = 2**20
 
-# the issue whose targets each preset family checks
-TARGET_ISSUES = {"default": 17, "finetune": 23, "vocab": 24, "compile": 25}
 
 # Relative difference allowed between a compiled row's loss and the eager baseline's, at every step:
 # the compiled graph computes the same fp32 arithmetic in another order (fused kernels, reductions
@@ -65,11 +62,14 @@ def _relative(row: dict, timer: str) -> float | None:
     return row.get("relative_cpu_step_time" if timer == "cpu" else "relative_step_time")
 
 
+def _spread_key(timer: str) -> str:
+    return "relative_cpu_step_time_spread" if timer == "cpu" else "relative_step_time_spread"
+
+
 def _spread_pct(row: dict, base: dict, timer: str, rel: float, base_rel: float) -> float | None:
     """Points of overhead that the spreads of the row's and the baseline's median ratios stand for
     (:func:`llmmem.compare.measure.median_spread`, combined in quadrature), or None where not recorded."""
-    key = "relative_cpu_step_time_spread" if timer == "cpu" else "relative_step_time_spread"
-    s_row, s_base = row.get(key), base.get(key)
+    s_row, s_base = row.get(_spread_key(timer)), base.get(_spread_key(timer))
     if s_row is None or s_base is None:
         return None
     if row is base:
@@ -100,7 +100,7 @@ def derive(rows: list[dict], timer: str = "wall") -> list[dict]:
                 d["overhead_spread_pct"] = _spread_pct(r, base, timer, rel, base_rel)
                 # the row's own share of that spread: what two rows' overheads, over the same
                 # baseline, differ by uncertainly (the baseline's term is common to both)
-                own = r.get("relative_cpu_step_time_spread" if timer == "cpu" else "relative_step_time_spread")
+                own = r.get(_spread_key(timer))
                 d["own_spread_pct"] = None if own is None else 100.0 * own / base_rel
             else:
                 d["overhead_pct"] = _pct(d["step_time"], base_time if r.get("world", 1) == 1 else base["step_time"])
@@ -233,8 +233,7 @@ def is_finetune(rows: list[dict]) -> bool:
 
 
 def preset_family(rows: list[dict]) -> str:
-    """``"finetune"``, ``"vocab"``, ``"compile"`` or ``"default"``: which preset's rows ``rows`` are
-    (a key of :data:`TARGET_ISSUES`)."""
+    """``"finetune"``, ``"vocab"``, ``"compile"`` or ``"default"``: which preset's rows ``rows`` are."""
     if is_finetune(rows):
         return "finetune"
     base = next((r for r in rows if r["key"] == "baseline"), {})
@@ -505,9 +504,7 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
     else:
         add("llmmem plan at 50%", None, "rows plan-50 / torch-every not run")
     add(*_plans_against_uniform(by))
-    singles = [
-        r for r in by.values() if r["strategy"]["tp"] * r["strategy"]["dp"] == 1 and r["derived"].get("max_batch")
-    ]
+    singles = [r for r in by.values() if _single(r) and r["derived"].get("max_batch")]
     llmmem_rows = [
         r
         for r in singles
@@ -551,6 +548,10 @@ def check_targets(rows: list[dict], *, wall_seconds: float | None = None, quick:
 SAME_MEMORY = 1.01
 
 
+def _single(r: dict) -> bool:
+    return r["strategy"]["tp"] * r["strategy"]["dp"] == 1
+
+
 def _difference_spread(a: dict, b: dict) -> float | None:
     """Points by which the overheads of rows ``a`` and ``b`` may differ by chance: their own spreads
     combined in quadrature; None when either has too few pairs for one (``--quick``)."""
@@ -563,17 +564,8 @@ def _plans_against_uniform(by: dict) -> tuple:
     selective on every layer) beats at equal or lower activation memory, in this run's measurements:
     each plan row's overhead is at most that of each single-process uniform row with the same
     precision that needed no more memory, within the two rows' own spreads combined in quadrature."""
-    plans = [
-        r
-        for r in by.values()
-        if r["strategy"]["checkpoint"] == "plan" and r["strategy"]["tp"] * r["strategy"]["dp"] == 1
-    ]
-    uniform = [
-        r
-        for r in by.values()
-        if r["strategy"]["checkpoint"] in ("torch", "every", "selective")
-        and r["strategy"]["tp"] * r["strategy"]["dp"] == 1
-    ]
+    plans = [r for r in by.values() if r["strategy"]["checkpoint"] == "plan" and _single(r)]
+    uniform = [r for r in by.values() if r["strategy"]["checkpoint"] in ("torch", "every", "selective") and _single(r)]
     target = "no uniform plan beats the planner's at equal or lower activation memory (measured, within the spread)"
     pairs, beaten, undecided = [], [], []
     for p in plans:
