@@ -33,6 +33,7 @@ MODES = {
     "compile-torchckpt": "torch.compile + torch checkpoint on every layer",
     "compile-amb": "torch.compile + activation_memory_budget=0.5",
     "compile-plan": "torch.compile + llmmem.auto_checkpoint(budget=0.5)",
+    "compile-blocksplan": "torch.compile + llmmem.auto_checkpoint(budget=0.5, compile_blocks=True)",
 }
 
 
@@ -73,7 +74,7 @@ def measure(mode: str) -> dict:
     if mode.endswith("torchckpt"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mode.endswith("plan"):
-        llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=0)
+        llmmem.auto_checkpoint(model, budget=0.5, sample=batch, repeats=0, compile_blocks=mode.endswith("blocksplan"))
     if mode.endswith("amb"):
         import torch._functorch.config as functorch_config
 

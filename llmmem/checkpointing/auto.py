@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import types
 
 import torch
 import torch.nn as nn
 
 from llmmem.checkpointing.blocks import as_block_list
+from llmmem.checkpointing.compiled import COMPILED_MODES, compile_bodies, compile_options
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpointing_flags_off, restore_flags
 from llmmem.checkpointing.modes import run_mode
@@ -243,6 +245,12 @@ class AutoCheckpointPlan:
                 f"  (the model changes a block's input between {between}: regions hold one block each, "
                 "store-input-only)"
             )
+        if self.runner.compile_options is not None:
+            opts = ", ".join(f"{k}={v!r}" for k, v in self.runner.compile_options.items())
+            head.append(
+                f"  blocks compiled by the plan: torch.compile({opts}); kept bytes of the compiled blocks; regions run "
+                "between graphs"
+            )
         fused = self._fused_head_line()
         if fused is not None:
             head.append(fused)
@@ -289,6 +297,7 @@ def auto_checkpoint(
     host_bandwidth: float | None = None,
     repeats: int = 5,
     replan: bool = True,
+    compile_blocks=False,
     **options,
 ):
     """Plan activation checkpointing for a memory budget and run it.
@@ -334,6 +343,16 @@ def auto_checkpoint(
         bytes stay bytes), once per bucket of shapes within 1.25x of each other
         (:mod:`llmmem.checkpointing.reshape`); ``False``: keep the plan, and warn once when an input
         is larger than the sample's.
+    :param compile_blocks: for a model: ``True`` (or a dict of ``torch.compile`` keyword arguments,
+        such as ``{"backend": "inductor"}``) compiles each block's forward and plans the compiled
+        blocks: what they keep for backward is measured on them, and the plan runs its regions
+        around them, so its budget holds with compiled blocks. The planned modes are then "keep the
+        tape", "selective" (its policy compiled into the block) and "recompute" (alone or in
+        regions; offload too): recompute-cheap's hooks cannot see inside a compiled block. The model may be run as it is or under
+        ``torch.compile(model)``, whose graph then breaks before each planned block
+        (``fullgraph=True`` is refused). Without it, a model compiled as a whole runs each checkpointed
+        block as torch's checkpoint operator inside its graph (one graph, ``fullgraph`` works), whose
+        memory is not the plan's: a warning at compilation says how it differs.
     :param options: for a model: ``preserve_rng_state``, ``determinism_check``, ``early_stop`` (as in
         :func:`llmmem.checkpoint`); for a bare chain, any :func:`llmmem.checkpoint` option.
     :raises llmmem.InfeasibleError: (a ``ValueError``) stating the smallest feasible budget.
@@ -359,7 +378,13 @@ def auto_checkpoint(
             or (isinstance(model, nn.Sequential) and (isinstance(sample_input, torch.Tensor) or profile is not None))
         )
     )
+    compiling = compile_options(compile_blocks)
     if chain_form:
+        if compiling is not None:
+            raise TypeError(
+                "auto_checkpoint: compile_blocks plans a whole model (auto_checkpoint(model, sample=batch, "
+                "compile_blocks=True)); for a bare chain, compile the blocks before planning them"
+            )
         block_list = as_block_list(model, "auto_checkpoint")
         with _errors_say_auto_checkpoint():
             plan = plan_checkpoints(
@@ -407,16 +432,25 @@ def auto_checkpoint(
             "auto_checkpoint: sample= is needed to profile the model (a batch, or a callable running one "
             "training step), or give profile="
         )
+    if compiling is not None and profile is not None and not getattr(profile, "compiled_blocks", False):
+        raise ValueError(
+            "auto_checkpoint: with compile_blocks the profile must be of compiled blocks: give plan.profile of a "
+            "plan made with compile_blocks, or none"
+        )
     if profile is not None and profile.n_blocks != len(block_list):
         raise ValueError(
             f"auto_checkpoint: the profile is for {profile.n_blocks} blocks, {name!r} has {len(block_list)}"
         )
     start = time.perf_counter()
+    extra: dict = {}
     flags = checkpointing_flags_off(block_list)  # the plan takes over from Hugging Face's own checkpointing
     try:
         if profile is None:
+            if compiling is not None:
+                own = [b.__dict__.get("forward") or types.MethodType(type(b).forward, b) for b in block_list]
+                extra = {"modes": COMPILED_MODES, "compiled": compile_bodies(own, compiling)}
             profile = profile_model(
-                model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0, stack_starts=starts
+                model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0, stack_starts=starts, **extra
             )
         with _errors_say_auto_checkpoint():
             plan = plan_checkpoints(
@@ -428,8 +462,17 @@ def auto_checkpoint(
                 plan, budget, {"slots": slots, "offload": offload, "host_bandwidth": host_bandwidth}, starts
             )
         runner = ChainRunner(
-            block_list, plan, profile.hidden, options, saved_flags=flags, shapes=shapes, starts=starts
+            block_list,
+            plan,
+            profile.hidden,
+            options,
+            saved_flags=flags,
+            shapes=shapes,
+            starts=starts,
+            compile_options=compiling,
         )
+        if "compiled" in extra:
+            runner._bodies = extra["compiled"]  # the ones profiling compiled
         runner.install()
         runner.guard(model)
     except BaseException:

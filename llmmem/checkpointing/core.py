@@ -52,7 +52,7 @@ from llmmem.checkpointing.replay import (
     format_op_logs,
     has_rng_trackers,
 )
-from llmmem.checkpointing.selective import ThroughHooks, _Keep
+from llmmem.checkpointing.selective import ThroughHooks, _Keep, compiled_selective_context_fn, selective_context_fn
 
 __all__ = ["checkpoint", "CheckpointError", "noop_context_fn", "feature_status", "CHECKPOINT_OPTIONS"]
 
@@ -321,8 +321,12 @@ def _traced(function: Callable, args: tuple, kwargs: dict, opts: dict):
             "checkpoint: under torch.compile a region is torch's checkpoint, and torch.utils.checkpoint.checkpoint "
             "was replaced before llmmem was imported; import llmmem first"
         )
-    # torch's compile path takes its own no-op (its default) by identity, else dispatch modes
-    own = {} if opts["context_fn"] is noop_context_fn else {"context_fn": opts["context_fn"]}
+    # torch's compile path takes its own no-op (its default) by identity, else dispatch modes;
+    # llmmem's selective policy as torch's selective contexts, which the partitioner reads
+    context_fn = opts["context_fn"]
+    if context_fn is selective_context_fn:
+        context_fn = compiled_selective_context_fn
+    own = {} if context_fn is noop_context_fn else {"context_fn": context_fn}
     return _torch_checkpoint(
         function,
         *args,

@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from llmmem.checkpointing import compile_notes
 from llmmem.checkpointing.calls import find_hidden, hidden_of, without_cache
+from llmmem.checkpointing.compiled import between_graphs, compile_bodies
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.modes import run_call
@@ -334,7 +335,15 @@ class ChainRunner:
     """
 
     def __init__(
-        self, blocks, plan, hidden, options: dict, saved_flags: list | None = None, shapes=None, starts=None
+        self,
+        blocks,
+        plan,
+        hidden,
+        options: dict,
+        saved_flags: list | None = None,
+        shapes=None,
+        starts=None,
+        compile_options: dict | None = None,
     ) -> None:
         unknown = set(options) - set(RUNNER_OPTIONS)
         if unknown:
@@ -350,6 +359,10 @@ class ChainRunner:
         self.starts = list(starts) if starts else plan.profile.stack_starts
         # the shape buckets of the stacks in the pass under way, and the largest each has met
         self.shape_key = self.largest_key = shapes.base_key if shapes is not None else None
+        # torch.compile's options for the blocks the plan compiles itself (None: it compiles none;
+        # llmmem.checkpointing.compiled), and those compiled blocks, made at their first call
+        self.compile_options = compile_options
+        self._bodies: list | None = None
         self._use(plan)
         self.originals: list = []
         self._saved_flags = saved_flags
@@ -386,7 +399,8 @@ class ChainRunner:
             changes.append("recompute-cheap blocks run as selective checkpoints (matmul outputs kept)")
         if self.offloaded:
             changes.append("offloaded region inputs stay on the device")
-        self.compile_changes = "; ".join(changes)
+        # a plan of compiled blocks runs as made, compiled model or not
+        self.compile_changes = "; ".join(changes) if self.compile_options is None else ""
         self._watch_compile()
 
     def _watch_compile(self) -> None:
@@ -396,7 +410,8 @@ class ChainRunner:
                 f"llmmem.auto_checkpoint and torch.compile: where a compiled model runs the blocks of this plan "
                 f"({type(self.blocks[0]).__name__} x {len(self.blocks)}), {self.compile_changes}: it recomputes "
                 "what the plan recomputes, but its memory is not the plan's and may exceed the budget. The plan "
-                "runs as made when the model is not compiled as a whole",
+                "runs as made when the model is not compiled as a whole, or when planned with compile_blocks=True "
+                "(the plan compiles the blocks itself and budgets them as compiled)",
                 owner=self,
             )
 
@@ -412,12 +427,22 @@ class ChainRunner:
             for f, b in zip(self.originals, self.blocks)
         ]
         state["_pass"] = None
+        state["_bodies"] = None  # compiled again when first called
         return state
 
     def __setstate__(self, state: dict) -> None:
         # saved before they existed
         self.__dict__.update(
-            {"shapes": None, "starts": [0], "shape_key": None, "largest_key": None, "compile_changes": "", **state}
+            {
+                "shapes": None,
+                "starts": [0],
+                "shape_key": None,
+                "largest_key": None,
+                "compile_changes": "",
+                "compile_options": None,
+                "_bodies": None,
+                **state,
+            }
         )
         # the blocks may not have their state yet (they are being loaded): only their type is read
         self.originals = [
@@ -582,10 +607,21 @@ class ChainRunner:
             )
         return args, kwargs
 
+    def body(self, j: int, mode: str = "store-all"):
+        """What runs block ``j``: its own forward, or that forward compiled by the plan (in ``mode``:
+        ``"store-all"``, or ``"selective"`` with the policy compiled in)."""
+        if self.compile_options is None:
+            return self.originals[j]
+        if self._bodies is None:
+            self._bodies = compile_bodies(self.originals, self.compile_options)
+        return self._bodies[mode][j]
+
     def call(self, j: int, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
+            if self.compile_options is not None:
+                return between_graphs(self, j, args, kwargs)
             return self._traced_call(j, args, kwargs)
-        fn = self.originals[j]
+        fn = self.body(j)
         if not torch.is_grad_enabled():
             self._pass = None
             return fn(*args, **kwargs)
@@ -633,6 +669,8 @@ class ChainRunner:
                 out = fn(*args, **kwargs)
         elif mode == "store-all":
             out = fn(*args, **kwargs)
+        elif self.compile_options is not None:
+            out = self.body(j, mode)(*args, **kwargs)
         else:
             opts = {k: v for k, v in self.options.items() if k in RUNNER_OPTIONS}
             out = run_call(fn, args, kwargs, mode, self.blocks[j], **opts)

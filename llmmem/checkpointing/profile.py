@@ -37,6 +37,7 @@ import torch
 
 from llmmem.checkpointing.blocks import as_block_list, check_distinct
 from llmmem.checkpointing.calls import BlockCall, find_hidden, hidden_of, without_cache
+from llmmem.checkpointing.compiled import use_compiled_costs
 from llmmem.checkpointing.costs import block_signature, profile_one
 from llmmem.checkpointing.meters import ActivationMeter, measure_saved_bytes, tensor_bytes
 from llmmem.checkpointing.modes import INPUT_ONLY, MODES, run_call, run_mode
@@ -132,6 +133,8 @@ class ChainProfile:
     # [L] 1 where block i's input is not block i - 1's output (a second stack of blocks starts
     # there: a decoder after an encoder): regions end before it. Empty: none.
     cuts: list = field(default_factory=list)
+    # the kept bytes are those of blocks compiled by the plan (auto_checkpoint's compile_blocks)
+    compiled_blocks: bool = False
 
     def to_chain(self, host_bandwidth: float = 0.0, seconds: bool = False) -> dict:
         """The dict the C planner takes (llmmem._C.plan_solve); ``host_bandwidth`` in bytes per
@@ -402,6 +405,7 @@ def profile_model(
     warmup: int = 1,
     runs: Sequence[Callable] | None = None,
     stack_starts: Sequence[int] = (),
+    compiled: Sequence[Callable] | None = None,
 ) -> ChainProfile:
     """Profile the chain ``blocks`` of ``model`` as one real step on ``sample`` runs it (see
     :func:`sample_step`): each block called with the arguments the model gave it, and the bytes the
@@ -411,6 +415,9 @@ def profile_model(
     Memory: the step with the blocks keeping nothing, then one block's activations at a time. The
     random state and the parameters' ``.grad`` are as before (:func:`kept_state`, also on an error);
     the step's other effects (an optimizer step in a callable ``sample``) happen once.
+
+    ``compiled``: the blocks' forwards as a plan compiles them (:mod:`llmmem.checkpointing.compiled`);
+    the store-all mode's kept bytes are then measured on them.
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     step = sample_step(model, sample)
@@ -435,6 +442,8 @@ def profile_model(
             runs=runs,
             output_bytes=rec.output_bytes,
         )
+        if compiled is not None:
+            use_compiled_costs(prof, blocks, stripped, compiled)
     prof.head = rec.head
     if chainable and not all(linked):
         prof.cuts = [0] + [int(not link) for link in linked]

@@ -744,9 +744,10 @@ def _memory_note(device: str, family: str) -> str:
         # a compiled graph allocates its buffers below the dispatcher, where LiveBytes does not see them
         return (
             "the rise of the worker's resident set over the step (VmHWM reset through /proc/self/clear_refs; "
-            "glibc made to map every allocation of a page or more, and to return its heap's free pages first: "
-            "this slows every step of these rows, eager ones about 2x and compiled ones 1.3x on this preset's "
-            "model, so compare step times between compiled rows), on top of the tensor bytes of parameters, "
+            "glibc made to map every allocation of a page or more, and to return its heap's free pages first; "
+            "measured in a process of its own forked first, 3 steps, because the mapping slows steps by a page "
+            "fault per new page: the step times come from the row's process, which does not map), on top of the "
+            "tensor bytes of parameters, "
             "gradients, optimizer state and batch: pages written, not tensor bytes (an allocation never written "
             "is not counted), the same measure for every row, eager baseline included"
         )

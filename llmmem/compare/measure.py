@@ -148,7 +148,8 @@ def unmap_large_frees() -> None:
     measured step instead, the heap left by the earlier steps served the step's tensors in fragments
     and the rise read twice LiveBytes' count on the eager baseline (154.8 MiB against 76.6). Its cost
     is in every step of such a row, the timed ones too: a page fault per new page of every tensor (on
-    the compiled preset's GPT, eager steps about 2x slower, compiled ones 1.3x). ``MALLOC_MMAP_THRESHOLD_``
+    the compiled preset's GPT, eager steps about 2x slower, compiled ones 1.3x), which is why the worker
+    measures such a row's memory in a process of its own (``llmmem.compare.worker``). ``MALLOC_MMAP_THRESHOLD_``
     does the same but is read only when a process starts, and the rows are forked from a server.
 
     :raises RuntimeError: where the C library has no ``mallopt`` (not glibc)."""

@@ -204,8 +204,10 @@ VOCAB_STRATEGIES = (
 # The compiled rows (issue 25): what checkpointing saves once the model is compiled, where a region
 # is torch's checkpoint lowered by the partitioner and a dispatch mode sees no allocation of the
 # graph. torch's own compile-time planner (activation_memory_budget, a knapsack over the joint graph)
-# is the anchor llmmem's plan at the same fraction is held to. The baseline stays eager: the losses of
-# every compiled row are compared with the model as written.
+# is the anchor llmmem's plan at the same fraction is held to; llmmem's plan rows compile their blocks
+# themselves (auto_checkpoint's compile_blocks, planned on the compiled blocks) and the model's graph
+# breaks before each planned block. The baseline stays eager: the losses of every compiled row are
+# compared with the model as written.
 COMPILE_STRATEGIES = (
     Strategy("baseline", "eager fp32 (baseline)"),
     Strategy("compile", "torch.compile", compile=True),

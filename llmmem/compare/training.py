@@ -115,7 +115,9 @@ def install_techniques(model: GPT, strategy: Strategy, spec: dict, device, sampl
     if strategy.checkpoint not in ("plan", "auto"):
         checkpoint_every_block(model.blocks, strategy.checkpoint)
         return None
-    planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)))
+    # a compiled row's plan compiles its blocks itself, with the row's backend, and budgets them as compiled
+    blocks_compiled = {"backend": spec.get("compile_backend", "inductor")} if strategy.compile else False
+    planned = Planned(model, strategy, device, int(spec.get("profile_repeats", 3)), blocks_compiled)
     planned.install(plan_budget(strategy, spec), *(t.to(device) for t in sample))
     return planned
 
@@ -258,8 +260,9 @@ class Planned:
     the step (embedding, head, loss) itself on a sample step: forward and backward of a batch drawn
     apart from the training batches, in the strategy's precision."""
 
-    def __init__(self, model: GPT, strategy: Strategy, device, repeats: int) -> None:
+    def __init__(self, model: GPT, strategy: Strategy, device, repeats: int, compile_blocks=False) -> None:
         self.model, self.strategy, self.device, self.repeats = model, strategy, device, repeats
+        self.compile_blocks = compile_blocks
         self.plan = None
         self.budget = None
         self.budget_fraction = None
@@ -285,7 +288,11 @@ class Planned:
             # under autocast, so that the blocks are profiled in the precision they train in
             with amp_context(strategy.amp, self.device):
                 self.plan = llmmem.auto_checkpoint(
-                    model, budget=budget if fraction else max(1, int(budget)), sample=sample_step, repeats=self.repeats
+                    model,
+                    budget=budget if fraction else max(1, int(budget)),
+                    sample=sample_step,
+                    repeats=self.repeats,
+                    compile_blocks=self.compile_blocks,
                 )
         finally:
             for p in model.parameters():  # the sample step's gradients are not the training's
@@ -308,6 +315,8 @@ class Planned:
         }
         if self.budget_fraction is not None:
             out["budget_fraction"] = self.budget_fraction
+        if self.compile_blocks:
+            out["compile_blocks"] = self.compile_blocks
         # what a compiled model runs otherwise than the plan (a compiled row's memory may then exceed it)
         changes = getattr(getattr(self.plan, "runner", None), "compile_changes", "")
         if self.strategy.compile and changes:

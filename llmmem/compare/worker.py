@@ -52,6 +52,43 @@ __all__ = ["run_single", "rank_main", "main"]
 # ------------------------------------------------------------------------------------------------
 # Single process
 
+# What a row's memory pass measures (measure.resident_step), taken over by its timed pass.
+RESIDENT_KEYS = ("memory", "peak_bytes", "start_bytes", "activation_bytes", "peak_rise_bytes", "resident_start_bytes")
+
+
+def _memory_pass(spec: dict) -> dict:
+    """A row measured by the rise of the resident set on the CPU, measured apart: glibc made to map
+    every allocation of a page or more (:func:`llmmem.compare.measure.unmap_large_frees`) slows
+    steps by a page fault per new page, more where a step makes more tensors (a plan's compiled
+    blocks run between graphs, a graph reuses its buffers), so the row's memory comes from a child
+    forked first that sets it, warms up and measures one step, and its step times from this
+    process, which does not. Returns the child's result.
+
+    :raises RuntimeError: when the child fails, with its error."""
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            out = run_single({**spec, "pass": "memory", "steps": 3})
+        except BaseException:
+            import traceback
+
+            out = {"error": traceback.format_exc()}
+        with os.fdopen(write, "w") as f:
+            json.dump(out, f)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    out = json.loads(text) if text else {"error": "the memory pass died without a result"}
+    if "error" in out and "peak_bytes" not in out and not out.get("infeasible"):
+        raise RuntimeError(f"the row's memory pass failed: {out['error']}")
+    return out
+
 
 def run_single(spec: dict) -> dict:
     """One single-process row: trained, measured, and its largest batch searched; a row of the
@@ -66,8 +103,12 @@ def run_single(spec: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     memory = spec.get("memory", "live")
+    apart = None
     if memory == "resident" and device.type == "cpu":
-        measure.unmap_large_frees()  # before the model is built: every later large free is seen
+        if spec.get("pass") == "memory":
+            measure.unmap_large_frees()  # before the model is built: every later large free is seen
+        else:
+            apart = _memory_pass(spec)
     seed, batch, steps = spec["seed"], spec["batch"], spec["steps"]
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(seed)
@@ -108,6 +149,9 @@ def run_single(spec: dict) -> dict:
             trainer, batches, steps, device, reference=reference_trainer(cfg, spec, device), memory=memory
         )
     )
+    if apart is not None and "peak_bytes" in apart:
+        result.update({k: apart[k] for k in RESIDENT_KEYS if k in apart})
+        result["memory_apart"] = True
     result["state_bytes"] = state_bytes(model, trainer.optimizer)
     clock.lap("train")
     if planned is not None:

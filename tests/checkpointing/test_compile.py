@@ -137,3 +137,39 @@ def test_a_plan_the_compiled_graph_changes_says_how(notes_fresh, budget):
     assert ("one checkpoint per block" in notes[0]) == multi
     assert ("selective" in notes[0]) == ("recompute-cheap" in plan.modes)
     plan.remove()
+
+
+def test_the_selective_policy_is_carried_into_the_compiled_graph():
+    # Under Dynamo llmmem's selective dispatch modes would run on fake tensors and the partitioner
+    # would keep the whole tape (before the fix: as much as no checkpoint). The region's policy is
+    # torch's selective contexts instead: the kept bytes are those of torch's selective
+    # checkpointing with the same policy, and well below the block's tape.
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from llmmem.checkpointing.calls import BlockCall
+    from llmmem.checkpointing.compiled import compiled_saved_bytes
+    from llmmem.checkpointing.selective import KEPT_OPERATORS
+    from llmmem.models.gpt import GPT, GPTConfig
+
+    block = GPT(GPTConfig(layers=1, hidden=64, heads=4, seq_len=64, dropout=0.0)).blocks[0]
+    call = BlockCall((torch.randn(2, 64, 64),), {}, 0)
+
+    def policy(ctx, op, *args, **kwargs):
+        kept = getattr(op, "overloadpacket", op) in KEPT_OPERATORS
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch_sac = functools.partial(create_selective_checkpoint_contexts, policy)
+    ours = torch.compile(
+        lambda h: llmmem.checkpoint(block, h, use_reentrant=False, context_fn=llmmem.selective_context_fn),
+        backend="aot_eager",
+    )
+    theirs = torch.compile(
+        lambda h: torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=torch_sac),
+        backend="aot_eager",
+    )
+    tape = compiled_saved_bytes(torch.compile(block, backend="aot_eager"), block, call)
+    kept = compiled_saved_bytes(ours, block, call)
+    assert kept == compiled_saved_bytes(theirs, block, call)
+    assert 0 < kept < 0.6 * tape, (kept, tape)

@@ -51,6 +51,7 @@ def test_quick_compile_rows_train_as_the_eager_baseline_and_are_measured(tmp_pat
             continue
         # measured outside the dispatcher, every row alike: the resident set's rise over the step
         assert r["memory"] == "resident" and "timeline" not in r
+        assert r["memory_apart"]  # in a process of its own: its mapping would slow the timed steps
         assert r["activation_bytes"] > 0 and r["peak_bytes"] > r["start_bytes"] > 0
         assert len(r["losses"]) == len(base["losses"])
         for a, b in zip(r["losses"], base["losses"]):
@@ -59,6 +60,9 @@ def test_quick_compile_rows_train_as_the_eager_baseline_and_are_measured(tmp_pat
     assert rows["compile+amb-50"]["plan"] == {"budget_fraction": 0.5, "by": "activation_memory_budget"}
     if not rows["compile+plan-50"].get("error"):
         assert rows["compile+plan-50"]["plan"]["budget_fraction"] == 0.5
+        # the plan compiled its blocks with the row's backend, and runs as made
+        assert rows["compile+plan-50"]["plan"]["compile_blocks"] == {"backend": "inductor"}
+        assert "compile_changes" not in rows["compile+plan-50"]["plan"]
     targets = results["targets"]
     assert all(t["holds"] in (True, False, None) for t in targets)
     computed = {t["target"]: t["holds"] for t in targets if "50%" in t["target"] or "compiled rows" in t["target"]}

@@ -1,0 +1,138 @@
+"""Blocks that a plan compiles itself: ``llmmem.auto_checkpoint(model, ..., compile_blocks=True)``.
+
+Why: under ``torch.compile(model)`` a plan's regions can enter the graph only as torch's checkpoint
+operator, one block each, and the compiled backward of the whole model then holds the recompute of
+more than one block at once. On ``compare --preset compile``'s GPT (6 blocks, resident set's rise),
+every block checkpointed: 21.8 MiB eager, 35.7 MiB compiled as one graph. A plan made with
+``compile_blocks`` compiles each block's forward alone and runs its regions eagerly around the
+compiled blocks: a region's recompute calls the same compiled block, when autograd needs it, as the
+eager plan does (20.2 MiB there, at the one-graph version's step time). The planner then budgets
+what the compiled blocks keep, measured here: the tensors a compiled forward saves for backward
+pass through saved-tensor hooks, which see them as they see eager ones.
+
+A selective block is compiled with llmmem's policy carried into its graph (torch's
+selective-checkpoint contexts: matmul outputs saved, the rest recomputed in the block's compiled
+backward). What it does not do: plan the recompute-cheap mode (its hooks cannot see inside a
+compiled graph), or let a model compiled as a whole keep one graph: the graph breaks before each
+planned block (``torch.compiler.disable``), so ``fullgraph=True`` is refused at its first
+compilation, with this module's reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from llmmem.checkpointing.calls import BlockCall, hidden_of
+from llmmem.checkpointing.core import checkpoint
+from llmmem.checkpointing.costs import block_signature
+from llmmem.checkpointing.meters import measure_saved_bytes, storage_address
+from llmmem.checkpointing.selective import selective_context_fn
+
+__all__ = [
+    "BETWEEN_GRAPHS",
+    "COMPILED_MODES",
+    "between_graphs",
+    "compile_bodies",
+    "compile_options",
+    "compiled_saved_bytes",
+    "use_compiled_costs",
+]
+
+# The modes a plan of compiled blocks uses besides recomputing a block: it keeps its compiled tape,
+# or it is compiled with llmmem's selective policy (matmul outputs kept, the rest recomputed inside
+# the block's compiled backward, where inductor fuses it).
+COMPILED_MODES = ("store-all", "selective")
+
+BETWEEN_GRAPHS = (
+    "llmmem.auto_checkpoint(compile_blocks=...) compiles each planned block itself and runs its plan "
+    "between the graphs; compile the model without fullgraph=True, or plan without compile_blocks"
+)
+
+
+def compile_options(value) -> dict | None:
+    """``None`` for ``compile_blocks=False``, else the keyword arguments of ``torch.compile`` for
+    each block (``True``: its defaults).
+
+    :raises TypeError: for anything but a bool or a dict with string keys.
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        if "fullgraph" in value and value["fullgraph"] is not True and value["fullgraph"] is not False:
+            raise TypeError(f"auto_checkpoint: compile_blocks['fullgraph'] must be a bool, got {value['fullgraph']!r}")
+        return dict(value)
+    raise TypeError(
+        "auto_checkpoint: compile_blocks must be True, False or a dict of torch.compile keyword arguments "
+        f"(e.g. {{'backend': 'inductor', 'mode': 'max-autotune'}}), got {value!r}"
+    )
+
+
+def _selective_block(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_context_fn, **kwargs)
+
+
+def compile_bodies(fns, options: dict) -> dict:
+    """Each block's own forward under ``torch.compile(**options)``, per mode of
+    :data:`COMPILED_MODES`: ``{"store-all": [...], "selective": [...]}``. Blocks of one class share
+    Dynamo's cache of their code: identical blocks compile once per mode."""
+    selective = torch.compile(_selective_block, **options)
+    return {
+        "store-all": [torch.compile(fn, **options) for fn in fns],
+        "selective": [functools.partial(selective, fn) for fn in fns],
+    }
+
+
+def compiled_saved_bytes(body, block, call: BlockCall) -> int:
+    """Bytes the compiled ``body`` keeps for backward on ``call``, beyond the block's input and
+    output, its parameters and buffers and the call's other tensors: the store-all mode's kept
+    bytes of a compiled block (compiling it, the first time). Runs one forward and backward."""
+    exclude = list(block.parameters()) + list(block.buffers()) if isinstance(block, torch.nn.Module) else []
+    exclude += call.other_tensors()
+    # compiled first, outside the meter: tracing runs a selective policy on fake tensors, which the
+    # meter's observers cannot take
+    for measured in (False, True):
+        x = call.fresh_input()
+        args, kwargs = call.with_hidden(x)
+        with measure_saved_bytes(exclude=exclude) if measured else contextlib.nullcontext() as saved:
+            out = body(*args, **kwargs)
+        y = hidden_of(out)
+        if y.requires_grad:
+            torch.autograd.backward(y, torch.ones_like(y), inputs=[x] if x.requires_grad else None)
+    saved.storages.pop(storage_address(x), None)
+    saved.storages.pop(storage_address(y), None)
+    return saved.bytes
+
+
+def use_compiled_costs(prof, blocks, calls, bodies: dict) -> None:
+    """Replace ``prof``'s kept bytes of the modes in ``bodies`` (:func:`compile_bodies`) by those
+    of the compiled blocks (one measure per block class, call signature and mode), in place."""
+    measured: dict = {}
+    for mode, fns in bodies.items():
+        if mode not in prof.modes:
+            continue
+        k = prof.modes.index(mode)
+        for i, (block, call) in enumerate(zip(blocks, calls)):
+            key = (mode, block_signature(block, call))
+            if key not in measured:
+                measured[key] = compiled_saved_bytes(fns[i], block, call)
+            prof.saved_bytes[i][k] = measured[key]
+    prof.compiled_blocks = True
+
+
+def _runner_call(runner, j: int, args: tuple, kwargs: dict):
+    return runner.call(j, args, kwargs)
+
+
+try:
+    between_graphs = torch.compiler.disable(_runner_call, reason=BETWEEN_GRAPHS)
+except TypeError:  # torch < 2.8: no reason=
+    between_graphs = torch.compiler.disable(_runner_call)
+between_graphs.__doc__ = (
+    "A planned block's call as the eager plan runs it, from a model that Dynamo compiles as a whole: "
+    "its graph breaks here, and the runner calls the block compiled by the plan."
+)
