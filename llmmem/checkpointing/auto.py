@@ -343,16 +343,19 @@ def auto_checkpoint(
         bytes stay bytes), once per bucket of shapes within 1.25x of each other
         (:mod:`llmmem.checkpointing.reshape`); ``False``: keep the plan, and warn once when an input
         is larger than the sample's.
-    :param compile_blocks: for a model: ``True`` (or a dict of ``torch.compile`` keyword arguments,
-        such as ``{"backend": "inductor"}``) compiles each block's forward and plans the compiled
-        blocks: what they keep for backward is measured on them, and the plan runs its regions
-        around them, so its budget holds with compiled blocks. The planned modes are then "keep the
-        tape", "selective" (its policy compiled into the block) and "recompute" (alone or in
-        regions; offload too): recompute-cheap's hooks cannot see inside a compiled block. The model may be run as it is or under
-        ``torch.compile(model)``, whose graph then breaks before each planned block
-        (``fullgraph=True`` is refused). Without it, a model compiled as a whole runs each checkpointed
-        block as torch's checkpoint operator inside its graph (one graph, ``fullgraph`` works), whose
-        memory is not the plan's: a warning at compilation says how it differs.
+    :param compile_blocks: for a model: ``True`` (inductor, ``torch.compile``'s defaults) or a dict
+        of ``torch.compile`` keyword arguments (``{"backend": "inductor", "mode":
+        "max-autotune-no-cudagraphs"}``; modes that capture CUDA graphs are refused) compiles each
+        block's forward and plans the compiled blocks: what they keep for backward is measured on
+        them, and the plan runs its regions around them, so its budget holds with compiled blocks.
+        The planned modes are then "keep the tape", "selective" (the selective policy compiled into
+        the block) and "recompute" (alone or in regions); the mode that recomputes only cheap
+        operators is not available. Plan before compiling the model; the model may then run as it
+        is or under ``torch.compile(model)``, whose graph breaks at each planned block's call
+        (``fullgraph=True`` is refused; in a Hugging Face model the break is in its loop over the
+        layers, which then runs eagerly). Without it, a model compiled as a whole runs each
+        checkpointed block as torch's checkpoint operator inside its graph (one graph, ``fullgraph``
+        works), whose memory is not the plan's: a warning at compilation says how it differs.
     :param options: for a model: ``preserve_rng_state``, ``determinism_check``, ``early_stop`` (as in
         :func:`llmmem.checkpoint`); for a bare chain, any :func:`llmmem.checkpoint` option.
     :raises llmmem.InfeasibleError: (a ``ValueError``) stating the smallest feasible budget.
@@ -362,6 +365,7 @@ def auto_checkpoint(
 
     Cost: one step of the model (every block checkpointed) under a memory meter, then per distinct
     block a few forward and backward passes; the solver takes milliseconds for identical blocks.
+    With ``compile_blocks``, also two compilations per distinct block (plain and selective).
     Memory: that step's, then one block's activations at a time. Profile with the batch and
     sequence length you train with: the costs depend on them.
     """
@@ -437,6 +441,11 @@ def auto_checkpoint(
             "auto_checkpoint: with compile_blocks the profile must be of compiled blocks: give plan.profile of a "
             "plan made with compile_blocks, or none"
         )
+    if compiling is None and profile is not None and getattr(profile, "compiled_blocks", False):
+        raise ValueError(
+            "auto_checkpoint: the profile is of blocks compiled by a plan (compile_blocks); plan with "
+            "compile_blocks again, or give a profile of the blocks as they are"
+        )
     if profile is not None and profile.n_blocks != len(block_list):
         raise ValueError(
             f"auto_checkpoint: the profile is for {profile.n_blocks} blocks, {name!r} has {len(block_list)}"
@@ -470,9 +479,8 @@ def auto_checkpoint(
             shapes=shapes,
             starts=starts,
             compile_options=compiling,
+            bodies=extra.get("compiled"),  # those profiling compiled
         )
-        if "compiled" in extra:
-            runner._bodies = extra["compiled"]  # the ones profiling compiled
         runner.install()
         runner.guard(model)
     except BaseException:

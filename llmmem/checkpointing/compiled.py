@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 
@@ -35,6 +36,7 @@ __all__ = [
     "BETWEEN_GRAPHS",
     "COMPILED_MODES",
     "between_graphs",
+    "disable_between_graphs",
     "compile_bodies",
     "compile_options",
     "compiled_saved_bytes",
@@ -52,24 +54,38 @@ BETWEEN_GRAPHS = (
 )
 
 
+# torch.compile modes that capture CUDA graphs: a region's recompute runs a block's graph again
+# during the backward, while the outputs of its forward run are still in use
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def compile_options(value) -> dict | None:
     """``None`` for ``compile_blocks=False``, else the keyword arguments of ``torch.compile`` for
-    each block (``True``: its defaults).
+    each block (``True``: its defaults, inductor).
 
-    :raises TypeError: for anything but a bool or a dict with string keys.
+    :raises TypeError: for anything but a bool or a dict of ``torch.compile``'s keyword arguments.
+    :raises ValueError: for a mode that captures CUDA graphs.
     """
     if value is False or value is None:
         return None
     if value is True:
         return {}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        if "fullgraph" in value and value["fullgraph"] is not True and value["fullgraph"] is not False:
-            raise TypeError(f"auto_checkpoint: compile_blocks['fullgraph'] must be a bool, got {value['fullgraph']!r}")
-        return dict(value)
-    raise TypeError(
-        "auto_checkpoint: compile_blocks must be True, False or a dict of torch.compile keyword arguments "
-        f"(e.g. {{'backend': 'inductor', 'mode': 'max-autotune'}}), got {value!r}"
-    )
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(
+            "auto_checkpoint: compile_blocks must be True, False or a dict of torch.compile keyword arguments "
+            f"(e.g. {{'backend': 'inductor', 'mode': 'max-autotune-no-cudagraphs'}}), got {value!r}"
+        )
+    known = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise TypeError(f"auto_checkpoint: compile_blocks has {unknown}, not torch.compile arguments {sorted(known)}")
+    options = value.get("options") or {}
+    if value.get("mode") in _CUDA_GRAPH_MODES or options.get("triton.cudagraphs"):
+        raise ValueError(
+            f"auto_checkpoint: compile_blocks with CUDA graphs ({value!r}): a recomputed block runs its graph again "
+            "while the forward's outputs are in use; use mode='max-autotune-no-cudagraphs' or 'default'"
+        )
+    return dict(value)
 
 
 def _selective_block(forward, *args, **kwargs):
@@ -124,15 +140,20 @@ def use_compiled_costs(prof, blocks, calls, bodies: dict) -> None:
     prof.compiled_blocks = True
 
 
+def disable_between_graphs(fn):
+    """``fn`` run eagerly where Dynamo meets it (``torch.compiler.disable``, with the reason a
+    ``fullgraph=True`` compilation reports). The wrapper keeps ``fn``'s name: bound to that name in
+    ``fn``'s module, it pickles as itself."""
+    try:
+        return torch.compiler.disable(fn, reason=BETWEEN_GRAPHS)
+    except TypeError:  # torch < 2.8: no reason=
+        return torch.compiler.disable(fn)
+
+
 def _runner_call(runner, j: int, args: tuple, kwargs: dict):
+    """A planned block's call as the eager plan runs it, from code that Dynamo traces: the graph
+    breaks here, and the runner calls the block compiled by the plan."""
     return runner.call(j, args, kwargs)
 
 
-try:
-    between_graphs = torch.compiler.disable(_runner_call, reason=BETWEEN_GRAPHS)
-except TypeError:  # torch < 2.8: no reason=
-    between_graphs = torch.compiler.disable(_runner_call)
-between_graphs.__doc__ = (
-    "A planned block's call as the eager plan runs it, from a model that Dynamo compiles as a whole: "
-    "its graph breaks here, and the runner calls the block compiled by the plan."
-)
+between_graphs = disable_between_graphs(_runner_call)

@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from llmmem.checkpointing import compile_notes
 from llmmem.checkpointing.calls import find_hidden, hidden_of, without_cache
-from llmmem.checkpointing.compiled import between_graphs, compile_bodies
+from llmmem.checkpointing.compiled import between_graphs, compile_bodies, disable_between_graphs
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.modes import run_call
@@ -325,6 +325,17 @@ def _planned_forward(self, *args, **kwargs):
     return runner.call(index, args, kwargs)
 
 
+def _planned_forward_between_graphs(self, *args, **kwargs):
+    """The instance-level ``forward`` of a block of a plan that compiles its blocks: where Dynamo
+    traces the model, its graph breaks at the block's call (once per block, with no guard on which
+    block it is, so no recompilation per block) and the plan runs eagerly."""
+    runner, index = self.__dict__["_llmmem_chain"]
+    return runner.call(index, args, kwargs)
+
+
+_planned_forward_between_graphs = disable_between_graphs(_planned_forward_between_graphs)
+
+
 class ChainRunner:
     """Runs ``plan`` on ``blocks`` called by the model's own code (module docstring).
 
@@ -344,6 +355,7 @@ class ChainRunner:
         shapes=None,
         starts=None,
         compile_options: dict | None = None,
+        bodies: dict | None = None,
     ) -> None:
         unknown = set(options) - set(RUNNER_OPTIONS)
         if unknown:
@@ -362,7 +374,7 @@ class ChainRunner:
         # torch.compile's options for the blocks the plan compiles itself (None: it compiles none;
         # llmmem.checkpointing.compiled), and those compiled blocks, made at their first call
         self.compile_options = compile_options
-        self._bodies: list | None = None
+        self._bodies: dict | None = bodies
         self._use(plan)
         self.originals: list = []
         self._saved_flags = saved_flags
@@ -464,7 +476,8 @@ class ChainRunner:
             own = block.__dict__.get("forward")
             self.originals.append(own if own is not None else types.MethodType(type(block).forward, block))
             block.__dict__["_llmmem_chain"] = (self, i)
-            block.__dict__["forward"] = functools.partial(_planned_forward, block)
+            forward = _planned_forward if self.compile_options is None else _planned_forward_between_graphs
+            block.__dict__["forward"] = functools.partial(forward, block)
         self.active = True
 
     def remove(self) -> None:
@@ -485,6 +498,7 @@ class ChainRunner:
                 block.__dict__["forward"] = original
         restore_flags(self.blocks, self._saved_flags)
         self._pass = None
+        self._bodies = None  # the compiled blocks are freed with the plan
         self.active = False
 
     # running -------------------------------------------------------------------------------------

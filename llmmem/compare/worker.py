@@ -62,7 +62,9 @@ def _memory_pass(spec: dict) -> dict:
     steps by a page fault per new page, more where a step makes more tensors (a plan's compiled
     blocks run between graphs, a graph reuses its buffers), so the row's memory comes from a child
     forked first that sets it, warms up and measures one step, and its step times from this
-    process, which does not. Returns the child's result.
+    process, which does not. Returns the child's result. (The child plans and compiles again; a
+    row that searched a largest batch would take its cap from the child and its trials from here:
+    the rows measured this way, the compiled preset's, search none.)
 
     :raises RuntimeError: when the child fails, with its error."""
     read, write = os.pipe()
@@ -70,16 +72,21 @@ def _memory_pass(spec: dict) -> dict:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os.close(read)
+        # the child never returns into the row it was forked from, whatever fails
         try:
-            out = run_single({**spec, "pass": "memory", "steps": 3})
-        except BaseException:
-            import traceback
+            os.close(read)
+            try:
+                out = run_single({**spec, "pass": "memory", "steps": 3})
+            except BaseException:
+                import traceback
 
-            out = {"error": traceback.format_exc()}
-        with os.fdopen(write, "w") as f:
-            json.dump(out, f)
-        os._exit(0)
+                out = {"error": traceback.format_exc()}
+            with os.fdopen(write, "w") as f:
+                json.dump(out, f, default=repr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     os.close(write)
     with os.fdopen(read) as f:
         text = f.read()
