@@ -55,7 +55,7 @@ def _build(kind: str, x, y):
 
         model.blocks = nn.ModuleList([Checkpointed(b) for b in model.blocks])
     if kind.startswith("plan"):
-        llmmem.auto_checkpoint(model, sample=(x, y), budget=int(kind[4:]) / 100, repeats=0, compile_blocks=True)
+        llmmem.auto_checkpoint(model, sample=(x, y), budget=int(kind[4:]) / 100, repeats=3, compile_blocks=True)
     return model, torch.compile(model)
 
 

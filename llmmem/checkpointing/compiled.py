@@ -23,6 +23,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+import statistics
+import time
 
 import torch
 
@@ -31,6 +34,7 @@ from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.costs import block_signature
 from llmmem.checkpointing.meters import measure_saved_bytes, storage_address
 from llmmem.checkpointing.selective import selective_context_fn
+from llmmem.checkpointing.timing import sync
 
 __all__ = [
     "BETWEEN_GRAPHS",
@@ -40,6 +44,7 @@ __all__ = [
     "compile_bodies",
     "compile_options",
     "compiled_saved_bytes",
+    "compiled_seconds",
     "use_compiled_costs",
 ]
 
@@ -124,9 +129,36 @@ def compiled_saved_bytes(body, block, call: BlockCall) -> int:
     return saved.bytes
 
 
-def use_compiled_costs(prof, blocks, calls, bodies: dict) -> None:
+def compiled_seconds(body, call: BlockCall, repeats: int) -> tuple[float, float]:
+    """Median seconds of the compiled ``body``'s forward and of its backward on ``call`` (compiled
+    already: :func:`compiled_saved_bytes` ran it)."""
+    device = call.hidden_tensor.device
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        x = call.fresh_input()
+        args, kwargs = call.with_hidden(x)
+        sync(device)
+        t0 = time.perf_counter()
+        y = hidden_of(body(*args, **kwargs))
+        sync(device)
+        t1 = time.perf_counter()
+        if y.requires_grad:
+            torch.autograd.backward(y, torch.ones_like(y), inputs=[x] if x.requires_grad else None)
+        sync(device)
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def use_compiled_costs(prof, blocks, calls, bodies: dict, repeats: int = 0) -> None:
     """Replace ``prof``'s kept bytes of the modes in ``bodies`` (:func:`compile_bodies`) by those
-    of the compiled blocks (one measure per block class, call signature and mode), in place."""
+    of the compiled blocks (one measure per block class, call signature and mode), in place; with
+    ``repeats`` and a timed profile, their times too. Eager work units would misprice them: the
+    selective mode's recompute, dozens of operators eagerly, is fused into the compiled backward.
+    Timed, the planner then chooses among compiled blocks on measured seconds (expressed in the
+    profile's work units through its ``time_unit``), not on counted work: a plan can differ from
+    one run to the next where two choices cost about the same."""
+    timed = repeats > 0 and prof.seconds is not None and math.isfinite(prof.time_unit) and prof.time_unit > 0
     measured: dict = {}
     for mode, fns in bodies.items():
         if mode not in prof.modes:
@@ -135,8 +167,21 @@ def use_compiled_costs(prof, blocks, calls, bodies: dict) -> None:
         for i, (block, call) in enumerate(zip(blocks, calls)):
             key = (mode, block_signature(block, call))
             if key not in measured:
-                measured[key] = compiled_saved_bytes(fns[i], block, call)
-            prof.saved_bytes[i][k] = measured[key]
+                kept = compiled_saved_bytes(fns[i], block, call)
+                measured[key] = (kept, compiled_seconds(fns[i], call, repeats) if timed else None)
+            kept, seconds = measured[key]
+            prof.saved_bytes[i][k] = kept
+            if seconds is None:
+                continue
+            for field, value in zip(("fwd_time", "bwd_time"), seconds):
+                prof.seconds[field][i][k] = value
+                getattr(prof, field)[i][k] = value / prof.time_unit
+            if mode == "store-all":
+                # a region's forward and its recompute run the compiled block
+                prof.seconds["fwd_nostore_time"][i] = seconds[0]
+                prof.fwd_nostore_time[i] = seconds[0] / prof.time_unit
+    if timed:
+        prof.measured_step_time = sum(f[0] + b[0] for f, b in zip(prof.seconds["fwd_time"], prof.seconds["bwd_time"]))
     prof.compiled_blocks = True
 
 

@@ -443,7 +443,7 @@ def profile_model(
             output_bytes=rec.output_bytes,
         )
         if compiled is not None:
-            use_compiled_costs(prof, blocks, stripped, compiled)
+            use_compiled_costs(prof, blocks, stripped, compiled, repeats)
     prof.head = rec.head
     if chainable and not all(linked):
         prof.cuts = [0] + [int(not link) for link in linked]

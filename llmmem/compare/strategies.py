@@ -415,9 +415,10 @@ PRESETS = {
     # choices but not inductor's buffer reuse). 6 layers of width 128 with 4 heads over 256 tokens at
     # batch 4 (heads * seq / hidden = 8): activations of tens of MiB, far above the resident set's
     # page-sized noise, and a plan at 25% feasible (one block's recompute is a sixth of them). Each
-    # compiled row compiles its forward and backward once (about a minute on one loaded core).
+    # compiled row compiles its forward and backward once (about a minute on one loaded core). The
+    # plans time their compiled blocks (3 repeats): they choose among them on measured seconds.
     "compile": CompilePreset(
-        layers=6, hidden=128, heads=4, seq_len=256, batch=4, steps=10, search_trials=0, profile_repeats=1
+        layers=6, hidden=128, heads=4, seq_len=256, batch=4, steps=10, search_trials=0, profile_repeats=3
     ),
     # For CI: 4 layers (a plan at 50% is feasible on them) of width 32 over 64 tokens; inductor still
     # takes 15-45 s a row to compile on one core (less once its on-disk cache holds the kernels).

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from support.planner import grads, lm_batch, tiny_llama, transformers_or_skip
+from support.planner import assert_grads_close, grads, lm_batch, seeded_step, tiny_llama, transformers_or_skip
 
 import llmmem
 
@@ -24,19 +24,10 @@ BATCH = dict(lm_batch(batch=2, seq=32), use_cache=False)  # a cache write is a s
 
 
 def _step(model):
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(1)
-    loss = model(**BATCH).loss
-    loss.backward()
-    return loss.detach()
+    return seeded_step(model, BATCH)
 
 
-def _close(got, want):
-    for a, b in zip(got, want):
-        assert (a is None) == (b is None)
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+_close = assert_grads_close
 
 
 @pytest.fixture(autouse=True)

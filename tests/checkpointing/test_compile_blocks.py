@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from support.planner import grads, lm_batch, tiny_llama, transformers_or_skip
+from support.planner import assert_grads_close, grads, lm_batch, seeded_step, tiny_llama, transformers_or_skip
 
 import llmmem
 from llmmem.checkpointing.compiled import compiled_saved_bytes
@@ -39,19 +39,10 @@ def _fresh():
 
 
 def _step(model):
-    for p in model.parameters():
-        p.grad = None
-    torch.manual_seed(1)
-    loss = model(**BATCH).loss
-    loss.backward()
-    return loss.detach()
+    return seeded_step(model, BATCH)
 
 
-def _close(got, want):
-    for a, b in zip(got, want):
-        assert (a is None) == (b is None)
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+_close = assert_grads_close
 
 
 def _saved_by_forward(model) -> int:
@@ -246,3 +237,19 @@ def test_a_deep_model_compiled_whole_does_not_recompile_per_block():
     # compiled for 10 layers (past Dynamo's limit of 8 recompilations of one frame) as for 4
     # (before: 38 against 27 at 10 layers)
     assert _frames_compiled(10) == _frames_compiled(4)
+
+
+def test_timed_plans_price_the_compiled_blocks():
+    # with timed repeats the compiled modes' times are measured on the compiled blocks (their
+    # seconds, and the same in the profile's work units), not counted on the eager ones
+    model = tiny_llama("sdpa", layers=2, dropout=0.0)
+    plan = llmmem.auto_checkpoint(model, budget=0.6, sample=BATCH, repeats=2, compile_blocks=AOT)
+    prof = plan.profile
+    for k in (0, 1):  # store-all, selective
+        for field in ("fwd_time", "bwd_time"):
+            seconds = prof.seconds[field][0][k]
+            assert seconds > 0
+            assert getattr(prof, field)[0][k] == pytest.approx(seconds / prof.time_unit)
+    assert prof.seconds["fwd_nostore_time"][0] == prof.seconds["fwd_time"][0][0]
+    assert "ms" in plan.describe()
+    plan.remove()

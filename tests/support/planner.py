@@ -30,6 +30,25 @@ def same_grads(a: list, b: list) -> bool:
     )
 
 
+def seeded_step(model, batch: dict) -> torch.Tensor:
+    """One forward and backward of ``model(**batch).loss`` from cleared gradients and a fixed seed;
+    the loss, detached."""
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def assert_grads_close(got: list, want: list) -> None:
+    """Gradients (from :func:`grads`) equal within float32 reordering, None where the other is."""
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def transformers_or_skip():
     return pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (optional)")
 
