@@ -131,6 +131,25 @@ static inline __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i q512_
     (out) = _mm512_min_epu32(c_, _mm512_set1_epi32((int)(max_mag)));                                                \
   } while (0)
 
+/* The maxima of a block's moments are kept on the bits, as the reference keeps them: |m| as
+ * unsigned, r (never negative: v = r*r*beta2 + (c2*g)*g >= +0, so sqrt(v) is +0, positive or NaN)
+ * as signed, which leaves out a NaN with its sign bit set. Infinities and NaNs are not left out in
+ * the loop (2 operations fewer for each moment); a block whose maximum is one of them, rare, takes
+ * its finite maxima again here, from the values stored. */
+static inline void q512_finite_max(const float *restrict mo, const float *restrict ro, int64_t n, uint32_t *am,
+                                   uint32_t *ar) {
+  uint32_t a_max = 0, b_max = 0;
+  for (int64_t k = 0; k < n; k++) {
+    uint32_t a = llmmem_q_bits(mo[k]) & 0x7fffffffu, b = llmmem_q_bits(ro[k]) & 0x7fffffffu;
+    a &= 0u - (uint32_t)(a < 0x7f800000u);
+    b &= 0u - (uint32_t)(b < 0x7f800000u);
+    a_max = a > a_max ? a : a_max;
+    b_max = b > b_max ? b : b_max;
+  }
+  *am = a_max;
+  *ar = b_max;
+}
+
 /* One pass of the update over [0, n & ~15) with the decode DECODE_MR (which sets m and r from the
  * codes at i); the body of Q512_UPDATE_FN. */
 #define Q512_UPDATE_LOOP(DECODE_MR)                                                                            \
@@ -149,10 +168,8 @@ static inline __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i q512_
     _mm512_storeu_ps(p + i, _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(neg, m), den)));                    \
     _mm512_storeu_ps(mo + i, m);                                                                              \
     _mm512_storeu_ps(ro + i, r);                                                                              \
-    __m512i a = _mm512_and_si512(_mm512_castps_si512(m), abs_mask);                                           \
-    __m512i b = _mm512_and_si512(_mm512_castps_si512(r), abs_mask);                                           \
-    vam = _mm512_mask_max_epu32(vam, _mm512_cmplt_epu32_mask(a, inf_bits), vam, a);                           \
-    var = _mm512_mask_max_epu32(var, _mm512_cmplt_epu32_mask(b, inf_bits), var, b);                           \
+    vam = _mm512_max_epu32(vam, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));                          \
+    var = _mm512_max_epi32(var, _mm512_castps_si512(r));                                                      \
   }
 
 /* The vector part of adamw_loops.h's fused update of a quantized block: elements [0, n & ~15)
@@ -168,7 +185,6 @@ static inline __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i q512_
     const __m512 eps = _mm512_set1_ps(s->eps), neg = _mm512_set1_ps(s->neg_step);                                 \
     const __m512i flip = _mm512_set1_epi32(s->maximize ? (int)0x80000000u : 0),                                   \
                   abs_mask = _mm512_set1_epi32(0x7fffffff);                                                       \
-    const __m512i inf_bits = _mm512_set1_epi32(0x7f800000);                                                       \
     const int with_l2 = s->l2 != 0.0f, high = s->lerp_high;                                                       \
     __m512i vam = _mm512_setzero_si512(), var = _mm512_setzero_si512();                                           \
     const float km = ms * llmmem_q_pow2(127 - (MB)), kr = rs * llmmem_q_pow2(127 - (RB));                         \
@@ -191,8 +207,10 @@ static inline __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i q512_
                                  RM, RB);                                                                         \
       })                                                                                                          \
     }                                                                                                             \
-    *am = (uint32_t)_mm512_reduce_max_epu32(vam);                                                                 \
-    *ar = (uint32_t)_mm512_reduce_max_epu32(var);                                                                 \
+    uint32_t am_ = (uint32_t)_mm512_reduce_max_epu32(vam), ar_ = (uint32_t)_mm512_reduce_max_epi32(var);          \
+    if (am_ >= 0x7f800000u || ar_ >= 0x7f800000u) q512_finite_max(mo, ro, i, &am_, &ar_);                         \
+    *am = am_;                                                                                                    \
+    *ar = ar_;                                                                                                    \
     return i;                                                                                                     \
   }
 
