@@ -86,10 +86,6 @@ static inline __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i q512_
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* The inputs of the codes: |x| or x times inv, 0 where x is not finite (bad). */
-#define Q512_BAD(u) \
-  _mm512_cmpeq_epi32_mask(_mm512_and_si512((u), _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f800000))
-
 /* The subnormal range of an 8-bit code (y < 2^(1-B)) holds only what is below 2^-14 of its
  * block's largest, zeros chiefly: most 16-lane groups have none, so with GATE the encoders below
  * compute it only when some lane needs it, and blend it into those lanes (8-bit step: 6% less
@@ -221,32 +217,35 @@ static inline void q512_finite_max(const float *restrict mo, const float *restri
       uint8_t *restrict rc, int64_t n, uint32_t key, uint32_t first) {                                             \
     const __m512 vim = _mm512_set1_ps(inv_m), vir = _mm512_set1_ps(inv_r);                                         \
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                  \
-    const __m512i vkey = _mm512_set1_epi32((int)key), zero = _mm512_setzero_si512();                               \
+    const __m512i vkey = _mm512_set1_epi32((int)key);                               \
     int64_t i = 0;                                                                                                 \
+    const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));                                      \
     for (; i + 16 <= n; i += 16) {                                                                                 \
-      /* m: to nearest */                                                                                          \
+      /* m: to nearest. y is not finite exactly where x is not (|x| is at most the block's finite       \
+       * maximum, and inv at most max_value over it, or 0), so one compare on y finds the lanes that   \
+       * take the NaN code; what the encoder makes of them before is overwritten */                     \
       __m512i u = _mm512_castps_si512(_mm512_loadu_ps(m + i));                                                     \
-      __mmask16 bad = Q512_BAD(u);                                                                                 \
-      __m512 y = _mm512_mask_mov_ps(                                                                               \
-          _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))), vim), bad,        \
-          _mm512_setzero_ps());                                                                                    \
+      __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))), vim);     \
+      __mmask16 bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                     \
       __m512i mag;                                                                                                 \
       Q512_ENCODE_MAG(mag, y, MM, MB, (1u << (MMAG)) - 1u, GATE);                                                  \
-      __m512i code =                                                                                               \
-          _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, zero),                                              \
-                                  _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(u, 31), MMAG), mag), zero);  \
+      /* the sign bit over a magnitude above 0 (x's sign bit shifted down to bit MAG, with the         \
+       * exponent bits below it masked off), 0 for a magnitude of 0 */                                  \
+      __m512i code = _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(mag, mag),                             \
+                                                     _mm512_srli_epi32(u, 31 - (MMAG)), mag,                       \
+                                                     _mm512_set1_epi32(1 << (MMAG)), 0xec); /* (a & c) | b */      \
       code = _mm512_mask_mov_epi32(code, bad, _mm512_set1_epi32(1 << (MMAG)));                                     \
       _mm_storeu_si128((__m128i *)(mc + i), _mm512_cvtepi32_epi8(code));                                           \
-      /* sqrt(v): stochastically, with a positive value kept off code 0 */                                         \
-      u = _mm512_castps_si512(_mm512_loadu_ps(r + i));                                                             \
-      bad = Q512_BAD(u);                                                                                           \
-      y = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_castsi512_ps(u), vir), bad, _mm512_setzero_ps());                \
+      /* sqrt(v): stochastically, with a positive value kept off code 0 (x > 0 as a float compare:  \
+       * false for NaN and -0, true for +inf, which is overwritten) */                                  \
+      __m512 x = _mm512_loadu_ps(r + i);                                                                           \
+      y = _mm512_mul_ps(x, vir);                                                                                   \
+      bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                               \
       __m512i rnd =                                                                                                \
           q512_mix(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(first + (uint32_t)i)), iota), vkey)); \
       Q512_ENCODE_MAG_SR(mag, y, RM, RB, (1u << (RBITS)) - 2u, rnd, GATE);                                         \
-      __mmask16 positive =                                                                                         \
-          _mm512_cmplt_epu32_mask(_mm512_sub_epi32(u, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7f7fffff));       \
-      mag = _mm512_mask_max_epu32(mag, positive, mag, _mm512_set1_epi32(1));                                       \
+      mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), mag,               \
+                                  _mm512_set1_epi32(1));                                                           \
       code = _mm512_mask_mov_epi32(mag, bad, _mm512_set1_epi32((1 << (RBITS)) - 1));                               \
       _mm_storeu_si128((__m128i *)(rc + i), _mm512_cvtepi32_epi8(code));                                           \
     }                                                                                                              \
