@@ -217,7 +217,8 @@ static inline void q512_finite_max(const float *restrict mo, const float *restri
       uint8_t *restrict rc, int64_t n, uint32_t key, uint32_t first) {                                             \
     const __m512 vim = _mm512_set1_ps(inv_m), vir = _mm512_set1_ps(inv_r);                                         \
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                  \
-    const __m512i vkey = _mm512_set1_epi32((int)key);                               \
+    const __m512i vkey = _mm512_set1_epi32((int)key);                                                             \
+    __m512i h = _mm512_setzero_si512();                               \
     int64_t i = 0;                                                                                                 \
     const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));                                      \
     for (; i + 16 <= n; i += 16) {                                                                                 \
@@ -241,8 +242,12 @@ static inline void q512_finite_max(const float *restrict mo, const float *restri
       __m512 x = _mm512_loadu_ps(r + i);                                                                           \
       y = _mm512_mul_ps(x, vir);                                                                                   \
       bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                               \
-      __m512i rnd =                                                                                                \
-          q512_mix(_mm512_xor_si512(_mm512_add_epi32(_mm512_set1_epi32((int)(first + (uint32_t)i)), iota), vkey)); \
+      /* llmmem_sr_code_bits: one hash of 16 lanes for 32 elements, its low halves for the first 16 */ \
+      const uint32_t idx_ = first + (uint32_t)i;                                                                   \
+      if (!(idx_ & 16u) || i == 0)                                                                                 \
+        h = q512_mix(_mm512_xor_si512(_mm512_or_si512(_mm512_set1_epi32((int)((idx_ >> 5) << 4)), iota), vkey));  \
+      __m512i rnd = (idx_ & 16u) ? _mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u))                        \
+                                 : _mm512_slli_epi32(h, 16);                                                       \
       Q512_ENCODE_MAG_SR(mag, y, RM, RB, (1u << (RBITS)) - 2u, rnd, GATE);                                         \
       mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), mag,               \
                                   _mm512_set1_epi32(1));                                                           \
