@@ -241,8 +241,7 @@ __global__ void __launch_bounds__(kThreads) step_quantized(const __grid_constant
         const int64_t i = qb + (int64_t)k * group + threadIdx.x % group;
         uint32_t cm = llmmem_q_encode_signed(mv[k], inv_m, MMag, MM, MB);
         uint32_t cr = 0;
-        if (live && i < hi)
-          cr = llmmem_q_encode_unsigned_sr(rv[k], inv_r, Bits, RM, RB, code_bits(a, i));
+        if (live && i < hi) cr = llmmem_q_encode_unsigned_sr(rv[k], inv_r, Bits, RM, RB, code_bits(a, i));
         if (Bits == 8) {
           if (live && i < hi) {
             static_cast<uint8_t *>(a.m)[i] = (uint8_t)cm;

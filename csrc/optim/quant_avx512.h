@@ -56,25 +56,24 @@ static inline __attribute__((target("avx512f"))) int q512_mul_decode_ok(float km
  * decodes it (see above), with the code's sign as its sign: sign-extended from the code's top bit
  * (an 8-bit code is loaded sign-extended already), shifted, and the bits between the sign and the
  * magnitude cleared. The NaN code (a negative zero) becomes -0.0f: its bits 0x80000000. */
-#define Q512_SIGNED_BITS(c, MAG, M)                                                                   \
-  _mm512_and_si512(                                                                                \
-      (MAG) == 7 ? _mm512_slli_epi32((c), 23 - (M))                                                \
-                 : _mm512_srai_epi32(_mm512_slli_epi32((c), 31 - (MAG)), 31 - (MAG) - (23 - (M))), \
-      _mm512_set1_epi32((int)(0x80000000u | (((1u << (MAG)) - 1u) << (23 - (M))))))
+#define Q512_SIGNED_BITS(c, MAG, M)                                                                             \
+  _mm512_and_si512((MAG) == 7 ? _mm512_slli_epi32((c), 23 - (M))                                                \
+                              : _mm512_srai_epi32(_mm512_slli_epi32((c), 31 - (MAG)), 31 - (MAG) - (23 - (M))), \
+                   _mm512_set1_epi32((int)(0x80000000u | (((1u << (MAG)) - 1u) << (23 - (M))))))
 
 /* llmmem_q_decode_signed by one multiply: c as loaded (sign-extended for MAG 7), k = K */
-#define Q512_DECODE_SIGNED_MUL(c, k, MAG, M)                                                            \
-  __extension__({                                                                                    \
-    const __m512i b_ = Q512_SIGNED_BITS(c, MAG, M);                                                  \
-    _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)),                           \
-                       _mm512_cmpneq_epi32_mask(b_, _mm512_set1_epi32((int)0x80000000u)),            \
-                       _mm512_castsi512_ps(b_), (k));                                                \
+#define Q512_DECODE_SIGNED_MUL(c, k, MAG, M)                                                                       \
+  __extension__({                                                                                                  \
+    const __m512i b_ = Q512_SIGNED_BITS(c, MAG, M);                                                                \
+    _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)),                                         \
+                       _mm512_cmpneq_epi32_mask(b_, _mm512_set1_epi32((int)0x80000000u)), _mm512_castsi512_ps(b_), \
+                       (k));                                                                                       \
   })
 
 /* llmmem_q_decode_unsigned by one multiply (the all-ones code is +inf) */
-#define Q512_DECODE_UNSIGNED_MUL(c, k, BITS, M)                                                 \
-  _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000)),                     \
-                     _mm512_cmpneq_epi32_mask((c), _mm512_set1_epi32((1 << (BITS)) - 1)),    \
+#define Q512_DECODE_UNSIGNED_MUL(c, k, BITS, M)                                           \
+  _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000)),                  \
+                     _mm512_cmpneq_epi32_mask((c), _mm512_set1_epi32((1 << (BITS)) - 1)), \
                      _mm512_castsi512_ps(_mm512_slli_epi32((c), 23 - (M))), (k))
 
 /* llmmem_sr_mix of 16 lanes */
@@ -148,113 +147,112 @@ static inline void q512_finite_max(const float *restrict mo, const float *restri
 
 /* One pass of the update over [0, n & ~15) with the decode DECODE_MR (which sets m and r from the
  * codes at i); the body of Q512_UPDATE_FN. */
-#define Q512_UPDATE_LOOP(DECODE_MR)                                                                            \
-  for (; i + 16 <= n; i += 16) {                                                                              \
-    __m512 m, r;                                                                                              \
-    DECODE_MR;                                                                                                \
-    __m512 v = _mm512_mul_ps(r, r);                                                                           \
-    __m512 gv = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), flip));     \
-    __m512 pv = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);                                                 \
-    if (with_l2) gv = _mm512_add_ps(gv, _mm512_mul_ps(l2, pv));                                               \
-    __m512 d1 = _mm512_sub_ps(gv, m);                                                                         \
-    m = high ? _mm512_sub_ps(gv, _mm512_mul_ps(d1, omw1)) : _mm512_add_ps(m, _mm512_mul_ps(w1, d1));          \
-    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(c2, gv), gv));                     \
-    r = _mm512_sqrt_ps(v);                                                                                    \
-    __m512 den = _mm512_add_ps(_mm512_div_ps(r, bc2), eps);                                                   \
-    _mm512_storeu_ps(p + i, _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(neg, m), den)));                    \
-    _mm512_storeu_ps(mo + i, m);                                                                              \
-    _mm512_storeu_ps(ro + i, r);                                                                              \
-    vam = _mm512_max_epu32(vam, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));                          \
-    var = _mm512_max_epi32(var, _mm512_castps_si512(r));                                                      \
+#define Q512_UPDATE_LOOP(DECODE_MR)                                                                       \
+  for (; i + 16 <= n; i += 16) {                                                                          \
+    __m512 m, r;                                                                                          \
+    DECODE_MR;                                                                                            \
+    __m512 v = _mm512_mul_ps(r, r);                                                                       \
+    __m512 gv = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_loadu_ps(g + i)), flip)); \
+    __m512 pv = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);                                             \
+    if (with_l2) gv = _mm512_add_ps(gv, _mm512_mul_ps(l2, pv));                                           \
+    __m512 d1 = _mm512_sub_ps(gv, m);                                                                     \
+    m = high ? _mm512_sub_ps(gv, _mm512_mul_ps(d1, omw1)) : _mm512_add_ps(m, _mm512_mul_ps(w1, d1));      \
+    v = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(c2, gv), gv));                 \
+    r = _mm512_sqrt_ps(v);                                                                                \
+    __m512 den = _mm512_add_ps(_mm512_div_ps(r, bc2), eps);                                               \
+    _mm512_storeu_ps(p + i, _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(neg, m), den)));                \
+    _mm512_storeu_ps(mo + i, m);                                                                          \
+    _mm512_storeu_ps(ro + i, r);                                                                          \
+    vam = _mm512_max_epu32(vam, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));                      \
+    var = _mm512_max_epi32(var, _mm512_castps_si512(r));                                                  \
   }
 
 /* The vector part of adamw_loops.h's fused update of a quantized block: elements [0, n & ~15)
  * of update_q8/update_q4 (see there), their maxima's bits in *am, *ar; returns how many. */
-#define Q512_UPDATE_FN(NAME, MMAG, MM, MB, RBITS, RM, RB)                                                         \
-  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) int64_t NAME(                      \
-      const llmmem_adamw_scalars_t *s, float *restrict p, const float *restrict g, const uint8_t *restrict mc,    \
-      const uint8_t *restrict rc, float ms, float rs, float *restrict mo, float *restrict ro, int64_t n,          \
-      uint32_t *am, uint32_t *ar) {                                                                               \
-    const __m512 decay = _mm512_set1_ps(s->decay);                                                                \
-    const __m512 l2 = _mm512_set1_ps(s->l2), w1 = _mm512_set1_ps(s->w1), omw1 = _mm512_set1_ps(s->one_m_w1);      \
-    const __m512 beta2 = _mm512_set1_ps(s->beta2), c2 = _mm512_set1_ps(s->c2), bc2 = _mm512_set1_ps(s->bc2_sqrt); \
-    const __m512 eps = _mm512_set1_ps(s->eps), neg = _mm512_set1_ps(s->neg_step);                                 \
-    const __m512i flip = _mm512_set1_epi32(s->maximize ? (int)0x80000000u : 0),                                   \
-                  abs_mask = _mm512_set1_epi32(0x7fffffff);                                                       \
-    const int with_l2 = s->l2 != 0.0f, high = s->lerp_high;                                                       \
-    __m512i vam = _mm512_setzero_si512(), var = _mm512_setzero_si512();                                           \
-    const float km = ms * llmmem_q_pow2(127 - (MB)), kr = rs * llmmem_q_pow2(127 - (RB));                         \
-    int64_t i = 0;                                                                                                \
-    if (q512_mul_decode_ok(km, kr)) {                                                                             \
-      const __m512 vkm = _mm512_set1_ps(km), vkr = _mm512_set1_ps(kr);                                            \
-      Q512_UPDATE_LOOP({                                                                                          \
-        const __m128i bm_ = _mm_loadu_si128((const __m128i *)(mc + i));                                           \
-        m = Q512_DECODE_SIGNED_MUL((MMAG) == 7 ? _mm512_cvtepi8_epi32(bm_) : _mm512_cvtepu8_epi32(bm_), vkm,      \
-                                   MMAG, MM);                                                                     \
-        r = Q512_DECODE_UNSIGNED_MUL(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rc + i))), vkr,       \
-                                     RBITS, RM);                                                                  \
-      })                                                                                                          \
-    } else {                                                                                                      \
-      const __m512 vms = _mm512_set1_ps(ms), vrs = _mm512_set1_ps(rs);                                            \
-      Q512_UPDATE_LOOP({                                                                                          \
-        m = Q512_DECODE_SIGNED(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mc + i))), vms, MMAG, MM,   \
-                               MB);                                                                               \
-        r = Q512_DECODE_UNSIGNED(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rc + i))), vrs, RBITS,    \
-                                 RM, RB);                                                                         \
-      })                                                                                                          \
-    }                                                                                                             \
-    uint32_t am_ = (uint32_t)_mm512_reduce_max_epu32(vam), ar_ = (uint32_t)_mm512_reduce_max_epi32(var);          \
-    if (am_ >= 0x7f800000u || ar_ >= 0x7f800000u) q512_finite_max(mo, ro, i, &am_, &ar_);                         \
-    *am = am_;                                                                                                    \
-    *ar = ar_;                                                                                                    \
-    return i;                                                                                                     \
+#define Q512_UPDATE_FN(NAME, MMAG, MM, MB, RBITS, RM, RB)                                                            \
+  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) int64_t NAME(                         \
+      const llmmem_adamw_scalars_t *s, float *restrict p, const float *restrict g, const uint8_t *restrict mc,       \
+      const uint8_t *restrict rc, float ms, float rs, float *restrict mo, float *restrict ro, int64_t n,             \
+      uint32_t *am, uint32_t *ar) {                                                                                  \
+    const __m512 decay = _mm512_set1_ps(s->decay);                                                                   \
+    const __m512 l2 = _mm512_set1_ps(s->l2), w1 = _mm512_set1_ps(s->w1), omw1 = _mm512_set1_ps(s->one_m_w1);         \
+    const __m512 beta2 = _mm512_set1_ps(s->beta2), c2 = _mm512_set1_ps(s->c2), bc2 = _mm512_set1_ps(s->bc2_sqrt);    \
+    const __m512 eps = _mm512_set1_ps(s->eps), neg = _mm512_set1_ps(s->neg_step);                                    \
+    const __m512i flip = _mm512_set1_epi32(s->maximize ? (int)0x80000000u : 0),                                      \
+                  abs_mask = _mm512_set1_epi32(0x7fffffff);                                                          \
+    const int with_l2 = s->l2 != 0.0f, high = s->lerp_high;                                                          \
+    __m512i vam = _mm512_setzero_si512(), var = _mm512_setzero_si512();                                              \
+    const float km = ms * llmmem_q_pow2(127 - (MB)), kr = rs * llmmem_q_pow2(127 - (RB));                            \
+    int64_t i = 0;                                                                                                   \
+    if (q512_mul_decode_ok(km, kr)) {                                                                                \
+      const __m512 vkm = _mm512_set1_ps(km), vkr = _mm512_set1_ps(kr);                                               \
+      Q512_UPDATE_LOOP({                                                                                             \
+        const __m128i bm_ = _mm_loadu_si128((const __m128i *)(mc + i));                                              \
+        m = Q512_DECODE_SIGNED_MUL((MMAG) == 7 ? _mm512_cvtepi8_epi32(bm_) : _mm512_cvtepu8_epi32(bm_), vkm, MMAG,   \
+                                   MM);                                                                              \
+        r = Q512_DECODE_UNSIGNED_MUL(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rc + i))), vkr, RBITS,   \
+                                     RM);                                                                            \
+      })                                                                                                             \
+    } else {                                                                                                         \
+      const __m512 vms = _mm512_set1_ps(ms), vrs = _mm512_set1_ps(rs);                                               \
+      Q512_UPDATE_LOOP({                                                                                             \
+        m = Q512_DECODE_SIGNED(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mc + i))), vms, MMAG, MM, MB); \
+        r = Q512_DECODE_UNSIGNED(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rc + i))), vrs, RBITS, RM,   \
+                                 RB);                                                                                \
+      })                                                                                                             \
+    }                                                                                                                \
+    uint32_t am_ = (uint32_t)_mm512_reduce_max_epu32(vam), ar_ = (uint32_t)_mm512_reduce_max_epi32(var);             \
+    if (am_ >= 0x7f800000u || ar_ >= 0x7f800000u) q512_finite_max(mo, ro, i, &am_, &ar_);                            \
+    *am = am_;                                                                                                       \
+    *ar = ar_;                                                                                                       \
+    return i;                                                                                                        \
   }
 
 /* The vector part of the fused encode of a quantized block: elements [0, n & ~15); returns how many. */
-#define Q512_ENCODE_FN(NAME, MMAG, MM, MB, RBITS, RM, RB, GATE)                                                    \
-  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) int64_t NAME(                       \
-      const float *restrict m, const float *restrict r, float inv_m, float inv_r, uint8_t *restrict mc,            \
-      uint8_t *restrict rc, int64_t n, uint32_t key, uint32_t first) {                                             \
-    const __m512 vim = _mm512_set1_ps(inv_m), vir = _mm512_set1_ps(inv_r);                                         \
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                  \
-    const __m512i vkey = _mm512_set1_epi32((int)key);                                                             \
-    __m512i h = _mm512_setzero_si512();                               \
-    int64_t i = 0;                                                                                                 \
-    const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));                                      \
-    for (; i + 16 <= n; i += 16) {                                                                                 \
+#define Q512_ENCODE_FN(NAME, MMAG, MM, MB, RBITS, RM, RB, GATE)                                                     \
+  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) int64_t NAME(                        \
+      const float *restrict m, const float *restrict r, float inv_m, float inv_r, uint8_t *restrict mc,             \
+      uint8_t *restrict rc, int64_t n, uint32_t key, uint32_t first) {                                              \
+    const __m512 vim = _mm512_set1_ps(inv_m), vir = _mm512_set1_ps(inv_r);                                          \
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                   \
+    const __m512i vkey = _mm512_set1_epi32((int)key);                                                               \
+    __m512i h = _mm512_setzero_si512();                                                                             \
+    int64_t i = 0;                                                                                                  \
+    const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));                                          \
+    for (; i + 16 <= n; i += 16) {                                                                                  \
       /* m: to nearest. y is not finite exactly where x is not (|x| is at most the block's finite       \
        * maximum, and inv at most max_value over it, or 0), so one compare on y finds the lanes that   \
-       * take the NaN code; what the encoder makes of them before is overwritten */                     \
-      __m512i u = _mm512_castps_si512(_mm512_loadu_ps(m + i));                                                     \
-      __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))), vim);     \
-      __mmask16 bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                     \
-      __m512i mag;                                                                                                 \
-      Q512_ENCODE_MAG(mag, y, MM, MB, (1u << (MMAG)) - 1u, GATE);                                                  \
+       * take the NaN code; what the encoder makes of them before is overwritten */           \
+      __m512i u = _mm512_castps_si512(_mm512_loadu_ps(m + i));                                                      \
+      __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))), vim);       \
+      __mmask16 bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                      \
+      __m512i mag;                                                                                                  \
+      Q512_ENCODE_MAG(mag, y, MM, MB, (1u << (MMAG)) - 1u, GATE);                                                   \
       /* the sign bit over a magnitude above 0 (x's sign bit shifted down to bit MAG, with the         \
-       * exponent bits below it masked off), 0 for a magnitude of 0 */                                  \
-      __m512i code = _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(mag, mag),                             \
-                                                     _mm512_srli_epi32(u, 31 - (MMAG)), mag,                       \
-                                                     _mm512_set1_epi32(1 << (MMAG)), 0xec); /* (a & c) | b */      \
-      code = _mm512_mask_mov_epi32(code, bad, _mm512_set1_epi32(1 << (MMAG)));                                     \
-      _mm_storeu_si128((__m128i *)(mc + i), _mm512_cvtepi32_epi8(code));                                           \
+       * exponent bits below it masked off), 0 for a magnitude of 0 */            \
+      __m512i code =                                                                                                \
+          _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(mag, mag), _mm512_srli_epi32(u, 31 - (MMAG)), mag, \
+                                          _mm512_set1_epi32(1 << (MMAG)), 0xec); /* (a & c) | b */                  \
+      code = _mm512_mask_mov_epi32(code, bad, _mm512_set1_epi32(1 << (MMAG)));                                      \
+      _mm_storeu_si128((__m128i *)(mc + i), _mm512_cvtepi32_epi8(code));                                            \
       /* sqrt(v): stochastically, with a positive value kept off code 0 (x > 0 as a float compare:  \
-       * false for NaN and -0, true for +inf, which is overwritten) */                                  \
-      __m512 x = _mm512_loadu_ps(r + i);                                                                           \
-      y = _mm512_mul_ps(x, vir);                                                                                   \
-      bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                               \
-      /* llmmem_sr_code_bits: one hash of 16 lanes for 32 elements, its low halves for the first 16 */ \
-      const uint32_t idx_ = first + (uint32_t)i;                                                                   \
-      if (!(idx_ & 16u) || i == 0)                                                                                 \
-        h = q512_mix(_mm512_xor_si512(_mm512_or_si512(_mm512_set1_epi32((int)((idx_ >> 5) << 4)), iota), vkey));  \
-      __m512i rnd = (idx_ & 16u) ? _mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u))                        \
-                                 : _mm512_slli_epi32(h, 16);                                                       \
-      Q512_ENCODE_MAG_SR(mag, y, RM, RB, (1u << (RBITS)) - 2u, rnd, GATE);                                         \
-      mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), mag,               \
-                                  _mm512_set1_epi32(1));                                                           \
-      code = _mm512_mask_mov_epi32(mag, bad, _mm512_set1_epi32((1 << (RBITS)) - 1));                               \
-      _mm_storeu_si128((__m128i *)(rc + i), _mm512_cvtepi32_epi8(code));                                           \
-    }                                                                                                              \
-    return i;                                                                                                      \
+       * false for NaN and -0, true for +inf, which is overwritten) */               \
+      __m512 x = _mm512_loadu_ps(r + i);                                                                            \
+      y = _mm512_mul_ps(x, vir);                                                                                    \
+      bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                                \
+      /* llmmem_sr_code_bits: one hash of 16 lanes for 32 elements, its low halves for the first 16 */              \
+      const uint32_t idx_ = first + (uint32_t)i;                                                                    \
+      if (!(idx_ & 16u) || i == 0)                                                                                  \
+        h = q512_mix(_mm512_xor_si512(_mm512_or_si512(_mm512_set1_epi32((int)((idx_ >> 5) << 4)), iota), vkey));    \
+      __m512i rnd =                                                                                                 \
+          (idx_ & 16u) ? _mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)) : _mm512_slli_epi32(h, 16);       \
+      Q512_ENCODE_MAG_SR(mag, y, RM, RB, (1u << (RBITS)) - 2u, rnd, GATE);                                          \
+      mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), mag,                 \
+                                  _mm512_set1_epi32(1));                                                            \
+      code = _mm512_mask_mov_epi32(mag, bad, _mm512_set1_epi32((1 << (RBITS)) - 1));                                \
+      _mm_storeu_si128((__m128i *)(rc + i), _mm512_cvtepi32_epi8(code));                                            \
+    }                                                                                                               \
+    return i;                                                                                                       \
   }
 
 Q512_UPDATE_FN(q512_update_q8, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B)
