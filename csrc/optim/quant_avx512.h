@@ -210,51 +210,67 @@ static inline void q512_finite_max(const float *restrict mo, const float *restri
     return i;                                                                                                          \
   }
 
-/* The vector part of the fused encode of a quantized block: elements [0, n & ~15); returns how many. */
-#define Q512_ENCODE_FN(NAME, MMAG, MM, MB, RBITS, RM, RB, GATE)                                                     \
-  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) int64_t NAME(                        \
-      const float *restrict m, const float *restrict r, float inv_m, float inv_r, uint8_t *restrict mc,             \
-      uint8_t *restrict rc, int64_t n, uint32_t key, uint32_t first) {                                              \
-    const __m512 vim = _mm512_set1_ps(inv_m), vir = _mm512_set1_ps(inv_r);                                          \
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                   \
-    const __m512i vkey = _mm512_set1_epi32((int)key);                                                               \
-    __m512i h = _mm512_setzero_si512();                                                                             \
-    int64_t i = 0;                                                                                                  \
-    const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));                                          \
-    for (; i + 16 <= n; i += 16) {                                                                                  \
-      /* m: to nearest. y is not finite exactly where x is not (|x| is at most the block's finite       \
-       * maximum, and inv at most max_value over it, or 0), so one compare on y finds the lanes that   \
-       * take the NaN code; what the encoder makes of them before is overwritten */           \
-      __m512i u = _mm512_castps_si512(_mm512_loadu_ps(m + i));                                                      \
-      __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))), vim);       \
-      __mmask16 bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                      \
-      __m512i mag;                                                                                                  \
-      Q512_ENCODE_MAG(mag, y, MM, MB, (1u << (MMAG)) - 1u, GATE);                                                   \
-      /* the sign bit over a magnitude above 0 (x's sign bit shifted down to bit MAG, with the         \
-       * exponent bits below it masked off), 0 for a magnitude of 0 */            \
-      __m512i code =                                                                                                \
-          _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(mag, mag), _mm512_srli_epi32(u, 31 - (MMAG)), mag, \
-                                          _mm512_set1_epi32(1 << (MMAG)), 0xec); /* (a & c) | b */                  \
-      code = _mm512_mask_mov_epi32(code, bad, _mm512_set1_epi32(1 << (MMAG)));                                      \
-      _mm_storeu_si128((__m128i *)(mc + i), _mm512_cvtepi32_epi8(code));                                            \
-      /* sqrt(v): stochastically, with a positive value kept off code 0 (x > 0 as a float compare:  \
-       * false for NaN and -0, true for +inf, which is overwritten) */               \
-      __m512 x = _mm512_loadu_ps(r + i);                                                                            \
-      y = _mm512_mul_ps(x, vir);                                                                                    \
-      bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                                \
-      /* llmmem_sr_code_bits: one hash of 16 lanes for 32 elements, its low halves for the first 16 */              \
-      const uint32_t idx_ = first + (uint32_t)i;                                                                    \
-      if (!(idx_ & 16u) || i == 0)                                                                                  \
-        h = q512_mix(_mm512_xor_si512(_mm512_or_si512(_mm512_set1_epi32((int)((idx_ >> 5) << 4)), iota), vkey));    \
-      __m512i rnd =                                                                                                 \
-          (idx_ & 16u) ? _mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u)) : _mm512_slli_epi32(h, 16);       \
-      Q512_ENCODE_MAG_SR(mag, y, RM, RB, (1u << (RBITS)) - 2u, rnd, GATE);                                          \
-      mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), mag,                 \
-                                  _mm512_set1_epi32(1));                                                            \
-      code = _mm512_mask_mov_epi32(mag, bad, _mm512_set1_epi32((1 << (RBITS)) - 1));                                \
-      _mm_storeu_si128((__m128i *)(rc + i), _mm512_cvtepi32_epi8(code));                                            \
-    }                                                                                                               \
-    return i;                                                                                                       \
+/* Both codes of the 16 elements at j (the body of Q512_ENCODE_FN), sqrt(v) with the random bits
+ * rnd. */
+#define Q512_ENCODE16(j, rnd, MMAG, MM, MB, RBITS, RM, RB, GATE)                                                    \
+  do {                                                                                                              \
+    /* m: to nearest. y is not finite exactly where x is not (|x| is at most the block's finite                   \
+     * maximum, and inv at most max_value over it, or 0), so one compare on y finds the lanes that                 \
+     * take the NaN code; what the encoder makes of them before is overwritten */ \
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(m + (j)));                                                \
+    __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff))), vim);         \
+    __mmask16 bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                        \
+    __m512i mag;                                                                                                    \
+    Q512_ENCODE_MAG(mag, y, MM, MB, (1u << (MMAG)) - 1u, GATE);                                                     \
+    /* the sign bit over a magnitude above 0 (x's sign bit shifted down to bit MAG, with the                      \
+     * exponent bits below it masked off), 0 for a magnitude of 0 */ \
+    __m512i code =                                                                                                  \
+        _mm512_maskz_ternarylogic_epi32(_mm512_test_epi32_mask(mag, mag), _mm512_srli_epi32(u, 31 - (MMAG)), mag,   \
+                                        _mm512_set1_epi32(1 << (MMAG)), 0xec); /* (a & c) | b */                    \
+    code = _mm512_mask_mov_epi32(code, bad, _mm512_set1_epi32(1 << (MMAG)));                                        \
+    _mm_storeu_si128((__m128i *)(mc + (j)), _mm512_cvtepi32_epi8(code));                                            \
+    /* sqrt(v): stochastically, with a positive value kept off code 0 (x > 0 as a float compare:                  \
+     * false for NaN and -0, true for +inf, which is overwritten) */ \
+    const __m512 x = _mm512_loadu_ps(r + (j));                                                                      \
+    y = _mm512_mul_ps(x, vir);                                                                                      \
+    bad = _mm512_cmp_ps_mask(y, inf, _CMP_NLT_UQ);                                                                  \
+    Q512_ENCODE_MAG_SR(mag, y, RM, RB, (1u << (RBITS)) - 2u, (rnd), GATE);                                          \
+    mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), mag,                   \
+                                _mm512_set1_epi32(1));                                                              \
+    code = _mm512_mask_mov_epi32(mag, bad, _mm512_set1_epi32((1 << (RBITS)) - 1));                                  \
+    _mm_storeu_si128((__m128i *)(rc + (j)), _mm512_cvtepi32_epi8(code));                                            \
+  } while (0)
+
+/* llmmem_sr_code_bits of the 32 elements from index idx (a multiple of 32): one hash of 16 lanes,
+ * its low halves for the first 16 elements, its high halves for the next 16 */
+#define Q512_CODE_HASH(idx) \
+  q512_mix(_mm512_xor_si512(_mm512_or_si512(_mm512_set1_epi32((int)(((idx) >> 5) << 4)), iota), vkey))
+#define Q512_LOW_BITS(h)  _mm512_slli_epi32((h), 16)
+#define Q512_HIGH_BITS(h) _mm512_and_si512((h), _mm512_set1_epi32((int)0xffff0000u))
+
+/* The vector part of the fused encode of a quantized block: elements [0, n & ~15); returns how
+ * many. first is a multiple of 32 (a block's start; blocks are at least 32 elements). 32 elements
+ * a turn, so that one hash serves both halves without a branch (encode: 3% less time than a
+ * hash every other turn of 16). */
+#define Q512_ENCODE_FN(NAME, MMAG, MM, MB, RBITS, RM, RB, GATE)                                                \
+  static inline __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) int64_t NAME(                   \
+      const float *restrict m, const float *restrict r, float inv_m, float inv_r, uint8_t *restrict mc,        \
+      uint8_t *restrict rc, int64_t n, uint32_t key, uint32_t first) {                                         \
+    const __m512 vim = _mm512_set1_ps(inv_m), vir = _mm512_set1_ps(inv_r);                                     \
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);              \
+    const __m512i vkey = _mm512_set1_epi32((int)key);                                                          \
+    const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000));                                     \
+    int64_t i = 0;                                                                                             \
+    for (; i + 32 <= n; i += 32) {                                                                             \
+      const __m512i h = Q512_CODE_HASH(first + (uint32_t)i);                                                   \
+      Q512_ENCODE16(i, Q512_LOW_BITS(h), MMAG, MM, MB, RBITS, RM, RB, GATE);                                   \
+      Q512_ENCODE16(i + 16, Q512_HIGH_BITS(h), MMAG, MM, MB, RBITS, RM, RB, GATE);                             \
+    }                                                                                                          \
+    if (i + 16 <= n) {                                                                                         \
+      Q512_ENCODE16(i, Q512_LOW_BITS(Q512_CODE_HASH(first + (uint32_t)i)), MMAG, MM, MB, RBITS, RM, RB, GATE); \
+      i += 16;                                                                                                 \
+    }                                                                                                          \
+    return i;                                                                                                  \
   }
 
 Q512_UPDATE_FN(q512_update_q8, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B, 8, LLMMEM_Q_R8_M, LLMMEM_Q_R8_B)
