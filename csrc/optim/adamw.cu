@@ -94,6 +94,11 @@ __device__ uint32_t random_bits(const TensorArg &a, uint32_t stream, int64_t i) 
   return llmmem_sr_mix((uint32_t)i ^ key);
 }
 
+/* The random bits that round sqrt(v) of element i into a code (llmmem_sr_code_bits). */
+__device__ uint32_t code_bits(const TensorArg &a, int64_t i) {
+  return llmmem_sr_code_bits((uint32_t)i, key_of(a, LLMMEM_SR_MOMENTS, i, a.key_moments));
+}
+
 __device__ void store_weight(const TensorArg &a, int stochastic, int64_t i, float w) {
   if (a.master) {
     a.master[i] = w;
@@ -236,8 +241,7 @@ __global__ void __launch_bounds__(kThreads) step_quantized(const __grid_constant
         const int64_t i = qb + (int64_t)k * group + threadIdx.x % group;
         uint32_t cm = llmmem_q_encode_signed(mv[k], inv_m, MMag, MM, MB);
         uint32_t cr = 0;
-        if (live && i < hi)
-          cr = llmmem_q_encode_unsigned_sr(rv[k], inv_r, Bits, RM, RB, random_bits(a, LLMMEM_SR_MOMENTS, i));
+        if (live && i < hi) cr = llmmem_q_encode_unsigned_sr(rv[k], inv_r, Bits, RM, RB, code_bits(a, i));
         if (Bits == 8) {
           if (live && i < hi) {
             static_cast<uint8_t *>(a.m)[i] = (uint8_t)cm;

@@ -136,7 +136,8 @@ LOOP_UPDATE_Q(update_q8, LLMMEM_Q_M8_MAG, LLMMEM_Q_M8_M, LLMMEM_Q_M8_B, 8, LLMME
 LOOP_UPDATE_Q(update_q4, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B, 4, LLMMEM_Q_R4_M, LLMMEM_Q_R4_B)
 
 /* Both moments' codes: m to nearest, sqrt(v) stochastically, element k with the bits of index
- * first + k (one code a byte; 4-bit codes are packed after). */
+ * first + k (llmmem_sr_code_bits; first is a multiple of 32); one code a byte, 4-bit codes are
+ * packed after. */
 #define LOOP_ENCODE_Q(NAME, MMAG, MM, MB, RBITS, RM, RB)                                                              \
   LOOP_TARGET static void LOOP_NAME(NAME)(const float *restrict m, const float *restrict r, float inv_m, float inv_r, \
                                           uint8_t *restrict mc, uint8_t *restrict rc, int64_t n, uint32_t key,        \
@@ -146,7 +147,7 @@ LOOP_UPDATE_Q(update_q4, LLMMEM_Q_M4_MAG, LLMMEM_Q_M4_M, LLMMEM_Q_M4_B, 4, LLMME
     for (; i < n; i++) {                                                                                              \
       mc[i] = (uint8_t)llmmem_q_encode_signed(m[i], inv_m, MMAG, MM, MB);                                             \
       rc[i] = (uint8_t)llmmem_q_encode_unsigned_sr(r[i], inv_r, RBITS, RM, RB,                                        \
-                                                   llmmem_sr_mix((first + (uint32_t)i) ^ key));                       \
+                                                   llmmem_sr_code_bits(first + (uint32_t)i, key));                    \
     }                                                                                                                 \
   }
 

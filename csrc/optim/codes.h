@@ -76,8 +76,9 @@ LLMMEM_HD uint32_t llmmem_q_encode_mag(float y, int M, int B, uint32_t max_mag) 
 }
 
 /* The same code rounded stochastically: up with probability (the distance from the code below) /
- * (the step to the code above), using the 32 random bits `rnd`. Unbiased, so a running average
- * stored in a few bits still moves by amounts below half a step (see optim.h). */
+ * (the step to the code above), using the random bits `rnd` from the top down (the step passes
+ * 16, llmmem_sr_code_bits). Unbiased, so a running average stored in a few bits still moves by
+ * amounts below half a step (see optim.h). */
 LLMMEM_HD uint32_t llmmem_q_encode_mag_sr(float y, int M, int B, uint32_t max_mag, uint32_t rnd) {
   /* subnormal range: the code is floor(y in units of 2^(1-B-M) + a uniform [0, 1)); the sum is
    * below 2^(M+1), so float holds it to 2^-18 of a unit: exact for the 24 random bits' purpose */

@@ -30,7 +30,7 @@ int _llmmem_optim_code_bits(int32_t code);
 /* quantize.c: elements [0, n) of one block (n <= block size), read from x (fp32), quantized into
  * `codes` starting at element `first` of the tensor (even for 4-bit codes) and its scale in
  * *scale; the plain form the reference uses. `key` NULL: to nearest; else (R codes only) rounded
- * stochastically, element i with the bits llmmem_sr_mix((uint32_t)i ^ *key). */
+ * stochastically, element i with the bits llmmem_sr_code_bits((uint32_t)i, *key). */
 void _llmmem_optim_quantize_block_ref(const float *x, int64_t n, int32_t code, void *codes, int64_t first,
                                       float *scale, const uint32_t *key);
 /* quantize.c: the value of element `i` of a quantized tensor whose block scale is `scale`. */

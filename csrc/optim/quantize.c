@@ -73,7 +73,7 @@ void _llmmem_optim_quantize_block_ref(const float *x, int64_t n, int32_t code, v
   const int bits = _llmmem_optim_code_bits(code);
   for (int64_t i = 0; i < n; i++) {
     const uint32_t c =
-        key ? encode_sr(code, x[i], inv, llmmem_sr_mix((uint32_t)(first + i) ^ *key)) : encode(code, x[i], inv);
+        key ? encode_sr(code, x[i], inv, llmmem_sr_code_bits((uint32_t)(first + i), *key)) : encode(code, x[i], inv);
     set_code(codes, first + i, bits, c);
   }
 }

@@ -187,6 +187,21 @@ def random_bits(seed: int, step: float, stream: int, numel: int, device) -> torc
     return out
 
 
+def code_random_bits(seed: int, step: float, numel: int, device) -> torch.Tensor:
+    """The random bits that round sqrt(v) of every element into a code (stream 1):
+    csrc/optim/adamw_math.h's llmmem_sr_code_bits, one hash for two elements (16 bits each, in
+    the top half)."""
+    idx = torch.arange(numel, dtype=torch.int64, device=device)
+    out = torch.empty_like(idx)
+    n_hi = ((numel - 1) >> 32) + 1 if numel else 0
+    for hi in range(n_hi):
+        lo_i, hi_i = hi << 32, min(numel, (hi + 1) << 32)
+        low = idx[lo_i:hi_i] & _M32
+        h = mix((((low >> 5) << 4) | (low & 15)) ^ sr_key(seed, step, 1, hi))
+        out[lo_i:hi_i] = torch.where((low & 16) != 0, h & 0xFFFF0000, (h << 16) & _M32)
+    return out
+
+
 def bf16_stochastic(x: torch.Tensor, rnd: torch.Tensor) -> torch.Tensor:
     u = _bits(x)
     r = (u + (rnd & 0xFFFF)) >> 16
@@ -314,7 +329,7 @@ def adamw_step(tensor: dict, fmt: Format, cfg: dict) -> None:
         cm, cr = fmt.codes()
         mcodes, ms = quantize_blocks(m, cm, fmt.block)
         # sqrt(v) rounded stochastically, with the moments' stream (csrc/optim/codes.h says why)
-        rcodes, rs = quantize_blocks(r, cr, fmt.block, random_bits(seed, step, 1, n, w.device))
+        rcodes, rs = quantize_blocks(r, cr, fmt.block, code_random_bits(seed, step, n, w.device))
         tensor["exp_avg_scale"].copy_(ms)
         tensor["exp_avg_sq_scale"].copy_(rs)
         if fmt.dtype == "int4":
