@@ -46,14 +46,16 @@
  * 2^(B-127) exactly: e > 0 gives (1 + f/2^M) * 2^(e-127), and e = 0 an fp32 subnormal
  * f * 2^(-126-M), which holds f exactly. Times K = scale * 2^(127-B) (exact: a power of two
  * times scale) that is value * scale rounded once: llmmem_q_decode_mag(c, M, B) * scale, the
- * reference's product (its decode is exact too). So it equals the reference when K is finite and
- * the subnormal inputs are read as they are (MXCSR's DAZ bit clear); the update checks both once
- * a block (q512_mul_decode_ok) and otherwise decodes as above. 6 and 5 operations fewer a moment
+ * reference's product (its decode is exact too). So it equals the reference when K is finite, the
+ * subnormal inputs are read as they are (MXCSR's DAZ bit clear) and products round to nearest
+ * (MXCSR's rounding control 0: under a directed mode an overflowing K becomes FLT_MAX, and a
+ * negative product rounds the other way from the reference's positive one); the update checks
+ * these once a block (q512_mul_decode_ok) and otherwise decodes as above. 6 and 5 operations fewer a moment
  * than the blend of two paths (8-bit step: see the commit for the times). */
 static inline __attribute__((target("avx512f"))) int q512_mul_decode_ok(float km, float kr) {
   /* +0 or positive finite (on the bits): a negative K would put the sign in the product, which the
-   * reference ORs in after it */
-  return llmmem_q_bits(km) < 0x7f800000u && llmmem_q_bits(kr) < 0x7f800000u && !(_mm_getcsr() & 0x40u);
+   * reference ORs in after it; DAZ (0x40) and a rounding mode other than nearest (0x6000) clear */
+  return llmmem_q_bits(km) < 0x7f800000u && llmmem_q_bits(kr) < 0x7f800000u && !(_mm_getcsr() & 0x6040u);
 }
 
 /* The bits of a signed code (sign above a MAG-bit magnitude) as the float whose magnitude times K

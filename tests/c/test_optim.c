@@ -400,6 +400,10 @@ static void test_step_matches_ref(void) {
     for (int32_t state = 0; state < LLMMEM_OPTIM_STATE_COUNT_; state++)
       for (size_t d = 0; d < N_DTYPES; d += 2)
         CHECK(vector_equals_ref(sizes, 2, &DTYPES[d], base_cfg(state), 2, 2, 3, 0, &rng));
+    /* and just before: sqrt(1 - 0.999^t) a little below 1.0f, where the division must stay */
+    first_step = 10000.0f;
+    for (int32_t state = LLMMEM_OPTIM_STATE_Q8; state <= LLMMEM_OPTIM_STATE_Q4; state++)
+      CHECK(vector_equals_ref(sizes, 2, &DTYPES[0], base_cfg(state), 2, 2, 3, 0, &rng));
     first_step = 0.0f;
 #if defined(__x86_64__) || defined(__i386__)
     /* MXCSR's DAZ bit (torch.set_flush_denormal(True) sets it): the vector decode reads codes as
@@ -409,6 +413,17 @@ static void test_step_matches_ref(void) {
     for (int32_t state = LLMMEM_OPTIM_STATE_Q8; state <= LLMMEM_OPTIM_STATE_Q4; state++)
       CHECK(vector_equals_ref(sizes, 2, &DTYPES[0], base_cfg(state), 2, 1, 3, 0, &rng));
     __builtin_ia32_ldmxcsr(csr);
+    /* MXCSR's rounding control away from nearest (fesetround; 0x2000 down, 0x4000 up, 0x6000 toward
+     * zero): K = scale * 2^(127-B) no longer overflows to inf, and a negative product rounds the
+     * other way from the reference's positive one */
+    static const unsigned rc[3] = {0x2000u, 0x4000u, 0x6000u};
+    for (int k = 0; k < 3; k++) {
+      __builtin_ia32_ldmxcsr((csr & ~0x6000u) | rc[k]);
+      for (int32_t state = LLMMEM_OPTIM_STATE_Q8; state <= LLMMEM_OPTIM_STATE_Q4; state++)
+        for (int specials = 0; specials <= 2; specials += 2)
+          CHECK(vector_equals_ref(sizes, 2, &DTYPES[0], base_cfg(state), 2, 1, 3, specials, &rng));
+      __builtin_ia32_ldmxcsr(csr);
+    }
 #endif
   }
   TEST("step: the fp32 format is torch's single-tensor AdamW, operation for operation") {
