@@ -111,7 +111,7 @@ def compile_bodies(fns, options: dict) -> dict:
 def compiled_saved_bytes(body, block, call: BlockCall) -> int:
     """Bytes the compiled ``body`` keeps for backward on ``call``, beyond the block's input and
     output, its parameters and buffers and the call's other tensors: the store-all mode's kept
-    bytes of a compiled block (compiling it, the first time). Runs one forward and backward."""
+    bytes of a compiled block. Runs two forwards and backwards: the first compiles, the second is measured."""
     exclude = list(block.parameters()) + list(block.buffers()) if isinstance(block, torch.nn.Module) else []
     exclude += call.other_tensors()
     # compiled first, outside the meter: tracing runs a selective policy on fake tensors, which the
