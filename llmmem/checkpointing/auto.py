@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-import types
 
 import torch
 import torch.nn as nn
@@ -15,7 +14,13 @@ import torch.nn as nn
 from llmmem.checkpointing.blocks import as_block_list
 from llmmem.checkpointing.compiled import COMPILED_MODES, compile_bodies, compile_options
 from llmmem.checkpointing.core import checkpoint
-from llmmem.checkpointing.inplace import RUNNER_OPTIONS, ChainRunner, checkpointing_flags_off, restore_flags
+from llmmem.checkpointing.inplace import (
+    RUNNER_OPTIONS,
+    ChainRunner,
+    checkpointing_flags_off,
+    own_forward,
+    restore_flags,
+)
 from llmmem.checkpointing.modes import run_mode
 from llmmem.checkpointing.offload import offload_without_prefetch
 from llmmem.checkpointing.outputs import OutputWatch
@@ -456,7 +461,7 @@ def auto_checkpoint(
     try:
         if profile is None:
             if compiling is not None:
-                own = [b.__dict__.get("forward") or types.MethodType(type(b).forward, b) for b in block_list]
+                own = [own_forward(b) for b in block_list]
                 extra = {"modes": COMPILED_MODES, "compiled": compile_bodies(own, compiling)}
             profile = profile_model(
                 model, block_list, sample, repeats=repeats, warmup=1 if repeats else 0, stack_starts=starts, **extra

@@ -39,7 +39,6 @@ from llmmem.checkpointing.timing import sync
 __all__ = [
     "BETWEEN_GRAPHS",
     "COMPILED_MODES",
-    "between_graphs",
     "disable_between_graphs",
     "compile_bodies",
     "compile_options",
@@ -193,12 +192,3 @@ def disable_between_graphs(fn):
         return torch.compiler.disable(fn, reason=BETWEEN_GRAPHS)
     except TypeError:  # torch < 2.8: no reason=
         return torch.compiler.disable(fn)
-
-
-def _runner_call(runner, j: int, args: tuple, kwargs: dict):
-    """A planned block's call as the eager plan runs it, from code that Dynamo traces: the graph
-    breaks here, and the runner calls the block compiled by the plan."""
-    return runner.call(j, args, kwargs)
-
-
-between_graphs = disable_between_graphs(_runner_call)

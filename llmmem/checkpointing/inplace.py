@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from llmmem.checkpointing import compile_notes
 from llmmem.checkpointing.calls import find_hidden, hidden_of, without_cache
-from llmmem.checkpointing.compiled import between_graphs, compile_bodies, disable_between_graphs
+from llmmem.checkpointing.compiled import compile_bodies, disable_between_graphs
 from llmmem.checkpointing.core import checkpoint
 from llmmem.checkpointing.errors import CheckpointError
 from llmmem.checkpointing.modes import run_call
@@ -54,7 +54,7 @@ from llmmem.checkpointing.selective import selective_context_fn
 from llmmem.errors import user_stacklevel
 from llmmem.units import format_bytes
 
-__all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "restore_flags"]
+__all__ = ["ChainRunner", "RUNNER_OPTIONS", "checkpointing_flags_off", "own_forward", "restore_flags"]
 
 # llmmem.checkpoint options a plan on a whole model can take
 RUNNER_OPTIONS = ("preserve_rng_state", "determinism_check", "early_stop")
@@ -325,6 +325,13 @@ def _planned_forward(self, *args, **kwargs):
     return runner.call(index, args, kwargs)
 
 
+def own_forward(block):
+    """The forward a block runs without a plan: its instance-level one if it has one, else its
+    class's, bound to it."""
+    own = block.__dict__.get("forward")
+    return own if own is not None else types.MethodType(type(block).forward, block)
+
+
 def _planned_forward_between_graphs(self, *args, **kwargs):
     """The instance-level ``forward`` of a block of a plan that compiles its blocks: where Dynamo
     traces the model, its graph breaks at the block's call (once per block, with no guard on which
@@ -473,8 +480,7 @@ class ChainRunner:
         if self._saved_flags is None:
             self._saved_flags = checkpointing_flags_off(self.blocks)
         for i, block in enumerate(self.blocks):
-            own = block.__dict__.get("forward")
-            self.originals.append(own if own is not None else types.MethodType(type(block).forward, block))
+            self.originals.append(own_forward(block))
             block.__dict__["_llmmem_chain"] = (self, i)
             forward = _planned_forward if self.compile_options is None else _planned_forward_between_graphs
             block.__dict__["forward"] = functools.partial(forward, block)
@@ -632,8 +638,7 @@ class ChainRunner:
 
     def call(self, j: int, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
-            if self.compile_options is not None:
-                return between_graphs(self, j, args, kwargs)
+            # (a plan of compiled blocks never gets here: its blocks' forward is not traced)
             return self._traced_call(j, args, kwargs)
         fn = self.body(j)
         if not torch.is_grad_enabled():

@@ -405,7 +405,7 @@ def profile_model(
     warmup: int = 1,
     runs: Sequence[Callable] | None = None,
     stack_starts: Sequence[int] = (),
-    compiled: Sequence[Callable] | None = None,
+    compiled: dict | None = None,
 ) -> ChainProfile:
     """Profile the chain ``blocks`` of ``model`` as one real step on ``sample`` runs it (see
     :func:`sample_step`): each block called with the arguments the model gave it, and the bytes the
@@ -416,8 +416,9 @@ def profile_model(
     random state and the parameters' ``.grad`` are as before (:func:`kept_state`, also on an error);
     the step's other effects (an optimizer step in a callable ``sample``) happen once.
 
-    ``compiled``: the blocks' forwards as a plan compiles them (:mod:`llmmem.checkpointing.compiled`);
-    the store-all mode's kept bytes are then measured on them.
+    ``compiled``: the blocks' forwards as a plan compiles them, per mode
+    (:func:`llmmem.checkpointing.compiled.compile_bodies`); those modes' kept bytes (and, timed,
+    their seconds) are then measured on them (:func:`~llmmem.checkpointing.compiled.use_compiled_costs`).
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     step = sample_step(model, sample)
